@@ -1,0 +1,36 @@
+"""ooc: out-of-core training of PyTorch models. Wrap a model; keep your training loop.
+
+    model = ooc.wrap(model, budget="20GiB", sample=batch)
+    loss = model(x).loss; loss.backward(); opt.step()
+"""
+
+from __future__ import annotations
+
+from ooc.api import plan, wrap
+from ooc.errors import BlockError, BudgetError, OocError, PlanError, ProfileError, WrapError
+from ooc.profiler import profile
+from ooc.runtime import is_wrapped, memory_report, unwrap
+from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
+from ooc.tracker import MemoryReport
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BlockError",
+    "BlockPlan",
+    "BudgetError",
+    "Codec",
+    "MemoryReport",
+    "OocError",
+    "Plan",
+    "PlanError",
+    "Policy",
+    "ProfileError",
+    "WrapError",
+    "is_wrapped",
+    "memory_report",
+    "plan",
+    "profile",
+    "unwrap",
+    "wrap",
+]

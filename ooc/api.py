@@ -1,0 +1,113 @@
+"""The public entry points: ``wrap``, ``plan``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch.nn as nn
+
+from ooc.backend import Backend, resolve_backend
+from ooc.blocks import find_blocks
+from ooc.errors import BudgetError, WrapError
+from ooc.profiler import profile as measure_profile
+from ooc.runtime import _check_trainable, install
+from ooc.scheduler.hardware import Hardware, preset
+from ooc.scheduler.plan import Plan, Policy
+from ooc.scheduler.planners import PLANNERS, InfeasibleBudget, annotate
+from ooc.scheduler.profile import Profile
+from ooc.scheduler.units import parse_bytes
+
+DEFAULT_PLANNER = "greedy"
+
+
+def _hardware_for(hardware: Hardware | str | None, backend: Backend) -> Hardware:
+    if isinstance(hardware, Hardware):
+        return hardware
+    if isinstance(hardware, str):
+        return preset(hardware)
+    return preset("cpu" if backend.device.type == "cpu" else "h100-sxm")
+
+
+def plan_for_profile(
+    prof: Profile,
+    budget: int | str,
+    *,
+    hardware: Hardware,
+    planner: str = DEFAULT_PLANNER,
+    prefetch: int = 2,
+) -> Plan:
+    """Run a named planner on a profile; raise :class:`ooc.BudgetError` if nothing fits."""
+    budget_bytes = parse_bytes(budget)
+    try:
+        choose = PLANNERS[planner]
+    except KeyError:
+        raise ValueError(f"no planner {planner!r}; choose one of {sorted(PLANNERS)}") from None
+    try:
+        chosen = choose(prof, hardware, budget_bytes, prefetch=prefetch)
+    except InfeasibleBudget as exc:
+        raise BudgetError(budget_bytes, exc.minimum_bytes) from None
+    return annotate(chosen, prof)
+
+
+def plan(
+    model: nn.Module,
+    sample: Any,
+    *,
+    budget: int | str,
+    hardware: Hardware | str | None = None,
+    planner: str = DEFAULT_PLANNER,
+    blocks: object = None,
+    backend: str | Backend = "auto",
+    prefetch: int = 2,
+) -> Plan:
+    """Profile ``model`` on ``sample`` and choose a plan whose predicted peak of saved activations
+    on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``)."""
+    backend_obj = resolve_backend(backend, model)
+    prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
+    return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch)
+
+
+def wrap(
+    model: nn.Module,
+    plan: Plan | None = None,
+    *,
+    budget: int | str | None = None,
+    sample: Any = None,
+    blocks: object = None,
+    backend: str | Backend = "auto",
+    prefetch: int = 2,
+    hardware: Hardware | str | None = None,
+    planner: str = DEFAULT_PLANNER,
+) -> nn.Module:
+    """Install ooc's runtime on ``model`` and return it; the training loop stays as it is.
+
+    - ``plan``: one :class:`~ooc.scheduler.Plan` decision per block; it always wins over ``budget``.
+    - ``budget`` (+ ``sample``, one input batch): profile the blocks on ``sample`` and plan so the
+      predicted peak of device-resident saved activations stays within ``budget``.
+    - Neither: every block keeps its activations (the runtime only measures).
+    - ``blocks``: the chain (a list of submodules or a ModuleList/Sequential); found if omitted.
+    - ``backend``: ``"auto"`` (CUDA if the model is there), ``"cpu"``, ``"chaos"``, ``"cuda"`` or a
+      :class:`~ooc.backend.Backend`.
+
+    Every check runs before anything is installed: after an error the model is unchanged.
+    """
+    _check_trainable(model)
+    chain = find_blocks(model, blocks)
+    backend_obj = resolve_backend(backend, model)
+    if plan is None:
+        if budget is not None:
+            if sample is None:
+                raise WrapError(
+                    "wrap(model, budget=...) needs sample=<one input batch> to profile the blocks "
+                    "(or pass plan=ooc.plan(model, sample, budget=...))"
+                )
+            plan = globals()["plan"](
+                model, sample, budget=budget, hardware=hardware, planner=planner,
+                blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch,
+            )
+        else:
+            plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
+    elif not isinstance(plan, Plan):
+        raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
+    install(model, chain, plan, backend_obj)
+    return model

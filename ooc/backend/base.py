@@ -1,0 +1,62 @@
+"""The device interface the runtime is written against: a compute stream, two copy engines (D2H and
+H2D), events, and host buffers. ``cuda`` runs it on streams; ``cpu`` on copy-engine threads."""
+
+from __future__ import annotations
+
+import abc
+from typing import Protocol
+
+import torch
+
+
+class Event(Protocol):
+    """Marks a point in a stream's work; complete when everything before it is done."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class Backend(abc.ABC):
+    """Where saved tensors live and how they move.
+
+    ``copy_d2h`` / ``copy_h2d`` issue a copy on the matching copy engine that starts only after every
+    event in ``after`` is complete, and return an event that completes with the copy. Copies on one
+    engine run in issue order, like a CUDA stream.
+    """
+
+    name: str
+    device: torch.device
+
+    @abc.abstractmethod
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A fresh ``uint8`` host buffer of ``nbytes`` (pinned where that exists)."""
+
+    @abc.abstractmethod
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """A fresh ``uint8`` device buffer of ``nbytes``, allocated in compute-stream order."""
+
+    @abc.abstractmethod
+    def record_compute(self) -> Event:
+        """An event at the current point of the compute stream."""
+
+    @abc.abstractmethod
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event: ...
+
+    @abc.abstractmethod
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event: ...
+
+    @abc.abstractmethod
+    def wait_compute(self, event: Event) -> None:
+        """Make the compute stream wait for ``event`` (the host returns at once on CUDA)."""
+
+    @abc.abstractmethod
+    def synchronize(self) -> None:
+        """Wait for every copy issued so far (used at shutdown and in tests)."""
+
+    def close(self) -> None:  # noqa: B027 - optional: only backends with threads override it
+        """Stop worker threads, if any."""
+
+    def max_memory_allocated(self) -> int | None:
+        """The allocator's own peak where there is one (CUDA), else ``None``."""
+        return None

@@ -1,0 +1,168 @@
+"""The CPU backend: "device" tensors are CPU tensors, and each copy engine is a worker thread that
+runs copies in issue order, like a CUDA stream. Its chaos mode delays copies and event completions
+at random and poisons destinations first, so a missing wait shows up as NaNs or wrong values."""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from ooc.backend.base import Backend, Event
+
+
+@dataclass(frozen=True)
+class ChaosConfig:
+    """Random delays for the CPU backend's copies and events.
+
+    ``max_delay_s``: each copy sleeps up to this long before it starts and again half-way through;
+    each compute event completes up to this long late. ``seed`` makes the delays reproducible.
+    """
+
+    seed: int = 0
+    max_delay_s: float = 0.002
+
+    def __post_init__(self) -> None:
+        if self.max_delay_s < 0:
+            raise ValueError(f"max_delay_s must be >= 0, got {self.max_delay_s}")
+
+
+class CpuEvent:
+    __slots__ = ("_done",)
+
+    def __init__(self, done: bool = False) -> None:
+        self._done = threading.Event()
+        if done:
+            self._done.set()
+
+    def set(self) -> None:
+        self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+
+
+class _CopyEngine:
+    """One worker thread running jobs in FIFO order."""
+
+    def __init__(self, name: str) -> None:
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+        self.error: BaseException | None = None
+
+    def submit(self, job: Callable[[], None]) -> None:
+        if self.error is not None:
+            raise RuntimeError(f"ooc copy engine {self._thread.name} failed earlier") from self.error
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                job()
+            except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the next submit
+                self.error = exc
+
+    def close(self) -> None:
+        self._jobs.put(None)
+        self._thread.join(timeout=5)
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, *, chaos: ChaosConfig | None = None) -> None:
+        self.device = torch.device("cpu")
+        self.chaos = chaos
+        self._rng = random.Random(chaos.seed) if chaos else None
+        self._rng_lock = threading.Lock()
+        self._d2h = _CopyEngine("ooc-d2h")
+        self._h2d = _CopyEngine("ooc-h2d")
+        self._last: list[CpuEvent] = []
+
+    def __repr__(self) -> str:
+        return f"CpuBackend(chaos={self.chaos})"
+
+    def _delay(self) -> float:
+        if self._rng is None:
+            return 0.0
+        with self._rng_lock:
+            return self._rng.uniform(0.0, self.chaos.max_delay_s)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8)
+
+    def record_compute(self) -> Event:
+        # Compute on the CPU has already happened when the host gets here; chaos mode still
+        # completes the event late, as a GPU that runs behind the host would.
+        delay = self._delay()
+        if delay == 0.0:
+            return CpuEvent(done=True)
+        event = CpuEvent()
+        timer = threading.Timer(delay, event.set)
+        timer.daemon = True
+        timer.start()
+        return event
+
+    def _copy(self, engine: _CopyEngine, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
+        if dst.numel() != src.numel() or dst.dtype != src.dtype:
+            raise ValueError(f"copy of {src.numel()} {src.dtype} into {dst.numel()} {dst.dtype}")
+        done = CpuEvent()
+        delays = (self._delay(), self._delay())
+        chaos = self.chaos is not None
+
+        def job() -> None:
+            if chaos:
+                # Poison the destination first: a reader that did not wait sees NaN bytes.
+                dst.fill_(0xFF)
+            for event in after:
+                event.synchronize()
+            if delays[0]:
+                time.sleep(delays[0])
+            if chaos and dst.numel() > 1:
+                half = dst.numel() // 2
+                dst[:half].copy_(src[:half])
+                time.sleep(delays[1])
+                dst[half:].copy_(src[half:])
+            else:
+                dst.copy_(src)
+            done.set()
+
+        engine.submit(job)
+        self._last.append(done)
+        if len(self._last) > 64:
+            self._last = [e for e in self._last if not e.query()]
+        return done
+
+    def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
+        return self._copy(self._d2h, dst, src, after)
+
+    def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
+        return self._copy(self._h2d, dst, src, after)
+
+    def wait_compute(self, event: Event) -> None:
+        # The CPU "compute stream" is the host thread itself, so it blocks.
+        event.synchronize()
+
+    def synchronize(self) -> None:
+        for event in list(self._last):
+            event.synchronize()
+        self._last.clear()
+
+    def close(self) -> None:
+        self._d2h.close()
+        self._h2d.close()

@@ -1,0 +1,36 @@
+"""Exceptions a user of ooc can catch; each message says what to do."""
+
+from __future__ import annotations
+
+from ooc.scheduler.plan import PlanError
+from ooc.scheduler.profile import ProfileError
+from ooc.scheduler.units import format_bytes
+
+
+class OocError(Exception):
+    """Base class of ooc's own errors."""
+
+
+class WrapError(OocError, ValueError):
+    """The model cannot be wrapped as asked (already wrapped, nothing to train, ...)."""
+
+
+class BlockError(OocError, ValueError):
+    """No chain of blocks could be found or the given blocks are not usable."""
+
+
+class BudgetError(OocError, ValueError):
+    """No plan fits the device-memory budget."""
+
+    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "") -> None:
+        self.budget_bytes = budget_bytes
+        self.minimum_bytes = minimum_bytes
+        super().__init__(
+            f"no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) for saved "
+            f"activations; the smallest peak any plan reaches is {format_bytes(minimum_bytes)} "
+            f"({minimum_bytes} bytes). Raise the budget to at least that, or use a smaller batch or "
+            f"sequence length.{(' ' + detail) if detail else ''}"
+        )
+
+
+__all__ = ["BlockError", "BudgetError", "OocError", "PlanError", "ProfileError", "WrapError"]

@@ -1,0 +1,278 @@
+"""``ooc.wrap``: run a model's blocks under a plan, through forward wrappers and autograd hooks.
+
+NOTE [one step, as the runtime sees it]
+- Block ``i``'s forward runs under the block's pack hook (keep, swap, or the recompute function).
+  Swapped storages start their copy out at once; at the end of the forward the schedule's releases
+  run (the previous block's swapped storages, after their copies).
+- A grad hook on the block's outputs marks the start of the block's backward: the schedule's
+  releases-before-backward and copies-back for that point are issued there.
+- An engine callback closes the step at the end of the backward.
+Every forward that runs the first block with grad enabled opens a new ``_Pass``; hooks hold their
+pass, so two graphs alive at once (gradient accumulation over two forwards) do not mix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
+from torch.utils._pytree import tree_leaves
+
+from ooc import nvtx
+from ooc.backend import Backend, resolve_backend
+from ooc.blocks import Chain, find_blocks
+from ooc.errors import WrapError
+from ooc.pool import HostPool
+from ooc.recompute import run_recomputed
+from ooc.saved import SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.scheduler.plan import Plan, PlanError, Policy
+from ooc.scheduler.schedule import Schedule, build_schedule
+from ooc.tracker import MemoryReport, MemoryTracker
+
+_RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
+
+
+class _NoTimer:
+    @contextlib.contextmanager
+    def __call__(self, block: int, what: str) -> Iterator[None]:
+        yield
+
+
+class _Pass:
+    """One forward and its backward through the chain."""
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self.rt = runtime
+        n = len(runtime.chain)
+        self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
+        self.last_forward = -1
+        self.backward_started = False
+        self.bwd_range: nvtx.Range | None = None
+        self.skip_ptrs = runtime.state_storage_ptrs()
+
+    def pack_hook(self, block: int, *, swap: bool, what: str) -> Callable[[torch.Tensor], object]:
+        rt = self.rt
+        on_swapped = self.swapped[block].append
+        return make_pack_hook(
+            block=block,
+            swap=swap,
+            what=what,
+            device=rt.backend.device,
+            skip_ptrs=self.skip_ptrs,
+            min_swap_bytes=rt.plan.min_swap_bytes,
+            ctx=rt.swap_ctx,
+            on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
+        )
+
+    def _live(self, block: int) -> list[SwappedStorage]:
+        return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
+
+    def release(self, block: int) -> None:
+        for storage in self._live(block):
+            storage.release()
+
+    def prefetch(self, block: int) -> None:
+        storages = self._live(block)
+        if storages:
+            with nvtx.range(f"ooc/swap_in/{self.rt.chain.names[block]}"):
+                for storage in storages:
+                    storage.prefetch()
+
+    def on_backward_start(self, block: int) -> None:
+        schedule = self.rt.schedule
+        if not self.backward_started:
+            self.backward_started = True
+            # Runs once the whole backward is done, whichever block it ends in.
+            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+            for j in schedule.releases_before_backward:
+                self.release(j)
+        if self.bwd_range is not None:
+            self.bwd_range.end()
+        self.bwd_range = nvtx.start(f"ooc/bwd/{self.rt.chain.names[block]}")
+        for j in schedule.swap_ins_before_backward[block]:
+            self.prefetch(j)
+
+    def on_backward_end(self) -> None:
+        if self.bwd_range is not None:
+            self.bwd_range.end()
+            self.bwd_range = None
+        self.rt.steps += 1
+
+
+class _BlockForward:
+    """Stands in for ``block.forward`` while the model is wrapped."""
+
+    def __init__(self, runtime: "Runtime", index: int, original: Callable[..., Any]) -> None:
+        self.rt = runtime
+        self.index = index
+        self.original = original
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.original(*args, **kwargs)  # nothing is saved without autograd
+        rt, i = self.rt, self.index
+        step = rt.pass_for(i)
+        decision = rt.plan.blocks[i]
+        fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
+        try:
+            if decision.policy is Policy.RECOMPUTE:
+                with saved_tensors_hooks(step.pack_hook(i, swap=decision.swap_input, what="save"), unpack):
+                    out = run_recomputed(
+                        self.original,
+                        rt.chain.modules[i],
+                        args,
+                        kwargs,
+                        anchor=rt.anchor,
+                        device=rt.backend.device,
+                        recompute_hooks=lambda: saved_tensors_hooks(
+                            step.pack_hook(i, swap=False, what="recompute"), unpack
+                        ),
+                        range_name=f"ooc/recompute/{rt.chain.names[i]}",
+                        timer=lambda what: rt.timer(i, what),
+                    )
+            else:
+                pack = step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save")
+                with saved_tensors_hooks(pack, unpack), rt.timer(i, "forward"):
+                    out = self.original(*args, **kwargs)
+            for j in rt.schedule.releases_after_forward[i]:
+                step.release(j)
+        finally:
+            fwd.end()
+        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if outputs:
+            register_multi_grad_hook(outputs, lambda _grad: step.on_backward_start(i), mode="any")
+        return out
+
+
+class Runtime:
+    """Everything ``wrap`` installs on one model."""
+
+    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, backend: Backend) -> None:
+        self.model = model
+        self.chain = chain
+        self.plan = plan
+        self.backend = backend
+        self.schedule: Schedule = build_schedule(plan)
+        self.tracker = MemoryTracker(len(chain))
+        self.pool = HostPool(backend)
+        self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
+        self.anchor = torch.empty(0, requires_grad=True)
+        self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
+        self.steps = 0
+        self._current: _Pass | None = None
+        self._installed: list[tuple[nn.Module, Any]] = []
+
+    def state_storage_ptrs(self) -> frozenset[int]:
+        """Storages of parameters and buffers: model state, never counted or swapped."""
+        tensors = [*self.model.parameters(), *self.model.buffers()]
+        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+
+    def pass_for(self, block: int) -> _Pass:
+        current = self._current
+        if current is None or block <= current.last_forward:
+            current = self._current = _Pass(self)
+            self.tracker.start_step()
+        current.last_forward = block
+        return current
+
+    def install(self) -> None:
+        for i, module in enumerate(self.chain.modules):
+            previous = module.__dict__.get("forward")
+            module.forward = _BlockForward(self, i, module.forward)
+            self._installed.append((module, previous))
+
+    def uninstall(self) -> None:
+        for module, previous in self._installed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+        self._installed.clear()
+        self._current = None
+        self.backend.synchronize()
+
+    def report(self) -> MemoryReport:
+        return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
+
+
+class _Timer:
+    """Times each block's phases (used by the profiler): median-ready lists of seconds."""
+
+    def __init__(self, backend: Backend, num_blocks: int) -> None:
+        self.backend = backend
+        self.seconds: dict[str, list[list[float]]] = {
+            w: [[] for _ in range(num_blocks)] for w in ("forward", "recompute", "backward")
+        }
+        self._cuda = backend.device.type == "cuda"
+
+    @contextlib.contextmanager
+    def __call__(self, block: int, what: str) -> Iterator[None]:
+        if self._cuda:
+            torch.cuda.synchronize(self.backend.device)
+        start = time.perf_counter()
+        yield
+        if self._cuda:
+            torch.cuda.synchronize(self.backend.device)
+        self.seconds[what][block].append(time.perf_counter() - start)
+
+
+def _check_trainable(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
+    if model in _RUNTIMES:
+        raise WrapError("this model is already wrapped by ooc; call ooc.unwrap(model) first to change its plan")
+    if not any(p.requires_grad for p in model.parameters()):
+        raise WrapError(
+            "the model has no parameters that require grad, so there is no backward to plan for; "
+            "ooc is for training (use torch.no_grad() for inference)"
+        )
+
+
+def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend) -> Runtime:
+    if len(plan) != len(chain):
+        raise PlanError(
+            f"the plan has {len(plan)} blocks but the model has {len(chain)} ({chain.names[0]} ... "
+            f"{chain.names[-1]}); make a plan for this model, e.g. Plan.uniform('keep', {len(chain)})"
+        )
+    runtime = Runtime(model, chain, plan, backend)
+    runtime.install()
+    _RUNTIMES[model] = runtime
+    return runtime
+
+
+def runtime_of(model: nn.Module) -> Runtime:
+    try:
+        return _RUNTIMES[model]
+    except (KeyError, TypeError):
+        raise WrapError("this model is not wrapped by ooc; call ooc.wrap(model, ...) first") from None
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """Remove everything :func:`ooc.wrap` installed; the model runs as plain PyTorch again."""
+    runtime = runtime_of(model)
+    runtime.uninstall()
+    del _RUNTIMES[model]
+    return model
+
+
+def memory_report(model: nn.Module) -> MemoryReport:
+    """Device-resident saved-activation bytes of a wrapped model: last step's peak, per block, moved bytes."""
+    return runtime_of(model).report()
+
+
+def is_wrapped(model: nn.Module) -> bool:
+    return model in _RUNTIMES
+
+
+def _resolve_chain(model: nn.Module, blocks: object) -> Chain:
+    return find_blocks(model, blocks)
+
+
+def _resolve_backend(model: nn.Module, backend: str | Backend) -> Backend:
+    return resolve_backend(backend, model)

@@ -1,0 +1,193 @@
+"""What happens to one saved tensor: kept on the device (and counted) or swapped to the host.
+
+NOTE [accounting by storage]
+Autograd often saves several views of one storage (``x`` and ``x.t()``), and several ops save the
+same tensor. Both the tracker and the swap work per *storage*: a block's saved tensors are grouped by
+the storage they view, each storage is counted (and copied) once, and every view is rebuilt on the
+restored storage with its own offset, size and strides, so layouts, and with them the numerics of
+backward, are exactly those of plain PyTorch. Parameters (and views of them) are never counted or
+copied. The profile measures blocks with these same rules, so predictions and measurements agree.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from ooc import nvtx
+
+if TYPE_CHECKING:
+    from ooc.backend.base import Backend, Event
+    from ooc.pool import HostPool
+    from ooc.tracker import MemoryTracker
+
+
+def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """The whole storage under ``tensor`` as a 1-D ``uint8`` tensor (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
+
+
+class Resident:
+    """A storage kept on the device; counted from its creation until autograd lets it go."""
+
+    __slots__ = ("_tracker", "block", "nbytes", "__weakref__")
+
+    def __init__(self, tracker: MemoryTracker, block: int, nbytes: int, what: str) -> None:
+        self._tracker = tracker
+        self.block = block
+        self.nbytes = nbytes
+        tracker.alloc(block, nbytes, what)
+
+    def __del__(self) -> None:
+        self._tracker.free(self.block, self.nbytes)
+
+
+class KeptTensor:
+    __slots__ = ("record", "tensor")
+
+    def __init__(self, record: Resident, tensor: torch.Tensor) -> None:
+        self.record = record
+        self.tensor = tensor
+
+    def unpack(self) -> torch.Tensor:
+        return self.tensor
+
+
+class SwapContext:
+    """What a swapped storage needs to move itself: backend, host pool, tracker, range names."""
+
+    __slots__ = ("backend", "pool", "tracker", "names")
+
+    def __init__(self, backend: Backend, pool: HostPool, tracker: MemoryTracker, names: list[str]) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.tracker = tracker
+        self.names = names
+
+
+class SwappedStorage:
+    """One storage copied to a host buffer during the forward and back before the backward.
+
+    Life cycle, in the order of the schedule's ops: created (copy out issued after a compute event)
+    -> ``release`` (compute waits for the copy, the device memory is dropped) -> ``prefetch`` (a
+    device buffer is allocated, the copy back is issued) -> ``materialize`` (compute waits for it)
+    -> garbage (autograd is done with every view; the host buffer goes back to the pool).
+    """
+
+    __slots__ = ("ctx", "block", "nbytes", "device", "host", "d2h_done", "restored", "h2d_done", "__weakref__")
+
+    def __init__(self, ctx: SwapContext, block: int, device_bytes: torch.Tensor, what: str) -> None:
+        self.ctx = ctx
+        self.block = block
+        self.nbytes = device_bytes.numel()
+        ctx.tracker.alloc(block, self.nbytes, what)
+        self.device: torch.Tensor | None = device_bytes
+        self.restored: torch.Tensor | None = None
+        self.h2d_done: Event | None = None
+        with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"):
+            self.host = ctx.pool.acquire(self.nbytes)
+            # The copy may start only once compute has produced the tensor.
+            produced = ctx.backend.record_compute()
+            self.d2h_done = ctx.backend.copy_d2h(self.host, device_bytes, (produced,))
+        ctx.tracker.swapped_out += self.nbytes
+
+    def release(self) -> None:
+        if self.device is None:
+            return
+        # Compute must not run ahead of the copy out: this bounds the device bytes in flight.
+        self.ctx.backend.wait_compute(self.d2h_done)
+        self.device = None
+        self.ctx.tracker.free(self.block, self.nbytes, "release")
+
+    def prefetch(self) -> None:
+        if self.restored is not None:
+            return
+        self.release()
+        ctx = self.ctx
+        self.restored = ctx.backend.device_buffer(self.nbytes)
+        ctx.tracker.alloc(self.block, self.nbytes, "swap_in")
+        # The copy back waits for the copy out (the host buffer must be full) and for compute to
+        # reach the point where the destination was allocated.
+        allocated = ctx.backend.record_compute()
+        self.h2d_done = ctx.backend.copy_h2d(self.restored, self.host, (self.d2h_done, allocated))
+        ctx.tracker.swapped_in += self.nbytes
+
+    def materialize(self) -> torch.Tensor:
+        self.prefetch()
+        # Backward reads the restored bytes next: compute waits for the copy back.
+        self.ctx.backend.wait_compute(self.h2d_done)
+        return self.restored
+
+    def __del__(self) -> None:
+        if self.device is not None or self.restored is not None:
+            self.ctx.tracker.free(self.block, self.nbytes)
+        # The host buffer may be reused once its last reader (the copy back, else the copy out) ends.
+        self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
+
+
+class SwappedView:
+    __slots__ = ("storage", "dtype", "offset", "size", "stride")
+
+    def __init__(self, storage: SwappedStorage, tensor: torch.Tensor) -> None:
+        self.storage = storage
+        self.dtype = tensor.dtype
+        self.offset = tensor.storage_offset()
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+
+    def unpack(self) -> torch.Tensor:
+        data = self.storage.materialize()
+        return torch.empty(0, dtype=self.dtype, device=data.device).set_(
+            data.untyped_storage(), self.offset, self.size, self.stride
+        )
+
+
+def unpack(packed: object) -> torch.Tensor:
+    if isinstance(packed, torch.Tensor):
+        return packed
+    return packed.unpack()  # type: ignore[attr-defined]
+
+
+def make_pack_hook(
+    *,
+    block: int,
+    swap: bool,
+    what: str,
+    device: torch.device,
+    skip_ptrs: frozenset[int],
+    min_swap_bytes: int,
+    ctx: SwapContext,
+    on_swapped: Callable[[SwappedStorage], None],
+) -> Callable[[torch.Tensor], object]:
+    """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
+
+    ``skip_ptrs``: storages never counted or moved (parameters and buffers).
+    """
+    # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
+    # it, never across a release (the allocator may hand the address to another tensor).
+    ledger: weakref.WeakValueDictionary[int, Resident | SwappedStorage] = weakref.WeakValueDictionary()
+
+    def pack(tensor: torch.Tensor) -> object:
+        if tensor.device != device:
+            return tensor
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        nbytes = storage.nbytes()
+        if nbytes == 0 or ptr in skip_ptrs:
+            return tensor
+        record = ledger.get(ptr)
+        if not swap or nbytes < min_swap_bytes:
+            if record is None:
+                record = Resident(ctx.tracker, block, nbytes, what)
+                ledger[ptr] = record
+            return KeptTensor(record, tensor)
+        if record is None:
+            record = SwappedStorage(ctx, block, storage_bytes(tensor), what)
+            ledger[ptr] = record
+            on_swapped(record)
+        return SwappedView(record, tensor)
+
+    return pack

@@ -1,0 +1,89 @@
+"""Counts the device bytes the plan keeps: saved activations per block, with the peak.
+
+PyTorch's CUDA memory statistics are zero on CPU builds, and on GPUs they mix in everything else the
+allocator holds; this tracker counts exactly what the performance model predicts, on any backend.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class MemoryReport:
+    """Device-resident saved-activation bytes over the last step (``peak_bytes``) and since wrap."""
+
+    current_bytes: int
+    peak_bytes: int
+    max_peak_bytes: int
+    block_peak_bytes: tuple[int, ...]
+    swapped_out_bytes: int
+    swapped_in_bytes: int
+    host_pool_bytes: int
+    cuda_max_allocated: int | None
+
+    def __str__(self) -> str:
+        from ooc.scheduler.units import format_bytes
+
+        cuda = "" if self.cuda_max_allocated is None else f", cuda max allocated {format_bytes(self.cuda_max_allocated)}"
+        return (
+            f"peak {format_bytes(self.peak_bytes)} of saved activations on device "
+            f"(now {format_bytes(self.current_bytes)}); moved out {format_bytes(self.swapped_out_bytes)}, "
+            f"in {format_bytes(self.swapped_in_bytes)}; host pool {format_bytes(self.host_pool_bytes)}{cuda}"
+        )
+
+
+class MemoryTracker:
+    def __init__(self, num_blocks: int) -> None:
+        self._lock = threading.Lock()
+        self._block = [0] * num_blocks
+        self._block_peak = [0] * num_blocks
+        self.current = 0
+        self.peak = 0
+        self.max_peak = 0
+        self.swapped_out = 0
+        self.swapped_in = 0
+        self.log: list[tuple[str, int, int]] | None = None
+        """When a list, every change is appended as (what, block, bytes) for op-by-op checks."""
+
+    def alloc(self, block: int, nbytes: int, what: str = "alloc") -> None:
+        with self._lock:
+            self.current += nbytes
+            self._block[block] += nbytes
+            if self._block[block] > self._block_peak[block]:
+                self._block_peak[block] = self._block[block]
+            if self.current > self.peak:
+                self.peak = self.current
+                if self.peak > self.max_peak:
+                    self.max_peak = self.peak
+            if self.log is not None:
+                self.log.append((what, block, nbytes))
+
+    def free(self, block: int, nbytes: int, what: str = "free") -> None:
+        with self._lock:
+            self.current -= nbytes
+            self._block[block] -= nbytes
+            if self.log is not None:
+                self.log.append((what, block, -nbytes))
+
+    def start_step(self) -> None:
+        """The next step's peak starts from what is resident now."""
+        with self._lock:
+            self.peak = self.current
+            self._block_peak = list(self._block)
+            self.swapped_out = 0
+            self.swapped_in = 0
+
+    def report(self, host_pool_bytes: int, cuda_max_allocated: int | None) -> MemoryReport:
+        with self._lock:
+            return MemoryReport(
+                current_bytes=self.current,
+                peak_bytes=self.peak,
+                max_peak_bytes=self.max_peak,
+                block_peak_bytes=tuple(self._block_peak),
+                swapped_out_bytes=self.swapped_out,
+                swapped_in_bytes=self.swapped_in,
+                host_pool_bytes=host_pool_bytes,
+                cuda_max_allocated=cuda_max_allocated,
+            )

@@ -1,0 +1,164 @@
+"""What a machine can do: device memory, copy bandwidths (alone and both directions at once), host
+optimizer rate. Presets carry the source of every figure."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from ooc.scheduler.units import format_bytes
+
+GiB = 2**30
+GB = 10**9
+
+
+class HardwareError(ValueError):
+    """Hardware figures that cannot describe a real machine (zero or negative bandwidths, ...)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """Bandwidths are bytes per second; ``*_duplex`` figures hold while both directions copy at once.
+
+    ``flops`` (dense, in the training dtype) and ``memory_bytes_per_s`` are used only by analytic
+    profiles (a roofline); a measured profile brings its own compute times.
+    """
+
+    name: str
+    device_memory: int
+    h2d: float
+    d2h: float
+    h2d_duplex: float
+    d2h_duplex: float
+    d2d: float
+    host_optimizer: float
+    copy_latency_s: float
+    flops: float = 0.0
+    memory_bytes_per_s: float = 0.0
+    source: str = ""
+
+    def __post_init__(self) -> None:
+        for name in ("h2d", "d2h", "h2d_duplex", "d2h_duplex", "d2d", "host_optimizer"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise HardwareError(f"{self.name}: bandwidth {name} must be > 0 bytes/s, got {value}")
+        if self.device_memory <= 0:
+            raise HardwareError(f"{self.name}: device_memory must be > 0, got {self.device_memory}")
+        if self.copy_latency_s < 0:
+            raise HardwareError(f"{self.name}: copy_latency_s must be >= 0, got {self.copy_latency_s}")
+        if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:
+            raise HardwareError(f"{self.name}: a duplex bandwidth cannot exceed the one-way bandwidth")
+
+    def describe(self) -> str:
+        gbs = lambda v: f"{v / GB:.1f} GB/s"  # noqa: E731
+        return (
+            f"{self.name}: {format_bytes(self.device_memory)} device memory, H2D {gbs(self.h2d)} "
+            f"(duplex {gbs(self.h2d_duplex)}), D2H {gbs(self.d2h)} (duplex {gbs(self.d2h_duplex)}), "
+            f"host optimizer {gbs(self.host_optimizer)}, copy latency {self.copy_latency_s * 1e6:.0f} us"
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "ooc.hardware", "version": 1, **asdict(self)}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Hardware":
+        if not isinstance(data, dict) or data.get("format") != "ooc.hardware":
+            raise HardwareError("not an ooc hardware description (no \"format\": \"ooc.hardware\")")
+        names = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in names})
+        except TypeError as exc:
+            raise HardwareError(f"corrupt hardware JSON: {exc}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+# NOTE [hardware presets]
+# PCIe figures are what pinned copies achieve, not link rates: Gen3 x16 is 15.8 GB/s raw, ~12 GB/s
+# pinned (KARMA, SC20, Table 2 machine: V100-SXM2 16 GB); Gen4 x16 ~25 GB/s pinned on A100, falling to
+# ~12-13 GB/s H2D while D2H runs at once (measured on A100 Gen4, ../shared/PLATFORM.md); Gen5 x16 is
+# 63 GB/s raw per direction, ~50-55 GB/s pinned. The duplex figures for Gen3/Gen5 assume the same
+# ~50% fall seen on Gen4. Host optimizer: Adam moves ~28 bytes per fp32 parameter; a 2-socket host
+# streams ~100-200 GB/s, torch's fused CPU Adam reaches ~52 ms per 100M params on 2 cores (PLATFORM.md).
+PRESETS: dict[str, Hardware] = {
+    "v100-16gb": Hardware(
+        name="v100-16gb",
+        device_memory=16 * GiB,
+        h2d=12 * GB,
+        d2h=12 * GB,
+        h2d_duplex=6.5 * GB,
+        d2h_duplex=6.5 * GB,
+        d2d=900 * GB,
+        host_optimizer=40 * GB,
+        copy_latency_s=10e-6,
+        flops=112e12,
+        memory_bytes_per_s=900 * GB,
+        source="V100-SXM2 16GB, PCIe Gen3 x16 (KARMA's machine); 112 TFLOP/s fp16 tensor, 900 GB/s HBM2",
+    ),
+    "a100-40gb": Hardware(
+        name="a100-40gb",
+        device_memory=40 * GiB,
+        h2d=25 * GB,
+        d2h=25 * GB,
+        h2d_duplex=12.5 * GB,
+        d2h_duplex=12.5 * GB,
+        d2d=1555 * GB,
+        host_optimizer=60 * GB,
+        copy_latency_s=8e-6,
+        flops=312e12,
+        memory_bytes_per_s=1555 * GB,
+        source="A100-SXM4 40GB, PCIe Gen4 x16: ~25 GB/s pinned alone, ~12 GB/s H2D with concurrent D2H",
+    ),
+    "h100-sxm": Hardware(
+        name="h100-sxm",
+        device_memory=80 * GiB,
+        h2d=52 * GB,
+        d2h=52 * GB,
+        h2d_duplex=30 * GB,
+        d2h_duplex=30 * GB,
+        d2d=3350 * GB,
+        host_optimizer=100 * GB,
+        copy_latency_s=6e-6,
+        flops=790e12,
+        memory_bytes_per_s=3350 * GB,
+        source="H100 SXM 80GB HBM3 3.35 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
+    ),
+    "h200": Hardware(
+        name="h200",
+        device_memory=141 * GB,
+        h2d=52 * GB,
+        d2h=52 * GB,
+        h2d_duplex=30 * GB,
+        d2h_duplex=30 * GB,
+        d2d=4800 * GB,
+        host_optimizer=100 * GB,
+        copy_latency_s=6e-6,
+        flops=790e12,
+        memory_bytes_per_s=4800 * GB,
+        source="H200 141GB HBM3e 4.8 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
+    ),
+    "cpu": Hardware(
+        name="cpu",
+        device_memory=16 * GiB,
+        h2d=4 * GB,
+        d2h=4 * GB,
+        h2d_duplex=3 * GB,
+        d2h_duplex=3 * GB,
+        d2d=8 * GB,
+        host_optimizer=2 * GB,
+        copy_latency_s=30e-6,
+        flops=50e9,
+        memory_bytes_per_s=8 * GB,
+        source="this project's 2-core CI machine, CPU backend copy engine (run `ooc.scheduler.calibrate` for yours)",
+    ),
+}
+
+
+def preset(name: str) -> Hardware:
+    """A named preset: one of ``v100-16gb``, ``a100-40gb``, ``h100-sxm``, ``h200``, ``cpu``."""
+    try:
+        return PRESETS[name.lower()]
+    except KeyError:
+        raise HardwareError(f"no hardware preset {name!r}; choose one of {sorted(PRESETS)}") from None

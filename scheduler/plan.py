@@ -1,0 +1,213 @@
+"""A plan: one decision per block of the chain (keep, swap or recompute its saved activations)."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from ooc.scheduler.units import format_bytes
+
+PLAN_FORMAT_VERSION = 1
+
+
+class PlanError(ValueError):
+    """A plan that cannot be read or does not fit the model it is applied to."""
+
+
+class Policy(str, enum.Enum):
+    """What happens to a block's saved activations between its forward and its backward."""
+
+    KEEP = "keep"
+    """Stay on the device (what plain PyTorch does)."""
+    SWAP = "swap"
+    """Copied to host memory after the forward, prefetched back before the backward."""
+    RECOMPUTE = "recompute"
+    """Dropped; only the block's input is saved and the forward is re-run in the backward."""
+
+
+class Codec(str, enum.Enum):
+    """How swapped activations are encoded on the host."""
+
+    NONE = "none"
+    INT8 = "int8"
+    INT4 = "int4"
+    FP8 = "fp8"
+
+
+@dataclass(frozen=True)
+class BlockPlan:
+    """The decision for one block.
+
+    ``swap_input`` applies to ``RECOMPUTE`` blocks: the one tensor such a block keeps (its input)
+    is swapped to the host as well. ``saved_bytes`` / ``device_bytes`` are what the planner expected
+    from its profile (``None`` for a hand-written plan); they are shown in the plan table.
+    """
+
+    policy: Policy = Policy.KEEP
+    codec: Codec = Codec.NONE
+    swap_input: bool = False
+    saved_bytes: int | None = None
+    device_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "policy", Policy(self.policy))
+        object.__setattr__(self, "codec", Codec(self.codec))
+        if self.swap_input and self.policy is not Policy.RECOMPUTE:
+            raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
+        if self.codec is not Codec.NONE and not self.swaps_anything:
+            raise PlanError(f"codec {self.codec.value} needs a block that swaps (SWAP, or RECOMPUTE with swap_input)")
+
+    @property
+    def swaps_anything(self) -> bool:
+        return self.policy is Policy.SWAP or self.swap_input
+
+    def label(self) -> str:
+        text = self.policy.value
+        if self.swap_input:
+            text += "+swap_input"
+        if self.codec is not Codec.NONE:
+            text += f"[{self.codec.value}]"
+        return text
+
+
+def _as_block_plan(item: BlockPlan | Policy | str) -> BlockPlan:
+    if isinstance(item, BlockPlan):
+        return item
+    return BlockPlan(policy=Policy(item))
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One :class:`BlockPlan` per block of the chain, in forward order.
+
+    ``prefetch``: when block ``i+1`` starts its backward, the swapped tensors of blocks
+    ``i … i-prefetch+1`` are copied back to the device. ``min_swap_bytes``: saved tensors smaller
+    than this stay on the device even in a swapped block (a copy that small costs more in latency
+    than it frees).
+    """
+
+    blocks: tuple[BlockPlan, ...]
+    prefetch: int = 2
+    min_swap_bytes: int = 4096
+    name: str = "custom"
+    meta: tuple[tuple[str, Any], ...] = field(default=(), compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "blocks", tuple(_as_block_plan(b) for b in self.blocks))
+        if not self.blocks:
+            raise PlanError("a plan needs at least one block")
+        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
+            raise PlanError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
+        if self.min_swap_bytes < 0:
+            raise PlanError(f"min_swap_bytes must be >= 0, got {self.min_swap_bytes}")
+
+    @classmethod
+    def uniform(cls, policy: Policy | str, num_blocks: int, **kwargs: Any) -> "Plan":
+        """The same policy for every block: ``Plan.uniform("swap", 12)``."""
+        policy = Policy(policy)
+        kwargs.setdefault("name", f"{policy.value}-all")
+        return cls(blocks=tuple(BlockPlan(policy) for _ in range(num_blocks)), **kwargs)
+
+    @classmethod
+    def of(cls, policies: Iterable[Policy | str | BlockPlan], **kwargs: Any) -> "Plan":
+        """``Plan.of(["keep", "swap", "recompute"])``."""
+        return cls(blocks=tuple(_as_block_plan(p) for p in policies), **kwargs)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def with_(self, **changes: Any) -> "Plan":
+        return replace(self, **changes)
+
+    @property
+    def policies(self) -> tuple[Policy, ...]:
+        return tuple(b.policy for b in self.blocks)
+
+    def table(self, block_names: Iterable[str] | None = None) -> str:
+        """The plan as a text table: block, policy, saved bytes, device bytes."""
+        names = list(block_names) if block_names is not None else [str(i) for i in range(len(self))]
+        if len(names) != len(self):
+            raise PlanError(f"{len(names)} block names for a plan of {len(self)} blocks")
+        rows = [("block", "policy", "saved", "on device")]
+        for name, block in zip(names, self.blocks):
+            saved = "-" if block.saved_bytes is None else format_bytes(block.saved_bytes)
+            device = "-" if block.device_bytes is None else format_bytes(block.device_bytes)
+            rows.append((name, block.label(), saved, device))
+        widths = [max(len(r[c]) for r in rows) for c in range(4)]
+        lines = [
+            "  ".join(cell.ljust(widths[c]) if c < 2 else cell.rjust(widths[c]) for c, cell in enumerate(row))
+            for row in rows
+        ]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        header = f"plan {self.name!r}: {len(self)} blocks, prefetch {self.prefetch}"
+        return "\n".join([header, *lines])
+
+    def __str__(self) -> str:
+        return self.table()
+
+    # JSON -----------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": "ooc.plan",
+            "version": PLAN_FORMAT_VERSION,
+            "name": self.name,
+            "prefetch": self.prefetch,
+            "min_swap_bytes": self.min_swap_bytes,
+            "meta": dict(self.meta),
+            "blocks": [
+                {
+                    "policy": b.policy.value,
+                    "codec": b.codec.value,
+                    "swap_input": b.swap_input,
+                    "saved_bytes": b.saved_bytes,
+                    "device_bytes": b.device_bytes,
+                }
+                for b in self.blocks
+            ],
+        }
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "Plan":
+        if not isinstance(data, dict) or data.get("format") != "ooc.plan":
+            raise PlanError("not an ooc plan: the JSON has no \"format\": \"ooc.plan\" field")
+        version = data.get("version")
+        if not isinstance(version, int) or version > PLAN_FORMAT_VERSION:
+            raise PlanError(
+                f"plan format version {version!r} is newer than this ooc understands "
+                f"({PLAN_FORMAT_VERSION}); upgrade ooc or re-create the plan"
+            )
+        try:
+            blocks = tuple(
+                BlockPlan(
+                    policy=Policy(b["policy"]),
+                    codec=Codec(b.get("codec", "none")),
+                    swap_input=bool(b.get("swap_input", False)),
+                    saved_bytes=b.get("saved_bytes"),
+                    device_bytes=b.get("device_bytes"),
+                )
+                for b in data["blocks"]
+            )
+            return cls(
+                blocks=blocks,
+                prefetch=int(data.get("prefetch", 2)),
+                min_swap_bytes=int(data.get("min_swap_bytes", 4096)),
+                name=str(data.get("name", "custom")),
+                meta=tuple(sorted(dict(data.get("meta", {})).items())),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise PlanError(f"corrupt plan JSON: {exc}") from exc
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"corrupt plan JSON: {exc}") from exc
+        return cls.from_dict(data)

@@ -1,0 +1,89 @@
+"""Planners: pure functions ``(profile, hardware, budget) -> Plan``."""
+
+from __future__ import annotations
+
+import math
+
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import BlockPlan, Plan, Policy
+from ooc.scheduler.profile import Profile
+from ooc.scheduler.schedule import build_schedule
+
+
+class InfeasibleBudget(ValueError):
+    """No plan of this planner fits; ``minimum_bytes`` is the smallest peak it can reach."""
+
+    def __init__(self, budget: int, minimum_bytes: int) -> None:
+        self.budget = budget
+        self.minimum_bytes = minimum_bytes
+        super().__init__(f"no plan fits {budget} bytes; the smallest peak is {minimum_bytes} bytes")
+
+
+def annotate(plan: Plan, profile: Profile) -> Plan:
+    """Fill each block's expected saved and device bytes from the profile (shown in the plan table)."""
+    schedule = build_schedule(plan, profile)
+    blocks = []
+    for decision, prof in zip(plan.blocks, profile.blocks):
+        if decision.policy is Policy.KEEP:
+            on_device = prof.saved_bytes
+        elif decision.policy is Policy.SWAP:
+            on_device = prof.saved_bytes - prof.swappable_bytes
+        else:
+            on_device = prof.input_bytes - (prof.input_swappable_bytes if decision.swap_input else 0)
+        blocks.append(
+            BlockPlan(decision.policy, decision.codec, decision.swap_input, prof.saved_bytes, on_device)
+        )
+    return plan.with_(blocks=tuple(blocks), meta=(("predicted_peak_bytes", schedule.peak_bytes),))
+
+
+def keep_all(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    return Plan.uniform(Policy.KEEP, len(profile), prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes)
+
+
+def recompute_all(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    return Plan.uniform(Policy.RECOMPUTE, len(profile), prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes)
+
+
+def swap_all(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    """vDNN-style: every block swaps, with ``prefetch`` blocks copied back ahead."""
+    return Plan.uniform(Policy.SWAP, len(profile), prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes)
+
+
+def sqrt_checkpoint(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    """``checkpoint_sequential`` with sqrt(n) segments: the last segment runs plainly, the rest recompute."""
+    n = len(profile)
+    kept = max(1, math.ceil(n / max(1, round(math.sqrt(n)))))
+    policies = [Policy.RECOMPUTE] * (n - kept) + [Policy.KEEP] * kept
+    return Plan.of(policies, prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="sqrt-checkpoint")
+
+
+def greedy(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    """Keep what fits: swap blocks from the first on (their copies have the most compute to hide
+    under), then recompute from the first on, then also swap recomputed inputs; the first plan of
+    that sequence whose peak fits the budget."""
+    n = len(profile)
+    kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="greedy")
+    candidates = [Plan.uniform(Policy.KEEP, n, **kw)]
+    for k in range(1, n + 1):
+        candidates.append(Plan.of([Policy.SWAP] * k + [Policy.KEEP] * (n - k), **kw))
+    for k in range(1, n + 1):
+        candidates.append(Plan.of([Policy.RECOMPUTE] * k + [Policy.SWAP] * (n - k), **kw))
+    for k in range(1, n + 1):
+        blocks = [BlockPlan(Policy.RECOMPUTE, swap_input=True)] * k + [BlockPlan(Policy.RECOMPUTE)] * (n - k)
+        candidates.append(Plan(blocks=tuple(blocks), **kw))
+    if budget is None:
+        return candidates[0]
+    peaks = [build_schedule(p, profile).peak_bytes for p in candidates]
+    for plan, peak in zip(candidates, peaks):
+        if peak <= budget:
+            return plan
+    raise InfeasibleBudget(budget, min(peaks))
+
+
+PLANNERS = {
+    "keep-all": keep_all,
+    "recompute-all": recompute_all,
+    "swap-all": swap_all,
+    "sqrt-checkpoint": sqrt_checkpoint,
+    "greedy": greedy,
+}

@@ -1,0 +1,207 @@
+"""The schedule of one training step: ordered ops on resources, with device-memory effects.
+
+The simulator predicts time and memory from it; the runtime asks it what to release after each
+block's forward and what to copy back before each block's backward, so a prediction and a run
+follow the same ops.
+
+NOTE [memory in program order]
+Ops are listed in the order the host issues them. Device memory changes only at well-defined points
+of that order: an op allocates ``alloc_bytes`` when issued and frees ``free_bytes`` when the next op
+is issued. The runtime frees swapped-out activations only at ``RELEASE`` ops (after waiting for their
+copy), allocates copy-back buffers when a ``SWAP_IN`` is issued, and autograd frees a block's saved
+tensors inside that block's backward. So the peak is a function of the plan and the profile alone,
+independent of how fast copies run, and the measured peak can be held equal to the prediction.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import Plan, PlanError, Policy
+from ooc.scheduler.profile import BlockProfile, Profile
+
+
+class Resource(str, enum.Enum):
+    COMPUTE = "compute"
+    D2H = "d2h"
+    H2D = "h2d"
+    NET = "net"
+    HOST = "host"
+
+
+class OpKind(str, enum.Enum):
+    FORWARD = "forward"
+    SWAP_OUT = "swap_out"
+    RELEASE = "release"
+    OUTSIDE = "outside"
+    SWAP_IN = "swap_in"
+    RECOMPUTE = "recompute"
+    BACKWARD = "backward"
+
+
+@dataclass(frozen=True)
+class Op:
+    index: int
+    kind: OpKind
+    block: int | None
+    resource: Resource
+    deps: tuple[int, ...] = ()
+    alloc_bytes: int = 0
+    free_bytes: int = 0
+    bytes_moved: int = 0
+    duration_s: float = 0.0
+
+    @property
+    def label(self) -> str:
+        return self.kind.value if self.block is None else f"{self.kind.value}/{self.block}"
+
+
+@dataclass(frozen=True)
+class BlockBytes:
+    """What a policy keeps of one block, derived from its profile."""
+
+    forward_alloc: int
+    """Allocated during the block's forward."""
+    swapped: int
+    """Moved to the host (freed at RELEASE, allocated again at SWAP_IN)."""
+    recompute_alloc: int
+    """Allocated by the recomputation inside the block's backward."""
+
+    @property
+    def resident_at_backward(self) -> int:
+        """Freed by the block's backward."""
+        return self.forward_alloc + self.recompute_alloc
+
+
+def block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
+    if profile_block is None:
+        return BlockBytes(0, 0, 0)
+    if plan_block.policy is Policy.KEEP:
+        return BlockBytes(profile_block.saved_bytes, 0, 0)
+    if plan_block.policy is Policy.SWAP:
+        return BlockBytes(profile_block.saved_bytes, profile_block.swappable_bytes, 0)
+    swapped = profile_block.input_swappable_bytes if plan_block.swap_input else 0
+    return BlockBytes(profile_block.input_bytes, swapped, profile_block.saved_bytes)
+
+
+@dataclass(frozen=True)
+class Schedule:
+    ops: tuple[Op, ...]
+    plan: Plan
+    releases_after_forward: tuple[tuple[int, ...], ...]
+    """``[i]``: blocks whose swapped tensors are released when block ``i``'s forward ends."""
+    releases_before_backward: tuple[int, ...]
+    """Blocks released when the backward starts (the last swapped block)."""
+    swap_ins_before_backward: tuple[tuple[int, ...], ...]
+    """``[b]``: blocks whose swapped tensors are copied back when block ``b``'s backward starts."""
+    _memory: tuple[int, ...] = field(default=(), compare=False, repr=False)
+
+    @property
+    def memory_after_op(self) -> tuple[int, ...]:
+        """Device bytes held while each op runs (after its allocation, before its free)."""
+        return self._memory
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self._memory, default=0)
+
+
+def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardware | None = None) -> Schedule:
+    """The ops of one step of ``plan``; byte counts need ``profile``, durations also ``hardware``."""
+    n = len(plan)
+    if profile is not None and len(profile) != n:
+        raise PlanError(f"the plan has {n} blocks, the profile {len(profile)}; they must describe one model")
+    prof = list(profile.blocks) if profile is not None else [None] * n
+    per_block = [block_bytes(plan.blocks[i], prof[i]) for i in range(n)]
+    swaps = [plan.blocks[i].swaps_anything for i in range(n)]
+
+    ops: list[Op] = []
+    last_compute: list[int] = []
+
+    def add(kind: OpKind, block: int | None, resource: Resource, deps: tuple[int, ...] = (), **kw) -> int:
+        if resource is Resource.COMPUTE and last_compute:
+            deps = (last_compute[-1], *deps)
+        op = Op(index=len(ops), kind=kind, block=block, resource=resource, deps=deps, **kw)
+        if hardware is not None and prof[0] is not None:
+            op = _with_duration(op, prof, profile, hardware, plan)
+        ops.append(op)
+        if resource is Resource.COMPUTE:
+            last_compute.append(op.index)
+        return op.index
+
+    swap_out: dict[int, int] = {}
+    releases_after: list[tuple[int, ...]] = []
+    for i in range(n):
+        add(OpKind.FORWARD, i, Resource.COMPUTE, alloc_bytes=per_block[i].forward_alloc)
+        if swaps[i]:
+            swap_out[i] = add(OpKind.SWAP_OUT, i, Resource.D2H, (last_compute[-1],), bytes_moved=per_block[i].swapped)
+        if i > 0 and swaps[i - 1]:
+            # The forward of block i overlaps block i-1's copy out; the copy must end before block
+            # i+1 starts, which bounds the bytes in flight to two blocks' worth.
+            add(OpKind.RELEASE, i - 1, Resource.COMPUTE, (swap_out[i - 1],), free_bytes=per_block[i - 1].swapped)
+            releases_after.append((i - 1,))
+        else:
+            releases_after.append(())
+    add(OpKind.OUTSIDE, None, Resource.COMPUTE)
+
+    releases_before: tuple[int, ...] = ()
+    if swaps[n - 1]:
+        add(OpKind.RELEASE, n - 1, Resource.COMPUTE, (swap_out[n - 1],), free_bytes=per_block[n - 1].swapped)
+        releases_before = (n - 1,)
+
+    swap_in: dict[int, int] = {}
+    swap_ins_before: list[tuple[int, ...]] = [()] * n
+    for b in range(n - 1, -1, -1):
+        issued = []
+        for j in range(b, max(b - plan.prefetch, 0) - 1, -1):
+            if swaps[j] and j not in swap_in:
+                # Issued by the host when block b's backward starts, after the copy out finished.
+                deps = (swap_out[j],) + ((last_compute[-1],) if last_compute else ())
+                swap_in[j] = add(OpKind.SWAP_IN, j, Resource.H2D, deps, alloc_bytes=per_block[j].swapped,
+                                 bytes_moved=per_block[j].swapped)
+                issued.append(j)
+        swap_ins_before[b] = tuple(issued)
+        wait = (swap_in[b],) if b in swap_in else ()
+        if plan.blocks[b].policy is Policy.RECOMPUTE:
+            add(OpKind.RECOMPUTE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].recompute_alloc)
+            wait = ()
+        add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward)
+
+    memory = []
+    current = 0
+    for op in ops:
+        current += op.alloc_bytes
+        memory.append(current)
+        current -= op.free_bytes
+    return Schedule(
+        ops=tuple(ops),
+        plan=plan,
+        releases_after_forward=tuple(releases_after),
+        releases_before_backward=releases_before,
+        swap_ins_before_backward=tuple(swap_ins_before),
+        _memory=tuple(memory),
+    )
+
+
+def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Plan) -> Op:
+    from dataclasses import replace
+
+    if op.kind is OpKind.FORWARD or op.kind is OpKind.RECOMPUTE:
+        duration = prof[op.block].forward_s
+    elif op.kind is OpKind.BACKWARD:
+        duration = prof[op.block].backward_s
+    elif op.kind is OpKind.OUTSIDE:
+        duration = profile.outside_forward_s + profile.outside_backward_s
+    elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN):
+        bandwidth = hw.d2h if op.kind is OpKind.SWAP_OUT else hw.h2d
+        duration = hw.copy_latency_s + op.bytes_moved / bandwidth
+    else:
+        duration = 0.0
+    return replace(op, duration_s=duration)
+
+
+def peak_bytes(plan: Plan, profile: Profile) -> int:
+    """Predicted peak of device-resident saved activations for one step of ``plan``."""
+    return build_schedule(plan, profile).peak_bytes
