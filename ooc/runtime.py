@@ -51,6 +51,7 @@ class _Pass:
         self.rt = runtime
         n = len(runtime.chain)
         self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
+        self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
         self.bwd_range: nvtx.Range | None = None
@@ -67,8 +68,24 @@ class _Pass:
             skip_ptrs=self.skip_ptrs,
             min_swap_bytes=rt.plan.min_swap_bytes,
             ctx=rt.swap_ctx,
+            on_kept=self.keep,
             on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
         )
+
+    def keep(self, block: int, nbytes: int, what: str) -> None:
+        self.kept[block] += nbytes
+        self.rt.tracker.alloc(block, nbytes, what)
+
+    def free_kept(self, blocks: range) -> None:
+        """The kept storages of ``blocks`` are gone: their backward is over (or their graph is)."""
+        for block in blocks:
+            if self.kept[block]:
+                self.rt.tracker.free(block, self.kept[block])
+                self.kept[block] = 0
+
+    def __del__(self) -> None:
+        # A graph dropped without a backward frees its saved tensors with it.
+        self.free_kept(range(len(self.kept)))
 
     def _live(self, block: int) -> list[SwappedStorage]:
         return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
@@ -86,6 +103,8 @@ class _Pass:
 
     def on_backward_start(self, block: int) -> None:
         schedule = self.rt.schedule
+        # Every node of the blocks after this one has run: autograd has dropped their tensors.
+        self.free_kept(range(block + 1, len(self.kept)))
         if not self.backward_started:
             self.backward_started = True
             # Runs once the whole backward is done, whichever block it ends in.
@@ -99,6 +118,7 @@ class _Pass:
             self.prefetch(j)
 
     def on_backward_end(self) -> None:
+        self.free_kept(range(len(self.kept)))
         if self.bwd_range is not None:
             self.bwd_range.end()
             self.bwd_range = None
@@ -144,8 +164,13 @@ class _BlockForward:
                 step.release(j)
         finally:
             fwd.end()
-        outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
-        if outputs:
+        if isinstance(out, torch.Tensor):
+            outputs = [out] if out.requires_grad else []
+        else:
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+        if len(outputs) == 1:
+            outputs[0].register_hook(lambda _grad: step.on_backward_start(i))  # half the cost of a multi-hook
+        elif outputs:
             register_multi_grad_hook(outputs, lambda _grad: step.on_backward_start(i), mode="any")
         return out
 
@@ -166,16 +191,28 @@ class Runtime:
         self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
         self.steps = 0
         self._current: _Pass | None = None
+        self._state_key: tuple[int, ...] = ()
+        self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
 
     def state_storage_ptrs(self) -> frozenset[int]:
-        """Storages of parameters and buffers: model state, never counted or swapped."""
+        """Storages of parameters and buffers: model state, never counted or swapped.
+
+        Cached while every state tensor keeps its address (``model.to(...)`` or a new parameter
+        changes one and refreshes the set).
+        """
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        return frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        key = tuple(t.data_ptr() for t in tensors)
+        if key != self._state_key:
+            self._state_key = key
+            self._state_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        return self._state_ptrs
 
     def pass_for(self, block: int) -> _Pass:
         current = self._current
         if current is None or block <= current.last_forward:
+            # Drop the previous pass first: if its graph is gone, so are its bytes.
+            self._current = current = None
             current = self._current = _Pass(self)
             self.tracker.start_step()
         current.last_forward = block

@@ -7,11 +7,16 @@ the storage they view, each storage is counted (and copied) once, and every view
 restored storage with its own offset, size and strides, so layouts, and with them the numerics of
 backward, are exactly those of plain PyTorch. Parameters (and views of them) are never counted or
 copied. The profile measures blocks with these same rules, so predictions and measurements agree.
+
+Swapped storages are counted by their handles: the tracker sees the copy-out release, the copy-back
+allocation and autograd dropping the last view. Kept storages are counted when saved and released
+when the block's backward is over (the runtime's ``_Pass.free_kept``), which is when autograd has
+dropped them: a chain's backward runs every node of block ``b`` before block ``b-1`` starts
+(``tests/ooc/test_memory.py::test_kept_tensors_are_dead_when_released`` checks it).
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -28,32 +33,6 @@ if TYPE_CHECKING:
 def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     """The whole storage under ``tensor`` as a 1-D ``uint8`` tensor (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
-
-
-class Resident:
-    """A storage kept on the device; counted from its creation until autograd lets it go."""
-
-    __slots__ = ("_tracker", "block", "nbytes", "__weakref__")
-
-    def __init__(self, tracker: MemoryTracker, block: int, nbytes: int, what: str) -> None:
-        self._tracker = tracker
-        self.block = block
-        self.nbytes = nbytes
-        tracker.alloc(block, nbytes, what)
-
-    def __del__(self) -> None:
-        self._tracker.free(self.block, self.nbytes)
-
-
-class KeptTensor:
-    __slots__ = ("record", "tensor")
-
-    def __init__(self, record: Resident, tensor: torch.Tensor) -> None:
-        self.record = record
-        self.tensor = tensor
-
-    def unpack(self) -> torch.Tensor:
-        return self.tensor
 
 
 class SwapContext:
@@ -160,33 +139,36 @@ def make_pack_hook(
     skip_ptrs: frozenset[int],
     min_swap_bytes: int,
     ctx: SwapContext,
+    on_kept: Callable[[int, int, str], None],
     on_swapped: Callable[[SwappedStorage], None],
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
+    A kept tensor is returned as itself (autograd's fast path: a packed non-tensor costs ~7 us per
+    saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what)``.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers).
     """
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
-    # it, never across a release (the allocator may hand the address to another tensor).
-    ledger: weakref.WeakValueDictionary[int, Resident | SwappedStorage] = weakref.WeakValueDictionary()
+    # it, never across a release (the allocator may hand the address to another tensor). The ledger
+    # dies with this closure when the block's forward ends.
+    ledger: dict[int, SwappedStorage | None] = {}
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
             return tensor
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
+        if ptr in skip_ptrs:
+            return tensor
         nbytes = storage.nbytes()
-        if nbytes == 0 or ptr in skip_ptrs:
+        if not swap or nbytes < min_swap_bytes:
+            if nbytes and ptr not in ledger:
+                ledger[ptr] = None
+                on_kept(block, nbytes, what)
             return tensor
         record = ledger.get(ptr)
-        if not swap or nbytes < min_swap_bytes:
-            if record is None:
-                record = Resident(ctx.tracker, block, nbytes, what)
-                ledger[ptr] = record
-            return KeptTensor(record, tensor)
         if record is None:
-            record = SwappedStorage(ctx, block, storage_bytes(tensor), what)
-            ledger[ptr] = record
+            record = ledger[ptr] = SwappedStorage(ctx, block, storage_bytes(tensor), what)
             on_swapped(record)
         return SwappedView(record, tensor)
 

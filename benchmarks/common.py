@@ -1,0 +1,53 @@
+"""Shared by the benchmark scripts: machine header, medians, tables."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+
+def machine_header(title: str) -> str:
+    device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
+    return (
+        f"# {title}\n"
+        f"# host {platform.node()} | {platform.processor() or platform.machine()} | {os.cpu_count()} cores | "
+        f"torch {torch.__version__} ({torch.get_num_threads()} threads) | {device} | "
+        f"{time.strftime('%Y-%m-%d %H:%M:%S')}"
+    )
+
+
+def median_time(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def interleaved_medians(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each function, measured in turns so drifts in machine load hit all alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(reps):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def table(rows: list[list[str]]) -> str:
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)

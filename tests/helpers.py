@@ -1,0 +1,64 @@
+"""Shared helpers: train a wrapped model and a plain copy side by side and compare bit for bit."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+import ooc
+
+
+def gpt_batch(vocab: int = 65, batch: int = 4, seq: int = 32, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, vocab, (batch, seq), generator=g)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    return model(*batch)[1]
+
+
+def ce_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    return nn.functional.cross_entropy(model(x), y)
+
+
+def train_side_by_side(
+    make_model: Callable[[], nn.Module],
+    loss_fn: Callable[[nn.Module, Any], torch.Tensor],
+    batches: list[Any],
+    wrap: Callable[[nn.Module], nn.Module],
+) -> list[tuple[bool, bool, bool]]:
+    """Per step: (losses equal, all grads equal, all buffers equal), bit for bit."""
+    torch.manual_seed(1234)
+    plain = make_model()
+    wrapped = copy.deepcopy(plain)
+    wrap(wrapped)
+    opt_plain = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    opt_wrapped = torch.optim.SGD(wrapped.parameters(), lr=0.1, momentum=0.9)
+    results = []
+    try:
+        for step, batch in enumerate(batches):
+            losses = []
+            for model, opt in ((plain, opt_plain), (wrapped, opt_wrapped)):
+                opt.zero_grad(set_to_none=True)
+                torch.manual_seed(step)  # same dropout masks for both
+                loss = loss_fn(model, batch)
+                loss.backward()
+                losses.append(loss.detach())
+            grads_equal = all(
+                (a.grad is None and b.grad is None) or (a.grad is not None and b.grad is not None and torch.equal(a.grad, b.grad))
+                for a, b in zip(plain.parameters(), wrapped.parameters())
+            )
+            buffers_equal = all(torch.equal(a, b) for a, b in zip(plain.buffers(), wrapped.buffers()))
+            results.append((torch.equal(losses[0], losses[1]), grads_equal, buffers_equal))
+            opt_plain.step()
+            opt_wrapped.step()
+    finally:
+        if ooc.is_wrapped(wrapped):
+            ooc.unwrap(wrapped)
+    return results

@@ -1,0 +1,32 @@
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import ooc
+
+EXPECTED = {
+    "BlockError", "BlockPlan", "BudgetError", "Codec", "MemoryReport", "OocError", "Plan", "PlanError",
+    "Policy", "ProfileError", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap",
+}
+
+
+def test_public_api_is_pinned() -> None:
+    assert set(ooc.__all__) == EXPECTED
+    for name in ooc.__all__:
+        assert getattr(ooc, name) is not None
+
+
+def test_import_does_not_initialise_cuda() -> None:
+    code = """
+import torch
+def boom(*a, **k):
+    raise RuntimeError("CUDA touched at import")
+for name in ("init", "is_available", "device_count", "current_device", "_lazy_init", "get_rng_state", "synchronize"):
+    setattr(torch.cuda, name, boom)
+import ooc, ooc.scheduler, ooc.kernels, ooc.models, ooc.backend, ooc.cli
+print("ok")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"

@@ -1,0 +1,111 @@
+"""Bad input gives a clear exception, and leaves the model unchanged and trainable."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ooc
+from ooc.models import GPT
+from ooc.models.gpt import GPTConfig
+from tests.helpers import gpt_batch
+
+NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
+
+
+def _assert_untouched_and_trainable(model: nn.Module, reference: nn.Module, batch) -> None:
+    assert not ooc.is_wrapped(model)
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    for m in (model, reference):
+        m.zero_grad(set_to_none=True)
+        m(*batch)[1].backward()
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+@pytest.fixture()
+def gpt():
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    return model, copy.deepcopy(model), gpt_batch()
+
+
+def test_budget_below_minimum_names_the_minimum(gpt) -> None:
+    model, reference, batch = gpt
+    with pytest.raises(ooc.BudgetError) as info:
+        ooc.wrap(model, budget=1000, sample=batch, backend="cpu")
+    assert info.value.minimum_bytes > 1000
+    assert str(info.value.minimum_bytes) in str(info.value)
+    assert "Raise the budget" in str(info.value)
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def test_budget_at_the_minimum_is_feasible(gpt) -> None:
+    model, _, batch = gpt
+    with pytest.raises(ooc.BudgetError) as info:
+        ooc.wrap(model, budget=1000, sample=batch, backend="cpu")
+    ooc.wrap(model, budget=info.value.minimum_bytes, sample=batch, backend="cpu")
+    model(*batch)[1].backward()
+    assert ooc.memory_report(model).peak_bytes <= info.value.minimum_bytes
+    ooc.unwrap(model)
+
+
+def test_budget_without_sample_says_what_to_pass(gpt) -> None:
+    model, reference, batch = gpt
+    with pytest.raises(ooc.WrapError, match="sample="):
+        ooc.wrap(model, budget="1GiB")
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def test_no_blocks_lists_the_candidates() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    with pytest.raises(ooc.BlockError, match=r"candidates: <model> \(Sequential, 3 children\).*blocks=\["):
+        ooc.wrap(model)
+    assert not ooc.is_wrapped(model)
+
+
+def test_wrapping_twice(gpt) -> None:
+    model, _, batch = gpt
+    ooc.wrap(model, backend="cpu")
+    with pytest.raises(ooc.WrapError, match="already wrapped.*unwrap"):
+        ooc.wrap(model, backend="cpu")
+    ooc.unwrap(model)
+
+
+def test_plan_length_mismatch(gpt) -> None:
+    model, reference, batch = gpt
+    with pytest.raises(ooc.PlanError, match="plan has 3 blocks but the model has 4"):
+        ooc.wrap(model, ooc.Plan.uniform("swap", 3), backend="cpu")
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def test_no_trainable_parameters(gpt) -> None:
+    model, _, _ = gpt
+    for p in model.parameters():
+        p.requires_grad_(False)
+    with pytest.raises(ooc.WrapError, match="no parameters that require grad"):
+        ooc.wrap(model)
+    assert not ooc.is_wrapped(model)
+
+
+def test_blocks_that_are_not_submodules(gpt) -> None:
+    model, reference, batch = gpt
+    with pytest.raises(ooc.BlockError, match="submodule"):
+        ooc.wrap(model, blocks=[nn.Linear(2, 2)])
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def test_unknown_backend_and_planner(gpt) -> None:
+    model, reference, batch = gpt
+    with pytest.raises(ValueError, match="backend must be"):
+        ooc.wrap(model, backend="tpu")
+    with pytest.raises(ValueError, match="no planner 'magic'"):
+        ooc.wrap(model, budget="1GiB", sample=batch, planner="magic", backend="cpu")
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def test_unwrap_of_a_plain_model() -> None:
+    with pytest.raises(ooc.WrapError, match="not wrapped"):
+        ooc.unwrap(nn.Linear(2, 2))

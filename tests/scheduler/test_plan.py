@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from ooc.scheduler import BlockPlan, Plan, PlanError, Policy, format_bytes, parse_bytes
+
+
+def test_json_round_trip() -> None:
+    plan = Plan(
+        blocks=(BlockPlan("keep"), BlockPlan("swap", codec="int8"), BlockPlan("recompute", swap_input=True)),
+        prefetch=3,
+        min_swap_bytes=512,
+        name="mine",
+    )
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_table_shows_each_block() -> None:
+    plan = Plan(blocks=(BlockPlan("keep", saved_bytes=2048, device_bytes=2048), BlockPlan("recompute")))
+    text = str(plan)
+    assert "keep" in text and "recompute" in text and "2.00 KiB" in text
+    assert plan.table(["layer.a", "layer.b"]).count("layer.") == 2
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.update(version=99), "newer than this ooc"),
+        (lambda d: d.update(format="x"), "not an ooc plan"),
+        (lambda d: d["blocks"][0].update(policy="teleport"), "corrupt plan"),
+        (lambda d: d.pop("blocks"), "corrupt plan"),
+    ],
+)
+def test_bad_json(mutate, message) -> None:
+    data = Plan.uniform("keep", 2).to_dict()
+    mutate(data)
+    with pytest.raises(PlanError, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_not_json() -> None:
+    with pytest.raises(PlanError, match="corrupt"):
+        Plan.from_json("{nope")
+
+
+def test_validation() -> None:
+    with pytest.raises(PlanError):
+        Plan(blocks=())
+    with pytest.raises(PlanError, match="prefetch"):
+        Plan.uniform("keep", 2, prefetch=-1)
+    with pytest.raises(PlanError, match="swap_input"):
+        BlockPlan("keep", swap_input=True)
+    with pytest.raises(PlanError, match="codec"):
+        BlockPlan("keep", codec="int8")
+    with pytest.raises(ValueError):
+        BlockPlan("nonsense")
+    assert Plan.of(["keep", Policy.SWAP]).policies == (Policy.KEEP, Policy.SWAP)
+
+
+@pytest.mark.parametrize("text, expected", [("20GiB", 20 * 2**30), ("1.5 GB", 1_500_000_000), ("512", 512), (4096, 4096), ("3MiB", 3 * 2**20)])
+def test_parse_bytes(text, expected) -> None:
+    assert parse_bytes(text) == expected
+
+
+@pytest.mark.parametrize("text", ["20 GiBs", "lots", "-3", True])
+def test_parse_bytes_rejects(text) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        parse_bytes(text)
+
+
+def test_format_bytes() -> None:
+    assert format_bytes(100) == "100 B"
+    assert format_bytes(1536) == "1.50 KiB"
