@@ -11,13 +11,16 @@ from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
 from ooc.profiler import profile as measure_profile
 from ooc.runtime import _check_trainable, install
+from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.hardware import Hardware, preset
+from ooc.scheduler.optimal import minimum_peak
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget, annotate
 from ooc.scheduler.profile import Profile
+from ooc.scheduler.schedule import peak_bytes
 from ooc.scheduler.units import parse_bytes
 
-DEFAULT_PLANNER = "greedy"
+DEFAULT_PLANNER = "optimal"
 
 
 def _hardware_for(hardware: Hardware | str | None, backend: Backend) -> Hardware:
@@ -44,8 +47,12 @@ def plan_for_profile(
         raise ValueError(f"no planner {planner!r}; choose one of {sorted(PLANNERS)}") from None
     try:
         chosen = choose(prof, hardware, budget_bytes, prefetch=prefetch)
-    except InfeasibleBudget as exc:
-        raise BudgetError(budget_bytes, exc.minimum_bytes) from None
+    except InfeasibleBudget:
+        chosen = None
+    if chosen is None or peak_bytes(chosen, prof) > budget_bytes:
+        minimum = minimum_peak(build_options(prof, hardware), prefetch)
+        detail = "" if planner == "optimal" else f"(the {planner!r} planner's own plan needs more; try planner='optimal')"
+        raise BudgetError(budget_bytes, minimum, detail)
     return annotate(chosen, prof)
 
 

@@ -22,7 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--batch-size", type=int, default=16)
     demo.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a fraction of the keep-all peak")
-    demo.add_argument("--planner", default="greedy")
+    demo.add_argument("--planner", default="optimal")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     demo.set_defaults(run=_demo)

@@ -36,6 +36,8 @@ class Hardware:
     copy_latency_s: float
     flops: float = 0.0
     memory_bytes_per_s: float = 0.0
+    compute_slowdown: float = 0.0
+    """Extra compute time, as a fraction, while a copy moves bytes (0 with dedicated copy engines)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -45,6 +47,8 @@ class Hardware:
                 raise HardwareError(f"{self.name}: bandwidth {name} must be > 0 bytes/s, got {value}")
         if self.device_memory <= 0:
             raise HardwareError(f"{self.name}: device_memory must be > 0, got {self.device_memory}")
+        if self.compute_slowdown < 0:
+            raise HardwareError(f"{self.name}: compute_slowdown must be >= 0, got {self.compute_slowdown}")
         if self.copy_latency_s < 0:
             raise HardwareError(f"{self.name}: copy_latency_s must be >= 0, got {self.copy_latency_s}")
         if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:

@@ -80,10 +80,46 @@ def greedy(profile: Profile, hardware: Hardware | None = None, budget: int | Non
     raise InfeasibleBudget(budget, min(peaks))
 
 
+def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    """KARMA's capacity-based rule: walking from the first block (whose copies have the most compute
+    to hide under), swap a block where its copies hide under the compute of the prefetch window, and
+    recompute it where the exposed transfer would cost more than recomputing; stop once the peak fits.
+    """
+    from ooc.scheduler.costmodel import build_options, model_peak
+
+    opts = build_options(profile, hardware)
+    n = opts.n
+    KEEP, SWAP, RECOMPUTE, RECOMPUTE_SWAP_INPUT = range(4)
+    picks = [KEEP] * n
+    kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="karma")
+    if budget is None or model_peak(opts, picks, prefetch) <= budget:
+        return opts.plan(picks, **kw)
+    for i in range(n):
+        hidden_under = float(opts.comp[i + 1 : i + prefetch + 1, KEEP].sum())
+        swap_cost = max(0.0, opts.t_out[i, SWAP] - opts.next_forward_s[i]) + max(0.0, opts.t_in[i, SWAP] - hidden_under)
+        picks[i] = SWAP if swap_cost <= opts.recompute_s[i, RECOMPUTE] else RECOMPUTE
+        if model_peak(opts, picks, prefetch) <= budget:
+            return opts.plan(picks, **kw)
+    for i in range(n):  # still over: keep only inputs, and move those to the host too
+        picks[i] = RECOMPUTE_SWAP_INPUT
+        if model_peak(opts, picks, prefetch) <= budget:
+            return opts.plan(picks, **kw)
+    return opts.plan(picks, **kw)
+
+
+def optimal(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
+    """The DP of ``ooc.scheduler.optimal`` (keep, swap, recompute, recompute + swap input)."""
+    from ooc.scheduler.optimal import optimal as solve
+
+    return solve(profile, hardware, budget, prefetch=prefetch)
+
+
 PLANNERS = {
     "keep-all": keep_all,
     "recompute-all": recompute_all,
     "swap-all": swap_all,
     "sqrt-checkpoint": sqrt_checkpoint,
     "greedy": greedy,
+    "karma": karma,
+    "optimal": optimal,
 }

@@ -1,0 +1,128 @@
+"""The additive cost model the ``optimal`` DP and the MILP both solve.
+
+Per block, each option (keep, swap, recompute, recompute + swap its input; with codecs, each swap
+once per codec) has device bytes allocated in the forward (``A``), bytes moved to the host (``X``),
+bytes the recomputation allocates (``Rc``), and times. The step time is modelled as the in-core time
+plus, per block:
+- ``recompute``: the block's forward again;
+- ``exposed_out``: the part of the copy out not hidden under the next block's forward (the runtime
+  makes that copy end before the block after next starts: NOTE in ``schedule.py``);
+- ``exposed_in``: the part of the copy back not hidden under the compute of the ``prefetch`` blocks
+  whose backward runs between its issue and its use.
+The peak constraints are exact (they follow the schedule's memory walk):
+``F_i = P_i + X_{i-1} + X_i <= B`` in the forward and ``M_b = P_b + sum_{j=b-p..b} X_j + Rc_b <= B``
+in the backward, where ``P_i = sum_{j<=i} (A_j - X_j)``. The simulator, not this model, is the judge
+of a plan; the model is what makes an exact search over all plans tractable.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
+from ooc.scheduler.profile import Profile
+
+BASE_OPTIONS: tuple[BlockPlan, ...] = (
+    BlockPlan(Policy.KEEP),
+    BlockPlan(Policy.SWAP),
+    BlockPlan(Policy.RECOMPUTE),
+    BlockPlan(Policy.RECOMPUTE, swap_input=True),
+)
+
+
+def codec_ratio(codec: Codec) -> float:
+    """Host bytes per device byte of a swapped fp32 tensor under ``codec`` (scales included)."""
+    return {Codec.NONE: 1.0, Codec.INT8: 0.25 + 4 / 256, Codec.INT4: 0.125 + 4 / 256, Codec.FP8: 0.25 + 4 / 256}[codec]
+
+
+@dataclass(frozen=True)
+class Options:
+    """Per block and option: arrays of shape (n, m)."""
+
+    choices: tuple[BlockPlan, ...]
+    A: np.ndarray
+    X: np.ndarray
+    Rc: np.ndarray
+    recompute_s: np.ndarray
+    t_out: np.ndarray
+    t_in: np.ndarray
+    comp: np.ndarray
+    """Backward-phase compute of the block under each option (backward + recomputation)."""
+    next_forward_s: np.ndarray
+    """(n,): compute the copy out of block i hides under (block i+1's forward; the rest of the model for the last)."""
+
+    @property
+    def n(self) -> int:
+        return self.A.shape[0]
+
+    @property
+    def m(self) -> int:
+        return self.A.shape[1]
+
+    def plan(self, picks: list[int] | np.ndarray, *, prefetch: int, min_swap_bytes: int, name: str) -> Plan:
+        return Plan(blocks=tuple(self.choices[int(c)] for c in picks), prefetch=prefetch, min_swap_bytes=min_swap_bytes, name=name)
+
+    def picks_of(self, plan: Plan) -> list[int]:
+        index = {(c.policy, c.codec, c.swap_input): k for k, c in enumerate(self.choices)}
+        return [index[(b.policy, b.codec, b.swap_input)] for b in plan.blocks]
+
+
+def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan, ...] = BASE_OPTIONS) -> Options:
+    n, m = len(profile), len(choices)
+    A = np.zeros((n, m), dtype=np.int64)
+    X = np.zeros((n, m), dtype=np.int64)
+    Rc = np.zeros((n, m), dtype=np.int64)
+    rec = np.zeros((n, m))
+    t_out = np.zeros((n, m))
+    t_in = np.zeros((n, m))
+    comp = np.zeros((n, m))
+    for i, b in enumerate(profile.blocks):
+        for k, c in enumerate(choices):
+            if c.policy is Policy.RECOMPUTE:
+                A[i, k] = b.input_bytes
+                X[i, k] = b.input_swappable_bytes if c.swap_input else 0
+                Rc[i, k] = b.saved_bytes
+                rec[i, k] = b.forward_s
+            else:
+                A[i, k] = b.saved_bytes
+                X[i, k] = b.swappable_bytes if c.policy is Policy.SWAP else 0
+            if X[i, k]:
+                moved = X[i, k] * codec_ratio(c.codec)
+                t_out[i, k] = hardware.copy_latency_s + moved / hardware.d2h
+                t_in[i, k] = hardware.copy_latency_s + moved / hardware.h2d
+            comp[i, k] = b.backward_s + rec[i, k]
+    nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
+    return Options(choices, A, X, Rc, rec, t_out, t_in, comp, nxt)
+
+
+def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:
+    """Extra seconds over the in-core step, under the additive model."""
+    n = opts.n
+    idx = np.arange(n)
+    picks = np.asarray(picks)
+    cost = float(opts.recompute_s[idx, picks].sum())
+    cost += float(np.maximum(0.0, opts.t_out[idx, picks] - opts.next_forward_s).sum())
+    comp = opts.comp[idx, picks]
+    for j in range(n):
+        t = opts.t_in[j, picks[j]]
+        if t > 0:
+            cost += max(0.0, t - float(comp[j + 1 : min(j + prefetch, n - 1) + 1].sum()))
+    return cost
+
+
+def model_peak(opts: Options, picks: list[int], prefetch: int) -> int:
+    """The peak of the schedule's memory walk, from the same formulas the DP and MILP constrain."""
+    n = opts.n
+    idx = np.arange(n)
+    picks = np.asarray(picks)
+    A, X, Rc = opts.A[idx, picks], opts.X[idx, picks], opts.Rc[idx, picks]
+    P = np.cumsum(A - X)
+    previous = np.concatenate([[0], X[:-1]])
+    forward = P + previous + X
+    cumulative = np.concatenate([[0], np.cumsum(X)])
+    window = cumulative[idx + 1] - cumulative[np.maximum(0, idx - prefetch)]  # X[i-p .. i]
+    backward = P + window + Rc
+    return int(max(forward.max(), backward.max()))

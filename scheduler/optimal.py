@@ -1,0 +1,264 @@
+"""``optimal``: a dynamic program over the chain with discretised memory (in the spirit of Rotor and
+POFO) that picks one option per block to minimise the additive cost model under the budget, then
+polishes the plan against the simulator on short chains.
+
+State after block ``i``: the bucket of ``P_i`` (resident bytes after releases) and the options of
+the last ``max(prefetch, 1)`` blocks, which the forward and backward peak constraints and the
+copy-back overlap term depend on. The transition for one option is vectorised over all states.
+
+On long chains the memory buckets would be coarser than a block, so there the memory dimension is
+dropped: resident bytes get a price, and the price is bisected until the exact peak fits
+(Lagrangian relaxation; near-optimal when blocks are small against the budget).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from ooc.scheduler.costmodel import BASE_OPTIONS, Options, build_options, model_peak
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import BlockPlan, Plan
+from ooc.scheduler.profile import Profile
+from ooc.scheduler.schedule import build_schedule
+from ooc.scheduler.simulate import predict
+
+_INF = np.inf
+
+
+def _digits(num_states: int, m: int, lags: int) -> np.ndarray:
+    """``digits[s, L-1]``: the option of the block ``L`` steps back, encoded newest-last in base m."""
+    s = np.arange(num_states)
+    return np.stack([(s // m ** (L - 1)) % m for L in range(1, lags + 1)], axis=1)
+
+
+def _step_tables(opts: Options, i: int, prefetch: int, digits: np.ndarray, budget: float) -> tuple[np.ndarray, np.ndarray]:
+    """For block ``i``: the added model cost and the room left for ``P_i`` under the peak
+    constraints, per (state of the previous blocks, option of block i): two (M, m) arrays."""
+    M, lags = digits.shape
+    xlag = np.zeros((M, lags))
+    for L in range(1, lags + 1):
+        if i - L >= 0:
+            xlag[:, L - 1] = opts.X[i - L][digits[:, L - 1]]
+    window_x = xlag[:, :prefetch].sum(axis=1)
+    f_room = budget - xlag[:, :1] - opts.X[i][None, :]
+    m_room = budget - window_x[:, None] - opts.X[i][None, :] - opts.Rc[i][None, :]
+    add = np.broadcast_to(opts.recompute_s[i] + np.maximum(0.0, opts.t_out[i] - opts.next_forward_s[i]), (M, opts.m)).copy()
+    if prefetch == 0:
+        add += opts.t_in[i][None, :]  # copied back on demand, when its own backward starts
+    elif i - prefetch >= 0:
+        # The copy back of block i-prefetch hides under the backward of blocks i-prefetch+1 .. i.
+        tin = opts.t_in[i - prefetch][digits[:, prefetch - 1]]
+        between = np.zeros(M)
+        for L in range(1, prefetch):
+            between += opts.comp[i - L][digits[:, L - 1]]
+        add += np.maximum(0.0, tin[:, None] - between[:, None] - opts.comp[i][None, :])
+    return add, np.minimum(f_room, m_room)
+
+
+def _tail_cost(opts: Options, prefetch: int, digits: np.ndarray) -> np.ndarray:
+    """Per final state: what the copies back of the last blocks expose (issued as the backward starts)."""
+    n = opts.n
+    M, lags = digits.shape
+    tail = np.zeros(M)
+    if prefetch == 0:
+        return tail
+    for s in range(M):
+        picks = {n - L: digits[s, L - 1] for L in range(1, min(lags, n) + 1)}
+        for j in range(max(0, n - prefetch), n):
+            t = opts.t_in[j, picks[j]]
+            if t > 0:
+                later = sum(opts.comp[k, picks[k]] for k in range(j + 1, n))
+                tail[s] += max(0.0, t - later)
+    return tail
+
+
+def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int) -> list[int] | None:
+    """Options per block minimising the model cost with the discretised peak <= budget; None if none."""
+    n, m = opts.n, opts.m
+    lags = max(prefetch, 1)
+    M = m**lags
+    rows = M // m
+    digits = _digits(M, m, lags)
+    unit = budget / buckets if budget > 0 else 1.0
+    Q = buckets + 1
+    # Nearest rounding of each block's resident bytes keeps the error unbiased along the chain;
+    # the caller checks the exact peak of the result.
+    delta = np.rint((opts.A - opts.X) / unit).astype(np.int64)
+    cost = np.full((Q, M), _INF)
+    cost[0, 0] = 0.0
+    back = np.zeros((n, Q, M), dtype=np.int16)
+    qs = np.arange(Q)[:, None]
+    for i in range(n):
+        add, room = _step_tables(opts, i, prefetch, digits, budget)
+        limit = np.floor(room / unit)
+        new = np.full((Q, M), _INF)
+        for c in range(m):
+            d = int(delta[i, c])
+            cand = np.full((Q, M), _INF)
+            if d < Q:
+                cand[d:] = cost[: Q - d] + add[None, :, c]
+            cand[qs > limit[None, :, c]] = _INF
+            # The new state drops the oldest option and appends c: states sharing the rest compete.
+            grouped = cand.reshape(Q, m, rows)
+            best_old = np.argmin(grouped, axis=1)
+            best = np.take_along_axis(grouped, best_old[:, None, :], axis=1)[:, 0, :]
+            targets = np.arange(rows) * m + c
+            better = best < new[:, targets]
+            new[:, targets] = np.where(better, best, new[:, targets])
+            back[i][:, targets] = np.where(better, best_old, back[i][:, targets])
+        cost = new
+    final = cost + _tail_cost(opts, prefetch, digits)[None, :]
+    q, s = np.unravel_index(int(np.argmin(final)), final.shape)
+    if not np.isfinite(final[q, s]):
+        return None
+    picks = [0] * n
+    for i in range(n - 1, -1, -1):
+        c = s % m
+        picks[i] = c
+        oldest = int(back[i, q, s])
+        q -= int(delta[i, c])
+        s = oldest * rows + s // m
+    return picks
+
+
+def _cost_tables(opts: Options, prefetch: int) -> tuple[np.ndarray, np.ndarray]:
+    """All blocks' added-cost tables, (n, M, m), and the final states' tail costs, (M,)."""
+    lags = max(prefetch, 1)
+    digits = _digits(opts.m**lags, opts.m, lags)
+    adds = np.stack([_step_tables(opts, i, prefetch, digits, 0.0)[0] for i in range(opts.n)])
+    return adds, _tail_cost(opts, prefetch, digits)
+
+
+def solve_lagrange(opts: Options, price: float, prefetch: int, tables: tuple[np.ndarray, np.ndarray] | None = None) -> list[int]:
+    """Options minimising model cost + ``price`` x resident bytes, with no memory state: the DP for
+    long chains, where the budget is met by bisecting the price (``optimal`` does)."""
+    n, m = opts.n, opts.m
+    lags = max(prefetch, 1)
+    M = m**lags
+    rows = M // m
+    adds, tail = tables if tables is not None else _cost_tables(opts, prefetch)
+    cost = np.full(M, _INF)
+    cost[0] = 0.0
+    back = np.zeros((n, M), dtype=np.int16)
+    resident = (opts.A - opts.X) * price
+    for i in range(n):
+        cand = cost[:, None] + adds[i] + resident[i][None, :]  # (M, m)
+        grouped = cand.reshape(m, rows, m)  # [oldest, rest, c]
+        best_old = np.argmin(grouped, axis=0)  # (rows, m)
+        best = np.take_along_axis(grouped, best_old[None], axis=0)[0]
+        cost = best.reshape(M)  # target state rest*m + c
+        back[i] = best_old.reshape(M)
+    s = int(np.argmin(cost + tail))
+    picks = [0] * n
+    for i in range(n - 1, -1, -1):
+        picks[i] = s % m
+        s = int(back[i, s]) * rows + s // m
+    return picks
+
+
+def _lagrange_plan(opts: Options, budget: int, prefetch: int) -> list[int] | None:
+    """The cheapest price whose plan fits the budget, by bisection on a log scale."""
+    tables = _cost_tables(opts, prefetch)
+    scale = max(1e-30, float(opts.recompute_s.max() + opts.t_in.max() + opts.t_out.max())) / max(1.0, float(opts.A.max()))
+    lo, hi = 0.0, scale
+    picks = solve_lagrange(opts, 0.0, prefetch, tables)
+    if model_peak(opts, picks, prefetch) <= budget:
+        return picks
+    best = None
+    for _ in range(30):  # find a price high enough
+        picks = solve_lagrange(opts, hi, prefetch, tables)
+        if model_peak(opts, picks, prefetch) <= budget:
+            best = picks
+            break
+        lo, hi = hi, hi * 8
+    if best is None:
+        return None
+    for _ in range(16):  # the price to 2^-16 of its bracket: the plan stops changing well before
+        mid = (lo + hi) / 2
+        picks = solve_lagrange(opts, mid, prefetch, tables)
+        if model_peak(opts, picks, prefetch) <= budget:
+            hi, best = mid, picks
+        else:
+            lo = mid
+    return best
+
+
+def _polish(plan: Plan, profile: Profile, hardware: Hardware, budget: int, choices: tuple[BlockPlan, ...], deadline: float) -> Plan:
+    """First-improvement local search over single-block changes, judged by the simulator."""
+    best_time = predict(plan, profile, hardware).step_time_s
+    improved = True
+    while improved and time.perf_counter() < deadline:
+        improved = False
+        for i in range(len(plan)):
+            for choice in choices:
+                if choice == plan.blocks[i] or time.perf_counter() >= deadline:
+                    continue
+                trial = plan.with_(blocks=plan.blocks[:i] + (choice,) + plan.blocks[i + 1 :])
+                if build_schedule(trial, profile).peak_bytes > budget:
+                    continue
+                t = predict(trial, profile, hardware).step_time_s
+                if t < best_time * (1 - 1e-9):
+                    plan, best_time, improved = trial, t, True
+    return plan
+
+
+def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
+    """Options whose exact peak fits ``budget`` at the least model cost found, or None."""
+    n = opts.n
+    if n > exact_blocks:
+        return _lagrange_plan(opts, budget, prefetch)
+    buckets = min(2048, max(256, 16 * n))
+    target = budget
+    for _ in range(6):
+        picks = solve_dp(opts, target, prefetch, buckets)
+        if picks is None:
+            return None
+        peak = model_peak(opts, picks, prefetch)
+        if peak <= budget:
+            return picks
+        # Rounding let the discretised peak pass; tighten the DP's budget by the overshoot.
+        target -= (peak - budget) + budget // buckets
+    return None
+
+
+def optimal(
+    profile: Profile,
+    hardware: Hardware,
+    budget: int | None = None,
+    *,
+    prefetch: int = 2,
+    choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
+    polish_blocks: int = 48,
+    polish_seconds: float = 2.0,
+    exact_blocks: int = 200,
+) -> Plan:
+    """Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
+    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP."""
+    from ooc.scheduler.planners import InfeasibleBudget
+
+    opts = build_options(profile, hardware, choices)
+    kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
+    if budget is None:
+        return opts.plan([0] * opts.n, **kw)
+    picks = _solve(opts, budget, prefetch, exact_blocks)
+    if picks is None:
+        raise InfeasibleBudget(budget, minimum_peak(opts, prefetch, exact_blocks))
+    plan = opts.plan(picks, **kw)
+    if opts.n <= polish_blocks:
+        plan = _polish(plan, profile, hardware, budget, choices, time.perf_counter() + polish_seconds)
+    return plan
+
+
+def minimum_peak(opts: Options, prefetch: int, exact_blocks: int = 200) -> int:
+    """The smallest budget ``optimal`` can meet: a bisection over budgets with the planner's own
+    solver, so a budget equal to this minimum is always accepted."""
+    lo, hi = 0, model_peak(opts, [0] * opts.n, prefetch)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _solve(opts, mid, prefetch, exact_blocks) is not None:
+            hi = mid
+        else:
+            lo = mid + 1
+    return hi
