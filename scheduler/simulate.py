@@ -128,9 +128,13 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
         current = 0
         events = []
         for op in ops:
-            events.append((starts[op.index], op.alloc_bytes))
+            # A copy back allocates when the host issues it (its compute dependency ends), not when
+            # the engine gets to it; everything else when it starts.
+            issued = max((done[d] for d in op.deps if ops[d].resource is Resource.COMPUTE), default=0.0)
+            events.append((issued if op.kind is OpKind.SWAP_IN else starts[op.index], op.alloc_bytes))
             events.append((done[op.index], -op.free_bytes))
-        for when, delta in sorted(events, key=lambda e: (e[0], -e[1])):
+        # At equal times frees come first: in program order an op frees before the next allocates.
+        for when, delta in sorted(events, key=lambda e: (e[0], e[1])):
             if delta:
                 current += delta
                 memory.append((when, current))
