@@ -69,6 +69,39 @@ def _bytes(tensors: Any) -> int:
     return sum(t.untyped_storage().nbytes() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
 
 
+def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn, reps: int) -> tuple[_Timer, list, list[float]]:
+    """``reps`` timed steps (after one warm-up) of ``model`` under ``plan``: the timer, the tracker's
+    log of the last step and each step's seconds."""
+    runtime = install(model, chain, plan, backend)
+    timer = runtime.timer = _Timer(backend, len(chain))
+    totals: list[float] = []
+    log: list = []
+    try:
+        for rep in range(reps + 1):  # the first run warms up allocators and kernels
+            runtime.tracker.log = log = []
+            if rep == 1:
+                timer.clear()
+            model.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            loss = loss_fn(call_model(model, sample))
+            loss.backward()
+            if backend.device.type == "cuda":
+                torch.cuda.synchronize(backend.device)
+            totals.append(time.perf_counter() - start)
+            del loss
+    finally:
+        runtime.tracker.log = None
+        unwrap(model)
+    return timer, log, totals[1:]
+
+
+def _keep_all_fits(backend: Backend, keep_peak: int) -> bool:
+    if backend.device.type != "cuda":
+        return True
+    free, _total = torch.cuda.mem_get_info(backend.device)
+    return keep_peak < 0.6 * free
+
+
 def profile(
     model: nn.Module,
     sample: Any,
@@ -83,6 +116,9 @@ def profile(
     """Measure per-block forward/backward time (median of ``reps``) and saved/input/output/param bytes.
 
     ``sample`` is one batch as the model takes it (a tensor, a tuple of args, or a dict of kwargs).
+    Bytes come from a pass with every block recomputed (the least memory any plan needs). Times come
+    from a pass with every block kept, when that fits (always on CPU): a kept block's backward reads
+    activations made long before, as in training, where a recomputed one finds them in cache.
     The model's gradients, buffers and RNG state are restored afterwards.
     """
     if reps < 1:
@@ -90,75 +126,73 @@ def profile(
     _check_trainable(model)
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
-    plan = Plan.uniform(Policy.RECOMPUTE, len(chain), min_swap_bytes=min_swap_bytes)
     state = _ModelState(model, backend_obj.device)
     outputs = [0] * len(chain)
     handles = [
         m.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, _bytes(out)))
         for i, m in enumerate(chain.modules)
     ]
-    runtime = install(model, chain, plan, backend_obj)
-    timer = runtime.timer = _Timer(backend_obj, len(chain))
-    totals: list[float] = []
+    n = len(chain)
     try:
-        for rep in range(reps + 1):  # the first run warms up allocators and kernels
-            runtime.tracker.log = log = []
-            if rep == 1:
-                for series in timer.seconds.values():
-                    for s in series:
-                        s.clear()
-            start = time.perf_counter()
-            loss = loss_fn(call_model(model, sample))
-            loss.backward()
-            if backend_obj.device.type == "cuda":
-                torch.cuda.synchronize(backend_obj.device)
-            totals.append(time.perf_counter() - start)
-            del loss
+        recompute = Plan.uniform(Policy.RECOMPUTE, n, min_swap_bytes=min_swap_bytes)
+        timer, log, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
+        med = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in timer.seconds.items()}
+        forward_s, backward_s = med["recompute"], med["backward"]
+        outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
+        saved = _sums(log, "recompute", n, min_swap_bytes)
+        if _keep_all_fits(backend_obj, sum(saved[0])):
+            keep = Plan.uniform(Policy.KEEP, n, min_swap_bytes=min_swap_bytes)
+            ktimer, _, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
+            kmed = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in ktimer.seconds.items()}
+            if all(kmed["backward"]):
+                forward_s, backward_s = kmed["forward"], kmed["backward"]
+                outside = statistics.median(ktotals) - sum(forward_s) - sum(backward_s)
     finally:
-        runtime.tracker.log = None
-        unwrap(model)
         for h in handles:
             h.remove()
         state.restore()
 
-    def sums(what: str) -> tuple[list[int], list[int]]:
-        total, large = [0] * len(chain), [0] * len(chain)
-        for kind, block, nbytes in log:
-            if kind == what:
-                total[block] += nbytes
-                if nbytes >= min_swap_bytes:
-                    large[block] += nbytes
-        return total, large
-
-    saved, swappable = sums("recompute")
-    inputs, inputs_swappable = sums("save")
-    med = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in timer.seconds.items()}
-    step = statistics.median(totals[1:])
-    outside = max(0.0, step - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"]))
+    saved_bytes, swappable, swappable_count = saved
+    inputs, inputs_swappable, inputs_count = _sums(log, "save", n, min_swap_bytes)
     block_profiles = []
     for i, module in enumerate(chain.modules):
-        params = [p for p in module.parameters()]
+        params = list(module.parameters())
         block_profiles.append(
             BlockProfile(
                 name=chain.names[i],
-                forward_s=med["recompute"][i],
-                backward_s=med["backward"][i],
-                saved_bytes=saved[i],
+                forward_s=forward_s[i],
+                backward_s=backward_s[i],
+                saved_bytes=saved_bytes[i],
                 swappable_bytes=swappable[i],
                 input_bytes=inputs[i],
                 input_swappable_bytes=inputs_swappable[i],
                 output_bytes=outputs[i],
                 param_bytes=sum(p.numel() * p.element_size() for p in params),
                 grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+                swappable_storages=swappable_count[i],
+                input_swappable_storages=inputs_count[i],
             )
         )
     return Profile(
         blocks=tuple(block_profiles),
         min_swap_bytes=min_swap_bytes,
-        outside_forward_s=outside,
+        outside_forward_s=max(0.0, outside),
         outside_backward_s=0.0,
         model=name or type(model).__name__,
         source="measured",
         machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
     )
+
+
+def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int], list[int], list[int]]:
+    """Per block: bytes the tracker saw allocated as ``what``; those in swappable storages; how many
+    swappable storages."""
+    total, large, count = [0] * n, [0] * n, [0] * n
+    for kind, block, nbytes in log:
+        if kind == what:
+            total[block] += nbytes
+            if nbytes >= min_swap_bytes:
+                large[block] += nbytes
+                count[block] += 1
+    return total, large, count

@@ -39,9 +39,16 @@ _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDict
 
 
 class _NoTimer:
+    """The runtime's timing hooks, doing nothing outside of profiling."""
+
+    marks_backward = False
+
     @contextlib.contextmanager
     def __call__(self, block: int, what: str) -> Iterator[None]:
         yield
+
+    def mark(self, block: int, what: str) -> None:
+        pass
 
 
 class _Pass:
@@ -113,6 +120,7 @@ class _Pass:
                 self.release(j)
         if self.bwd_range is not None:
             self.bwd_range.end()
+        self.rt.timer.mark(block, "backward_start")
         self.bwd_range = nvtx.start(f"ooc/bwd/{self.rt.chain.names[block]}")
         for j in schedule.swap_ins_before_backward[block]:
             self.prefetch(j)
@@ -164,6 +172,10 @@ class _BlockForward:
                 step.release(j)
         finally:
             fwd.end()
+        if rt.timer.marks_backward:
+            inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
+            if inputs:
+                register_multi_grad_hook(inputs, lambda _grad: rt.timer.mark(i, "backward_end"), mode="any")
         if isinstance(out, torch.Tensor):
             outputs = [out] if out.requires_grad else []
         else:
@@ -239,7 +251,13 @@ class Runtime:
 
 
 class _Timer:
-    """Times each block's phases (used by the profiler): median-ready lists of seconds."""
+    """Times each block's phases (used by the profiler): median-ready lists of seconds.
+
+    A recomputed block times its phases directly; a kept block's backward runs inside autograd, from
+    the grad hook on its outputs (``backward_start``) to the one on its inputs (``backward_end``).
+    """
+
+    marks_backward = True
 
     def __init__(self, backend: Backend, num_blocks: int) -> None:
         self.backend = backend
@@ -247,6 +265,22 @@ class _Timer:
             w: [[] for _ in range(num_blocks)] for w in ("forward", "recompute", "backward")
         }
         self._cuda = backend.device.type == "cuda"
+        self._started: dict[int, float] = {}
+
+    def mark(self, block: int, what: str) -> None:
+        if self._cuda:
+            torch.cuda.synchronize(self.backend.device)
+        now = time.perf_counter()
+        if what == "backward_start":
+            self._started[block] = now
+        elif block in self._started:
+            self.seconds["backward"][block].append(now - self._started.pop(block))
+
+    def clear(self) -> None:
+        for series in self.seconds.values():
+            for s in series:
+                s.clear()
+        self._started.clear()
 
     @contextlib.contextmanager
     def __call__(self, block: int, what: str) -> Iterator[None]:

@@ -47,6 +47,7 @@ class Options:
     X: np.ndarray
     Rc: np.ndarray
     recompute_s: np.ndarray
+    """Compute the option adds: the forward again (recompute) and the issuing of its copies."""
     t_out: np.ndarray
     t_in: np.ndarray
     comp: np.ndarray
@@ -89,11 +90,13 @@ def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan
             else:
                 A[i, k] = b.saved_bytes
                 X[i, k] = b.swappable_bytes if c.policy is Policy.SWAP else 0
+            comp[i, k] = b.backward_s + rec[i, k]
             if X[i, k]:
+                copies = b.input_swappable_storages if c.policy is Policy.RECOMPUTE else b.swappable_storages
+                rec[i, k] += 2 * copies * hardware.copy_issue_s  # issued in the forward, again in the backward
                 moved = X[i, k] * codec_ratio(c.codec)
                 t_out[i, k] = hardware.copy_latency_s + moved / hardware.d2h
                 t_in[i, k] = hardware.copy_latency_s + moved / hardware.h2d
-            comp[i, k] = b.backward_s + rec[i, k]
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
     return Options(choices, A, X, Rc, rec, t_out, t_in, comp, nxt)
 

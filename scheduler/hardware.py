@@ -38,6 +38,8 @@ class Hardware:
     memory_bytes_per_s: float = 0.0
     compute_slowdown: float = 0.0
     """Extra compute time, as a fraction, while a copy moves bytes (0 with dedicated copy engines)."""
+    copy_issue_s: float = 0.0
+    """Compute-stream time per copy issued and waited for (launch, events; a thread hand-off on CPU)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -47,6 +49,8 @@ class Hardware:
                 raise HardwareError(f"{self.name}: bandwidth {name} must be > 0 bytes/s, got {value}")
         if self.device_memory <= 0:
             raise HardwareError(f"{self.name}: device_memory must be > 0, got {self.device_memory}")
+        if self.copy_issue_s < 0:
+            raise HardwareError(f"{self.name}: copy_issue_s must be >= 0, got {self.copy_issue_s}")
         if self.compute_slowdown < 0:
             raise HardwareError(f"{self.name}: compute_slowdown must be >= 0, got {self.compute_slowdown}")
         if self.copy_latency_s < 0:
@@ -86,6 +90,8 @@ class Hardware:
 # 63 GB/s raw per direction, ~50-55 GB/s pinned. The duplex figures for Gen3/Gen5 assume the same
 # ~50% fall seen on Gen4. Host optimizer: Adam moves ~28 bytes per fp32 parameter; a 2-socket host
 # streams ~100-200 GB/s, torch's fused CPU Adam reaches ~52 ms per 100M params on 2 cores (PLATFORM.md).
+# host_optimizer is in bytes of fp32 parameters updated per second. copy_issue_s on CUDA is a
+# cudaMemcpyAsync plus an event record and a record_stream, ~5 us of host time.
 PRESETS: dict[str, Hardware] = {
     "v100-16gb": Hardware(
         name="v100-16gb",
@@ -97,6 +103,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=900 * GB,
         host_optimizer=40 * GB,
         copy_latency_s=10e-6,
+        copy_issue_s=5e-6,
         flops=112e12,
         memory_bytes_per_s=900 * GB,
         source="V100-SXM2 16GB, PCIe Gen3 x16 (KARMA's machine); 112 TFLOP/s fp16 tensor, 900 GB/s HBM2",
@@ -111,6 +118,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=1555 * GB,
         host_optimizer=60 * GB,
         copy_latency_s=8e-6,
+        copy_issue_s=5e-6,
         flops=312e12,
         memory_bytes_per_s=1555 * GB,
         source="A100-SXM4 40GB, PCIe Gen4 x16: ~25 GB/s pinned alone, ~12 GB/s H2D with concurrent D2H",
@@ -125,6 +133,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=3350 * GB,
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
+        copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=3350 * GB,
         source="H100 SXM 80GB HBM3 3.35 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
@@ -139,6 +148,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=4800 * GB,
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
+        copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=4800 * GB,
         source="H200 141GB HBM3e 4.8 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
@@ -153,6 +163,8 @@ PRESETS: dict[str, Hardware] = {
         d2d=8 * GB,
         host_optimizer=2 * GB,
         copy_latency_s=30e-6,
+        copy_issue_s=150e-6,
+        compute_slowdown=0.8,
         flops=50e9,
         memory_bytes_per_s=8 * GB,
         source="this project's 2-core CI machine, CPU backend copy engine (run `ooc.scheduler.calibrate` for yours)",

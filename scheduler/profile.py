@@ -39,6 +39,9 @@ class BlockProfile:
     output_bytes: int
     param_bytes: int
     grad_bytes: int
+    swappable_storages: int = 0
+    """How many storages ``SWAP`` copies (each copy costs ``Hardware.copy_issue_s`` of compute)."""
+    input_swappable_storages: int = 0
 
     def __post_init__(self) -> None:
         for f in fields(self):

@@ -51,6 +51,8 @@ class Op:
     alloc_bytes: int = 0
     free_bytes: int = 0
     bytes_moved: int = 0
+    copies: int = 0
+    """Copies a copy op stands for; on a compute op, copies it issues and waits for."""
     duration_s: float = 0.0
 
     @property
@@ -68,6 +70,8 @@ class BlockBytes:
     """Moved to the host (freed at RELEASE, allocated again at SWAP_IN)."""
     recompute_alloc: int
     """Allocated by the recomputation inside the block's backward."""
+    copies: int = 0
+    """Storages moved each way."""
 
     @property
     def resident_at_backward(self) -> int:
@@ -81,9 +85,11 @@ def block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
     if plan_block.policy is Policy.KEEP:
         return BlockBytes(profile_block.saved_bytes, 0, 0)
     if plan_block.policy is Policy.SWAP:
-        return BlockBytes(profile_block.saved_bytes, profile_block.swappable_bytes, 0)
-    swapped = profile_block.input_swappable_bytes if plan_block.swap_input else 0
-    return BlockBytes(profile_block.input_bytes, swapped, profile_block.saved_bytes)
+        return BlockBytes(profile_block.saved_bytes, profile_block.swappable_bytes, 0, profile_block.swappable_storages)
+    if plan_block.swap_input:
+        return BlockBytes(profile_block.input_bytes, profile_block.input_swappable_bytes, profile_block.saved_bytes,
+                          profile_block.input_swappable_storages)
+    return BlockBytes(profile_block.input_bytes, 0, profile_block.saved_bytes)
 
 
 @dataclass(frozen=True)
@@ -134,9 +140,11 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
     swap_out: dict[int, int] = {}
     releases_after: list[tuple[int, ...]] = []
     for i in range(n):
-        add(OpKind.FORWARD, i, Resource.COMPUTE, alloc_bytes=per_block[i].forward_alloc)
+        add(OpKind.FORWARD, i, Resource.COMPUTE, alloc_bytes=per_block[i].forward_alloc,
+            copies=per_block[i].copies if swaps[i] else 0)
         if swaps[i]:
-            swap_out[i] = add(OpKind.SWAP_OUT, i, Resource.D2H, (last_compute[-1],), bytes_moved=per_block[i].swapped)
+            swap_out[i] = add(OpKind.SWAP_OUT, i, Resource.D2H, (last_compute[-1],), bytes_moved=per_block[i].swapped,
+                              copies=per_block[i].copies)
         if i > 0 and swaps[i - 1]:
             # The forward of block i overlaps block i-1's copy out; the copy must end before block
             # i+1 starts, which bounds the bytes in flight to two blocks' worth.
@@ -160,14 +168,15 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
                 # Issued by the host when block b's backward starts, after the copy out finished.
                 deps = (swap_out[j],) + ((last_compute[-1],) if last_compute else ())
                 swap_in[j] = add(OpKind.SWAP_IN, j, Resource.H2D, deps, alloc_bytes=per_block[j].swapped,
-                                 bytes_moved=per_block[j].swapped)
+                                 bytes_moved=per_block[j].swapped, copies=per_block[j].copies)
                 issued.append(j)
         swap_ins_before[b] = tuple(issued)
         wait = (swap_in[b],) if b in swap_in else ()
+        issued_copies = sum(per_block[j].copies for j in issued)
         if plan.blocks[b].policy is Policy.RECOMPUTE:
-            add(OpKind.RECOMPUTE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].recompute_alloc)
-            wait = ()
-        add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward)
+            add(OpKind.RECOMPUTE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].recompute_alloc, copies=issued_copies)
+            wait, issued_copies = (), 0
+        add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward, copies=issued_copies)
 
     memory = []
     current = 0
@@ -189,9 +198,9 @@ def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Pla
     from dataclasses import replace
 
     if op.kind is OpKind.FORWARD or op.kind is OpKind.RECOMPUTE:
-        duration = prof[op.block].forward_s
+        duration = prof[op.block].forward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.BACKWARD:
-        duration = prof[op.block].backward_s
+        duration = prof[op.block].backward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.OUTSIDE:
         duration = profile.outside_forward_s + profile.outside_backward_s
     elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN):

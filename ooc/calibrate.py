@@ -1,0 +1,144 @@
+"""Measuring a backend's copy engines and host: the figures a :class:`Hardware` holds."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import threading
+import time
+from dataclasses import replace
+
+import torch
+
+from ooc.backend import Backend, resolve_backend
+from ooc.scheduler.hardware import Hardware, preset
+
+
+def _median_seconds(fn, reps: int) -> float:
+    fn()  # warm-up: first-touch page faults, allocator
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _device_memory(backend: Backend) -> int:
+    if backend.device.type == "cuda":
+        return torch.cuda.get_device_properties(backend.device).total_memory
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor, reps: int) -> float:
+    """How much longer a compute loop takes while the copy engines move bytes."""
+    a = torch.randn(384, 384, device=backend.device)
+
+    def compute() -> None:
+        for _ in range(20):
+            a @ a
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+
+    alone = _median_seconds(compute, reps)
+    stop = threading.Event()
+
+    def copy_forever() -> None:
+        while not stop.is_set():
+            backend.copy_d2h(host, device, ()).synchronize()
+
+    worker = threading.Thread(target=copy_forever, daemon=True)
+    worker.start()
+    try:
+        busy = _median_seconds(compute, reps)
+    finally:
+        stop.set()
+        worker.join()
+    return max(0.0, busy / alone - 1.0)
+
+
+def _copy_issue_seconds(backend: Backend, reps: int) -> float:
+    """Compute time lost per copy issued and waited for, beside a loop of small ops (the shape of a
+    model's forward): launch and event costs, and on the CPU backend the hand-off to its thread."""
+    x = torch.randn(1 << 14, device=backend.device)
+    src = backend.device_buffer(1 << 14)
+    dst = backend.host_buffer(1 << 14)
+    ops = 200
+
+    def small_ops(copy: bool) -> None:
+        pending = None
+        for _ in range(ops):
+            x.mul_(1.0).add_(0.0)
+            if copy:
+                if pending is not None:
+                    backend.wait_compute(pending)
+                pending = backend.copy_d2h(dst, src, (backend.record_compute(),))
+        if pending is not None:
+            backend.wait_compute(pending)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+
+    alone = _median_seconds(lambda: small_ops(False), reps)
+    with_copies = _median_seconds(lambda: small_ops(True), reps)
+    return max(0.0, (with_copies - alone) / ops)
+
+
+def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps: int = 5) -> Hardware:
+    """Measure copy bandwidths (each direction alone and both at once), copy latency, device-to-device
+    bandwidth, the host AdamW rate, the compute slowdown under copies and the compute cost of issuing
+    one, on ``backend``.
+
+    Returns a :class:`Hardware` named ``measured-<backend>``; figures not measured here (dense
+    FLOP/s) come from the nearest preset.
+    """
+    if isinstance(backend, str):
+        backend = resolve_backend(backend, torch.nn.Linear(1, 1, device="cuda" if backend == "cuda" else "cpu"))
+    host = backend.host_buffer(nbytes)
+    host2 = backend.host_buffer(nbytes)
+    device = backend.device_buffer(nbytes)
+    device2 = backend.device_buffer(nbytes)
+    host.fill_(1)
+    device.fill_(2)
+
+    h2d_s = _median_seconds(lambda: backend.copy_h2d(device, host, ()).synchronize(), reps)
+    d2h_s = _median_seconds(lambda: backend.copy_d2h(host, device, ()).synchronize(), reps)
+
+    def both() -> None:
+        a = backend.copy_h2d(device2, host2, ())
+        b = backend.copy_d2h(host, device, ())
+        a.synchronize()
+        b.synchronize()
+
+    duplex_s = _median_seconds(both, reps)
+    tiny_h, tiny_d = backend.host_buffer(4), backend.device_buffer(4)
+    latency_s = _median_seconds(lambda: backend.copy_h2d(tiny_d, tiny_h, ()).synchronize(), reps * 4)
+
+    def d2d() -> None:
+        device2.copy_(device)
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+
+    d2d_s = _median_seconds(d2d, reps)
+    params = torch.zeros(nbytes // 4 // 4)
+    params.grad = torch.ones_like(params)
+    opt = torch.optim.AdamW([params], lr=1e-3, fused=True)
+    opt_s = _median_seconds(opt.step, reps)
+    slowdown = _compute_slowdown(backend, host, device, reps)
+
+    base = preset("cpu" if backend.device.type == "cpu" else "h100-sxm")
+    h2d, d2h = nbytes / h2d_s, nbytes / d2h_s
+    return replace(
+        base,
+        name=f"measured-{backend.name}",
+        device_memory=_device_memory(backend),
+        h2d=h2d,
+        d2h=d2h,
+        h2d_duplex=min(h2d, nbytes / duplex_s),
+        d2h_duplex=min(d2h, nbytes / duplex_s),
+        d2d=2 * nbytes / d2d_s,
+        host_optimizer=params.numel() * 4 / opt_s,
+        copy_latency_s=latency_s,
+        compute_slowdown=slowdown,
+        copy_issue_s=_copy_issue_seconds(backend, reps),
+        source=f"calibrated on {backend!r} with {nbytes} byte copies, median of {reps}",
+    )

@@ -1,0 +1,96 @@
+"""``ooc simulate --check``: the performance model against measured steps of the demo GPT."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+
+import ooc
+from ooc.backend import Backend, resolve_backend
+from ooc.calibrate import calibrate
+from ooc.demo import CharData, load_text
+from ooc.models.gpt import GPT, GPTConfig
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import Plan
+from ooc.scheduler.planners import PLANNERS, annotate
+from ooc.scheduler.schedule import build_schedule
+from ooc.scheduler.simulate import simulate
+from ooc.scheduler.units import format_bytes
+
+
+@dataclass(frozen=True)
+class CheckRow:
+    plan: str
+    predicted_peak: int
+    measured_peak: int
+    predicted_s: float
+    measured_s: float
+
+    @property
+    def peak_error(self) -> float:
+        return abs(self.measured_peak - self.predicted_peak) / max(1, self.predicted_peak)
+
+    @property
+    def time_error(self) -> float:
+        return abs(self.measured_s - self.predicted_s) / self.measured_s
+
+    @property
+    def peak_ok(self) -> bool:
+        return abs(self.measured_peak - self.predicted_peak) <= 0.01 * self.predicted_peak + 2**20
+
+
+def demo_model_and_batch(device: torch.device, seed: int = 0) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
+    torch.manual_seed(seed)
+    data = CharData.from_text(load_text())
+    cfg = GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
+    return GPT(cfg).to(device), data.batch(16, 64, torch.Generator().manual_seed(seed), device)
+
+
+def calibration_check(*, reps: int = 10, backend: str | Backend = "auto", hardware: Hardware | None = None) -> list[CheckRow]:
+    """For all-KEEP, all-SWAP, all-RECOMPUTE and a mixed plan: predicted vs measured peak and step time."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    model, batch = demo_model_and_batch(device)
+    backend_obj = resolve_backend(backend, model)
+    prof = ooc.profile(model, batch, backend=backend_obj, reps=max(3, reps // 2))
+    hw = hardware or calibrate(backend_obj)
+    n = len(prof)
+    keep_peak = build_schedule(Plan.uniform("keep", n), prof).peak_bytes
+    mixed = annotate(PLANNERS["optimal"](prof, hw, keep_peak // 2), prof)
+    plans = [Plan.uniform("keep", n), Plan.uniform("swap", n), Plan.uniform("recompute", n), mixed.with_(name="optimal@50%")]
+    rows = []
+    for plan in plans:
+        wrapped = ooc.wrap(copy.deepcopy(model), plan, backend=backend_obj)
+        times, peak = [], 0
+        for step in range(reps + 2):
+            wrapped.zero_grad(set_to_none=True)
+            start = time.perf_counter()
+            wrapped(*batch)[1].backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            if step >= 2:
+                times.append(time.perf_counter() - start)
+            peak = max(peak, ooc.memory_report(wrapped).peak_bytes)
+        ooc.unwrap(wrapped)
+        predicted = simulate(build_schedule(plan, prof, hw), hw, keep_timeline=False)
+        rows.append(CheckRow(plan.name, predicted.peak_bytes, peak, predicted.step_time_s, statistics.median(times)))
+    return rows
+
+
+def format_check(rows: list[CheckRow]) -> str:
+    header = ("plan", "peak predicted", "peak measured", "error", "step predicted", "step measured", "error")
+    table = [header] + [
+        (r.plan, format_bytes(r.predicted_peak), format_bytes(r.measured_peak), f"{r.peak_error:.2%}",
+         f"{r.predicted_s * 1e3:.1f} ms", f"{r.measured_s * 1e3:.1f} ms", f"{r.time_error:.1%}")
+        for r in rows
+    ]
+    widths = [max(len(row[c]) for row in table) for c in range(len(header))]
+    lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))) for row in table]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    ok_peak = all(r.peak_ok for r in rows)
+    ok_time = all(r.time_error <= 0.2 for r in rows)
+    lines.append(f"peaks within 1% + 1 MiB: {'yes' if ok_peak else 'NO'}; step times within 20%: {'yes' if ok_time else 'NO'}")
+    return "\n".join(lines)
