@@ -175,14 +175,33 @@ def _lagrange_plan(opts: Options, budget: int, prefetch: int) -> list[int] | Non
         lo, hi = hi, hi * 8
     if best is None:
         return None
+    cheaper = solve_lagrange(opts, lo, prefetch, tables)
     for _ in range(16):  # the price to 2^-16 of its bracket: the plan stops changing well before
         mid = (lo + hi) / 2
         picks = solve_lagrange(opts, mid, prefetch, tables)
         if model_peak(opts, picks, prefetch) <= budget:
             hi, best = mid, picks
         else:
-            lo = mid
-    return best
+            lo, cheaper = mid, picks
+    return _repair(opts, best, cheaper, budget, prefetch)
+
+
+def _repair(opts: Options, feasible: list[int], cheaper: list[int], budget: int, prefetch: int) -> list[int]:
+    """Close the Lagrangian gap: identical blocks tie at the critical price, so the feasible plan
+    may give up more than it must. Move blocks to the cheaper (over-budget) plan's choice, most time
+    saved per resident byte first, while the exact peak still fits."""
+    picks = list(feasible)
+    idx = np.arange(opts.n)
+    f, c = np.asarray(feasible), np.asarray(cheaper)
+    saved_s = opts.recompute_s[idx, f] - opts.recompute_s[idx, c] + np.maximum(0, opts.t_in[idx, f] - opts.t_in[idx, c])
+    extra_bytes = (opts.A[idx, c] - opts.X[idx, c]) - (opts.A[idx, f] - opts.X[idx, f])
+    candidates = [i for i in range(opts.n) if f[i] != c[i] and saved_s[i] > 0]
+    candidates.sort(key=lambda i: -saved_s[i] / max(1, extra_bytes[i]))
+    for i in candidates:
+        picks[i] = int(c[i])
+        if model_peak(opts, picks, prefetch) > budget:
+            picks[i] = int(f[i])
+    return picks
 
 
 def _polish(plan: Plan, profile: Profile, hardware: Hardware, budget: int, choices: tuple[BlockPlan, ...], deadline: float) -> Plan:
