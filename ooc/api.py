@@ -85,12 +85,15 @@ def wrap(
     prefetch: int = 2,
     hardware: Hardware | str | None = None,
     planner: str = DEFAULT_PLANNER,
+    profile: Profile | None = None,
 ) -> nn.Module:
     """Install ooc's runtime on ``model`` and return it; the training loop stays as it is.
 
     - ``plan``: one :class:`~ooc.scheduler.Plan` decision per block; it always wins over ``budget``.
     - ``budget`` (+ ``sample``, one input batch): profile the blocks on ``sample`` and plan so the
-      predicted peak of device-resident saved activations stays within ``budget``.
+      predicted peak of device-resident saved activations stays within ``budget``. With
+      ``profile=`` (from ``ooc.profile`` or ``ooc profile``) nothing is measured; the profile must
+      describe this model's blocks.
     - Neither: every block keeps its activations (the runtime only measures).
     - ``blocks``: the chain (a list of submodules or a ModuleList/Sequential); found if omitted.
     - ``backend``: ``"auto"`` (CUDA if the model is there), ``"cpu"``, ``"chaos"``, ``"cuda"`` or a
@@ -102,7 +105,11 @@ def wrap(
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
     if plan is None:
-        if budget is not None:
+        if budget is not None and profile is not None:
+            profile.check_matches(list(chain.names))
+            plan = plan_for_profile(profile, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner,
+                                    prefetch=prefetch)
+        elif budget is not None:
             if sample is None:
                 raise WrapError(
                     "wrap(model, budget=...) needs sample=<one input batch> to profile the blocks "

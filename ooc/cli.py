@@ -1,10 +1,24 @@
-"""The ``ooc`` command line: ``ooc demo`` (and ``python -m ooc demo``)."""
+"""The ``ooc`` command line (also ``python -m ooc``): demo, profile, plan, simulate, calibrate."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+
+
+def _hardware(spec: str | None, default: str = "cpu"):
+    from ooc.scheduler.hardware import Hardware, preset
+
+    spec = spec or default
+    if spec.endswith(".json"):
+        path = Path(spec)
+        if not path.is_file():
+            raise ValueError(f"no hardware file {path}; make one with `ooc calibrate --out {path}`")
+        return Hardware.from_dict(json.loads(path.read_text()))
+    return preset(spec)
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -15,17 +29,189 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def reference_model(spec: str, batch: int, seq: int):
+    """``gpt:<preset>``, ``cnn`` or ``mlp``: a reference model and one input batch for it."""
+    import torch
+
+    from ooc.models import GPT, GPT_PRESETS, MLPChain, ResNet
+
+    torch.manual_seed(0)
+    kind, _, variant = spec.partition(":")
+    if kind == "gpt":
+        variant = variant or "tiny"
+        if variant not in GPT_PRESETS:
+            raise ValueError(f"no GPT preset {variant!r}; choose one of {sorted(GPT_PRESETS)}")
+        model = GPT(variant)
+        seq = min(seq, model.config.block_size)
+        x = torch.randint(0, model.config.vocab_size, (batch, seq))
+        return model, (x, torch.roll(x, -1, 1))
+    if kind == "cnn":
+        return ResNet(), (torch.randn(batch, 3, 32, 32),)
+    if kind == "mlp":
+        return MLPChain(), (torch.randn(batch, 32),)
+    raise ValueError(f"unknown model {spec!r}; use gpt:<preset>, cnn or mlp")
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, wide_resnet
+
+    if args.analytic:
+        hw = _hardware(args.hardware, "h100-sxm")
+        makers = {
+            "gpt2-xl": lambda: gpt2_xl(args.seq, args.batch, hw),
+            "decoder-7b": lambda: decoder_7b(args.seq, args.batch, hw),
+            "wrn-28-10": lambda: wide_resnet(batch=args.batch, hardware=hw),
+            "resnet-1001": lambda: preact_resnet_bottleneck(batch=args.batch, hardware=hw),
+        }
+        if args.analytic not in makers:
+            raise ValueError(f"no analytic model {args.analytic!r}; choose one of {sorted(makers)}")
+        prof = makers[args.analytic]()
+    else:
+        import ooc
+
+        model, sample = reference_model(args.model, args.batch, args.seq)
+        prof = ooc.profile(model, sample, reps=args.reps, name=args.model)
+    print(f"{prof.model}: {len(prof)} blocks, {prof.source}")
+    for b in prof.blocks[:4]:
+        print(f"  {b.name}: fwd {b.forward_s * 1e3:.3f} ms, bwd {b.backward_s * 1e3:.3f} ms, saved {b.saved_bytes} B, input {b.input_bytes} B")
+    if len(prof) > 4:
+        print(f"  ... {len(prof) - 4} more")
+    if args.out:
+        prof.save(args.out)
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from ooc.api import plan_for_profile
+    from ooc.scheduler.planners import PLANNERS
+    from ooc.scheduler.profile import Profile
+    from ooc.scheduler.schedule import build_schedule
+    from ooc.scheduler.simulate import predict
+    from ooc.scheduler.units import format_bytes, parse_bytes
+
+    prof = Profile.load(args.profile)
+    hw = _hardware(args.hardware, "h100-sxm" if prof.machine.get("backend") != "cpu" else "cpu")
+    budget = parse_bytes(args.budget)
+    ideal = predict(PLANNERS["keep-all"](prof, hw, None), prof, hw).step_time_s
+    chosen = plan_for_profile(prof, budget, hardware=hw, planner=args.planner, prefetch=args.prefetch)
+    print(chosen.table(prof.names))
+    print()
+    rows = [("planner", "step ms", "x ideal", "peak", "fits")]
+    for name, planner in PLANNERS.items():
+        try:
+            plan = planner(prof, hw, budget, prefetch=args.prefetch)
+        except ValueError:
+            rows.append((name, "-", "-", "-", "no plan"))
+            continue
+        result = predict(plan, prof, hw)
+        fits = build_schedule(plan, prof).peak_bytes <= budget
+        rows.append((name, f"{result.step_time_s * 1e3:.2f}", f"{result.step_time_s / ideal:.3f}", format_bytes(result.peak_bytes), "yes" if fits else "no"))
+    widths = [max(len(r[c]) for r in rows) for c in range(5)]
+    for k, row in enumerate(rows):
+        print("  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))))
+        if k == 0:
+            print("  ".join("-" * w for w in widths))
+    print(f"budget {format_bytes(budget)} on {hw.name}; ideal (keep-all, unlimited memory) {ideal * 1e3:.2f} ms")
+    if args.out:
+        Path(args.out).write_text(chosen.to_json())
+        print(f"wrote {args.out}")
+    return 0
+
+
+def _simulate(args: argparse.Namespace) -> int:
+    if args.check:
+        from ooc.check import calibration_check, format_check
+
+        rows = calibration_check(reps=args.reps)
+        print(format_check(rows))
+        return 0 if all(r.peak_ok for r in rows) else 1
+    from ooc.scheduler.plan import Plan
+    from ooc.scheduler.profile import Profile
+    from ooc.scheduler.schedule import build_schedule
+    from ooc.scheduler.simulate import simulate
+
+    if not args.profile or not args.plan:
+        raise ValueError("ooc simulate needs --profile P.json and --plan Q.json (or --check)")
+    prof = Profile.load(args.profile)
+    plan_path = Path(args.plan)
+    if not plan_path.is_file():
+        raise ValueError(f"no plan at {plan_path}; make one with `ooc plan --profile {args.profile} --budget ... --out {plan_path}`")
+    plan = Plan.from_json(plan_path.read_text())
+    hw = _hardware(args.hardware, "h100-sxm" if prof.machine.get("backend") != "cpu" else "cpu")
+    result = simulate(build_schedule(plan, prof, hw), hw)
+    print(result.summary())
+    if args.timeline:
+        from ooc.plots import plot_timeline
+
+        plot_timeline(result, args.timeline, title=f"{prof.model}, plan {plan.name} on {hw.name}")
+        print(f"wrote {args.timeline}")
+    if args.trace:
+        from ooc.scheduler.trace import write_chrome_trace
+
+        write_chrome_trace(result, args.trace, name=f"{prof.model} {plan.name}")
+        print(f"wrote {args.trace}")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    from ooc.calibrate import calibrate
+
+    hw = calibrate(args.backend)
+    print(hw.describe())
+    print(f"compute slowdown while copying {hw.compute_slowdown:.2f}, per-copy compute {hw.copy_issue_s * 1e6:.0f} us")
+    if args.out:
+        Path(args.out).write_text(hw.to_json())
+        print(f"wrote {args.out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ooc", description="Out-of-core training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
+
     demo = sub.add_parser("demo", help="train a tiny GPT under a memory budget that forces keep/swap/recompute")
     demo.add_argument("--steps", type=int, default=300)
     demo.add_argument("--batch-size", type=int, default=16)
-    demo.add_argument("--budget-fraction", type=float, default=0.5, help="budget as a fraction of the keep-all peak")
+    demo.add_argument("--budget-fraction", type=float, default=0.4, help="budget as a fraction of the keep-all peak")
     demo.add_argument("--planner", default="optimal")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     demo.set_defaults(run=_demo)
+
+    prof = sub.add_parser("profile", help="measure a reference model's blocks, or build an analytic profile")
+    prof.add_argument("--model", default="gpt:tiny", help="gpt:<preset>, cnn or mlp (measured here)")
+    prof.add_argument("--analytic", help="gpt2-xl, decoder-7b, wrn-28-10 or resnet-1001 (roofline on --hardware)")
+    prof.add_argument("--batch", type=int, default=16)
+    prof.add_argument("--seq", type=int, default=64)
+    prof.add_argument("--reps", type=int, default=3)
+    prof.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    prof.add_argument("--out", help="write the profile JSON here")
+    prof.set_defaults(run=_profile)
+
+    plan = sub.add_parser("plan", help="choose a plan for a profile under a budget; compare every planner")
+    plan.add_argument("--profile", required=True)
+    plan.add_argument("--budget", required=True, help="e.g. 20GiB")
+    plan.add_argument("--planner", default="optimal")
+    plan.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    plan.add_argument("--prefetch", type=int, default=2)
+    plan.add_argument("--out", help="write the chosen plan JSON here")
+    plan.set_defaults(run=_plan)
+
+    sim = sub.add_parser("simulate", help="predict a plan's step; draw its timeline; or check the model against runs")
+    sim.add_argument("--profile")
+    sim.add_argument("--plan")
+    sim.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    sim.add_argument("--timeline", help="write a PNG Gantt chart with the memory curve")
+    sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON")
+    sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed)")
+    sim.add_argument("--reps", type=int, default=10)
+    sim.set_defaults(run=_simulate)
+
+    cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
+    cal.add_argument("--backend", default="auto")
+    cal.add_argument("--out", help="write the hardware JSON here")
+    cal.set_defaults(run=_calibrate)
     return parser
 
 

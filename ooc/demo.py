@@ -80,7 +80,7 @@ def run_demo(
     *,
     steps: int = 300,
     batch_size: int = 16,
-    budget_fraction: float = 0.5,
+    budget_fraction: float = 0.4,
     planner: str = "optimal",
     seed: int = 0,
     show: Callable[[str], None] = print,

@@ -12,6 +12,25 @@ from ooc.scheduler.profile import BlockProfile, Profile, ProfileError
 from ooc.scheduler.schedule import Op, OpKind, Resource, Schedule, build_schedule, peak_bytes
 from ooc.scheduler.units import format_bytes, parse_bytes
 
+
+# NOTE [measuring from the scheduler]
+# Profiling and calibration run a model and copies through the runtime: its pack hooks give the byte
+# counts the runtime's tracker will see, its backends the copy engines. They live in the runtime
+# (``ooc.profile``, ``ooc.calibrate``); these two names forward to them when called, so importing
+# ``ooc.scheduler`` still imports no runtime or GPU code.
+def profile(model, sample, **kwargs) -> Profile:  # noqa: ANN001
+    """``ooc.profile``: measure a model's blocks (see there)."""
+    from ooc.profiler import profile as measure
+
+    return measure(model, sample, **kwargs)
+
+
+def calibrate(backend="auto", **kwargs) -> Hardware:  # noqa: ANN001
+    """``ooc.calibrate``: measure a backend's copy engines and host (see there)."""
+    from ooc.calibrate import calibrate as measure
+
+    return measure(backend, **kwargs)
+
 __all__ = [
     "PLANNERS",
     "PRESETS",
@@ -30,8 +49,10 @@ __all__ = [
     "Resource",
     "Schedule",
     "build_schedule",
+    "calibrate",
     "format_bytes",
     "parse_bytes",
     "peak_bytes",
     "preset",
+    "profile",
 ]
