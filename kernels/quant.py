@@ -1,0 +1,242 @@
+"""Per-group absmax quantization to int8 / int4 / fp8 in Triton, and dequantization.
+
+Anatomy: ``@triton.jit`` kernels -> launchers that validate and pick block sizes -> public
+``quantize`` / ``dequantize``. The spec and CPU path is ``quant_reference.py``; on CUDA tensors the
+launcher runs Triton, elsewhere the reference; ``OOC_KERNELS=triton`` forces Triton (the interpreter
+on CPU, with ``TRITON_INTERPRET=1`` set before this module is imported) and ``OOC_KERNELS=reference``
+forces torch.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_rows, torch_dequantize, torch_quantize
+
+CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
+
+# Groups per program: 32 groups of 64 values is a 2048-element tile, which keeps the interpreter's
+# per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
+# input to stream; tuned for the interpreter, not yet measured on a GPU.
+GROUPS_PER_PROGRAM = 32
+
+
+@triton.jit
+def _uniform(index, seed):
+    """murmur3's finaliser on uint32 (``quant_reference.hash_uniform``)."""
+    h = index.to(tl.uint32) * 0x9E3779B1 + seed.to(tl.uint32)
+    h = h ^ (h >> 16)
+    h = h * 0x85EBCA6B
+    h = h ^ (h >> 13)
+    h = h * 0xC2B2AE35
+    h = h ^ (h >> 16)
+    return (h >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _quantize_int_kernel(
+    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
+    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    # Each program quantizes GPP groups; a group's even and odd columns are loaded apart so that int4
+    # can pack column 2k (low nibble) with 2k+1 (high nibble) without a shuffle.
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    live = g < rows * groups_per_row
+    row = g // groups_per_row
+    half = tl.arange(0, GROUP // 2)
+    col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
+    col_odd = col_even + 1
+    m_even = live[:, None] & (col_even < cols)
+    m_odd = live[:, None] & (col_odd < cols)
+    base = row[:, None].to(tl.int64) * cols
+    xe = tl.load(x_ptr + base + col_even, mask=m_even, other=0.0).to(tl.float32)
+    xo = tl.load(x_ptr + base + col_odd, mask=m_odd, other=0.0).to(tl.float32)
+    fe = tl.abs(xe) < float("inf")  # false for NaN and Inf
+    fo = tl.abs(xo) < float("inf")
+    bad = tl.sum(tl.where(fe, 0, 1), axis=1) + tl.sum(tl.where(fo, 0, 1), axis=1)
+    absmax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=1), tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=1))
+    scale = tl.fdiv(absmax, QMAX * 1.0, ieee_rounding=True)
+    safe = tl.where(scale > 0, scale, 1.0)
+    ve = tl.fdiv(xe, safe[:, None], ieee_rounding=True)
+    vo = tl.fdiv(xo, safe[:, None], ieee_rounding=True)
+    if STOCHASTIC:
+        ve = ve + _uniform(base + col_even, seed)
+        vo = vo + _uniform(base + col_odd, seed)
+    else:
+        ve = ve + 0.5
+        vo = vo + 0.5
+    qe = tl.minimum(tl.maximum(tl.floor(ve), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+    qo = tl.minimum(tl.maximum(tl.floor(vo), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+    tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
+    if PACK4:
+        packed = (qe & 0xF) | ((qo & 0xF) << 4)
+        packed_cols = (cols + 1) // 2
+        pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
+        tl.store(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
+    else:
+        tl.store(codes_ptr + base + col_even, qe.to(tl.int8), mask=m_even)
+        tl.store(codes_ptr + base + col_odd, qo.to(tl.int8), mask=m_odd)
+
+
+@triton.jit
+def _dequantize_int_kernel(
+    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row,
+    GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
+):
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    live = g < rows * groups_per_row
+    row = g // groups_per_row
+    half = tl.arange(0, GROUP // 2)
+    col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
+    col_odd = col_even + 1
+    m_even = live[:, None] & (col_even < cols)
+    m_odd = live[:, None] & (col_odd < cols)
+    base = row[:, None].to(tl.int64) * cols
+    scale = tl.load(scales_ptr + g, mask=live, other=0.0)
+    if PACK4:
+        packed_cols = (cols + 1) // 2
+        pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
+        byte = tl.load(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
+        lo = byte & 0xF
+        hi = (byte >> 4) & 0xF
+        qe = tl.where(lo > 7, lo - 16, lo).to(tl.float32)
+        qo = tl.where(hi > 7, hi - 16, hi).to(tl.float32)
+    else:
+        qe = tl.load(codes_ptr + base + col_even, mask=m_even, other=0).to(tl.float32)
+        qo = tl.load(codes_ptr + base + col_odd, mask=m_odd, other=0).to(tl.float32)
+    out_ty = out_ptr.dtype.element_ty
+    tl.store(out_ptr + base + col_even, (qe * scale[:, None]).to(out_ty), mask=m_even)
+    tl.store(out_ptr + base + col_odd, (qo * scale[:, None]).to(out_ty), mask=m_odd)
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, FP8_MAX: tl.constexpr,
+                         GROUP: tl.constexpr, GPP: tl.constexpr):
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    live = g < rows * groups_per_row
+    row = g // groups_per_row
+    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    m = live[:, None] & (col < cols)
+    base = row[:, None].to(tl.int64) * cols
+    x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")
+    bad = tl.sum(tl.where(finite, 0, 1), axis=1)
+    scale = tl.fdiv(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX, ieee_rounding=True)
+    safe = tl.where(scale > 0, scale, 1.0)
+    v = tl.fdiv(x, safe[:, None], ieee_rounding=True)
+    tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
+    tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
+
+
+@triton.jit
+def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    live = g < rows * groups_per_row
+    row = g // groups_per_row
+    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    m = live[:, None] & (col < cols)
+    base = row[:, None].to(tl.int64) * cols
+    v = tl.load(codes_ptr + base + col, mask=m, other=0.0).to(tl.float32)
+    scale = tl.load(scales_ptr + g, mask=live, other=0.0)
+    tl.store(out_ptr + base + col, (v * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Triton on CUDA tensors, the reference elsewhere, unless ``OOC_KERNELS`` says otherwise."""
+    choice = os.environ.get("OOC_KERNELS", "auto")
+    if choice not in ("auto", "triton", "reference"):
+        raise ValueError(f"OOC_KERNELS must be auto, triton or reference, got {choice!r}")
+    if choice == "reference":
+        return False
+    if choice == "triton":
+        if not x.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError(
+                "OOC_KERNELS=triton on CPU tensors needs Triton's interpreter: set TRITON_INTERPRET=1 "
+                "before ooc.kernels is imported"
+            )
+        return True
+    return x.is_cuda
+
+
+def _check_group_size(group_size: int) -> None:
+    if not 32 <= group_size <= 256 or group_size & (group_size - 1):
+        raise ValueError(f"group_size must be a power of two from 32 to 256, got {group_size}")
+
+
+def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic: bool = False, seed: int | None = None,
+             codec: str | None = None) -> Quantized:
+    """Quantize ``x`` (any shape; fp32, fp16 or bf16) per group of ``group_size`` values along its last
+    dimension. ``bits`` 8 or 4, or ``codec`` one of ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``.
+    ``stochastic=True`` rounds up with probability equal to the remainder (unbiased), reproducibly
+    from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales).
+
+    Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
+    fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
+    """
+    codec = codec or {8: "int8", 4: "int4"}.get(bits)
+    if codec not in CODECS:
+        raise ValueError(f"bits must be 8 or 4, or codec one of {CODECS}; got bits={bits}, codec={codec!r}")
+    if x.dtype not in FLOAT_INPUTS:
+        raise TypeError(f"quantize takes fp32, fp16 or bf16 tensors, got {x.dtype}")
+    _check_group_size(group_size)
+    if stochastic and codec not in ("int8", "int4"):
+        raise ValueError("stochastic rounding applies to int8 and int4 codecs")
+    if stochastic and seed is None:
+        raise ValueError("stochastic=True needs seed=<int> so the rounding is reproducible")
+    seed = int(seed or 0) & 0xFFFFFFFF
+    if x.numel() == 0:
+        raise ValueError("quantize got an empty tensor")
+    if use_triton(x):
+        q = _quantize_triton(x, codec, group_size, stochastic, seed)
+    else:
+        q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
+    # One flag per group, so the check reads 1/group_size of the input's bytes.
+    bad = int(torch.isnan(q.scales).sum())
+    if bad:
+        raise ValueError(f"quantize: {bad} group(s) of the input hold NaN or Inf; a swapped activation "
+                         "must be finite (check the loss scale, or keep this tensor uncompressed)")
+    return q
+
+
+def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: bool, seed: int) -> Quantized:
+    x2 = as_rows(x)
+    rows, cols = x2.shape
+    groups = -(-cols // group_size)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
+    if codec in FP8:
+        fp8_dtype, fp8_max = FP8[codec]
+        codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+        _quantize_fp8_kernel[grid](x2, codes, scales, rows, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
+    else:
+        pack4 = codec == "int4"
+        codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
+        _quantize_int_kernel[grid](x2, codes, scales, rows, cols, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
+                                   GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
+    return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
+
+
+def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The tensor ``q`` came from, to within the codec's error: ``q.shape``, ``q.dtype``. ``out``, if
+    given, must be a contiguous tensor of that shape and dtype on the codes' device."""
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype or not out.is_contiguous() or out.device != q.codes.device):
+        raise ValueError(f"out must be a contiguous {q.dtype} tensor of shape {tuple(q.shape)} on {q.codes.device}")
+    if not use_triton(q.codes):
+        result = torch_dequantize(q)
+        if out is None:
+            return result
+        return out.copy_(result)
+    rows, groups = q.scales.shape
+    cols = q.cols
+    result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
+    grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
+    if q.codec in FP8:
+        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
+    else:
+        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+                                     PACK4=q.codec == "int4")
+    return result

@@ -1,0 +1,214 @@
+"""Quantization kernels: the torch reference's properties, and Triton (interpreter on CPU) against
+it bit for bit on codes and scales."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from ooc.kernels.quant import dequantize, quantize
+from ooc.kernels.quant_reference import QMAX, hash_uniform, torch_dequantize, torch_quantize
+from tests.conftest import HAS_GPU
+
+SHAPES = [(1,), (7,), (3, 63), (2, 4097), (4, 64), (2, 3, 33)]
+
+
+@pytest.fixture()
+def kernels(monkeypatch):
+    def use(choice: str) -> None:
+        monkeypatch.setenv("OOC_KERNELS", choice)
+    return use
+
+
+# reference lane -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("group_size", [32, 64, 256])
+def test_round_to_nearest_error_is_at_most_half_a_step(codec: str, group_size: int) -> None:
+    x = torch.randn(8, 1000) * torch.logspace(-3, 3, 8)[:, None]
+    q = torch_quantize(x, codec=codec, group_size=group_size)
+    restored = torch_dequantize(q)
+    step = q.scales.repeat_interleave(group_size, dim=1)[:, :1000]
+    # analytic bound: half a step, plus the fp32 rounding of x/scale and q*scale (a few ulps of x)
+    assert torch.all((x - restored).abs() <= step / 2 + x.abs() * 2**-22)
+
+
+def test_stochastic_rounding_is_unbiased() -> None:
+    torch.manual_seed(0)
+    x = torch.randn(1, 256)
+    draws = torch.stack([torch_dequantize(torch_quantize(x, codec="int4", stochastic=True, seed=s)) for s in range(2000)])
+    step = torch_quantize(x, codec="int4").scales.repeat_interleave(64, dim=1)
+    # Each draw rounds up with probability f (the remainder): its error in steps is a Bernoulli
+    # variable with variance f(1-f) <= 1/4, so the mean of 2000 draws has sigma <= 0.5 / sqrt(2000).
+    sigma = 0.5 / 2000**0.5
+    signed = (draws.mean(0) - x) / step
+    assert signed.abs().max() < 4.5 * sigma  # per element (256 of them)
+    assert signed.mean().abs() < 4.5 * sigma / 256**0.5  # no bias across elements either
+    # and it is not round-to-nearest: draws differ
+    assert (draws != draws[0]).any()
+
+
+def test_stochastic_rounding_is_reproducible() -> None:
+    x = torch.randn(4, 100)
+    a = torch_quantize(x, codec="int8", stochastic=True, seed=7)
+    b = torch_quantize(x, codec="int8", stochastic=True, seed=7)
+    c = torch_quantize(x, codec="int8", stochastic=True, seed=8)
+    assert torch.equal(a.codes, b.codes) and not torch.equal(a.codes, c.codes)
+
+
+def test_hash_uniform_is_in_range_and_flat() -> None:
+    u = hash_uniform(torch.arange(100_000), 123)
+    assert 0.0 <= float(u.min()) and float(u.max()) < 1.0
+    assert abs(float(u.mean()) - 0.5) < 0.01
+    counts = torch.histc(u, bins=10, min=0, max=1)
+    assert counts.min() > 9_000
+
+
+def test_all_zero_groups_give_zero_scales_and_zeros() -> None:
+    x = torch.zeros(3, 130)
+    x[1, 70:] = torch.randn(60)
+    for codec in ("int8", "int4", "fp8_e4m3"):
+        q = torch_quantize(x, codec=codec)
+        assert not torch.isnan(q.scales).any()
+        assert q.scales[0].eq(0).all() and q.scales[1, 0].item() == 0.0
+        restored = torch_dequantize(q)
+        assert restored[0].eq(0).all() and restored[2].eq(0).all()
+
+
+def test_int4_packs_two_codes_per_byte() -> None:
+    x = torch.tensor([[7.0, -7.0, 1.0, -1.0, 0.0]])
+    q = torch_quantize(x, codec="int4", group_size=32)
+    assert q.codes.shape == (1, 3) and q.codes.dtype == torch.uint8
+    assert q.codes[0].tolist() == [(7 & 0xF) | ((-7 & 0xF) << 4), 1 | ((-1 & 0xF) << 4), 0]
+    assert QMAX[4] == 7
+
+
+def test_fp8_round_trip_error() -> None:
+    x = torch.randn(4, 512)
+    q = torch_quantize(x, codec="fp8_e4m3")
+    rel = ((torch_dequantize(q) - x).abs() / x.abs().clamp_min(1e-3)).median()
+    assert rel < 2**-4  # e4m3 keeps 3 mantissa bits: relative error <= 2^-4
+
+
+# launcher ---------------------------------------------------------------------------------------
+
+
+def test_nan_and_inf_raise_with_a_clear_message(kernels) -> None:
+    kernels("reference")
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(2, 128)
+        x[1, 5] = bad
+        with pytest.raises(ValueError, match="1 group.*NaN or Inf"):
+            quantize(x)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(bits=3), "bits must be 8 or 4"),
+        (dict(group_size=48), "power of two"),
+        (dict(group_size=512), "power of two"),
+        (dict(stochastic=True), "needs seed"),
+        (dict(codec="fp8_e4m3", stochastic=True, seed=1), "stochastic rounding applies"),
+    ],
+)
+def test_bad_arguments(kwargs, message) -> None:
+    with pytest.raises(ValueError, match=message):
+        quantize(torch.randn(4, 64), **kwargs)
+
+
+def test_bad_dtype_and_empty() -> None:
+    with pytest.raises(TypeError, match="fp32, fp16 or bf16"):
+        quantize(torch.ones(4, 64, dtype=torch.int32))
+    with pytest.raises(ValueError, match="empty"):
+        quantize(torch.empty(0, 64))
+
+
+def test_non_contiguous_input_is_quantized_as_its_values(kernels) -> None:
+    kernels("reference")
+    x = torch.randn(64, 32).t()
+    assert torch.equal(quantize(x).codes, quantize(x.contiguous()).codes)
+
+
+# interpret lane: Triton under TRITON_INTERPRET=1 equals the reference bit for bit ----------------
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs a GPU or TRITON_INTERPRET=1"
+)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=["fp32", "fp16"])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+def test_triton_equals_reference(kernels, shape, dtype, codec, stochastic) -> None:
+    torch.manual_seed(hash((shape, codec)) % 1000)
+    x = (torch.randn(shape) * 3).to(dtype)
+    kernels("reference")
+    ref = quantize(x, codec=codec, stochastic=stochastic, seed=11)
+    kernels("triton")
+    got = quantize(x, codec=codec, stochastic=stochastic, seed=11)
+    assert torch.equal(got.codes, ref.codes)
+    assert torch.equal(got.scales, ref.scales)
+    out = torch.full(x.shape, float("nan"), dtype=dtype)  # an element the kernel misses stays NaN
+    dequantize(got, out=out)
+    assert torch.equal(out, torch_dequantize(ref))
+
+
+@needs_interpreter
+def test_triton_all_zero_groups_and_bf16(kernels) -> None:
+    x = torch.zeros(2, 200)
+    x[1, :64] = torch.randn(64)
+    kernels("triton")
+    q = quantize(x, codec="int4")
+    assert torch.equal(q.scales, torch_quantize(x, codec="int4").scales)
+    xb = torch.randn(3, 100).bfloat16()
+    got = quantize(xb)
+    ref = torch_quantize(xb)
+    # bf16 is upcast right after the load, so codes and scales are exact; the bf16 output of the
+    # dequantization truncates in the interpreter (PLATFORM.md), so compare it within one bf16 ulp.
+    assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
+    torch.testing.assert_close(dequantize(got).float(), torch_dequantize(ref).float(), rtol=2**-7, atol=0)
+
+
+@needs_interpreter
+def test_triton_nan_is_reported(kernels) -> None:
+    kernels("triton")
+    x = torch.randn(2, 64)
+    x[0, 0] = float("nan")
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        quantize(x)
+
+
+def test_forcing_triton_on_cpu_without_the_interpreter(kernels, monkeypatch) -> None:
+    kernels("triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        quantize(torch.randn(2, 64))
+
+
+# gpu lane ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_cuda_equals_reference(codec) -> None:
+    x = torch.randn(33, 4097, device="cuda")
+    got = quantize(x, codec=codec)
+    ref = torch_quantize(x.cpu(), codec=codec)
+    assert torch.equal(got.codes.cpu(), ref.codes) and torch.equal(got.scales.cpu(), ref.scales)
+    assert torch.equal(dequantize(got).cpu(), torch_dequantize(ref))
+
+
+@pytest.mark.gpu
+def test_cuda_fp8_within_reference() -> None:
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or newer")
+    x = torch.randn(16, 1024, device="cuda")
+    got = dequantize(quantize(x, codec="fp8_e4m3"))
+    ref = torch_dequantize(torch_quantize(x.cpu(), codec="fp8_e4m3"))
+    torch.testing.assert_close(got.cpu(), ref, rtol=2**-3, atol=0)
