@@ -21,6 +21,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
 from ooc.runtime import _check_trainable, _Timer, install, unwrap
+from ooc.scheduler.compression import KERNEL_CODEC, compressed_nbytes
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
 
@@ -152,8 +153,8 @@ def profile(
             h.remove()
         state.restore()
 
-    saved_bytes, swappable, swappable_count = saved
-    inputs, inputs_swappable, inputs_count = _sums(log, "save", n, min_swap_bytes)
+    saved_bytes, swappable, swappable_count, saved_compressed = saved
+    inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
     block_profiles = []
     for i, module in enumerate(chain.modules):
         params = list(module.parameters())
@@ -171,6 +172,10 @@ def profile(
                 grad_bytes=sum(p.numel() * p.element_size() for p in params if p.requires_grad),
                 swappable_storages=swappable_count[i],
                 input_swappable_storages=inputs_count[i],
+                compressed=tuple(
+                    (c, saved_compressed[0][i][c], inputs_compressed[0][i][c], saved_compressed[1][i][c], inputs_compressed[1][i][c])
+                    for c in saved_compressed[0][i]
+                ),
             )
         )
     return Profile(
@@ -185,14 +190,23 @@ def profile(
     )
 
 
-def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int], list[int], list[int]]:
+def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int], list[int], list[int], tuple[list[dict[str, int]], list[dict[str, int]]]]:
     """Per block: bytes the tracker saw allocated as ``what``; those in swappable storages; how many
-    swappable storages."""
+    swappable storages; per codec, the swappable bytes once compressed and the largest storage's codes."""
     total, large, count = [0] * n, [0] * n, [0] * n
-    for kind, block, nbytes in log:
+    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
+    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
+    for kind, block, nbytes, dtype in log:
         if kind == what:
             total[block] += nbytes
             if nbytes >= min_swap_bytes:
                 large[block] += nbytes
                 count[block] += 1
-    return total, large, count
+                floating = dtype in (torch.float32, torch.float16, torch.bfloat16)
+                size = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+                for codec in KERNEL_CODEC:
+                    if floating:  # only compressed storages are decoded
+                        size_c = compressed_nbytes(nbytes, size, floating, codec)
+                        largest[block][codec.value] = max(largest[block][codec.value], size_c)
+                    compressed[block][codec.value] += compressed_nbytes(nbytes, size, floating, codec)
+    return total, large, count, (compressed, largest)

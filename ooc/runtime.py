@@ -30,8 +30,8 @@ from ooc.blocks import Chain, find_blocks
 from ooc.errors import WrapError
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
-from ooc.saved import SwapContext, SwappedStorage, make_pack_hook, unpack
-from ooc.scheduler.plan import Plan, PlanError, Policy
+from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
 from ooc.tracker import MemoryReport, MemoryTracker
 
@@ -68,6 +68,7 @@ class _Pass:
         rt = self.rt
         on_swapped = self.swapped[block].append
         return make_pack_hook(
+            codec=rt.plan.blocks[block].codec if swap else Codec.NONE,
             block=block,
             swap=swap,
             what=what,
@@ -79,9 +80,9 @@ class _Pass:
             on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
         )
 
-    def keep(self, block: int, nbytes: int, what: str) -> None:
+    def keep(self, block: int, nbytes: int, what: str, dtype: torch.dtype) -> None:
         self.kept[block] += nbytes
-        self.rt.tracker.alloc(block, nbytes, what)
+        self.rt.tracker.alloc(block, nbytes, what, dtype)
 
     def free_kept(self, blocks: range) -> None:
         """The kept storages of ``blocks`` are gone: their backward is over (or their graph is)."""
@@ -124,6 +125,11 @@ class _Pass:
         self.bwd_range = nvtx.start(f"ooc/bwd/{self.rt.chain.names[block]}")
         for j in schedule.swap_ins_before_backward[block]:
             self.prefetch(j)
+        compressed = [s for s in self._live(block) if isinstance(s, CompressedStorage)]
+        # Largest codes last: the transient (one storage's codes beside its output) is then the
+        # largest codes on top of everything decoded, as the schedule's DECODE op counts it.
+        for storage in sorted(compressed, key=lambda s: s.nbytes):
+            storage.decode()  # NOTE [compressed swap] in ooc.saved
 
     def on_backward_end(self) -> None:
         self.free_kept(range(len(self.kept)))

@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from ooc import nvtx
+from ooc.scheduler.compression import COMPRESSIBLE_ELEMENT_SIZES, KERNEL_CODEC, SWAP_GROUP_SIZE, compressed_nbytes
+from ooc.scheduler.plan import Codec
 
 if TYPE_CHECKING:
     from ooc.backend.base import Backend, Event
@@ -107,10 +109,109 @@ class SwappedStorage:
         self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
 
 
+def compressible(tensor: torch.Tensor) -> bool:
+    """fp32/fp16/bf16 storages compress; the rest (ints, bools, fp64) move as they are."""
+    return (
+        tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and tensor.element_size() in COMPRESSIBLE_ELEMENT_SIZES
+        and tensor.untyped_storage().nbytes() % tensor.element_size() == 0
+    )
+
+
+class CompressedStorage:
+    """A swapped storage kept as codes and scales from its pack until its block's backward.
+
+    NOTE [compressed swap]
+    At pack time the whole storage (viewed as its dtype) is quantized per group of SWAP_GROUP_SIZE
+    values; only the codes and scales are held (``codes``: one device buffer, scales first) and
+    copied to the host. ``release`` drops them after the copy; ``prefetch`` brings them back;
+    ``decode`` (run for every such storage when its block's backward starts, so the bytes held are
+    a function of the schedule alone) dequantizes into a new storage of the original dtype and drops
+    the codes. The byte counts are ``compressed_nbytes``'s, the ones the profile and schedule use.
+    """
+
+    __slots__ = ("ctx", "block", "codec", "dtype", "elements", "nbytes", "full_nbytes", "codes", "host", "d2h_done",
+                 "h2d_done", "restored", "_layout", "__weakref__")
+
+    def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str, codec: Codec) -> None:
+        from ooc.kernels.quant import quantize
+
+        self.ctx, self.block, self.codec, self.dtype = ctx, block, codec, tensor.dtype
+        self.full_nbytes = tensor.untyped_storage().nbytes()
+        self.elements = self.full_nbytes // tensor.element_size()
+        self.nbytes = compressed_nbytes(self.full_nbytes, tensor.element_size(), True, codec)
+        flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (self.elements,), (1,))
+        with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"), ctx.backend.encode_context(flat):
+            q = quantize(flat, codec=KERNEL_CODEC[codec], group_size=SWAP_GROUP_SIZE)
+            scale_bytes = q.scales.numel() * 4
+            self._layout = (scale_bytes, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
+            self.codes = torch.empty(self.nbytes, dtype=torch.uint8, device=tensor.device)
+            self.codes[:scale_bytes].copy_(q.scales.reshape(-1).view(torch.uint8))
+            self.codes[scale_bytes:].copy_(q.codes.reshape(-1).view(torch.uint8))
+        ctx.tracker.alloc(block, self.nbytes, what)
+        self.host = ctx.pool.acquire(self.nbytes)
+        # The codes were written in the encoding context's order; the copy follows them.
+        self.d2h_done = ctx.backend.copy_d2h(self.host, self.codes, (ctx.backend.record_compute(),))
+        ctx.tracker.swapped_out += self.nbytes
+        self.h2d_done = None
+        self.restored: torch.Tensor | None = None
+
+    def release(self) -> None:
+        if self.codes is None or self.h2d_done is not None:
+            return
+        # Compute must not run ahead of the copy out: this bounds the device bytes in flight.
+        self.ctx.backend.wait_compute(self.d2h_done)
+        self.codes = None
+        self.ctx.tracker.free(self.block, self.nbytes, "release")
+
+    def prefetch(self) -> None:
+        if self.h2d_done is not None or self.restored is not None:
+            return
+        self.release()
+        ctx = self.ctx
+        self.codes = ctx.backend.device_buffer(self.nbytes)
+        ctx.tracker.alloc(self.block, self.nbytes, "swap_in")
+        allocated = ctx.backend.record_compute()
+        self.h2d_done = ctx.backend.copy_h2d(self.codes, self.host, (self.d2h_done, allocated))
+        ctx.tracker.swapped_in += self.nbytes
+
+    def decode(self) -> None:
+        if self.restored is not None:
+            return
+        from ooc.kernels.quant import dequantize
+        from ooc.kernels.quant_reference import Quantized
+
+        self.prefetch()
+        # The codes are read next, on the compute stream.
+        self.ctx.backend.wait_compute(self.h2d_done)
+        scale_bytes, codes_dtype, codes_shape, scales_shape = self._layout
+        q = Quantized(
+            codes=self.codes[scale_bytes:].view(codes_dtype).view(codes_shape),
+            scales=self.codes[:scale_bytes].view(torch.float32).view(scales_shape),
+            shape=torch.Size((self.elements,)), dtype=self.dtype, codec=KERNEL_CODEC[self.codec], group_size=SWAP_GROUP_SIZE,
+        )
+        restored = dequantize(q)
+        self.ctx.tracker.alloc(self.block, self.full_nbytes, "decode")
+        self.restored = storage_bytes(restored)
+        self.codes = None
+        self.ctx.tracker.free(self.block, self.nbytes, "decode")
+
+    def materialize(self) -> torch.Tensor:
+        self.decode()
+        return self.restored
+
+    def __del__(self) -> None:
+        if self.restored is not None:
+            self.ctx.tracker.free(self.block, self.full_nbytes)
+        elif self.codes is not None:
+            self.ctx.tracker.free(self.block, self.nbytes)
+        self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
+
+
 class SwappedView:
     __slots__ = ("storage", "dtype", "offset", "size", "stride")
 
-    def __init__(self, storage: SwappedStorage, tensor: torch.Tensor) -> None:
+    def __init__(self, storage: SwappedStorage | CompressedStorage, tensor: torch.Tensor) -> None:
         self.storage = storage
         self.dtype = tensor.dtype
         self.offset = tensor.storage_offset()
@@ -139,19 +240,24 @@ def make_pack_hook(
     skip_ptrs: frozenset[int],
     min_swap_bytes: int,
     ctx: SwapContext,
-    on_kept: Callable[[int, int, str], None],
+    on_kept: Callable[[int, int, str, torch.dtype], None],
     on_swapped: Callable[[SwappedStorage], None],
+    codec: Codec = Codec.NONE,
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
     A kept tensor is returned as itself (autograd's fast path: a packed non-tensor costs ~7 us per
-    saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what)``.
+    saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what, dtype)``.
+    With a ``codec``, floating-point storages are compressed before their copy out.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers).
     """
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
     # it, never across a release (the allocator may hand the address to another tensor). The ledger
     # dies with this closure when the block's forward ends.
-    ledger: dict[int, SwappedStorage | None] = {}
+    ledger: dict[int, SwappedStorage | CompressedStorage | None] = {}
+    # A compressed record does not hold its source storage; without this, the allocator could hand
+    # that address to a new tensor of this same forward, which the ledger would then take for it.
+    held_sources: list[torch.UntypedStorage] = []
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
@@ -164,11 +270,16 @@ def make_pack_hook(
         if not swap or nbytes < min_swap_bytes:
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
-                on_kept(block, nbytes, what)
+                on_kept(block, nbytes, what, tensor.dtype)
             return tensor
         record = ledger.get(ptr)
         if record is None:
-            record = ledger[ptr] = SwappedStorage(ctx, block, storage_bytes(tensor), what)
+            if codec is not Codec.NONE and compressible(tensor):
+                record = CompressedStorage(ctx, block, tensor, what, codec)
+                held_sources.append(storage)
+            else:
+                record = SwappedStorage(ctx, block, storage_bytes(tensor), what)
+            ledger[ptr] = record
             on_swapped(record)
         return SwappedView(record, tensor)
 

@@ -44,10 +44,10 @@ class MemoryTracker:
         self.max_peak = 0
         self.swapped_out = 0
         self.swapped_in = 0
-        self.log: list[tuple[str, int, int]] | None = None
-        """When a list, every change is appended as (what, block, bytes) for op-by-op checks."""
+        self.log: list[tuple[str, int, int, object]] | None = None
+        """When a list, every change is appended as (what, block, bytes, dtype or None)."""
 
-    def alloc(self, block: int, nbytes: int, what: str = "alloc") -> None:
+    def alloc(self, block: int, nbytes: int, what: str = "alloc", dtype: object = None) -> None:
         with self._lock:
             self.current += nbytes
             self._block[block] += nbytes
@@ -58,14 +58,14 @@ class MemoryTracker:
                 if self.peak > self.max_peak:
                     self.max_peak = self.peak
             if self.log is not None:
-                self.log.append((what, block, nbytes))
+                self.log.append((what, block, nbytes, dtype))
 
     def free(self, block: int, nbytes: int, what: str = "free") -> None:
         with self._lock:
             self.current -= nbytes
             self._block[block] -= nbytes
             if self.log is not None:
-                self.log.append((what, block, -nbytes))
+                self.log.append((what, block, -nbytes, None))
 
     def start_step(self) -> None:
         """The next step's peak starts from what is resident now."""

@@ -2,7 +2,8 @@
 
 Per block, each option (keep, swap, recompute, recompute + swap its input; with codecs, each swap
 once per codec) has device bytes allocated in the forward (``A``), bytes moved to the host (``X``),
-bytes the recomputation allocates (``Rc``), and times. The step time is modelled as the in-core time
+bytes the recomputation allocates (``Rc``) and the decoding of compressed copies adds (``D``), all
+from the schedule's ``block_bytes``, and times. The step time is modelled as the in-core time
 plus, per block:
 - ``recompute``: the block's forward again;
 - ``exposed_out``: the part of the copy out not hidden under the next block's forward (the runtime
@@ -10,7 +11,7 @@ plus, per block:
 - ``exposed_in``: the part of the copy back not hidden under the compute of the ``prefetch`` blocks
   whose backward runs between its issue and its use.
 The peak constraints are exact (they follow the schedule's memory walk):
-``F_i = P_i + X_{i-1} + X_i <= B`` in the forward and ``M_b = P_b + sum_{j=b-p..b} X_j + Rc_b <= B``
+``F_i = P_i + X_{i-1} + X_i <= B`` in the forward and ``M_b = P_b + sum_{j=b-p..b} X_j + D_b + max(Rc_b, T_b) <= B``
 in the backward, where ``P_i = sum_{j<=i} (A_j - X_j)``. The simulator, not this model, is the judge
 of a plan; the model is what makes an exact search over all plans tractable.
 """
@@ -24,6 +25,7 @@ import numpy as np
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
+from ooc.scheduler.schedule import block_bytes
 
 BASE_OPTIONS: tuple[BlockPlan, ...] = (
     BlockPlan(Policy.KEEP),
@@ -31,11 +33,12 @@ BASE_OPTIONS: tuple[BlockPlan, ...] = (
     BlockPlan(Policy.RECOMPUTE),
     BlockPlan(Policy.RECOMPUTE, swap_input=True),
 )
-
-
-def codec_ratio(codec: Codec) -> float:
-    """Host bytes per device byte of a swapped fp32 tensor under ``codec`` (scales included)."""
-    return {Codec.NONE: 1.0, Codec.INT8: 0.25 + 4 / 256, Codec.INT4: 0.125 + 4 / 256, Codec.FP8: 0.25 + 4 / 256}[codec]
+CODEC_OPTIONS: tuple[BlockPlan, ...] = tuple(
+    BlockPlan(policy, codec=codec, swap_input=policy is Policy.RECOMPUTE)
+    for codec in (Codec.INT8, Codec.INT4, Codec.FP8)
+    for policy in (Policy.SWAP, Policy.RECOMPUTE)
+)
+"""Lossy options: the planner considers them only when asked (``choices=BASE_OPTIONS + CODEC_OPTIONS``)."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,24 @@ class Options:
     A: np.ndarray
     X: np.ndarray
     Rc: np.ndarray
+    D: np.ndarray
+    """Growth when compressed storages are decoded as the block's backward starts."""
+    T: np.ndarray
+    """Decoding's transient: the last decoded storage's codes."""
     recompute_s: np.ndarray
-    """Compute the option adds: the forward again (recompute) and the issuing of its copies."""
+    """Compute the option adds: the forward again (recompute), issuing copies, encoding/decoding."""
     t_out: np.ndarray
     t_in: np.ndarray
     comp: np.ndarray
     """Backward-phase compute of the block under each option (backward + recomputation)."""
     next_forward_s: np.ndarray
     """(n,): compute the copy out of block i hides under (block i+1's forward; the rest of the model for the last)."""
+
+    @property
+    def backward_extra(self) -> np.ndarray:
+        """What the block adds at its backward's peak: decoded bytes, then the larger of the
+        recomputation and decoding's transient (they never overlap)."""
+        return self.D + np.maximum(self.Rc, self.T)
 
     @property
     def n(self) -> int:
@@ -73,32 +86,23 @@ class Options:
 
 def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan, ...] = BASE_OPTIONS) -> Options:
     n, m = len(profile), len(choices)
-    A = np.zeros((n, m), dtype=np.int64)
-    X = np.zeros((n, m), dtype=np.int64)
-    Rc = np.zeros((n, m), dtype=np.int64)
-    rec = np.zeros((n, m))
-    t_out = np.zeros((n, m))
-    t_in = np.zeros((n, m))
-    comp = np.zeros((n, m))
+    A, X, Rc, D, T = (np.zeros((n, m), dtype=np.int64) for _ in range(5))
+    rec, t_out, t_in, comp = (np.zeros((n, m)) for _ in range(4))
     for i, b in enumerate(profile.blocks):
         for k, c in enumerate(choices):
-            if c.policy is Policy.RECOMPUTE:
-                A[i, k] = b.input_bytes
-                X[i, k] = b.input_swappable_bytes if c.swap_input else 0
-                Rc[i, k] = b.saved_bytes
-                rec[i, k] = b.forward_s
-            else:
-                A[i, k] = b.saved_bytes
-                X[i, k] = b.swappable_bytes if c.policy is Policy.SWAP else 0
+            bytes_ = block_bytes(c, b)
+            A[i, k], X[i, k], Rc[i, k], D[i, k] = bytes_.forward_alloc, bytes_.swapped, bytes_.recompute_alloc, bytes_.decoded
+            T[i, k] = bytes_.decode_transient
+            rec[i, k] = b.forward_s if c.policy is Policy.RECOMPUTE else 0.0
             comp[i, k] = b.backward_s + rec[i, k]
             if X[i, k]:
-                copies = b.input_swappable_storages if c.policy is Policy.RECOMPUTE else b.swappable_storages
-                rec[i, k] += 2 * copies * hardware.copy_issue_s  # issued in the forward, again in the backward
-                moved = X[i, k] * codec_ratio(c.codec)
-                t_out[i, k] = hardware.copy_latency_s + moved / hardware.d2h
-                t_in[i, k] = hardware.copy_latency_s + moved / hardware.h2d
+                rec[i, k] += 2 * bytes_.copies * hardware.copy_issue_s  # issued in the forward, again in the backward
+                if c.codec is not Codec.NONE:
+                    rec[i, k] += 2 * (X[i, k] + D[i, k]) / hardware.d2d  # encode + decode read/write the full tensor
+                t_out[i, k] = hardware.copy_latency_s + X[i, k] / hardware.d2h
+                t_in[i, k] = hardware.copy_latency_s + X[i, k] / hardware.h2d
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
-    return Options(choices, A, X, Rc, rec, t_out, t_in, comp, nxt)
+    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt)
 
 
 def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:
@@ -121,7 +125,8 @@ def model_peak(opts: Options, picks: list[int], prefetch: int) -> int:
     n = opts.n
     idx = np.arange(n)
     picks = np.asarray(picks)
-    A, X, Rc = opts.A[idx, picks], opts.X[idx, picks], opts.Rc[idx, picks]
+    A, X = opts.A[idx, picks], opts.X[idx, picks]
+    Rc = opts.backward_extra[idx, picks]
     P = np.cumsum(A - X)
     previous = np.concatenate([[0], X[:-1]])
     forward = P + previous + X

@@ -46,7 +46,7 @@ def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float
             for c in range(m):
                 backward[x(j, c)] = backward.get(x(j, c), 0.0) + opts.X[j, c] * scale
         for c in range(m):
-            backward[x(i, c)] = backward.get(x(i, c), 0.0) + opts.Rc[i, c] * scale
+            backward[x(i, c)] = backward.get(x(i, c), 0.0) + float(opts.backward_extra[i, c]) * scale
         rows.append((backward, -np.inf, cap))
     for j in range(n):
         # e_j >= t_in(j) - sum of the backward compute hiding the copy back

@@ -43,7 +43,7 @@ def _step_tables(opts: Options, i: int, prefetch: int, digits: np.ndarray, budge
             xlag[:, L - 1] = opts.X[i - L][digits[:, L - 1]]
     window_x = xlag[:, :prefetch].sum(axis=1)
     f_room = budget - xlag[:, :1] - opts.X[i][None, :]
-    m_room = budget - window_x[:, None] - opts.X[i][None, :] - opts.Rc[i][None, :]
+    m_room = budget - window_x[:, None] - opts.X[i][None, :] - opts.backward_extra[i][None, :]
     add = np.broadcast_to(opts.recompute_s[i] + np.maximum(0.0, opts.t_out[i] - opts.next_forward_s[i]), (M, opts.m)).copy()
     if prefetch == 0:
         add += opts.t_in[i][None, :]  # copied back on demand, when its own backward starts

@@ -42,16 +42,31 @@ class BlockProfile:
     swappable_storages: int = 0
     """How many storages ``SWAP`` copies (each copy costs ``Hardware.copy_issue_s`` of compute)."""
     input_swappable_storages: int = 0
+    compressed: tuple[tuple[str, int, int, int, int], ...] = ()
+    """Per codec: (codec, bytes of the swappable saved storages once compressed, of the swappable
+    inputs, the largest single saved storage's codes, the largest input's); a codec missing here is
+    counted at its nominal ratio."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name != "name" and value < 0:
+            if f.name not in ("name", "compressed") and value < 0:
                 raise ProfileError(f"block {self.name!r}: {f.name} must be >= 0, got {value}")
         if self.swappable_bytes > self.saved_bytes:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
             raise ProfileError(f"block {self.name!r}: input_swappable_bytes exceeds input_bytes")
+
+    def compressed_bytes(self, codec: str, *, inputs: bool) -> tuple[int, int]:
+        """Swappable bytes of the saved tensors (or inputs) once compressed with ``codec``, and the
+        codes of the largest single storage among them."""
+        for name, saved, inp, saved_max, inp_max in self.compressed:
+            if name == codec:
+                return (inp, inp_max) if inputs else (saved, saved_max)
+        raw = self.input_swappable_bytes if inputs else self.swappable_bytes
+        nominal = {"none": 1.0, "int8": 0.25 + 4 / 256, "int4": 0.125 + 4 / 256, "fp8": 0.25 + 4 / 256}[codec]
+        return int(raw * nominal), 0
 
 
 def machine_header() -> dict[str, str]:

@@ -19,7 +19,7 @@ import enum
 from dataclasses import dataclass, field
 
 from ooc.scheduler.hardware import Hardware
-from ooc.scheduler.plan import Plan, PlanError, Policy
+from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.profile import BlockProfile, Profile
 
 
@@ -33,6 +33,7 @@ class Resource(str, enum.Enum):
 
 class OpKind(str, enum.Enum):
     FORWARD = "forward"
+    DECODE = "decode"
     SWAP_OUT = "swap_out"
     RELEASE = "release"
     OUTSIDE = "outside"
@@ -50,6 +51,8 @@ class Op:
     deps: tuple[int, ...] = ()
     alloc_bytes: int = 0
     free_bytes: int = 0
+    transient_bytes: int = 0
+    """Held only while the op runs, on top of its allocation (decoding: one storage's codes)."""
     bytes_moved: int = 0
     copies: int = 0
     """Copies a copy op stands for; on a compute op, copies it issues and waits for."""
@@ -72,24 +75,37 @@ class BlockBytes:
     """Allocated by the recomputation inside the block's backward."""
     copies: int = 0
     """Storages moved each way."""
+    decoded: int = 0
+    """Growth when compressed storages are decoded as the block's backward starts (full - codes)."""
+    decode_transient: int = 0
+    """The largest storage's codes, alive while its full-size output is written (decoded last)."""
 
     @property
     def resident_at_backward(self) -> int:
         """Freed by the block's backward."""
-        return self.forward_alloc + self.recompute_alloc
+        return self.forward_alloc + self.recompute_alloc + self.decoded
 
 
 def block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
     if profile_block is None:
         return BlockBytes(0, 0, 0)
+    p = profile_block
     if plan_block.policy is Policy.KEEP:
-        return BlockBytes(profile_block.saved_bytes, 0, 0)
+        return BlockBytes(p.saved_bytes, 0, 0)
     if plan_block.policy is Policy.SWAP:
-        return BlockBytes(profile_block.saved_bytes, profile_block.swappable_bytes, 0, profile_block.swappable_storages)
-    if plan_block.swap_input:
-        return BlockBytes(profile_block.input_bytes, profile_block.input_swappable_bytes, profile_block.saved_bytes,
-                          profile_block.input_swappable_storages)
-    return BlockBytes(profile_block.input_bytes, 0, profile_block.saved_bytes)
+        held, moved, full, copies, recompute = p.saved_bytes, p.swappable_bytes, p.swappable_bytes, p.swappable_storages, 0
+        inputs = False
+    elif plan_block.swap_input:
+        held, moved, full, copies, recompute = p.input_bytes, p.input_swappable_bytes, p.input_swappable_bytes, p.input_swappable_storages, p.saved_bytes
+        inputs = True
+    else:
+        return BlockBytes(p.input_bytes, 0, p.saved_bytes)
+    transient = 0
+    if plan_block.codec is not Codec.NONE:
+        # Only the codes stay on the device after the pack; they are decoded back to full size
+        # when the block's backward starts (NOTE [compressed swap] in ooc.saved).
+        moved, transient = p.compressed_bytes(plan_block.codec.value, inputs=inputs)
+    return BlockBytes(held - full + moved, moved, recompute, copies, full - moved, transient)
 
 
 @dataclass(frozen=True)
@@ -173,6 +189,10 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         swap_ins_before[b] = tuple(issued)
         wait = (swap_in[b],) if b in swap_in else ()
         issued_copies = sum(per_block[j].copies for j in issued)
+        if plan.blocks[b].codec is not Codec.NONE:
+            add(OpKind.DECODE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].decoded,
+                transient_bytes=per_block[b].decode_transient, copies=issued_copies)
+            wait, issued_copies = (), 0
         if plan.blocks[b].policy is Policy.RECOMPUTE:
             add(OpKind.RECOMPUTE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].recompute_alloc, copies=issued_copies)
             wait, issued_copies = (), 0
@@ -182,7 +202,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
     current = 0
     for op in ops:
         current += op.alloc_bytes
-        memory.append(current)
+        memory.append(current + op.transient_bytes)
         current -= op.free_bytes
     return Schedule(
         ops=tuple(ops),
@@ -199,6 +219,9 @@ def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Pla
 
     if op.kind is OpKind.FORWARD or op.kind is OpKind.RECOMPUTE:
         duration = prof[op.block].forward_s + op.copies * hw.copy_issue_s
+    elif op.kind is OpKind.DECODE:
+        # dequantization reads the codes and writes the full tensor
+        duration = op.copies * hw.copy_issue_s + 2 * (op.alloc_bytes + op.transient_bytes) / hw.d2d
     elif op.kind is OpKind.BACKWARD:
         duration = prof[op.block].backward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.OUTSIDE:

@@ -4,6 +4,7 @@ H2D), events, and host buffers. ``cuda`` runs it on streams; ``cpu`` on copy-eng
 from __future__ import annotations
 
 import abc
+import contextlib
 from typing import Protocol
 
 import torch
@@ -53,6 +54,11 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for every copy issued so far (used at shutdown and in tests)."""
+
+    def encode_context(self, source: torch.Tensor) -> contextlib.AbstractContextManager:
+        """Where a swapped tensor is compressed before its copy out: the D2H stream on CUDA (after
+        compute has produced ``source``), the host thread on CPU."""
+        return contextlib.nullcontext()
 
     def close(self) -> None:  # noqa: B027 - optional: only backends with threads override it
         """Stop worker threads, if any."""

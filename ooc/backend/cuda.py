@@ -5,6 +5,9 @@ Nothing here runs at import time; ``torch.cuda`` is touched only when a ``CudaBa
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 from ooc.backend.base import Backend, Event
@@ -55,6 +58,15 @@ class CudaBackend(Backend):
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         return self._copy(self._h2d, dst, src, after)
+
+    @contextlib.contextmanager
+    def encode_context(self, source: torch.Tensor) -> Iterator[None]:
+        # The quantize kernel runs on the copy stream, after compute has produced its input; compute
+        # may drop the input meanwhile, so the allocator must know the copy stream still reads it.
+        self._d2h.wait_event(self.record_compute())
+        source.record_stream(self._d2h)
+        with torch.cuda.stream(self._d2h):
+            yield
 
     def wait_compute(self, event: Event) -> None:
         # GPU-side wait: the host keeps queueing kernels; compute will not pass this point before the copy.
