@@ -55,7 +55,7 @@ def test_measured_peak_equals_prediction(nano, codec: str) -> None:
 def test_compression_moves_fewer_bytes(nano) -> None:
     model, batch, prof = nano
     moved = {}
-    for codec in ("none", "int8"):
+    for codec in ("none", "int8", "int4"):
         ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 4, min_swap_bytes=1024), backend="cpu")
         model(*batch)[1].backward()
         moved[codec] = ooc.memory_report(model).swapped_out_bytes
