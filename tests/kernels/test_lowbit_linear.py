@@ -1,0 +1,97 @@
+from __future__ import annotations
+
+import os
+import statistics
+
+import pytest
+import torch
+import torch.nn as nn
+
+from ooc.kernels.lowbit_linear import LowBitLinear, convert_linear, grad_weight, lowbit_linear
+from ooc.kernels.quant import quantize
+from ooc.kernels.quant_reference import torch_dequantize
+from tests.conftest import HAS_GPU
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs a GPU or TRITON_INTERPRET=1"
+)
+
+
+@needs_interpreter
+@pytest.mark.parametrize("shape", [(1, 1, 1), (7, 5, 63), (64, 33, 130), (40, 16, 257)], ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("bits", [8, 4])
+def test_triton_grad_weight_within_the_fp32_summation_bound(monkeypatch, shape, bits) -> None:
+    M, N, K = shape
+    torch.manual_seed(M * N + K)
+    x, g = torch.randn(M, K), torch.randn(M, N)
+    monkeypatch.setenv("OOC_KERNELS", "reference")
+    q = quantize(x, bits=bits)
+    exact = g.double().t() @ torch_dequantize(q).double()
+    monkeypatch.setenv("OOC_KERNELS", "triton")
+    got = grad_weight(g, q).double()
+    # Summing M products in fp32: |error| <= M * 2^-24 * sum |g| |x'| (plus the products' own rounding)
+    bound = (g.abs().double().t() @ torch_dequantize(q).abs().double()) * (M + 1) * 2**-24
+    assert torch.all((got - exact).abs() <= bound)
+    assert got.shape == (N, K)
+
+
+def test_autograd_matches_nn_linear_except_the_quantized_weight_grad() -> None:
+    torch.manual_seed(0)
+    dense = nn.Linear(96, 48)
+    low = LowBitLinear(96, 48, bits=8)
+    low.load_state_dict(dense.state_dict())
+    x = torch.randn(4, 10, 96, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    dense(x).square().sum().backward()
+    low(x2).square().sum().backward()
+    assert torch.equal(low(x2), dense(x2))  # the forward is the plain matmul
+    assert torch.equal(x.grad, x2.grad)  # dx = dy @ W, as nn.Linear
+    assert torch.equal(low.bias.grad, dense.bias.grad)
+    rel = (low.weight.grad - dense.weight.grad).norm() / dense.weight.grad.norm()
+    assert 0 < rel < 0.01  # int8 input: ~0.4% per value
+
+
+def test_input_size_must_match() -> None:
+    with pytest.raises(ValueError, match="features"):
+        lowbit_linear(torch.randn(2, 5), torch.randn(3, 4))
+
+
+def test_convert_linear_shares_parameters_and_keeps_ties() -> None:
+    from ooc.models import GPT
+
+    model = GPT("nano")
+    params_before = {id(p) for p in model.parameters()}
+    convert_linear(model, bits=4, filter=lambda name, m: not name.endswith("lm_head"))
+    assert {id(p) for p in model.parameters()} == params_before
+    assert isinstance(model.blocks[0].attn.qkv, LowBitLinear) and model.blocks[0].attn.qkv.bits == 4
+    assert type(model.lm_head) is nn.Linear and model.lm_head.weight is model.wte.weight
+    x = torch.randint(0, 65, (2, 16))
+    model(x, x)[1].backward()
+    with pytest.raises(ValueError, match="bits"):
+        convert_linear(model, bits=2)
+
+
+@pytest.mark.slow
+def test_demo_gpt_trains_within_three_percent_of_full_precision() -> None:
+    from ooc.check import demo_model_and_batch
+    from ooc.demo import CharData, load_text
+
+    data = CharData.from_text(load_text())
+    finals = {}
+    for bits in (None, 8):
+        model, _ = demo_model_and_batch(torch.device("cpu"))
+        if bits:
+            convert_linear(model, bits=bits)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        torch.manual_seed(0)
+        losses = []
+        for _ in range(200):
+            opt.zero_grad(set_to_none=True)
+            loss = model(*data.batch(8, 64, gen, torch.device("cpu")))[1]
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        finals[bits] = statistics.mean(losses[-20:])
+    print(f"final loss: {finals}")
+    assert abs(finals[8] - finals[None]) / finals[None] < 0.03
