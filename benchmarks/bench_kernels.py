@@ -21,6 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
 from common import machine_header, median_time, table  # noqa: E402
+from ooc.kernels.lowbit_linear import grad_weight  # noqa: E402
 from ooc.kernels.pack import pack, unpack  # noqa: E402
 from ooc.kernels.quant import dequantize, quantize  # noqa: E402
 
@@ -52,6 +53,15 @@ def throughput(device: torch.device) -> None:
     buffer, layout = pack(small)
     s = timed(lambda: unpack(buffer, layout))
     rows.append(["unpack 256 small", f"{s * 1e3:.2f}", f"{2 * total / s / 1e9:.1f}", f"{(2 * total / s) / (2 * x.nbytes / copy_s):.2f}"])
+    M, N, K = (8192, 1024, 1024) if device.type == "cuda" else (1024, 256, 256)
+    g, xk = torch.randn(M, N, device=device), torch.randn(M, K, device=device)
+    dense_s = timed(lambda: g.t() @ xk)
+    for bits in (8, 4):
+        q = quantize(xk, bits=bits)
+        s = timed(lambda q=q: grad_weight(g, q))
+        rows.append([f"grad_weight int{bits} {M}x{N}x{K}", f"{s * 1e3:.2f}", f"{2 * M * N * K / s / 1e12:.2f} TF/s",
+                     f"{dense_s / s:.2f} of matmul"])
+    rows.append([f"torch.matmul fp32 {M}x{N}x{K}", f"{dense_s * 1e3:.2f}", f"{2 * M * N * K / dense_s / 1e12:.2f} TF/s", "1.00"])
     print(table(rows))
     if device.type == "cuda":
         print("target: quantize/dequantize/pack >= 0.80 of the copy bandwidth")
