@@ -106,27 +106,15 @@ def saved_tensor_errors() -> None:
 
 
 def training(steps: int) -> None:
-    from ooc.check import demo_model_and_batch
-    from ooc.demo import CharData, load_text
+    from ooc.check import demo_model_and_batch, train_losses
 
-    data = CharData.from_text(load_text())
     rows = [["codec", f"loss (mean of last 20 of {steps} steps)", "vs none"]]
     base = None
     for codec in ("none", "int8", "int4", "fp8"):
         model, _ = demo_model_and_batch(torch.device("cpu"))
         ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 6), backend="cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
-        losses = []
-        for _ in range(steps):
-            opt.zero_grad(set_to_none=True)
-            loss = model(*data.batch(8, 64, gen, torch.device("cpu")))[1]
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        final = statistics.mean(train_losses(model, steps)[-20:])
         ooc.unwrap(model)
-        final = statistics.mean(losses[-20:])
         base = base or final
         rows.append([codec, f"{final:.4f}", f"{(final - base) / base:+.2%}"])
     print(table(rows))

@@ -38,21 +38,27 @@ def _uniform(index, seed):
 
 
 @triton.jit
-def _quantize_int_kernel(
-    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
-    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
-):
-    # Each program quantizes GPP groups; a group's even and odd columns are loaded apart so that int4
-    # can pack column 2k (low nibble) with 2k+1 (high nibble) without a shuffle.
+def _pair_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """This program's GPP groups, split into even and odd columns (so int4 packs column 2k in the
+    low nibble with 2k+1 in the high one without a shuffle): group ids, liveness, row offsets,
+    column indices and masks of both halves, and the packed (int4) column of each pair."""
     g = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    live = g < rows * groups_per_row
+    live = g < total
     row = g // groups_per_row
     half = tl.arange(0, GROUP // 2)
     col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
     col_odd = col_even + 1
-    m_even = live[:, None] & (col_even < cols)
-    m_odd = live[:, None] & (col_odd < cols)
     base = row[:, None].to(tl.int64) * cols
+    pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
+    return g, live, row, base, col_even, col_odd, live[:, None] & (col_even < cols), live[:, None] & (col_odd < cols), pcol
+
+
+@triton.jit
+def _quantize_int_kernel(
+    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
+    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
     xe = tl.load(x_ptr + base + col_even, mask=m_even, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + base + col_odd, mask=m_odd, other=0.0).to(tl.float32)
     fe = tl.abs(xe) < float("inf")  # false for NaN and Inf
@@ -75,7 +81,6 @@ def _quantize_int_kernel(
     if PACK4:
         packed = (qe & 0xF) | ((qo & 0xF) << 4)
         packed_cols = (cols + 1) // 2
-        pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
         tl.store(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
     else:
         tl.store(codes_ptr + base + col_even, qe.to(tl.int8), mask=m_even)
@@ -87,19 +92,10 @@ def _dequantize_int_kernel(
     codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row,
     GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
 ):
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    live = g < rows * groups_per_row
-    row = g // groups_per_row
-    half = tl.arange(0, GROUP // 2)
-    col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
-    col_odd = col_even + 1
-    m_even = live[:, None] & (col_even < cols)
-    m_odd = live[:, None] & (col_odd < cols)
-    base = row[:, None].to(tl.int64) * cols
+    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     if PACK4:
         packed_cols = (cols + 1) // 2
-        pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
         byte = tl.load(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
         lo = byte & 0xF
         hi = (byte >> 4) & 0xF

@@ -50,6 +50,27 @@ def demo_model_and_batch(device: torch.device, seed: int = 0) -> tuple[GPT, tupl
     return GPT(cfg).to(device), data.batch(16, 64, torch.Generator().manual_seed(seed), device)
 
 
+def train_losses(model: torch.nn.Module, steps: int, *, batch_size: int = 8, seed: int = 0) -> list[float]:
+    """Train ``model`` (a demo-sized GPT) on the sonnets with AdamW for ``steps``; the loss of each step.
+
+    The same batches and dropout masks for the same ``seed``, so runs with different settings
+    (codecs, low-bit layers) compare like for like.
+    """
+    data = CharData.from_text(load_text())
+    device = next(model.parameters()).device
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=True)
+        loss = model(*data.batch(batch_size, model.config.block_size, gen, device))[1]
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
 def calibration_check(*, reps: int = 10, backend: str | Backend = "auto", hardware: Hardware | None = None) -> list[CheckRow]:
     """For all-KEEP, all-SWAP, all-RECOMPUTE and a mixed plan: predicted vs measured peak and step time."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")

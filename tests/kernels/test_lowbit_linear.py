@@ -73,25 +73,13 @@ def test_convert_linear_shares_parameters_and_keeps_ties() -> None:
 
 @pytest.mark.slow
 def test_demo_gpt_trains_within_three_percent_of_full_precision() -> None:
-    from ooc.check import demo_model_and_batch
-    from ooc.demo import CharData, load_text
+    from ooc.check import demo_model_and_batch, train_losses
 
-    data = CharData.from_text(load_text())
     finals = {}
     for bits in (None, 8):
         model, _ = demo_model_and_batch(torch.device("cpu"))
         if bits:
             convert_linear(model, bits=bits)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
-        losses = []
-        for _ in range(200):
-            opt.zero_grad(set_to_none=True)
-            loss = model(*data.batch(8, 64, gen, torch.device("cpu")))[1]
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        finals[bits] = statistics.mean(losses[-20:])
+        finals[bits] = statistics.mean(train_losses(model, 200)[-20:])
     print(f"final loss: {finals}")
     assert abs(finals[8] - finals[None]) / finals[None] < 0.03

@@ -102,25 +102,13 @@ def test_int8_gradients_are_close_to_exact(nano) -> None:
 def test_int8_training_matches_uncompressed_within_two_percent() -> None:
     """The demo GPT on the sonnets, 200 steps, every block swapped (int4 is reported by
     benchmarks/bench_kernels.py)."""
-    from ooc.check import demo_model_and_batch
-    from ooc.demo import CharData, load_text
+    from ooc.check import demo_model_and_batch, train_losses
 
-    data = CharData.from_text(load_text())
     finals = {}
     for codec in ("none", "int8"):
         model, _ = demo_model_and_batch(torch.device("cpu"))
         ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 6), backend="cpu")
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(0)
-        torch.manual_seed(0)
-        losses = []
-        for _ in range(200):
-            opt.zero_grad(set_to_none=True)
-            loss = model(*data.batch(8, 64, gen, torch.device("cpu")))[1]
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
+        finals[codec] = statistics.mean(train_losses(model, 200)[-20:])
         ooc.unwrap(model)
-        finals[codec] = statistics.mean(losses[-20:])
     print(f"final loss (mean of last 20 steps): {finals}")
     assert abs(finals["int8"] - finals["none"]) / finals["none"] < 0.02
