@@ -70,7 +70,11 @@ def plan(
     """Profile ``model`` on ``sample`` and choose a plan whose predicted peak of saved activations
     on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``)."""
     backend_obj = resolve_backend(backend, model)
-    prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
+    try:
+        prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
+    finally:
+        if not isinstance(backend, Backend):
+            backend_obj.close()
     return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch)
 
 
@@ -123,5 +127,5 @@ def wrap(
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
         raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
-    install(model, chain, plan, backend_obj)
+    install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend))
     return model

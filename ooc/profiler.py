@@ -152,6 +152,8 @@ def profile(
         for h in handles:
             h.remove()
         state.restore()
+        if not isinstance(backend, Backend):
+            backend_obj.close()
 
     saved_bytes, swappable, swappable_count, saved_compressed = saved
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)

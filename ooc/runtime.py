@@ -57,7 +57,7 @@ class _Pass:
     def __init__(self, runtime: "Runtime") -> None:
         self.rt = runtime
         n = len(runtime.chain)
-        self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
+        self.swapped: list[list[weakref.ref[SwappedStorage | CompressedStorage]]] = [[] for _ in range(n)]
         self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
@@ -95,7 +95,7 @@ class _Pass:
         # A graph dropped without a backward frees its saved tensors with it.
         self.free_kept(range(len(self.kept)))
 
-    def _live(self, block: int) -> list[SwappedStorage]:
+    def _live(self, block: int) -> list[SwappedStorage | CompressedStorage]:
         return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
 
     def release(self, block: int) -> None:
@@ -196,8 +196,10 @@ class _BlockForward:
 class Runtime:
     """Everything ``wrap`` installs on one model."""
 
-    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, backend: Backend) -> None:
+    def __init__(self, model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False) -> None:
         self.model = model
+        self.owns_backend = owns_backend
+        """Made by ``wrap`` from a name: its copy threads stop at ``unwrap``."""
         self.chain = chain
         self.plan = plan
         self.backend = backend
@@ -251,6 +253,8 @@ class Runtime:
         self._installed.clear()
         self._current = None
         self.backend.synchronize()
+        if self.owns_backend:
+            self.backend.close()
 
     def report(self) -> MemoryReport:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
@@ -311,13 +315,13 @@ def _check_trainable(model: nn.Module) -> None:
         )
 
 
-def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend) -> Runtime:
+def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False) -> Runtime:
     if len(plan) != len(chain):
         raise PlanError(
             f"the plan has {len(plan)} blocks but the model has {len(chain)} ({chain.names[0]} ... "
             f"{chain.names[-1]}); make a plan for this model, e.g. Plan.uniform('keep', {len(chain)})"
         )
-    runtime = Runtime(model, chain, plan, backend)
+    runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
     runtime.install()
     _RUNTIMES[model] = runtime
     return runtime

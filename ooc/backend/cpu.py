@@ -58,8 +58,11 @@ class _CopyEngine:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
         self.error: BaseException | None = None
+        self.closed = False
 
     def submit(self, job: Callable[[], None]) -> None:
+        if self.closed:
+            raise RuntimeError(f"ooc copy engine {self._thread.name} is closed; this backend was shut down (ooc.unwrap closes the ones it made)")
         if self.error is not None:
             raise RuntimeError(f"ooc copy engine {self._thread.name} failed earlier") from self.error
         self._jobs.put(job)
@@ -75,8 +78,10 @@ class _CopyEngine:
                 self.error = exc
 
     def close(self) -> None:
-        self._jobs.put(None)
-        self._thread.join(timeout=5)
+        if not self.closed:
+            self.closed = True
+            self._jobs.put(None)
+            self._thread.join(timeout=5)
 
 
 class CpuBackend(Backend):

@@ -156,3 +156,21 @@ def test_a_missing_wait_is_caught_by_chaos() -> None:
         backend.synchronize()
         backend.close()
     assert results[0][1] is False
+
+
+def test_backends_made_by_wrap_are_closed_by_unwrap() -> None:
+    import threading
+
+    before = threading.active_count()
+    model = GPT(NANO)
+    for _ in range(3):
+        ooc.wrap(model, plan_of("SSKR"), backend="cpu")
+        model(*gpt_batch())[1].backward()
+        ooc.unwrap(model)
+    assert threading.active_count() == before
+    closed = CpuBackend()
+    closed.close()
+    ooc.wrap(model, plan_of("SSSS"), backend=closed)
+    with pytest.raises(RuntimeError, match="closed"):
+        model(*gpt_batch())[1].backward()
+    ooc.unwrap(model)
