@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import statistics
 from typing import Any
 
 import torch.nn as nn
@@ -9,6 +10,7 @@ import torch.nn as nn
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
+from ooc.profiler import block_profiles_to_profile
 from ooc.profiler import profile as measure_profile
 from ooc.runtime import _check_trainable, install
 from ooc.scheduler.costmodel import build_options
@@ -78,6 +80,18 @@ def plan(
     return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch)
 
 
+def _first_step_profile(runtime) -> Profile:  # noqa: ANN001
+    """The profile of the measured first step of ``wrap(model, budget=...)`` without a sample."""
+    seconds = runtime.timer.seconds
+    median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
+    return block_profiles_to_profile(
+        runtime.chain, runtime.tracker.log, [median(x) for x in seconds["recompute"]], [median(x) for x in seconds["backward"]],
+        [0] * len(runtime.chain), runtime.plan.min_swap_bytes, 0.0, model=type(runtime.model).__name__,
+        machine={"backend": runtime.backend.name, "device": str(runtime.backend.device)},
+        notes="the first training step under wrap(model, budget=...): times include its warm-up",
+    )
+
+
 def wrap(
     model: nn.Module,
     plan: Plan | None = None,
@@ -94,8 +108,11 @@ def wrap(
     """Install ooc's runtime on ``model`` and return it; the training loop stays as it is.
 
     - ``plan``: one :class:`~ooc.scheduler.Plan` decision per block; it always wins over ``budget``.
-    - ``budget`` (+ ``sample``, one input batch): profile the blocks on ``sample`` and plan so the
-      predicted peak of device-resident saved activations stays within ``budget``. With
+    - ``budget``: plan so the predicted peak of device-resident saved activations stays within
+      ``budget``. With ``sample`` (one input batch) the blocks are profiled now; without it the
+      first training step runs with every block recomputed and is measured, and the plan takes over
+      from the second step (if nothing fits, that step's ``backward()`` raises ``BudgetError`` and
+      the model is unwrapped). With
       ``profile=`` (from ``ooc.profile`` or ``ooc profile``) nothing is measured; the profile must
       describe this model's blocks.
     - Neither: every block keeps its activations (the runtime only measures).
@@ -113,12 +130,17 @@ def wrap(
             profile.check_matches(list(chain.names))
             plan = plan_for_profile(profile, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner,
                                     prefetch=prefetch)
+        elif budget is not None and sample is None:
+            # Plan from the first training step: it runs with every block recomputed (the least
+            # memory any plan needs) and is measured; the plan is chosen when its backward ends.
+            budget_bytes = parse_bytes(budget)
+            hw = _hardware_for(hardware, backend_obj)
+            runtime = install(model, chain, Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch), backend_obj,
+                              owns_backend=not isinstance(backend, Backend))
+            runtime.begin_deferred(lambda rt: plan_for_profile(
+                _first_step_profile(rt), budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
+            return model
         elif budget is not None:
-            if sample is None:
-                raise WrapError(
-                    "wrap(model, budget=...) needs sample=<one input batch> to profile the blocks "
-                    "(or pass plan=ooc.plan(model, sample, budget=...))"
-                )
             plan = globals()["plan"](
                 model, sample, budget=budget, hardware=hardware, planner=planner,
                 blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch,

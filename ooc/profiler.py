@@ -140,8 +140,8 @@ def profile(
         med = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in timer.seconds.items()}
         forward_s, backward_s = med["recompute"], med["backward"]
         outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
-        saved = _sums(log, "recompute", n, min_swap_bytes)
-        if _keep_all_fits(backend_obj, sum(saved[0])):
+        saved_total = sum(_sums(log, "recompute", n, min_swap_bytes)[0])
+        if _keep_all_fits(backend_obj, saved_total):
             keep = Plan.uniform(Policy.KEEP, n, min_swap_bytes=min_swap_bytes)
             ktimer, _, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
             kmed = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in ktimer.seconds.items()}
@@ -155,7 +155,21 @@ def profile(
         if not isinstance(backend, Backend):
             backend_obj.close()
 
-    saved_bytes, swappable, swappable_count, saved_compressed = saved
+    return block_profiles_to_profile(
+        chain, log, forward_s, backward_s, outputs, min_swap_bytes, outside,
+        model=name or type(model).__name__,
+        machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
+        notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
+    )
+
+
+def block_profiles_to_profile(
+    chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
+    outside_s: float, *, model: str, machine: dict[str, str], notes: str,
+) -> Profile:
+    """A profile from the tracker's log of an all-recompute step (bytes) and measured times."""
+    n = len(chain)
+    saved_bytes, swappable, swappable_count, saved_compressed = _sums(log, "recompute", n, min_swap_bytes)
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
     block_profiles = []
     for i, module in enumerate(chain.modules):
@@ -183,12 +197,12 @@ def profile(
     return Profile(
         blocks=tuple(block_profiles),
         min_swap_bytes=min_swap_bytes,
-        outside_forward_s=max(0.0, outside),
+        outside_forward_s=max(0.0, outside_s),
         outside_backward_s=0.0,
-        model=name or type(model).__name__,
+        model=model,
         source="measured",
-        machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
-        notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
+        machine=machine,
+        notes=notes,
     )
 
 

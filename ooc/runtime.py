@@ -137,6 +137,8 @@ class _Pass:
             self.bwd_range.end()
             self.bwd_range = None
         self.rt.steps += 1
+        if self.rt.deferred is not None:
+            self.rt.finish_deferred()
 
 
 class _BlockForward:
@@ -210,6 +212,7 @@ class Runtime:
         self.anchor = torch.empty(0, requires_grad=True)
         self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
         self.steps = 0
+        self.deferred: Callable[[Runtime], Plan] | None = None
         self._current: _Pass | None = None
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
@@ -255,6 +258,27 @@ class Runtime:
         self.backend.synchronize()
         if self.owns_backend:
             self.backend.close()
+
+    def begin_deferred(self, choose: Callable[["Runtime"], Plan]) -> None:
+        """Measure the next step (run under the current, all-recompute plan) and, when its backward
+        ends, switch to ``choose(self)``: ``wrap(model, budget=...)`` without a sample."""
+        self.deferred = choose
+        self.timer = _Timer(self.backend, len(self.chain))
+        self.tracker.log = []
+
+    def finish_deferred(self) -> None:
+        choose, self.deferred = self.deferred, None
+        try:
+            plan = choose(self)
+        except Exception:
+            # Nothing fits: leave the model as it was before wrap (its gradients of this step stay).
+            unwrap(self.model)
+            raise
+        finally:
+            self.timer = _NoTimer()
+            self.tracker.log = None
+        self.plan = plan
+        self.schedule = build_schedule(plan)
 
     def report(self) -> MemoryReport:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())

@@ -52,10 +52,32 @@ def test_budget_at_the_minimum_is_feasible(gpt) -> None:
     ooc.unwrap(model)
 
 
-def test_budget_without_sample_says_what_to_pass(gpt) -> None:
+def test_budget_without_sample_plans_from_the_first_step(gpt) -> None:
     model, reference, batch = gpt
-    with pytest.raises(ooc.WrapError, match="sample="):
-        ooc.wrap(model, budget="1GiB")
+    prof = ooc.profile(model, batch)
+    budget = sum(b.saved_bytes for b in prof.blocks) // 2
+    ooc.wrap(model, budget=budget, backend="cpu")
+    for step in range(3):
+        policies = set(ooc.runtime.runtime_of(model).plan.policies)
+        for m in (model, reference):
+            torch.manual_seed(step)
+            m(*batch)[1].backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+        if step == 0:  # measured under recompute-all, the leanest plan
+            assert policies == {ooc.Policy.RECOMPUTE}
+        else:
+            assert ooc.memory_report(model).peak_bytes <= budget
+            assert ooc.Policy.KEEP in policies
+    ooc.unwrap(model)
+
+
+def test_budget_without_sample_that_nothing_fits(gpt) -> None:
+    model, reference, batch = gpt
+    ooc.wrap(model, budget=1000, backend="cpu")
+    with pytest.raises(ooc.BudgetError, match="smallest peak any plan reaches"):
+        model(*batch)[1].backward()
+    reference(*batch)[1].backward()  # the failed step's gradients are those of plain PyTorch
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
     _assert_untouched_and_trainable(model, reference, batch)
 
 
