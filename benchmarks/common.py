@@ -10,6 +10,8 @@ from collections.abc import Callable
 
 import torch
 
+from ooc.calibrate import median_seconds
+
 
 def machine_header(title: str) -> str:
     device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU"
@@ -22,14 +24,7 @@ def machine_header(title: str) -> str:
 
 
 def median_time(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+    return median_seconds(fn, reps, warmup=warmup)
 
 
 def interleaved_medians(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 3) -> dict[str, float]:

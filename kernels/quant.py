@@ -110,14 +110,19 @@ def _dequantize_int_kernel(
 
 
 @triton.jit
+def _group_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask."""
+    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    live = g < total
+    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    base = (g // groups_per_row)[:, None].to(tl.int64) * cols
+    return g, live, base, col, live[:, None] & (col < cols)
+
+
+@triton.jit
 def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, FP8_MAX: tl.constexpr,
                          GROUP: tl.constexpr, GPP: tl.constexpr):
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    live = g < rows * groups_per_row
-    row = g // groups_per_row
-    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    m = live[:, None] & (col < cols)
-    base = row[:, None].to(tl.int64) * cols
+    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
@@ -130,12 +135,7 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_ro
 
 @triton.jit
 def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    live = g < rows * groups_per_row
-    row = g // groups_per_row
-    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    m = live[:, None] & (col < cols)
-    base = row[:, None].to(tl.int64) * cols
+    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
     v = tl.load(codes_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     tl.store(out_ptr + base + col, (v * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)

@@ -14,8 +14,10 @@ from ooc.backend import Backend, resolve_backend
 from ooc.scheduler.hardware import Hardware, preset
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up: first-touch page faults, allocator
+def median_seconds(fn, reps: int, *, warmup: int = 1) -> float:  # noqa: ANN001
+    """Median wall time of ``fn()`` over ``reps`` calls after ``warmup`` (first-touch page faults, allocator)."""
+    for _ in range(warmup):
+        fn()
     times = []
     for _ in range(reps):
         start = time.perf_counter()
@@ -40,7 +42,7 @@ def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor
         if backend.device.type == "cuda":
             torch.cuda.synchronize(backend.device)
 
-    alone = _median_seconds(compute, reps)
+    alone = median_seconds(compute, reps)
     stop = threading.Event()
 
     def copy_forever() -> None:
@@ -50,7 +52,7 @@ def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor
     worker = threading.Thread(target=copy_forever, daemon=True)
     worker.start()
     try:
-        busy = _median_seconds(compute, reps)
+        busy = median_seconds(compute, reps)
     finally:
         stop.set()
         worker.join()
@@ -78,8 +80,8 @@ def _copy_issue_seconds(backend: Backend, reps: int) -> float:
         if backend.device.type == "cuda":
             torch.cuda.synchronize(backend.device)
 
-    alone = _median_seconds(lambda: small_ops(False), reps)
-    with_copies = _median_seconds(lambda: small_ops(True), reps)
+    alone = median_seconds(lambda: small_ops(False), reps)
+    with_copies = median_seconds(lambda: small_ops(True), reps)
     return max(0.0, (with_copies - alone) / ops)
 
 
@@ -100,8 +102,8 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
     host.fill_(1)
     device.fill_(2)
 
-    h2d_s = _median_seconds(lambda: backend.copy_h2d(device, host, ()).synchronize(), reps)
-    d2h_s = _median_seconds(lambda: backend.copy_d2h(host, device, ()).synchronize(), reps)
+    h2d_s = median_seconds(lambda: backend.copy_h2d(device, host, ()).synchronize(), reps)
+    d2h_s = median_seconds(lambda: backend.copy_d2h(host, device, ()).synchronize(), reps)
 
     def both() -> None:
         a = backend.copy_h2d(device2, host2, ())
@@ -109,20 +111,20 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
         a.synchronize()
         b.synchronize()
 
-    duplex_s = _median_seconds(both, reps)
+    duplex_s = median_seconds(both, reps)
     tiny_h, tiny_d = backend.host_buffer(4), backend.device_buffer(4)
-    latency_s = _median_seconds(lambda: backend.copy_h2d(tiny_d, tiny_h, ()).synchronize(), reps * 4)
+    latency_s = median_seconds(lambda: backend.copy_h2d(tiny_d, tiny_h, ()).synchronize(), reps * 4)
 
     def d2d() -> None:
         device2.copy_(device)
         if backend.device.type == "cuda":
             torch.cuda.synchronize(backend.device)
 
-    d2d_s = _median_seconds(d2d, reps)
+    d2d_s = median_seconds(d2d, reps)
     params = torch.zeros(nbytes // 4 // 4)
     params.grad = torch.ones_like(params)
     opt = torch.optim.AdamW([params], lr=1e-3, fused=True)
-    opt_s = _median_seconds(opt.step, reps)
+    opt_s = median_seconds(opt.step, reps)
     slowdown = _compute_slowdown(backend, host, device, reps)
 
     base = preset("cpu" if backend.device.type == "cpu" else "h100-sxm")
