@@ -19,8 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
 from common import interleaved_medians, machine_header, table  # noqa: E402
-from ooc.demo import CharData, load_text  # noqa: E402
-from ooc.models.gpt import GPT, GPTConfig  # noqa: E402
+from ooc.demo import CharData, demo_config, load_text  # noqa: E402
+from ooc.models.gpt import GPT  # noqa: E402
 from ooc.scheduler.units import format_bytes  # noqa: E402
 
 
@@ -32,7 +32,7 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     data = CharData.from_text(load_text())
-    cfg = GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
+    cfg = demo_config(data)
     base = GPT(cfg).to(device)
     batch = data.batch(16, 64, torch.Generator().manual_seed(0), device)
     prof = ooc.profile(base, batch)

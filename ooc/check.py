@@ -12,8 +12,8 @@ import torch
 import ooc
 from ooc.backend import Backend, resolve_backend
 from ooc.calibrate import calibrate
-from ooc.demo import CharData, load_text
-from ooc.models.gpt import GPT, GPTConfig
+from ooc.demo import CharData, demo_config, load_text
+from ooc.models.gpt import GPT
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import Plan
 from ooc.scheduler.planners import PLANNERS, annotate
@@ -46,8 +46,7 @@ class CheckRow:
 def demo_model_and_batch(device: torch.device, seed: int = 0) -> tuple[GPT, tuple[torch.Tensor, torch.Tensor]]:
     torch.manual_seed(seed)
     data = CharData.from_text(load_text())
-    cfg = GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
-    return GPT(cfg).to(device), data.batch(16, 64, torch.Generator().manual_seed(seed), device)
+    return GPT(demo_config(data)).to(device), data.batch(16, 64, torch.Generator().manual_seed(seed), device)
 
 
 def train_losses(model: torch.nn.Module, steps: int, *, batch_size: int = 8, seed: int = 0) -> list[float]:

@@ -7,7 +7,7 @@ import copy
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 
 import torch
@@ -17,7 +17,7 @@ import ooc
 from ooc.api import _hardware_for, plan_for_profile
 from ooc.backend import resolve_backend
 from ooc.blocks import find_blocks
-from ooc.models.gpt import GPT, GPTConfig
+from ooc.models.gpt import GPT, GPT_PRESETS, GPTConfig
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.units import format_bytes
 
@@ -48,6 +48,11 @@ class CharData:
 
     def decode(self, ids: torch.Tensor) -> str:
         return "".join(self.chars[i] for i in ids.tolist())
+
+
+def demo_config(data: CharData) -> GPTConfig:
+    """The demo's GPT: the "tiny" preset (6 layers, 128 wide, 64 characters) over the text's alphabet."""
+    return replace(GPT_PRESETS["tiny"], vocab_size=len(data.chars))
 
 
 @dataclass(frozen=True)
@@ -94,7 +99,7 @@ def run_demo(
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(seed)
     data = CharData.from_text(load_text())
-    cfg = GPTConfig(vocab_size=len(data.chars), block_size=64, n_layer=6, n_head=4, n_embd=128, dropout=0.1)
+    cfg = demo_config(data)
     model = GPT(cfg).to(device)
     gen = torch.Generator().manual_seed(seed)
     sample = data.batch(batch_size, cfg.block_size, gen, device)

@@ -21,6 +21,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
 from ooc.runtime import _check_trainable, _Timer, install, unwrap
+from ooc.saved import compressible_storage
 from ooc.scheduler.compression import KERNEL_CODEC, compressed_nbytes
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
@@ -218,11 +219,10 @@ def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int],
             if nbytes >= min_swap_bytes:
                 large[block] += nbytes
                 count[block] += 1
-                floating = dtype in (torch.float32, torch.float16, torch.bfloat16)
-                size = dtype.itemsize if isinstance(dtype, torch.dtype) else 1
+                compresses = compressible_storage(nbytes, dtype)
                 for codec in KERNEL_CODEC:
-                    if floating:  # only compressed storages are decoded
-                        size_c = compressed_nbytes(nbytes, size, floating, codec)
-                        largest[block][codec.value] = max(largest[block][codec.value], size_c)
-                    compressed[block][codec.value] += compressed_nbytes(nbytes, size, floating, codec)
+                    size = compressed_nbytes(nbytes, dtype.itemsize, True, codec) if compresses else nbytes
+                    compressed[block][codec.value] += size
+                    if compresses:  # only compressed storages are decoded
+                        largest[block][codec.value] = max(largest[block][codec.value], size)
     return total, large, count, (compressed, largest)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ooc import nvtx
-from ooc.scheduler.compression import COMPRESSIBLE_ELEMENT_SIZES, KERNEL_CODEC, SWAP_GROUP_SIZE, compressed_nbytes
+from ooc.scheduler.compression import KERNEL_CODEC, SWAP_GROUP_SIZE, compressed_nbytes
 from ooc.scheduler.plan import Codec
 
 if TYPE_CHECKING:
@@ -109,13 +109,18 @@ class SwappedStorage:
         self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
 
 
+COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def compressible_storage(nbytes: int, dtype: object) -> bool:
+    """Whether a swapped storage of ``nbytes`` viewed as ``dtype`` is compressed under a codec:
+    fp32/fp16/bf16 holding whole elements; the rest (ints, bools, fp64) move as they are. The
+    runtime's pack hook and the profiler both ask this, so they count the same bytes."""
+    return dtype in COMPRESSIBLE_DTYPES and nbytes % dtype.itemsize == 0
+
+
 def compressible(tensor: torch.Tensor) -> bool:
-    """fp32/fp16/bf16 storages compress; the rest (ints, bools, fp64) move as they are."""
-    return (
-        tensor.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and tensor.element_size() in COMPRESSIBLE_ELEMENT_SIZES
-        and tensor.untyped_storage().nbytes() % tensor.element_size() == 0
-    )
+    return compressible_storage(tensor.untyped_storage().nbytes(), tensor.dtype)
 
 
 class CompressedStorage:
