@@ -28,6 +28,9 @@ class Backend(abc.ABC):
 
     name: str
     device: torch.device
+    separate_memory: bool = True
+    """Device memory is apart from host memory (CUDA), or acts so (the chaos CPU backend): host
+    state is copied, never shared. On the plain CPU backend a host fp32 tensor is its own copy."""
 
     @abc.abstractmethod
     def host_buffer(self, nbytes: int) -> torch.Tensor:

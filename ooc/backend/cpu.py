@@ -91,6 +91,7 @@ class CpuBackend(Backend):
     def __init__(self, *, chaos: ChaosConfig | None = None) -> None:
         self.device = torch.device("cpu")
         self.chaos = chaos
+        self.separate_memory = chaos is not None
         self._rng = random.Random(chaos.seed) if chaos else None
         self._rng_lock = threading.Lock()
         self._d2h = _CopyEngine("ooc-d2h")

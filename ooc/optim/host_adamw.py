@@ -5,20 +5,37 @@ step brings the gradients to the host, runs torch's fused CPU AdamW kernel on th
 copies the result back. On the CPU backend an fp32 parameter is its own master, so the step is the
 fused kernel alone, and results equal ``torch.optim.AdamW(fused=True)`` bit for bit.
 
-Not here yet (issue 5): the per-block pipeline that overlaps these updates with the backward, the
-one-step-delayed variant, and sharding across data-parallel ranks.
+With ``pipeline=model`` the updates run block by block on host threads while the backward goes on
+(:mod:`ooc.optim.pipeline`); with ``data_parallel`` the gradients are averaged across ranks on the
+way (:mod:`ooc.distributed`).
 """
 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Iterable
 from typing import Any
 
 import torch
+import torch.nn as nn
 from torch.optim.adamw import adamw
 
-from ooc.errors import OocError
+from ooc.backend import Backend, resolve_backend
+from ooc.blocks import Chain, find_blocks
+from ooc.distributed import (
+    DataParallel,
+    GroupCommunicator,
+    assign_owners,
+    broadcast_parameters,
+    check_world,
+    fingerprint,
+    options_of,
+)
+from ooc.errors import BlockError, OocError
+from ooc.optim.buckets import make_buckets
+from ooc.optim.pipeline import Hyper, UpdatePipeline
+from ooc.runtime import is_wrapped, runtime_of
 from ooc.scheduler.units import format_bytes
 
 
@@ -47,16 +64,36 @@ def available_host_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES")
 
 
-def _own_master(p: torch.Tensor) -> bool:
-    """A host fp32 parameter is updated in place: it is its own master copy."""
-    return p.device.type == "cpu" and p.dtype == torch.float32
-
-
 class HostAdamW(torch.optim.Optimizer):
-    """``torch.optim.AdamW`` with its state on the host (LR schedulers and ``state_dict`` work as usual).
+    """``torch.optim.AdamW`` whose fp32 master weights and moments live in host memory.
 
-    Host memory needed is 8 bytes per parameter for the moments, plus 4 for an fp32 master copy where
-    the parameter is not itself a host fp32 tensor; it is checked before anything is allocated.
+    LR schedulers, ``state_dict`` and ``load_state_dict`` work as for any ``torch.optim.Optimizer``.
+    The update is torch's fused CPU AdamW kernel, so on the CPU in fp32 the weights equal
+    ``torch.optim.AdamW(fused=True)`` bit for bit.
+
+    - ``pipeline``: the model whose backward the updates overlap. Each block of its chain (found as
+      ``ooc.wrap`` finds it) and each top-level module outside the chain is a bucket; when a
+      bucket's last gradient arrives its update starts on a host thread while the backward goes on,
+      and the bucket's next forward waits for its new weights. ``step()`` then returns at once;
+      call :meth:`synchronize` before reading parameters outside a forward (``model.state_dict()``
+      and ``self.state_dict()`` do it for you). Without ``pipeline`` every update runs in ``step()``.
+    - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
+    - ``delayed_update``: each step's forward and backward run on weights one update old, so the
+      update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
+      result is AdamW with gradients one step stale.
+    - ``accumulate``: backward passes per ``step()`` (gradient accumulation); a bucket's update
+      starts after its ``accumulate``-th gradient.
+    - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
+      needs every gradient, so updates wait for ``step()``; only the copies and the data-parallel
+      exchange still overlap the backward.
+    - ``device_params_below``: parameters with fewer elements stay on their device with their state
+      (norm scales, biases), updated in ``step()`` by torch's AdamW there.
+    - ``data_parallel``: a :class:`ooc.distributed.DataParallel`; gradients are averaged across the
+      ranks of the default process group, bucket by bucket, overlapping the backward.
+
+    Host memory needed (8 bytes per parameter for the moments, 4 more for a master copy where the
+    parameter is not itself a host fp32 tensor, plus transfer buffers) is checked before anything is
+    allocated. Tensor shapes are the parameters' own; nothing is reshaped.
     """
 
     def __init__(
@@ -66,75 +103,185 @@ class HostAdamW(torch.optim.Optimizer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
+        *,
+        pipeline: nn.Module | None = None,
+        backend: str | Backend | None = None,
+        delayed_update: bool = False,
+        accumulate: int = 1,
+        max_grad_norm: float | None = None,
+        device_params_below: int = 0,
+        data_parallel: DataParallel | None = None,
     ) -> None:
         if lr < 0 or eps < 0 or weight_decay < 0:
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"accumulate must be an int >= 1 (backward passes per step), got {accumulate!r}")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        if device_params_below < 0:
+            raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
+        if pipeline is not None and not isinstance(pipeline, nn.Module):
+            raise TypeError(f"pipeline must be the nn.Module being trained, got {type(pipeline).__name__}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         tensors = [p for group in self.param_groups for p in group["params"]]
         for p in tensors:
             if not p.is_floating_point():
                 raise TypeError(f"HostAdamW optimizes floating-point parameters, got {p.dtype}")
-        needed = sum(p.numel() * 4 * (2 if _own_master(p) else 3) for p in tensors)
-        available = available_host_bytes()
-        if needed > available:
-            raise HostMemoryError(needed, available)
-        for p in tensors:
-            self.state[p] = self._fresh_state(p)
+        self.delayed_update = delayed_update
+        self._device_params = [p for p in tensors if p.numel() < device_params_below]
+        small = {id(p) for p in self._device_params}
+        host_params = [p for p in tensors if id(p) not in small]
+
+        backend_obj, self._owns_backend = _backend_for(backend, pipeline, tensors)
+        self.backend = backend_obj
+
+        def own_master(p: torch.Tensor) -> bool:
+            return p.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
+                and not delayed_update
+
+        comm = None
+        owner = {id(p): 0 for p in host_params}
+        try:
+            if data_parallel is not None:
+                comm = GroupCommunicator(data_parallel)
+                if data_parallel.check:
+                    plan_json = runtime_of(pipeline).plan.to_json() if pipeline is not None and is_wrapped(pipeline) else None
+                    options = options_of(data_parallel, lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
+                                         delayed_update=delayed_update, accumulate=accumulate,
+                                         max_grad_norm=max_grad_norm, device_params_below=device_params_below)
+                    check_world(fingerprint(pipeline, tensors, options, plan_json))
+                broadcast_parameters(tensors)
+                if data_parallel.shard:
+                    owner = assign_owners(host_params, comm.world)
+            rank = comm.rank if comm else 0
+            mine = [p for p in host_params if owner[id(p)] == rank or not (comm and comm.sharded)]
+            needed = _host_bytes_needed(mine, host_params, own_master)
+            available = available_host_bytes()
+            if needed > available:
+                raise HostMemoryError(needed, available)
+            for p in mine:
+                self.state[p] = self._fresh_state(p, own=own_master(p))
+            for p in self._device_params:
+                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                                 "exp_avg_sq": torch.zeros_like(p)}
+            chain = _chain_of(pipeline)
+            self._buckets = make_buckets(pipeline, chain, host_params)
+            # Looked up at each use: load_state_dict replaces both the state and the groups. Weakly:
+            # the host threads must not keep a dropped optimizer alive.
+            group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
+            me = weakref.ref(self)
+            self._pipeline = UpdatePipeline(
+                buckets=self._buckets, state_of=lambda p: me().state[p],
+                hyper_of=lambda p: _hyper(me().param_groups[group_of[id(p)]]),
+                backend=backend_obj, own_master=own_master, owner=owner, comm=comm,
+                reduce_on_device=comm is not None and comm.reduce_on == "device",
+                delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                norm_order=tensors if not small else [p for p in tensors if id(p) not in small],
+            )
+        except BaseException:
+            if comm is not None:
+                comm.close()
+            if self._owns_backend:
+                backend_obj.close()
+            raise
+        self._comm = comm
+        self._max_grad_norm = max_grad_norm
+        self._pipelined = pipeline is not None
+        self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
+        self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
+                                           backend_obj if self._owns_backend else None)
+        self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
 
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
         return torch.zeros(p.shape, dtype=torch.float32, pin_memory=p.is_cuda)
 
-    def _fresh_state(self, p: torch.Tensor) -> dict[str, torch.Tensor]:
+    def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
         state = {
             "step": torch.tensor(0.0),
             "exp_avg": self._host_zeros_like(p),
             "exp_avg_sq": self._host_zeros_like(p),
         }
-        if not _own_master(p):
+        if not own:
             master = self._host_zeros_like(p)
             master.copy_(p.detach())
             state["master"] = master
         return state
 
+    def _install_hooks(self, model: nn.Module, chain: Chain | None) -> list[Any]:
+        pipe = self._pipeline
+        handles = []
+        for bucket in self._buckets:
+            for p in bucket.params:
+                if p.requires_grad:
+                    handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=bucket.index: pipe.on_grad(i)))
+            if bucket.block is not None and chain is not None:
+                # The block's forward reads its parameters: they must hold this step's update.
+                handles.append(chain.modules[bucket.block].register_forward_pre_hook(
+                    lambda _m, _args, i=bucket.index: pipe.gate((i,))))
+        outside = tuple(b.index for b in self._buckets if b.block is None)
+        handles.append(model.register_forward_pre_hook(lambda _m, _args: pipe.gate(outside)))
+        handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
+        return handles
+
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
+        """Apply this step's gradients. With ``pipeline`` most updates have started in the backward
+        already and the rest start here; this returns without waiting for them (see the class doc)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            masters, grads, exp_avgs, exp_avg_sqs, steps, devices = [], [], [], [], [], []
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self.state[p]
-                own = "master" not in state
-                masters.append(p if own else state["master"])
-                # Gradients to the host in fp32; the copy is synchronous, so the kernel reads whole data.
-                grads.append(p.grad if own else p.grad.to("cpu", torch.float32))
-                exp_avgs.append(state["exp_avg"])
-                exp_avg_sqs.append(state["exp_avg_sq"])
-                steps.append(state["step"])
-                devices.append(None if own else p)
-            if not masters:
-                continue
-            beta1, beta2 = group["betas"]
-            adamw(masters, grads, exp_avgs, exp_avg_sqs, [], steps, foreach=False, fused=True, amsgrad=False,
-                  beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                  maximize=False)
-            for p, master in zip(devices, masters):
-                if p is not None:
-                    p.copy_(master, non_blocking=p.is_cuda)  # the working copy, in the parameter's dtype
+        self._pipeline.finish_step()
+        self._step_device_params()
+        if not self._pipelined:
+            self.synchronize()
         return loss
+
+    def _step_device_params(self) -> None:
+        params = [p for p in self._device_params if p.grad is not None]
+        if not params:
+            return
+        if self._comm is not None:
+            for p in params:
+                torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
+                p.grad.div_(self._comm.world)
+        for group in self.param_groups:
+            mine = [p for p in group["params"] if any(p is q for q in params)]
+            if not mine:
+                continue
+            state = [self.state[p] for p in mine]
+            beta1, beta2 = group["betas"]
+            adamw(mine, [p.grad for p in mine], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state], [],
+                  [s["step"] for s in state], foreach=False, fused=mine[0].device.type in ("cpu", "cuda"),
+                  amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+                  eps=group["eps"], maximize=False)
+
+    def synchronize(self) -> None:
+        """Wait until every update issued so far is in the parameters (with ``delayed_update``: the
+        ones the next forward will use)."""
+        self._pipeline.synchronize()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if not set_to_none:
+            self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
+        super().zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        self.synchronize()
+        return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``Optimizer.load_state_dict``, but the state stays on the host (the base class would move
         it to each parameter's device)."""
+        self.synchronize()
         super().load_state_dict(state_dict)
+        device_ids = {id(p) for p in self._device_params}
         for p, state in self.state.items():
+            if id(p) in device_ids:
+                continue
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor) and key != "step":
                     host = self._host_zeros_like(p)
@@ -142,3 +289,54 @@ class HostAdamW(torch.optim.Optimizer):
                     state[key] = host
                 elif key == "step":
                     state[key] = value.detach().to("cpu", torch.float32)
+
+    def close(self) -> None:
+        """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
+        done when the optimizer is garbage-collected."""
+        self._finalizer()
+
+
+def _shutdown(pipeline: UpdatePipeline, handles: list[Any], comm: GroupCommunicator | None,
+              backend: Backend | None) -> None:
+    for handle in handles:
+        handle.remove()
+    pipeline.close()
+    if comm is not None:
+        comm.close()
+    if backend is not None:
+        backend.close()
+
+
+def _hyper(group: dict[str, Any]) -> Hyper:
+    beta1, beta2 = group["betas"]
+    return Hyper(float(group["lr"]), beta1, beta2, group["eps"], group["weight_decay"])
+
+
+def _chain_of(model: nn.Module | None) -> Chain | None:
+    if model is None:
+        return None
+    if is_wrapped(model):
+        return runtime_of(model).chain
+    try:
+        return find_blocks(model)
+    except BlockError:
+        return None  # no chain: one bucket per top-level module
+
+
+def _backend_for(spec: str | Backend | None, model: nn.Module | None, params: list[torch.Tensor]) -> tuple[Backend, bool]:
+    """The backend to copy with, and whether this optimizer made it (and so closes it)."""
+    if isinstance(spec, Backend):
+        return spec, False
+    if spec is None and model is not None and is_wrapped(model):
+        return runtime_of(model).backend, False
+    if spec is None or spec == "auto":
+        spec = "cuda" if params and params[0].is_cuda else "cpu"
+    return resolve_backend(spec, model if model is not None else nn.Module()), True
+
+
+def _host_bytes_needed(mine: list[torch.Tensor], host_params: list[torch.Tensor], own_master) -> int:  # noqa: ANN001
+    """Moments (+ master) for the parameters this rank updates; transfer buffers for every
+    parameter that is not its own master (the gradient in and the new weights out)."""
+    state = sum(p.numel() * 4 * (2 if own_master(p) else 3) for p in mine)
+    buffers = sum(2 * p.numel() * p.element_size() for p in host_params if not own_master(p))
+    return state + buffers

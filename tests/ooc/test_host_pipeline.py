@@ -1,0 +1,235 @@
+"""HostAdamW's per-block pipeline: updates start in the backward, forwards wait for their weights.
+
+Every comparison is bit for bit against torch's fused AdamW, run the plain way on a copy of the
+model, so a missing wait (the chaos backend poisons copy destinations with NaN first) or a stale
+weight fails.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ooc
+from ooc.backend import ChaosConfig, CpuBackend
+from ooc.models import GPT
+from ooc.optim import HostAdamW
+from ooc.optim.pipeline import PipelineError
+from tests.helpers import gpt_batch
+
+STEPS = 4
+MIXED = ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"])
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT("nano")  # 4 blocks
+
+
+def _reference(model: GPT, steps: int = STEPS, *, accumulate: int = 1, clip: float | None = None,
+               **kwargs) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True, **kwargs)
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            torch.manual_seed(step * 10 + micro)
+            loss = model(*gpt_batch(seed=step * 10 + micro))[1]
+            loss.backward()
+            losses.append(loss.item())
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def _pipelined(model: GPT, opt: HostAdamW, steps: int = STEPS, *, accumulate: int = 1) -> list[float]:
+    losses = []
+    for step in range(steps):
+        for micro in range(accumulate):
+            torch.manual_seed(step * 10 + micro)
+            loss = model(*gpt_batch(seed=step * 10 + micro))[1]
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+    return losses
+
+
+def _same_weights(a: torch.nn.Module, b: torch.nn.Module) -> bool:
+    return all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+
+
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+@pytest.mark.parametrize("wrapped", [False, True], ids=["plain", "wrapped"])
+def test_pipelined_updates_equal_fused_adamw(backend: str, wrapped: bool) -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    backend_obj = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.002)) if backend == "chaos" else CpuBackend()
+    if wrapped:
+        ooc.wrap(model, MIXED, backend=backend_obj)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, backend=backend_obj)
+    try:
+        assert _pipelined(model, opt) == _reference(plain)
+        assert _same_weights(model, plain)
+        if backend == "chaos":
+            assert all("master" in s for s in opt.state.values())  # the copies really ran
+    finally:
+        opt.close()
+        if wrapped:
+            ooc.unwrap(model)
+        backend_obj.close()
+
+
+def test_without_the_forward_gate_the_chaos_run_differs(monkeypatch) -> None:
+    """The chaos test above can fail: skip the gate and forwards read weights mid-copy."""
+    monkeypatch.setattr("ooc.optim.pipeline.UpdatePipeline.gate", lambda self, indices: None)
+    plain = _model()
+    model = copy.deepcopy(plain)
+    backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.02))
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, backend=backend)
+    try:
+        losses = _pipelined(model, opt, steps=3)
+    finally:
+        opt.close()
+        backend.close()
+    assert losses != _reference(plain, steps=3)
+
+
+def test_block_updates_start_inside_the_backward() -> None:
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model)
+    launched_during_backward = []
+    original = opt._pipeline.launch
+
+    def spy(index: int) -> None:
+        launched_during_backward.append(opt._buckets[index].name)
+        original(index)
+
+    opt._pipeline.launch = spy
+    model(*gpt_batch())[1].backward()
+    in_backward = list(launched_during_backward)
+    opt.step()
+    opt.close()
+    # Every block and every module outside the chain had its update started by its own gradient hook.
+    assert in_backward[:5] == ["ln_f", "blocks.3", "blocks.2", "blocks.1", "blocks.0"]
+    assert len(in_backward) == len(opt._buckets)
+
+
+def test_gradient_accumulation() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, accumulate=2)
+    try:
+        assert _pipelined(model, opt, accumulate=2) == _reference(plain, accumulate=2)
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()
+
+
+def test_a_second_backward_without_accumulate_is_an_error() -> None:
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model)
+    model(*gpt_batch())[1].backward()
+    with pytest.raises(PipelineError, match="accumulate=k"):
+        model(*gpt_batch(seed=1))[1].backward()
+    opt.close()
+
+
+def test_clipping_by_global_norm_equals_clip_grad_norm() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, max_grad_norm=0.5)
+    try:
+        assert _pipelined(model, opt) == _reference(plain, clip=0.5)
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()
+
+
+def test_delayed_update_applies_each_gradient_one_step_late() -> None:
+    """DPU: step s runs on the weights after the gradients of step s-2, i.e. one update stale."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, delayed_update=True)
+    losses = _pipelined(model, opt)
+    opt.close()
+    master = copy.deepcopy(plain)  # the weights the host optimizer holds
+    ref_opt = torch.optim.AdamW(master.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    expected = []
+    for step in range(STEPS):
+        torch.manual_seed(step * 10)
+        loss = plain(*gpt_batch(seed=step * 10))[1]
+        loss.backward()
+        expected.append(loss.item())
+        for m, p in zip(master.parameters(), plain.parameters()):
+            m.grad = p.grad
+        with torch.no_grad():  # the device takes the previous update, then the host applies this one
+            for p, m in zip(plain.parameters(), master.parameters()):
+                p.copy_(m)
+        ref_opt.step()
+        plain.zero_grad()
+    assert losses == expected
+    assert losses[1] != _reference(_model(), steps=2)[1]  # step 1 really ran on the initial weights
+    assert _same_weights(model, plain)
+
+
+def test_small_parameters_may_stay_on_the_device() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, device_params_below=1000)
+    try:
+        assert _pipelined(model, opt) == _reference(plain)
+        assert _same_weights(model, plain)
+        small = [p for p in model.parameters() if p.numel() < 1000]
+        assert small and all(id(p) not in {id(q) for b in opt._buckets for q in b.params} for p in small)
+    finally:
+        opt.close()
+
+
+def test_state_dict_round_trip_while_pipelined() -> None:
+    a = _model()
+    opt_a = HostAdamW(a.parameters(), lr=1e-2, pipeline=a, backend="chaos")
+    _pipelined(a, opt_a, steps=2)
+    b = copy.deepcopy(a)
+    opt_b = HostAdamW(b.parameters(), lr=1e-2, pipeline=b, backend="chaos")
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    assert _pipelined(a, opt_a, steps=2) == _pipelined(b, opt_b, steps=2)
+    assert _same_weights(a, b)
+    opt_a.close()
+    opt_b.close()
+
+
+def test_lr_scheduler_changes_apply_from_the_next_step() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
+    for step in range(3):
+        for m, o, s in ((model, opt, scheds[0]), (plain, ref, scheds[1])):
+            torch.manual_seed(step)  # the same dropout masks
+            m(*gpt_batch(seed=step))[1].backward()
+            o.step()
+            o.zero_grad()
+            s.step()
+    opt.synchronize()
+    opt.close()
+    assert _same_weights(model, plain)
+
+
+def test_model_state_dict_waits_for_the_updates() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=CpuBackend(chaos=ChaosConfig(max_delay_s=0.01)))
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
+    for m, o in ((model, opt), (plain, ref)):
+        torch.manual_seed(0)
+        m(*gpt_batch())[1].backward()
+        o.step()
+    saved = model.state_dict()  # no synchronize(): the state_dict hook waits
+    opt.close()
+    assert all(torch.equal(saved[k], v) for k, v in plain.state_dict().items())
