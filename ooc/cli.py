@@ -1,4 +1,4 @@
-"""The ``ooc`` command line (also ``python -m ooc``): demo, profile, plan, simulate, calibrate."""
+"""The ``ooc`` command line (also ``python -m ooc``): demo, train, profile, plan, simulate, calibrate."""
 
 from __future__ import annotations
 
@@ -27,6 +27,20 @@ def _demo(args: argparse.Namespace) -> int:
     run_demo(steps=args.steps, batch_size=args.batch_size, budget_fraction=args.budget_fraction,
              planner=args.planner, seed=args.seed, progress=not args.no_progress)
     return 0
+
+
+def _train(args: argparse.Namespace) -> int:
+    from ooc.train import TrainConfig
+    from ooc.train import main as train_main
+
+    cfg = TrainConfig(
+        preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq=args.seq, lr=args.lr,
+        weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype, dropout=args.dropout, plan=args.plan, shard=args.shard,
+        reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
+        max_grad_norm=args.max_grad_norm, timeout_s=args.timeout, out=args.out, save=args.save, resume=args.resume,
+        progress=not args.no_progress,
+    )
+    return train_main(cfg)
 
 
 def reference_model(spec: str, batch: int, seq: int):
@@ -207,6 +221,32 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed)")
     sim.add_argument("--reps", type=int, default=10)
     sim.set_defaults(run=_simulate)
+
+    tr = sub.add_parser("train", help="train the reference GPT with the host optimizer; data-parallel under torchrun",
+                        description="Single process: `ooc train`. Data-parallel on one machine: `torchrun "
+                        "--nproc_per_node=2 -m ooc train`. Across machines: `torchrun --nnodes=2 --nproc_per_node=G "
+                        "--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT -m ooc train` on each.")
+    tr.add_argument("--preset", default="tiny", help="GPT preset (nano, tiny, ...)")
+    tr.add_argument("--steps", type=int, default=50)
+    tr.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
+    tr.add_argument("--seq", type=int, default=64)
+    tr.add_argument("--lr", type=float, default=3e-3)
+    tr.add_argument("--weight-decay", type=float, default=0.1)
+    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--dtype", default="float32", help="parameter dtype: float32 or bfloat16")
+    tr.add_argument("--dropout", type=float, help="dropout probability (default: the preset's)")
+    tr.add_argument("--plan", default="recompute", help="keep, swap, recompute, budget:<fraction> or a plan JSON file")
+    tr.add_argument("--shard", action="store_true", help="shard the host optimizer state across ranks")
+    tr.add_argument("--reduce-on", default="auto", help="where gradients are summed: device, host or auto")
+    tr.add_argument("--delayed-update", action="store_true", help="one-step-stale updates (changes numerics)")
+    tr.add_argument("--accumulate", type=int, default=1, help="micro-batches per step per rank")
+    tr.add_argument("--max-grad-norm", type=float, help="clip gradients to this global norm")
+    tr.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a peer")
+    tr.add_argument("--out", help="write losses and step times as JSON (rank 0)")
+    tr.add_argument("--save", help="write a checkpoint directory at the end")
+    tr.add_argument("--resume", help="continue from a checkpoint directory")
+    tr.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
+    tr.set_defaults(run=_train)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
     cal.add_argument("--backend", default="auto")

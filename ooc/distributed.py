@@ -13,10 +13,11 @@ the same plan and the same optimizer options, and takes rank 0's initial weights
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -43,15 +44,20 @@ class DataParallel:
       leaving the GPU's links to the activation swaps. ``"auto"``: ``"device"`` when the default
       process group is NCCL, else ``"host"``.
     - ``check``: compare every rank's model, plan and options at start-up.
+    - ``timeout_s``: how long a gradient exchange waits for a peer before failing (a rank that died
+      fails it at once; one that hangs, after this).
     """
 
     shard: bool = False
     reduce_on: str = "auto"
     check: bool = True
+    timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.reduce_on not in REDUCE_ON:
             raise ValueError(f"reduce_on must be one of {REDUCE_ON}, got {self.reduce_on!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
     def resolved_reduce_on(self) -> str:
         if self.reduce_on != "auto":
@@ -76,24 +82,41 @@ class GroupCommunicator:
         ranks = list(range(self.world))
         # new_group is collective: every rank creates the same groups in the same order.
         exchange_backend = "gloo" if self.reduce_on == "host" else None
-        self._exchange = dist.new_group(ranks, backend=exchange_backend)
-        self._update = dist.new_group(ranks, backend=exchange_backend)
+        timeout = datetime.timedelta(seconds=config.timeout_s)
+        self._exchange = dist.new_group(ranks, backend=exchange_backend, timeout=timeout)
+        self._update = dist.new_group(ranks, backend=exchange_backend, timeout=timeout)
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self._exchange)
+        with peer_failures():
+            dist.all_reduce(tensor, group=self._exchange)
 
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
-        dist.reduce(tensor, dst=dst, group=self._exchange)
+        with peer_failures():
+            dist.reduce(tensor, dst=dst, group=self._exchange)
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
-        dist.broadcast(tensor, src=src, group=self._update)
+        with peer_failures():
+            dist.broadcast(tensor, src=src, group=self._update)
 
     def sum_vector(self, tensor: torch.Tensor) -> None:
-        dist.all_reduce(tensor, group=self._update)
+        with peer_failures():
+            dist.all_reduce(tensor, group=self._update)
 
     def close(self) -> None:
         for group in (self._exchange, self._update):
             dist.destroy_process_group(group)
+
+
+@contextlib.contextmanager
+def peer_failures() -> Iterator[None]:
+    """Turn a failed collective into a :class:`WorldError` that says a peer is gone."""
+    try:
+        yield
+    except RuntimeError as exc:
+        raise WorldError(
+            f"rank {dist.get_rank()} lost the other ranks: a gradient exchange failed ({exc}). Another rank died, "
+            "or hung past the process group's timeout; see its log."
+        ) from exc
 
 
 def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:

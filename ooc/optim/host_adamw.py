@@ -31,6 +31,7 @@ from ooc.distributed import (
     check_world,
     fingerprint,
     options_of,
+    peer_failures,
 )
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import make_buckets
@@ -246,7 +247,8 @@ class HostAdamW(torch.optim.Optimizer):
             return
         if self._comm is not None:
             for p in params:
-                torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
+                with peer_failures():
+                    torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
                 p.grad.div_(self._comm.world)
         for group in self.param_groups:
             mine = [p for p in group["params"] if any(p is q for q in params)]

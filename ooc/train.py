@@ -1,0 +1,238 @@
+"""``ooc train``: the reference GPT, out of core, data-parallel over every rank ``torchrun`` starts.
+
+Each step takes one global batch of ``batch_size x world x accumulate`` sequences of the shipped
+text; rank ``r`` trains on its micro-batches ``r*accumulate ... r*accumulate + accumulate - 1``,
+each seeded by its place in the global batch (dropout included). So the run does not depend on how
+the global batch is split: one process with ``accumulate=2`` computes what two ranks compute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+import ooc
+from ooc.demo import CharData, load_text
+from ooc.distributed import DataParallel, init_from_env, peer_failures
+from ooc.errors import OocError
+from ooc.models.gpt import GPT, GPT_PRESETS
+from ooc.optim import HostAdamW
+from ooc.scheduler.plan import Plan, Policy
+from ooc.scheduler.units import format_bytes
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Options of ``ooc train`` (see ``ooc train --help``)."""
+
+    preset: str = "tiny"
+    steps: int = 50
+    batch_size: int = 8
+    """Sequences per micro-batch, per rank."""
+    seq: int = 64
+    lr: float = 3e-3
+    weight_decay: float = 0.1
+    seed: int = 0
+    dtype: str = "float32"
+    dropout: float | None = None
+    """None: the preset's."""
+    plan: str = "recompute"
+    """keep, swap, recompute, a plan JSON file, or "budget:<fraction of the keep-all peak>"."""
+    shard: bool = False
+    reduce_on: str = "auto"
+    delayed_update: bool = False
+    accumulate: int = 1
+    max_grad_norm: float | None = None
+    timeout_s: float = 60.0
+    out: str | None = None
+    save: str | None = None
+    resume: str | None = None
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.preset not in GPT_PRESETS:
+            raise ValueError(f"no GPT preset {self.preset!r}; choose one of {sorted(GPT_PRESETS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for name in ("steps", "batch_size", "seq", "accumulate"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    losses: list[float]
+    """Per step: the mean loss over the global batch (every rank's micro-batches)."""
+    step_s: list[float]
+    world: int
+    start_step: int
+
+
+def _micro_batch(data: CharData, cfg: TrainConfig, step: int, index: int, micro_batches: int,
+                 seq: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Micro-batch ``index`` of the ``micro_batches`` of ``step``'s global batch: its rows
+    ``index*batch_size ...``. The global batch is drawn whole, so its rows do not depend on the split:
+    one process with a batch of ``2*batch_size`` trains on the rows two ranks share."""
+    gen = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(data.ids) - seq - 1, (cfg.batch_size * micro_batches,), generator=gen)
+    rows = starts[index * cfg.batch_size:(index + 1) * cfg.batch_size]
+    x = torch.stack([data.ids[s:s + seq] for s in rows])
+    y = torch.stack([data.ids[s + 1:s + seq + 1] for s in rows])
+    return x, y
+
+
+def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torch.Tensor], world: int) -> Plan:
+    """The plan; with data parallelism rank 0 chooses and every rank takes its choice (profiles
+    measured on two ranks would differ by timing noise)."""
+    n = model.config.n_layer
+    if cfg.plan in (p.value for p in Policy):
+        return Plan.uniform(cfg.plan, n)
+    chosen: list[str | None] = [None]
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if cfg.plan.startswith("budget:"):
+            fraction = float(cfg.plan.partition(":")[2])
+            prof = ooc.profile(model, sample, backend="cpu")
+            budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
+            from ooc.api import plan_for_profile
+            from ooc.scheduler.hardware import preset
+
+            chosen[0] = plan_for_profile(prof, budget, hardware=preset("cpu")).to_json()
+        else:
+            path = Path(cfg.plan)
+            if not path.is_file():
+                raise ValueError(f"--plan {cfg.plan!r} is not keep/swap/recompute, budget:<fraction> or a plan file")
+            chosen[0] = path.read_text()
+    if dist.is_initialized() and world > 1:
+        dist.broadcast_object_list(chosen, src=0)
+    return Plan.from_json(chosen[0])
+
+
+def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
+    """Run ``cfg`` on this process (one rank of the default process group, if there is one)."""
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    torch.manual_seed(cfg.seed)
+    data = CharData.from_text(load_text())
+    gpt_cfg = replace(GPT_PRESETS[cfg.preset], vocab_size=len(data.chars))
+    if cfg.dropout is not None:
+        gpt_cfg = replace(gpt_cfg, dropout=cfg.dropout)
+    model = GPT(gpt_cfg).to(DTYPES[cfg.dtype])
+    seq = min(cfg.seq, gpt_cfg.block_size)
+    plan = _resolve_plan(cfg, model, _micro_batch(data, cfg, 0, 0, 1, seq), world)
+    ooc.wrap(model, plan, backend="auto")
+    opt = HostAdamW(
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model,
+        delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
+        data_parallel=DataParallel(shard=cfg.shard, reduce_on=cfg.reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
+    )
+    start_step = 0
+    if cfg.resume:
+        start_step = _load(Path(cfg.resume), model, opt, rank)
+    if rank == 0:
+        show(f"ooc train: GPT {cfg.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {cfg.dtype}) "
+             f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
+             f"[{' '.join(p.value for p in plan.policies)}], host AdamW{' sharded' if cfg.shard else ''}")
+    losses, times = [], []
+    bar = tqdm(range(start_step, start_step + cfg.steps), desc="training", unit="step", leave=False,
+               disable=None if cfg.progress and rank == 0 else True)
+    for step in bar:
+        started = time.perf_counter()
+        total = torch.zeros(())
+        for micro in range(cfg.accumulate):
+            index = rank * cfg.accumulate + micro
+            x, y = _micro_batch(data, cfg, step, index, world * cfg.accumulate, seq)
+            torch.manual_seed(cfg.seed * 7919 + step * 4096 + index)  # dropout masks follow the micro-batch
+            _, loss = model(x, y)
+            (loss / cfg.accumulate).backward()
+            total += loss.detach().float()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if world > 1:
+            with peer_failures():
+                dist.all_reduce(total)  # for the log only; the default group, used by this thread alone
+        losses.append(float(total) / (world * cfg.accumulate))
+        times.append(time.perf_counter() - started)
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if rank == 0 and not cfg.progress:
+            show(f"step {step:5d}  loss {losses[-1]:.4f}")
+            sys.stdout.flush()
+    bar.close()
+    opt.synchronize()
+    if cfg.save:
+        _save(Path(cfg.save), model, opt, rank, start_step + cfg.steps)
+    if rank == 0:
+        median = statistics.median(times[1:] if len(times) > 1 else times)
+        report = ooc.memory_report(model)
+        show(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {cfg.steps} steps; median step {median * 1e3:.1f} ms; "
+             f"peak device-resident activations {format_bytes(report.peak_bytes)}")
+    result = TrainResult(losses, times, world, start_step)
+    if cfg.out and rank == 0:
+        Path(cfg.out).write_text(json.dumps(asdict(result), indent=1))
+    opt.close()
+    ooc.unwrap(model)
+    return result
+
+
+def _save(directory: Path, model: GPT, opt: HostAdamW, rank: int, step: int) -> None:
+    """Model from rank 0; optimizer state from every rank (sharded, each holds only its share).
+    Each file is written to a temporary name and renamed, so a crash leaves no half-written file."""
+    directory.mkdir(parents=True, exist_ok=True)
+    files = {f"optimizer-rank{rank}.pt": {"optimizer": opt.state_dict(), "step": step}}
+    if rank == 0:
+        files["model.pt"] = {"model": model.state_dict(), "step": step}
+    for name, payload in files.items():
+        tmp = directory / f".{name}.tmp"
+        torch.save(payload, tmp)
+        os.replace(tmp, directory / name)
+
+
+def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int) -> int:
+    model_file, opt_file = directory / "model.pt", directory / f"optimizer-rank{rank}.pt"
+    for path in (model_file, opt_file):
+        if not path.is_file():
+            raise ValueError(f"--resume {directory}: no {path.name}; resume with the world size that saved it")
+    saved = torch.load(model_file, weights_only=True)
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(torch.load(opt_file, weights_only=True)["optimizer"])
+    for p, state in opt.state.items():
+        if "master" in state:
+            with torch.no_grad():
+                p.copy_(state["master"])  # the working copy from the master, as after a step
+    return int(saved["step"])
+
+
+def main(cfg: TrainConfig) -> int:
+    """Join the process group (if launched by torchrun), train, and exit non-zero on any failure,
+    never hanging: a dead or stuck rank fails every collective within ``timeout_s``."""
+    try:
+        distributed = init_from_env(cfg.timeout_s)
+    except (RuntimeError, ValueError) as exc:
+        print(f"ooc train: could not join the process group: {exc}", file=sys.stderr)
+        return 1
+    rank = dist.get_rank() if distributed else 0
+    try:
+        train(cfg)
+    except (OocError, RuntimeError, ValueError, OSError) as exc:
+        print(f"ooc train: rank {rank}: error: {exc}", file=sys.stderr)
+        if distributed:
+            # The process group may wait on a dead peer forever at shutdown: leave now.
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(1)
+        return 1
+    if distributed:
+        dist.destroy_process_group()
+    return 0
