@@ -15,6 +15,17 @@ from ooc.tracker import MemoryReport
 
 __version__ = "0.1.0"
 
+_SUBMODULES = ("optim", "distributed")
+
+
+def __getattr__(name: str) -> object:
+    """``ooc.optim`` and ``ooc.distributed`` load on first use (torch.distributed is not needed to wrap)."""
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"ooc.{name}")
+    raise AttributeError(f"module 'ooc' has no attribute {name!r}")
+
 __all__ = [
     "BlockError",
     "BlockPlan",
