@@ -10,7 +10,7 @@ import torch.nn as nn
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
-from ooc.profiler import block_profiles_to_profile
+from ooc.profiler import block_profiles_to_profile, outside_param_bytes
 from ooc.profiler import profile as measure_profile
 from ooc.runtime import _check_trainable, install
 from ooc.scheduler.costmodel import build_options
@@ -89,6 +89,7 @@ def _first_step_profile(runtime) -> Profile:  # noqa: ANN001
         [0] * len(runtime.chain), runtime.plan.min_swap_bytes, 0.0, model=type(runtime.model).__name__,
         machine={"backend": runtime.backend.name, "device": str(runtime.backend.device)},
         notes="the first training step under wrap(model, budget=...): times include its warm-up",
+        outside_param_bytes=outside_param_bytes(runtime.model, runtime.chain),
     )
 
 

@@ -161,12 +161,19 @@ def profile(
         model=name or type(model).__name__,
         machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
+        outside_param_bytes=outside_param_bytes(model, chain),
     )
+
+
+def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
+    """Bytes of the model's parameters that belong to no block of the chain."""
+    inside = {id(p) for m in chain.modules for p in m.parameters()}
+    return sum(p.numel() * p.element_size() for p in model.parameters() if id(p) not in inside)
 
 
 def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
-    outside_s: float, *, model: str, machine: dict[str, str], notes: str,
+    outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
 ) -> Profile:
     """A profile from the tracker's log of an all-recompute step (bytes) and measured times."""
     n = len(chain)
@@ -200,6 +207,7 @@ def block_profiles_to_profile(
         min_swap_bytes=min_swap_bytes,
         outside_forward_s=max(0.0, outside_s),
         outside_backward_s=0.0,
+        outside_param_bytes=outside_param_bytes,
         model=model,
         source="measured",
         machine=machine,

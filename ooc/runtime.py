@@ -33,6 +33,7 @@ from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
+from ooc.streaming import ParamStreamer
 from ooc.tracker import MemoryReport, MemoryTracker
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
@@ -78,6 +79,7 @@ class _Pass:
             ctx=rt.swap_ctx,
             on_kept=self.keep,
             on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
+            param_view=rt.streamer.view_of if rt.plan.blocks[block].streamed else None,
         )
 
     def keep(self, block: int, nbytes: int, what: str, dtype: torch.dtype) -> None:
@@ -113,6 +115,12 @@ class _Pass:
         schedule = self.rt.schedule
         # Every node of the blocks after this one has run: autograd has dropped their tensors.
         self.free_kept(range(block + 1, len(self.kept)))
+        streamer = self.rt.streamer
+        if block + 1 < len(self.kept):
+            streamer.release_after_backward(block + 1)
+        for j in schedule.stream_ins_before_backward[block]:
+            streamer.issue(j)
+        streamer.attach(block)
         if not self.backward_started:
             self.backward_started = True
             # Runs once the whole backward is done, whichever block it ends in.
@@ -133,6 +141,7 @@ class _Pass:
 
     def on_backward_end(self) -> None:
         self.free_kept(range(len(self.kept)))
+        self.rt.streamer.release_all()
         if self.bwd_range is not None:
             self.bwd_range.end()
             self.bwd_range = None
@@ -150,12 +159,19 @@ class _BlockForward:
         self.original = original
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return self.original(*args, **kwargs)  # nothing is saved without autograd
         rt, i = self.rt, self.index
+        if not torch.is_grad_enabled():
+            rt.streamer.attach(i)
+            try:
+                return self.original(*args, **kwargs)  # nothing is saved without autograd
+            finally:
+                rt.streamer.release(i)
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
+        for j in rt.schedule.stream_ins_before_forward[i]:
+            rt.streamer.issue(j)
+        rt.streamer.attach(i)
         try:
             if decision.policy is Policy.RECOMPUTE:
                 with saved_tensors_hooks(step.pack_hook(i, swap=decision.swap_input, what="save"), unpack):
@@ -179,6 +195,7 @@ class _BlockForward:
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
         finally:
+            rt.streamer.release(i)
             fwd.end()
         if rt.timer.marks_backward:
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
@@ -209,6 +226,7 @@ class Runtime:
         self.tracker = MemoryTracker(len(chain))
         self.pool = HostPool(backend)
         self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
+        self.streamer = self._make_streamer(plan)
         self.anchor = torch.empty(0, requires_grad=True)
         self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
         self.steps = 0
@@ -217,6 +235,13 @@ class Runtime:
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
+
+    def _make_streamer(self, plan: Plan) -> ParamStreamer:
+        streamer = ParamStreamer(self.chain, plan, self.backend, self.tracker)
+        streamed = streamer.streamed_param_ids
+        self.tracker.set_resident_params(sum(
+            p.numel() * p.element_size() for p in self.model.parameters() if id(p) not in streamed))
+        return streamer
 
     def state_storage_ptrs(self) -> frozenset[int]:
         """Storages of parameters and buffers: model state, never counted or swapped.
@@ -256,6 +281,7 @@ class Runtime:
         self._installed.clear()
         self._current = None
         self.backend.synchronize()
+        self.streamer.restore()
         if self.owns_backend:
             self.backend.close()
 
@@ -279,6 +305,9 @@ class Runtime:
             self.tracker.log = None
         self.plan = plan
         self.schedule = build_schedule(plan)
+        if any(b.streamed for b in plan.blocks):
+            self.streamer.restore()
+            self.streamer = self._make_streamer(plan)
 
     def report(self) -> MemoryReport:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())

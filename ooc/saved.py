@@ -248,13 +248,15 @@ def make_pack_hook(
     on_kept: Callable[[int, int, str, torch.dtype], None],
     on_swapped: Callable[[SwappedStorage], None],
     codec: Codec = Codec.NONE,
+    param_view: Callable[[torch.Tensor], object | None] | None = None,
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
     A kept tensor is returned as itself (autograd's fast path: a packed non-tensor costs ~7 us per
     saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what, dtype)``.
     With a ``codec``, floating-point storages are compressed before their copy out.
-    ``skip_ptrs``: storages never counted or moved (parameters and buffers).
+    ``skip_ptrs``: storages never counted or moved (parameters and buffers). ``param_view``: for a
+    block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
     """
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
     # it, never across a release (the allocator may hand the address to another tensor). The ledger
@@ -267,6 +269,8 @@ def make_pack_hook(
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
             return tensor
+        if param_view is not None and (ref := param_view(tensor)) is not None:
+            return ref
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in skip_ptrs:

@@ -22,6 +22,10 @@ class MemoryReport:
     swapped_in_bytes: int
     host_pool_bytes: int
     cuda_max_allocated: int | None
+    param_bytes: int = 0
+    """Parameter bytes on the device now (resident ones, and streamed ones while in use)."""
+    param_peak_bytes: int = 0
+    """Their peak over the last step."""
 
     def __str__(self) -> str:
         from ooc.scheduler.units import format_bytes
@@ -30,7 +34,8 @@ class MemoryReport:
         return (
             f"peak {format_bytes(self.peak_bytes)} of saved activations on device "
             f"(now {format_bytes(self.current_bytes)}); moved out {format_bytes(self.swapped_out_bytes)}, "
-            f"in {format_bytes(self.swapped_in_bytes)}; host pool {format_bytes(self.host_pool_bytes)}{cuda}"
+            f"in {format_bytes(self.swapped_in_bytes)}; host pool {format_bytes(self.host_pool_bytes)}; "
+            f"parameters on device: peak {format_bytes(self.param_peak_bytes)}{cuda}"
         )
 
 
@@ -46,6 +51,22 @@ class MemoryTracker:
         self.swapped_in = 0
         self.log: list[tuple[str, int, int, object]] | None = None
         """When a list, every change is appended as (what, block, bytes, dtype or None)."""
+        self.params = 0
+        self.params_peak = 0
+
+    def set_resident_params(self, nbytes: int) -> None:
+        """Parameter bytes that stay on the device (all but the streamed ones)."""
+        with self._lock:
+            self.params = self.params_peak = nbytes
+
+    def alloc_params(self, nbytes: int) -> None:
+        with self._lock:
+            self.params += nbytes
+            self.params_peak = max(self.params_peak, self.params)
+
+    def free_params(self, nbytes: int) -> None:
+        with self._lock:
+            self.params -= nbytes
 
     def alloc(self, block: int, nbytes: int, what: str = "alloc", dtype: object = None) -> None:
         with self._lock:
@@ -71,6 +92,7 @@ class MemoryTracker:
         """The next step's peak starts from what is resident now."""
         with self._lock:
             self.peak = self.current
+            self.params_peak = self.params
             self._block_peak = list(self._block)
             self.swapped_out = 0
             self.swapped_in = 0
@@ -86,4 +108,6 @@ class MemoryTracker:
                 swapped_in_bytes=self.swapped_in,
                 host_pool_bytes=host_pool_bytes,
                 cuda_max_allocated=cuda_max_allocated,
+                param_bytes=self.params,
+                param_peak_bytes=self.params_peak,
             )

@@ -37,12 +37,22 @@ class Codec(str, enum.Enum):
     FP8 = "fp8"
 
 
+class Residency(str, enum.Enum):
+    """Where a block's parameters live between their uses."""
+
+    RESIDENT = "resident"
+    """On the device for the whole run (what plain PyTorch does)."""
+    STREAMED = "streamed"
+    """On the host; copied to the device before the block's forward and again before its backward,
+    and freed after each."""
+
+
 @dataclass(frozen=True)
 class BlockPlan:
     """The decision for one block.
 
     ``swap_input`` applies to ``RECOMPUTE`` blocks: the one tensor such a block keeps (its input)
-    is swapped to the host as well. ``saved_bytes`` / ``device_bytes`` are what the planner expected
+    is swapped to the host as well. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
     from its profile (``None`` for a hand-written plan); they are shown in the plan table.
     """
 
@@ -51,10 +61,12 @@ class BlockPlan:
     swap_input: bool = False
     saved_bytes: int | None = None
     device_bytes: int | None = None
+    params: Residency = Residency.RESIDENT
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "policy", Policy(self.policy))
         object.__setattr__(self, "codec", Codec(self.codec))
+        object.__setattr__(self, "params", Residency(self.params))
         if self.swap_input and self.policy is not Policy.RECOMPUTE:
             raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
         if self.codec is not Codec.NONE and not self.swaps_anything:
@@ -70,7 +82,13 @@ class BlockPlan:
             text += "+swap_input"
         if self.codec is not Codec.NONE:
             text += f"[{self.codec.value}]"
+        if self.params is Residency.STREAMED:
+            text += ", params streamed"
         return text
+
+    @property
+    def streamed(self) -> bool:
+        return self.params is Residency.STREAMED
 
 
 def _as_block_plan(item: BlockPlan | Policy | str) -> BlockPlan:
@@ -103,6 +121,14 @@ class Plan:
             raise PlanError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
         if self.min_swap_bytes < 0:
             raise PlanError(f"min_swap_bytes must be >= 0, got {self.min_swap_bytes}")
+
+    def streaming(self, blocks: Iterable[int]) -> "Plan":
+        """This plan with the parameters of ``blocks`` streamed from the host."""
+        chosen = set(blocks)
+        if not chosen <= set(range(len(self))):
+            raise PlanError(f"blocks {sorted(chosen - set(range(len(self))))} are not in a plan of {len(self)} blocks")
+        return replace(self, blocks=tuple(
+            replace(b, params=Residency.STREAMED if i in chosen else b.params) for i, b in enumerate(self.blocks)))
 
     @classmethod
     def uniform(cls, policy: Policy | str, num_blocks: int, **kwargs: Any) -> "Plan":
@@ -165,6 +191,7 @@ class Plan:
                     "swap_input": b.swap_input,
                     "saved_bytes": b.saved_bytes,
                     "device_bytes": b.device_bytes,
+                    "params": b.params.value,
                 }
                 for b in self.blocks
             ],
@@ -188,6 +215,7 @@ class Plan:
                     swap_input=bool(b.get("swap_input", False)),
                     saved_bytes=b.get("saved_bytes"),
                     device_bytes=b.get("device_bytes"),
+                    params=Residency(b.get("params", "resident")),
                 )
                 for b in data["blocks"]
             )

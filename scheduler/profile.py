@@ -89,6 +89,8 @@ class Profile:
     min_swap_bytes: int = 4096
     outside_forward_s: float = 0.0
     outside_backward_s: float = 0.0
+    outside_param_bytes: int = 0
+    """Parameters outside the chain (embeddings, head): always resident on the device."""
     model: str = "model"
     source: str = "measured"
     machine: dict[str, str] = field(default_factory=dict, compare=False)
@@ -126,6 +128,7 @@ class Profile:
             "min_swap_bytes": self.min_swap_bytes,
             "outside_forward_s": self.outside_forward_s,
             "outside_backward_s": self.outside_backward_s,
+            "outside_param_bytes": self.outside_param_bytes,
             "blocks": [asdict(b) for b in self.blocks],
         }
 
@@ -145,6 +148,7 @@ class Profile:
                 min_swap_bytes=int(data.get("min_swap_bytes", 4096)),
                 outside_forward_s=float(data.get("outside_forward_s", 0.0)),
                 outside_backward_s=float(data.get("outside_backward_s", 0.0)),
+                outside_param_bytes=int(data.get("outside_param_bytes", 0)),
                 model=str(data.get("model", "model")),
                 source=str(data.get("source", "measured")),
                 machine=dict(data.get("machine", {})),

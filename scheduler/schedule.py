@@ -33,6 +33,7 @@ class Resource(str, enum.Enum):
 
 class OpKind(str, enum.Enum):
     FORWARD = "forward"
+    STREAM_IN = "stream_in"
     DECODE = "decode"
     SWAP_OUT = "swap_out"
     RELEASE = "release"
@@ -57,6 +58,10 @@ class Op:
     copies: int = 0
     """Copies a copy op stands for; on a compute op, copies it issues and waits for."""
     duration_s: float = 0.0
+    param_alloc: int = 0
+    """Streamed parameter bytes brought to the device by this op (a STREAM_IN)."""
+    param_free: int = 0
+    """Streamed parameter bytes freed when the next op is issued (the block's forward or backward)."""
 
     @property
     def label(self) -> str:
@@ -118,7 +123,13 @@ class Schedule:
     """Blocks released when the backward starts (the last swapped block)."""
     swap_ins_before_backward: tuple[tuple[int, ...], ...]
     """``[b]``: blocks whose swapped tensors are copied back when block ``b``'s backward starts."""
+    stream_ins_before_forward: tuple[tuple[int, ...], ...] = ()
+    """``[i]``: streamed blocks whose parameters are copied in when block ``i``'s forward starts
+    (``i`` itself, and ``i+1`` ahead of time)."""
+    stream_ins_before_backward: tuple[tuple[int, ...], ...] = ()
+    """``[b]``: the same when block ``b``'s backward starts (``b``, and ``b-1`` ahead of time)."""
     _memory: tuple[int, ...] = field(default=(), compare=False, repr=False)
+    _param_memory: tuple[int, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def memory_after_op(self) -> tuple[int, ...]:
@@ -128,6 +139,16 @@ class Schedule:
     @property
     def peak_bytes(self) -> int:
         return max(self._memory, default=0)
+
+    @property
+    def param_memory_after_op(self) -> tuple[int, ...]:
+        """Device-resident parameter bytes while each op runs: resident parameters plus the streamed
+        blocks present (needs a profile)."""
+        return self._param_memory
+
+    @property
+    def param_peak_bytes(self) -> int:
+        return max(self._param_memory, default=0)
 
 
 def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardware | None = None) -> Schedule:
@@ -153,11 +174,28 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
             last_compute.append(op.index)
         return op.index
 
+    streamed = [plan.blocks[i].streamed for i in range(n)]
+    params = [p.param_bytes if p is not None else 0 for p in prof]
+
+    def stream_in(blocks: tuple[int, ...], issued: dict[int, int]) -> tuple[int, ...]:
+        """Copy in the parameters of the streamed ``blocks`` not yet issued in this pass."""
+        out = []
+        for j in blocks:
+            if 0 <= j < n and streamed[j] and j not in issued:
+                deps = (last_compute[-1],) if last_compute else ()
+                issued[j] = add(OpKind.STREAM_IN, j, Resource.H2D, deps, param_alloc=params[j], bytes_moved=params[j])
+                out.append(j)
+        return tuple(out)
+
     swap_out: dict[int, int] = {}
     releases_after: list[tuple[int, ...]] = []
+    streamed_fwd: dict[int, int] = {}
+    stream_ins_fwd: list[tuple[int, ...]] = []
     for i in range(n):
-        add(OpKind.FORWARD, i, Resource.COMPUTE, alloc_bytes=per_block[i].forward_alloc,
-            copies=per_block[i].copies if swaps[i] else 0)
+        stream_ins_fwd.append(stream_in((i, i + 1), streamed_fwd))
+        add(OpKind.FORWARD, i, Resource.COMPUTE, (streamed_fwd[i],) if streamed[i] else (),
+            alloc_bytes=per_block[i].forward_alloc, copies=per_block[i].copies if swaps[i] else 0,
+            param_free=params[i] if streamed[i] else 0)
         if swaps[i]:
             swap_out[i] = add(OpKind.SWAP_OUT, i, Resource.D2H, (last_compute[-1],), bytes_moved=per_block[i].swapped,
                               copies=per_block[i].copies)
@@ -177,7 +215,10 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
 
     swap_in: dict[int, int] = {}
     swap_ins_before: list[tuple[int, ...]] = [()] * n
+    streamed_bwd: dict[int, int] = {}
+    stream_ins_bwd: list[tuple[int, ...]] = [()] * n
     for b in range(n - 1, -1, -1):
+        stream_ins_bwd[b] = stream_in((b, b - 1), streamed_bwd)
         issued = []
         for j in range(b, max(b - plan.prefetch, 0) - 1, -1):
             if swaps[j] and j not in swap_in:
@@ -187,7 +228,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
                                  bytes_moved=per_block[j].swapped, copies=per_block[j].copies)
                 issued.append(j)
         swap_ins_before[b] = tuple(issued)
-        wait = (swap_in[b],) if b in swap_in else ()
+        wait = ((swap_in[b],) if b in swap_in else ()) + ((streamed_bwd[b],) if streamed[b] else ())
         issued_copies = sum(per_block[j].copies for j in issued)
         if plan.blocks[b].codec is not Codec.NONE:
             add(OpKind.DECODE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].decoded,
@@ -196,21 +237,29 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         if plan.blocks[b].policy is Policy.RECOMPUTE:
             add(OpKind.RECOMPUTE, b, Resource.COMPUTE, wait, alloc_bytes=per_block[b].recompute_alloc, copies=issued_copies)
             wait, issued_copies = (), 0
-        add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward, copies=issued_copies)
+        add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward, copies=issued_copies,
+            param_free=params[b] if streamed[b] else 0)
 
-    memory = []
+    memory, param_memory = [], []
     current = 0
+    resident_params = sum(p for p, s in zip(params, streamed) if not s) + (profile.outside_param_bytes if profile else 0)
     for op in ops:
         current += op.alloc_bytes
         memory.append(current + op.transient_bytes)
         current -= op.free_bytes
+        resident_params += op.param_alloc
+        param_memory.append(resident_params)
+        resident_params -= op.param_free
     return Schedule(
         ops=tuple(ops),
         plan=plan,
         releases_after_forward=tuple(releases_after),
         releases_before_backward=releases_before,
         swap_ins_before_backward=tuple(swap_ins_before),
+        stream_ins_before_forward=tuple(stream_ins_fwd),
+        stream_ins_before_backward=tuple(stream_ins_bwd),
         _memory=tuple(memory),
+        _param_memory=tuple(param_memory) if profile is not None else (),
     )
 
 
@@ -226,7 +275,7 @@ def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Pla
         duration = prof[op.block].backward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.OUTSIDE:
         duration = profile.outside_forward_s + profile.outside_backward_s
-    elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN):
+    elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN, OpKind.STREAM_IN):
         bandwidth = hw.d2h if op.kind is OpKind.SWAP_OUT else hw.h2d
         duration = hw.copy_latency_s + op.bytes_moved / bandwidth
     else:

@@ -34,10 +34,11 @@ from ooc.distributed import (
     peer_failures,
 )
 from ooc.errors import BlockError, OocError
-from ooc.optim.buckets import make_buckets
+from ooc.optim.buckets import Bucket, make_buckets
 from ooc.optim.pipeline import Hyper, UpdatePipeline
 from ooc.runtime import is_wrapped, runtime_of
 from ooc.scheduler.units import format_bytes
+from ooc.streaming import ParamStreamer
 
 
 class HostMemoryError(OocError, MemoryError):
@@ -138,8 +139,12 @@ class HostAdamW(torch.optim.Optimizer):
         backend_obj, self._owns_backend = _backend_for(backend, pipeline, tensors)
         self.backend = backend_obj
 
+        streamer = runtime_of(pipeline).streamer if pipeline is not None and is_wrapped(pipeline) else None
+        home = {id(p): _home_of(p, streamer) for p in tensors}
+
         def own_master(p: torch.Tensor) -> bool:
-            return p.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
+            weights = home[id(p)]
+            return weights.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
                 and not delayed_update
 
         comm = None
@@ -176,7 +181,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._pipeline = UpdatePipeline(
                 buckets=self._buckets, state_of=lambda p: me().state[p],
                 hyper_of=lambda p: _hyper(me().param_groups[group_of[id(p)]]),
-                backend=backend_obj, own_master=own_master, owner=owner, comm=comm,
+                backend=backend_obj, own_master=own_master, home=home, owner=owner, comm=comm,
                 reduce_on_device=comm is not None and comm.reduce_on == "device",
                 delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
                 norm_order=tensors if not small else [p for p in tensors if id(p) not in small],
@@ -191,6 +196,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._max_grad_norm = max_grad_norm
         self._pipelined = pipeline is not None
         self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
+        if streamer is not None and streamer.blocks:
+            self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
                                            backend_obj if self._owns_backend else None)
         self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
@@ -307,6 +314,30 @@ def _shutdown(pipeline: UpdatePipeline, handles: list[Any], comm: GroupCommunica
         comm.close()
     if backend is not None:
         backend.close()
+
+
+class _StreamGate:
+    """A streamed block's parameters are read from the host only after the block's update."""
+
+    def __init__(self, streamer: ParamStreamer, pipe: UpdatePipeline, buckets: tuple[Bucket, ...]) -> None:
+        self.streamer = streamer
+        self.pipe = pipe
+        self.bucket_of = {b.block: b.index for b in buckets if b.block is not None}
+        streamer.before_stream_in.append(self)
+
+    def __call__(self, block: int) -> None:
+        if block in self.bucket_of:
+            self.pipe.gate((self.bucket_of[block],))
+
+    def remove(self) -> None:
+        if self in self.streamer.before_stream_in:
+            self.streamer.before_stream_in.remove(self)
+
+
+def _home_of(p: torch.Tensor, streamer: ParamStreamer | None) -> torch.Tensor:
+    """Where the weights of ``p`` live between steps: a streamed parameter's host copy, else ``p``."""
+    host = streamer.host_copy(p) if streamer is not None else None
+    return p if host is None else host
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:

@@ -146,6 +146,7 @@ class UpdatePipeline:
         hyper_of: Callable[[torch.Tensor], Hyper],
         backend: Backend,
         own_master: Callable[[torch.Tensor], bool],
+        home: dict[int, torch.Tensor],
         owner: dict[int, int],
         comm: Communicator | None,
         reduce_on_device: bool,
@@ -170,6 +171,9 @@ class UpdatePipeline:
         self.norm_order = list(norm_order)
         self.own = {id(p): own_master(p) for b in self.buckets for p in b.params}
         self.params = {id(p): p for b in self.buckets for p in b.params}
+        self.home = home
+        """Where the weights the device reads live: the parameter itself, or a streamed parameter's
+        host copy (NOTE [streamed parameters] in ooc.streaming)."""
         self.segments = [self._segments(b) for b in self.buckets]
         self.status = [_BucketState() for _ in self.buckets]
         self.error: BaseException | None = None
@@ -428,7 +432,7 @@ class UpdatePipeline:
             p = self.params[pid]
             state = self.state_of(p)
             lists = by_hyper.setdefault(job.hyper[pid], ([], [], [], [], []))
-            items = (state.get("master", p), grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
+            items = (state.get("master", self.home[pid]), grad, state["exp_avg"], state["exp_avg_sq"], state["step"])
             for lst, item in zip(lists, items):
                 lst.append(item)
         for h, (targets, grads, exp_avgs, exp_avg_sqs, steps) in by_hyper.items():
@@ -460,11 +464,12 @@ class UpdatePipeline:
                 continue
             owned = [p for p, o in zip(seg.params, seg.owners) if o == rank]
             with torch.no_grad():
-                flat = torch.cat([p.reshape(-1) for p in owned])
+                homes = [self.home[id(p)] for p in owned]
+                flat = torch.cat([h.reshape(-1) for h in homes])
                 self.comm.broadcast(flat, src=rank)
                 if rank != self.rank:
-                    for p, offset in zip(owned, _offsets(owned)):
-                        p.view(-1).copy_(flat[offset:offset + p.numel()])
+                    for h, offset in zip(homes, _offsets(homes)):
+                        h.view(-1).copy_(flat[offset:offset + h.numel()])
 
     def _issue_h2d(self, index: int) -> list[Event]:
         events = []
@@ -472,7 +477,7 @@ class UpdatePipeline:
             if seg.staging is None:
                 continue
             for p, view in zip(seg.params, seg.views(seg.staging)):
-                events.append(self.backend.copy_h2d(p.detach().view(-1), view.reshape(-1), ()))
+                events.append(self.backend.copy_h2d(self.home[id(p)].detach().view(-1), view.reshape(-1), ()))
         self.status[index].staging_readers = list(events)
         return events
 

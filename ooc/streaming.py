@@ -1,0 +1,187 @@
+"""Weight streaming: the parameters of ``STREAMED`` blocks live on the host between their uses.
+
+NOTE [streamed parameters]
+At wrap each streamed parameter's data moves to a host buffer (pinned on CUDA), and ``p.data``
+points there: optimizers, ``state_dict`` and ``.grad`` see a host tensor. Before the block's forward
+(and again before its backward) the schedule's STREAM_IN copies bring it to a fresh device buffer,
+and ``p.data`` points to that while the block runs. Saved tensors that are views of a streamed
+parameter are packed as references (:class:`StreamedView`), not as the device buffer, so the buffer
+is freed when the forward ends and the reference is resolved against the buffer of the backward.
+After the backward the gradient follows the parameter to the host.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+from ooc.backend import Backend, Event
+from ooc.blocks import Chain
+from ooc.scheduler.plan import Plan
+from ooc.tracker import MemoryTracker
+
+
+@dataclass
+class _Streamed:
+    param: nn.Parameter
+    host: torch.Tensor
+    device: torch.Tensor | None = None
+    ready: Event | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+
+class StreamedView:
+    """A saved tensor that is a view of a streamed parameter: rebuilt from the parameter's data
+    at unpack time (the device buffer of the backward)."""
+
+    __slots__ = ("entry", "offset", "size", "stride")
+
+    def __init__(self, entry: _Streamed, tensor: torch.Tensor) -> None:
+        self.entry = entry
+        self.offset = tensor.storage_offset()
+        self.size = tensor.size()
+        self.stride = tensor.stride()
+
+    def unpack(self) -> torch.Tensor:
+        entry = self.entry
+        if entry.device is None or entry.param.data_ptr() != entry.device.data_ptr():
+            raise RuntimeError(
+                "a streamed parameter was read by a backward while it was on the host; ooc streams it in "
+                "when its block's backward starts, so this backward did not go through ooc's hooks"
+            )
+        return entry.param.detach().as_strided(self.size, self.stride, self.offset)
+
+
+class ParamStreamer:
+    """Moves the parameters of a plan's streamed blocks between host and device."""
+
+    def __init__(self, chain: Chain, plan: Plan, backend: Backend, tracker: MemoryTracker) -> None:
+        self.backend = backend
+        self.tracker = tracker
+        self.blocks: dict[int, list[_Streamed]] = {}
+        self.before_stream_in: list[Callable[[int], None]] = []
+        """Called with a block before its parameters are read from the host (the host optimizer
+        waits there for that block's update)."""
+        self._by_ptr: dict[int, _Streamed] = {}
+        self._grads_pending: dict[int, int] = {}
+        self._release_when_done: set[int] = set()
+        self._handles = []
+        seen: set[int] = set()
+        for i, block in enumerate(plan.blocks):
+            if not block.streamed:
+                continue
+            entries = []
+            for p in chain.modules[i].parameters():
+                if id(p) in seen:
+                    continue  # shared with an earlier streamed block: streamed with that one
+                seen.add(id(p))
+                host = backend.host_buffer(p.numel() * p.element_size()).view(p.dtype).view(p.shape)
+                with torch.no_grad():
+                    host.copy_(p.detach())
+                entries.append(_Streamed(p, host))
+            self.blocks[i] = entries
+        for i, entries in self.blocks.items():
+            for e in entries:
+                e.param.data = e.host  # the device copy is freed with its last reference
+                if e.param.requires_grad:
+                    self._handles.append(e.param.register_post_accumulate_grad_hook(lambda _p, i=i: self._on_grad(i)))
+
+    @property
+    def streamed_param_ids(self) -> set[int]:
+        return {id(e.param) for entries in self.blocks.values() for e in entries}
+
+    def host_copy(self, p: torch.Tensor) -> torch.Tensor | None:
+        for entries in self.blocks.values():
+            for e in entries:
+                if e.param is p:
+                    return e.host
+        return None
+
+    def issue(self, block: int) -> None:
+        """Start copying the block's parameters to the device (no-op if there or on the way)."""
+        entries = self.blocks.get(block)
+        if not entries or entries[0].device is not None:
+            return
+        for callback in self.before_stream_in:
+            callback(block)
+        for e in entries:
+            e.device = self.backend.device_buffer(e.nbytes).view(e.host.dtype).view(e.host.shape)
+            e.ready = self.backend.copy_h2d(e.device.view(-1), e.host.view(-1), ())
+        self.tracker.alloc_params(sum(e.nbytes for e in entries))
+
+    def attach(self, block: int) -> None:
+        """The block is about to run: its parameters point at their device copies."""
+        entries = self.blocks.get(block)
+        if not entries:
+            return
+        self.issue(block)
+        for e in entries:
+            # The block reads its weights next: compute must not pass their copy in.
+            self.backend.wait_compute(e.ready)
+            if e.param.data.data_ptr() != e.device.data_ptr():
+                grad = e.param.grad
+                e.param.grad = None
+                e.param.data = e.device
+                if grad is not None:
+                    e.param.grad = grad.to(e.device.device)  # accumulation continues on the device
+            self._by_ptr[e.device.untyped_storage().data_ptr()] = e
+        self._grads_pending[block] = sum(1 for e in entries if e.param.requires_grad)
+
+    def release(self, block: int) -> None:
+        """The block is done with its parameters: back to the host copies; the device copies go."""
+        entries = self.blocks.get(block)
+        if not entries or entries[0].device is None:
+            return
+        for e in entries:
+            self._by_ptr.pop(e.device.untyped_storage().data_ptr(), None)
+            grad = e.param.grad
+            e.param.grad = None
+            e.param.data = e.host
+            if grad is not None:
+                e.param.grad = grad.to(e.host.device)
+            e.device = None
+            e.ready = None
+        self._release_when_done.discard(block)
+        self.tracker.free_params(sum(e.nbytes for e in entries))
+
+    def release_after_backward(self, block: int) -> None:
+        """Release once every gradient of the block has been accumulated (now, or at the last one)."""
+        if self._grads_pending.get(block, 0) == 0:
+            self.release(block)
+        else:
+            self._release_when_done.add(block)
+
+    def _on_grad(self, block: int) -> None:
+        if block not in self._grads_pending:
+            return
+        self._grads_pending[block] -= 1
+        if self._grads_pending[block] == 0 and block in self._release_when_done:
+            self.release(block)
+
+    def view_of(self, tensor: torch.Tensor) -> StreamedView | None:
+        """A saved tensor that is a view of a streamed parameter's device copy, as a reference."""
+        entry = self._by_ptr.get(tensor.untyped_storage().data_ptr())
+        return None if entry is None else StreamedView(entry, tensor)
+
+    def release_all(self) -> None:
+        for block in list(self.blocks):
+            self.release(block)
+
+    def restore(self) -> None:
+        """At unwrap: the parameters go back to the device for good."""
+        self.release_all()
+        for handle in self._handles:
+            handle.remove()
+        for entries in self.blocks.values():
+            for e in entries:
+                device = self.backend.device_buffer(e.nbytes).view(e.host.dtype).view(e.host.shape)
+                with torch.no_grad():
+                    device.copy_(e.host)
+                e.param.data = device
+        self.blocks.clear()
