@@ -68,6 +68,8 @@ class SwappedStorage:
         self.device: torch.Tensor | None = device_bytes
         self.restored: torch.Tensor | None = None
         self.h2d_done: Event | None = None
+        self.host: torch.Tensor | None = None
+        self.d2h_done: Event | None = None  # stays None if the copy could not be issued (backend closed)
         with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"):
             self.host = ctx.pool.acquire(self.nbytes)
             # The copy may start only once compute has produced the tensor.
@@ -106,7 +108,8 @@ class SwappedStorage:
         if self.device is not None or self.restored is not None:
             self.ctx.tracker.free(self.block, self.nbytes)
         # The host buffer may be reused once its last reader (the copy back, else the copy out) ends.
-        self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
+        if self.host is not None:
+            self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
 
 
 COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
