@@ -10,16 +10,16 @@ from ooc.api import plan, wrap
 from ooc.errors import BlockError, BudgetError, OocError, PlanError, ProfileError, WrapError
 from ooc.profiler import profile
 from ooc.runtime import is_wrapped, memory_report, unwrap
-from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
+from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy, Residency
 from ooc.tracker import MemoryReport
 
 __version__ = "0.1.0"
 
-_SUBMODULES = ("optim", "distributed")
+_SUBMODULES = ("optim", "distributed", "models")
 
 
 def __getattr__(name: str) -> object:
-    """``ooc.optim`` and ``ooc.distributed`` load on first use (torch.distributed is not needed to wrap)."""
+    """``ooc.optim``, ``ooc.distributed`` and ``ooc.models`` load on first use."""
     if name in _SUBMODULES:
         import importlib
 
@@ -37,6 +37,7 @@ __all__ = [
     "PlanError",
     "Policy",
     "ProfileError",
+    "Residency",
     "WrapError",
     "is_wrapped",
     "memory_report",

@@ -20,6 +20,7 @@ from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget, annotate
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import peak_bytes
+from ooc.scheduler.streaming import plan_with_streaming
 from ooc.scheduler.units import parse_bytes
 
 DEFAULT_PLANNER = "optimal"
@@ -40,13 +41,24 @@ def plan_for_profile(
     hardware: Hardware,
     planner: str = DEFAULT_PLANNER,
     prefetch: int = 2,
+    include_params: bool = False,
 ) -> Plan:
-    """Run a named planner on a profile; raise :class:`ooc.BudgetError` if nothing fits."""
+    """Run a named planner on a profile; raise :class:`ooc.BudgetError` if nothing fits.
+
+    ``include_params``: the budget covers the device-resident parameters too, and blocks may have
+    their parameters streamed from the host (:func:`ooc.scheduler.streaming.plan_with_streaming`).
+    """
     budget_bytes = parse_bytes(budget)
     try:
         choose = PLANNERS[planner]
     except KeyError:
         raise ValueError(f"no planner {planner!r}; choose one of {sorted(PLANNERS)}") from None
+    if include_params:
+        try:
+            return annotate(plan_with_streaming(prof, hardware, budget_bytes, choose, prefetch=prefetch), prof)
+        except InfeasibleBudget as exc:
+            raise BudgetError(budget_bytes, exc.minimum_bytes, "(Every block's parameters may already be streamed.)",
+                              what="parameters and saved activations together") from None
     try:
         chosen = choose(prof, hardware, budget_bytes, prefetch=prefetch)
     except InfeasibleBudget:
@@ -68,16 +80,20 @@ def plan(
     blocks: object = None,
     backend: str | Backend = "auto",
     prefetch: int = 2,
+    include_params: bool = False,
 ) -> Plan:
     """Profile ``model`` on ``sample`` and choose a plan whose predicted peak of saved activations
-    on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``)."""
+    on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``); with
+    ``include_params``, of parameters and saved activations together, streaming parameters from
+    the host where needed."""
     backend_obj = resolve_backend(backend, model)
     try:
         prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
     finally:
         if not isinstance(backend, Backend):
             backend_obj.close()
-    return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch)
+    return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch,
+                            include_params=include_params)
 
 
 def _first_step_profile(runtime) -> Profile:  # noqa: ANN001
@@ -105,6 +121,7 @@ def wrap(
     hardware: Hardware | str | None = None,
     planner: str = DEFAULT_PLANNER,
     profile: Profile | None = None,
+    include_params: bool = False,
 ) -> nn.Module:
     """Install ooc's runtime on ``model`` and return it; the training loop stays as it is.
 
@@ -116,6 +133,8 @@ def wrap(
       the model is unwrapped). With
       ``profile=`` (from ``ooc.profile`` or ``ooc profile``) nothing is measured; the profile must
       describe this model's blocks.
+    - ``include_params``: ``budget`` covers the parameters on the device as well, and blocks may
+      have them streamed from the host (needs ``sample`` or ``profile``).
     - Neither: every block keeps its activations (the runtime only measures).
     - ``blocks``: the chain (a list of submodules or a ModuleList/Sequential); found if omitted.
     - ``backend``: ``"auto"`` (CUDA if the model is there), ``"cpu"``, ``"chaos"``, ``"cuda"`` or a
@@ -124,13 +143,16 @@ def wrap(
     Every check runs before anything is installed: after an error the model is unchanged.
     """
     _check_trainable(model)
+    if include_params and plan is None and budget is not None and sample is None and profile is None:
+        raise WrapError("include_params=True plans parameters from a profile: pass sample= (one input batch) or "
+                        "profile=, so the first step does not have to hold every parameter on the device")
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
     if plan is None:
         if budget is not None and profile is not None:
             profile.check_matches(list(chain.names))
             plan = plan_for_profile(profile, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner,
-                                    prefetch=prefetch)
+                                    prefetch=prefetch, include_params=include_params)
         elif budget is not None and sample is None:
             # Plan from the first training step: it runs with every block recomputed (the least
             # memory any plan needs) and is measured; the plan is chosen when its backward ends.
@@ -144,7 +166,7 @@ def wrap(
         elif budget is not None:
             plan = globals()["plan"](
                 model, sample, budget=budget, hardware=hardware, planner=planner,
-                blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch,
+                blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch, include_params=include_params,
             )
         else:
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)

@@ -108,9 +108,21 @@ def _plan(args: argparse.Namespace) -> int:
     hw = _hardware(args.hardware, "h100-sxm" if prof.machine.get("backend") != "cpu" else "cpu")
     budget = parse_bytes(args.budget)
     ideal = predict(PLANNERS["keep-all"](prof, hw, None), prof, hw).step_time_s
-    chosen = plan_for_profile(prof, budget, hardware=hw, planner=args.planner, prefetch=args.prefetch)
+    chosen = plan_for_profile(prof, budget, hardware=hw, planner=args.planner, prefetch=args.prefetch,
+                              include_params=args.include_params)
     print(chosen.table(prof.names))
     print()
+    if args.include_params:
+        schedule = build_schedule(chosen, prof, hw)
+        result = predict(chosen, prof, hw)
+        print(f"parameters + saved activations: peak {format_bytes(schedule.param_peak_bytes)} + "
+              f"{format_bytes(schedule.peak_bytes)} within {format_bytes(budget)}; "
+              f"{sum(b.streamed for b in chosen.blocks)} of {len(chosen)} blocks stream their parameters; "
+              f"step {result.step_time_s * 1e3:.2f} ms ({result.step_time_s / ideal:.3f}x ideal) on {hw.name}")
+        if args.out:
+            Path(args.out).write_text(chosen.to_json())
+            print(f"wrote {args.out}")
+        return 0
     rows = [("planner", "step ms", "x ideal", "peak", "fits")]
     for name, planner in PLANNERS.items():
         try:
@@ -209,6 +221,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--planner", default="optimal")
     plan.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
     plan.add_argument("--prefetch", type=int, default=2)
+    plan.add_argument("--include-params", action="store_true",
+                      help="the budget covers parameters too; stream some blocks' parameters from the host")
     plan.add_argument("--out", help="write the chosen plan JSON here")
     plan.set_defaults(run=_plan)
 

@@ -22,12 +22,12 @@ class BlockError(OocError, ValueError):
 class BudgetError(OocError, ValueError):
     """No plan fits the device-memory budget."""
 
-    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "") -> None:
+    def __init__(self, budget_bytes: int, minimum_bytes: int, detail: str = "", *, what: str = "saved activations") -> None:
         self.budget_bytes = budget_bytes
         self.minimum_bytes = minimum_bytes
         super().__init__(
-            f"no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) for saved "
-            f"activations; the smallest peak any plan reaches is {format_bytes(minimum_bytes)} "
+            f"no plan fits a budget of {format_bytes(budget_bytes)} ({budget_bytes} bytes) for {what}; "
+            f"the smallest peak any plan reaches is {format_bytes(minimum_bytes)} "
             f"({minimum_bytes} bytes). Raise the budget to at least that, or use a smaller batch or "
             f"sequence length.{(' ' + detail) if detail else ''}"
         )

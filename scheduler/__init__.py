@@ -6,7 +6,7 @@ Imports no GPU code and nothing from ooc's runtime; every function here is pure.
 from __future__ import annotations
 
 from ooc.scheduler.hardware import PRESETS, Hardware, HardwareError, preset
-from ooc.scheduler.plan import BlockPlan, Codec, Plan, PlanError, Policy
+from ooc.scheduler.plan import BlockPlan, Codec, Plan, PlanError, Policy, Residency
 from ooc.scheduler.planners import PLANNERS
 from ooc.scheduler.profile import BlockProfile, Profile, ProfileError
 from ooc.scheduler.schedule import Op, OpKind, Resource, Schedule, build_schedule, peak_bytes
@@ -46,6 +46,7 @@ __all__ = [
     "Policy",
     "Profile",
     "ProfileError",
+    "Residency",
     "Resource",
     "Schedule",
     "build_schedule",

@@ -52,6 +52,7 @@ def transformer(
     return Profile(
         blocks=tuple(BlockProfile(**{**block.__dict__, "name": f"layers.{i}"}) for i in range(layers)),
         outside_forward_s=outside,
+        outside_param_bytes=(2 * vocab * h + 2 * h) * bytes_per_value,  # embedding, untied head, final norm
         model=name,
         source=f"analytic on {hardware.name}",
         machine={"hardware": hardware.name},

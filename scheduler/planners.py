@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
@@ -30,10 +31,11 @@ def annotate(plan: Plan, profile: Profile) -> Plan:
             on_device = prof.saved_bytes - prof.swappable_bytes
         else:
             on_device = prof.input_bytes - (prof.input_swappable_bytes if decision.swap_input else 0)
-        blocks.append(
-            BlockPlan(decision.policy, decision.codec, decision.swap_input, prof.saved_bytes, on_device)
-        )
-    return plan.with_(blocks=tuple(blocks), meta=(("predicted_peak_bytes", schedule.peak_bytes),))
+        blocks.append(replace(decision, saved_bytes=prof.saved_bytes, device_bytes=on_device))
+    meta = [("predicted_peak_bytes", schedule.peak_bytes)]
+    if any(b.streamed for b in plan.blocks):
+        meta.append(("predicted_param_peak_bytes", schedule.param_peak_bytes))
+    return plan.with_(blocks=tuple(blocks), meta=tuple(meta))
 
 
 def keep_all(profile: Profile, hardware: Hardware | None = None, budget: int | None = None, *, prefetch: int = 2) -> Plan:

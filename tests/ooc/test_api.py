@@ -7,7 +7,7 @@ import ooc
 
 EXPECTED = {
     "BlockError", "BlockPlan", "BudgetError", "Codec", "MemoryReport", "OocError", "Plan", "PlanError",
-    "Policy", "ProfileError", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap",
+    "Policy", "ProfileError", "Residency", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap",
 }
 
 
