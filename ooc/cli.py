@@ -251,7 +251,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--dropout", type=float, help="dropout probability (default: the preset's)")
     tr.add_argument("--plan", default="recompute", help="keep, swap, recompute, budget:<fraction> or a plan JSON file")
     tr.add_argument("--shard", action="store_true", help="shard the host optimizer state across ranks")
-    tr.add_argument("--reduce-on", default="auto", help="where gradients are summed: device, host or auto")
+    tr.add_argument("--reduce-on", default="auto",
+                    help="where gradients are summed: device, host, auto (device with NCCL, else host) or model "
+                         "(the performance model chooses from a profile)")
     tr.add_argument("--delayed-update", action="store_true", help="one-step-stale updates (changes numerics)")
     tr.add_argument("--accumulate", type=int, default=1, help="micro-batches per step per rank")
     tr.add_argument("--max-grad-norm", type=float, help="clip gradients to this global norm")

@@ -70,6 +70,8 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if self.reduce_on not in ("auto", "device", "host", "model"):
+            raise ValueError(f"reduce_on must be auto, device, host or model, got {self.reduce_on!r}")
 
 
 @dataclass(frozen=True)
@@ -120,6 +122,29 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
     return Plan.from_json(chosen[0])
 
 
+def _resolve_reduce_on(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torch.Tensor], plan: Plan,
+                       world: int, show) -> str:  # noqa: ANN001
+    """``--reduce-on model``: rank 0 profiles the blocks and lets the performance model choose."""
+    if cfg.reduce_on != "model":
+        return cfg.reduce_on
+    choice: list[str | None] = [None]
+    if dist.get_rank() == 0:
+        from ooc.api import _hardware_for
+        from ooc.backend import resolve_backend
+        from ooc.scheduler.dataparallel import choose_reduce_on
+
+        backend = resolve_backend("auto", model)
+        prof = ooc.profile(model, sample, backend=backend)
+        hardware = _hardware_for(None, backend)
+        choice[0], seconds = choose_reduce_on(plan, prof, hardware, world=world, shard=cfg.shard,
+                                              copies=backend.separate_memory or cfg.dtype != "float32")
+        show(f"reduce on {choice[0]}: predicted step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items())
+             + f" on {hardware.name}")
+        backend.close()
+    dist.broadcast_object_list(choice, src=0)
+    return choice[0]
+
+
 def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     """Run ``cfg`` on this process (one rank of the default process group, if there is one)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -132,11 +157,13 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     model = GPT(gpt_cfg).to(DTYPES[cfg.dtype])
     seq = min(cfg.seq, gpt_cfg.block_size)
     plan = _resolve_plan(cfg, model, _micro_batch(data, cfg, 0, 0, 1, seq), world)
+    reduce_on = _resolve_reduce_on(cfg, model, _micro_batch(data, cfg, 0, 0, 1, seq), plan, world, show) \
+        if world > 1 else "auto"
     ooc.wrap(model, plan, backend="auto")
     opt = HostAdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model,
         delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
-        data_parallel=DataParallel(shard=cfg.shard, reduce_on=cfg.reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
+        data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
     )
     start_step = 0
     if cfg.resume:

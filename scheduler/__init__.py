@@ -5,11 +5,13 @@ Imports no GPU code and nothing from ooc's runtime; every function here is pure.
 
 from __future__ import annotations
 
+from ooc.scheduler.dataparallel import choose_reduce_on
 from ooc.scheduler.hardware import PRESETS, Hardware, HardwareError, preset
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, PlanError, Policy, Residency
 from ooc.scheduler.planners import PLANNERS
 from ooc.scheduler.profile import BlockProfile, Profile, ProfileError
-from ooc.scheduler.schedule import Op, OpKind, Resource, Schedule, build_schedule, peak_bytes
+from ooc.scheduler.schedule import HostUpdate, Op, OpKind, Resource, Schedule, build_schedule, peak_bytes
+from ooc.scheduler.streaming import plan_with_streaming
 from ooc.scheduler.units import format_bytes, parse_bytes
 
 
@@ -38,6 +40,7 @@ __all__ = [
     "BlockProfile",
     "Codec",
     "Hardware",
+    "HostUpdate",
     "HardwareError",
     "Op",
     "OpKind",
@@ -50,10 +53,12 @@ __all__ = [
     "Resource",
     "Schedule",
     "build_schedule",
+    "choose_reduce_on",
     "calibrate",
     "format_bytes",
     "parse_bytes",
     "peak_bytes",
+    "plan_with_streaming",
     "preset",
     "profile",
 ]

@@ -40,6 +40,16 @@ class Hardware:
     """Extra compute time, as a fraction, while a copy moves bytes (0 with dedicated copy engines)."""
     copy_issue_s: float = 0.0
     """Compute-stream time per copy issued and waited for (launch, events; a thread hand-off on CPU)."""
+    net: float = 0.0
+    """All-reduce bus bandwidth between data-parallel ranks, bytes/s (0: not described)."""
+    net_latency_s: float = 0.0
+    """Fixed cost of one collective."""
+    host_net: float = 0.0
+    """All-reduce bus bandwidth between the ranks' host memories (gloo over the hosts' network),
+    bytes/s; 0: the same as ``net``."""
+    host_contention: float = 0.0
+    """Extra time, as a fraction, for compute and the host update while both run (they share the
+    cores on the CPU backend; 0 on GPUs, whose host cores are idle)."""
     source: str = ""
 
     def __post_init__(self) -> None:
@@ -55,6 +65,9 @@ class Hardware:
             raise HardwareError(f"{self.name}: compute_slowdown must be >= 0, got {self.compute_slowdown}")
         if self.copy_latency_s < 0:
             raise HardwareError(f"{self.name}: copy_latency_s must be >= 0, got {self.copy_latency_s}")
+        for name in ("net", "net_latency_s", "host_net", "host_contention"):
+            if getattr(self, name) < 0:
+                raise HardwareError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
         if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:
             raise HardwareError(f"{self.name}: a duplex bandwidth cannot exceed the one-way bandwidth")
 
@@ -106,7 +119,11 @@ PRESETS: dict[str, Hardware] = {
         copy_issue_s=5e-6,
         flops=112e12,
         memory_bytes_per_s=900 * GB,
-        source="V100-SXM2 16GB, PCIe Gen3 x16 (KARMA's machine); 112 TFLOP/s fp16 tensor, 900 GB/s HBM2",
+        net=12.5 * GB,
+        net_latency_s=30e-6,
+        host_net=5 * GB,
+        source="V100-SXM2 16GB, PCIe Gen3 x16 (KARMA's machine); 112 TFLOP/s fp16 tensor, 900 GB/s HBM2; "
+        "100 Gb/s EDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
     ),
     "a100-40gb": Hardware(
         name="a100-40gb",
@@ -121,7 +138,11 @@ PRESETS: dict[str, Hardware] = {
         copy_issue_s=5e-6,
         flops=312e12,
         memory_bytes_per_s=1555 * GB,
-        source="A100-SXM4 40GB, PCIe Gen4 x16: ~25 GB/s pinned alone, ~12 GB/s H2D with concurrent D2H",
+        net=25 * GB,
+        net_latency_s=20e-6,
+        host_net=5 * GB,
+        source="A100-SXM4 40GB, PCIe Gen4 x16: ~25 GB/s pinned alone, ~12 GB/s H2D with concurrent D2H; "
+        "200 Gb/s HDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
     ),
     "h100-sxm": Hardware(
         name="h100-sxm",
@@ -136,7 +157,11 @@ PRESETS: dict[str, Hardware] = {
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=3350 * GB,
-        source="H100 SXM 80GB HBM3 3.35 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
+        net=50 * GB,
+        net_latency_s=20e-6,
+        host_net=5 * GB,
+        source="H100 SXM 80GB HBM3 3.35 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned; "
+        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
     ),
     "h200": Hardware(
         name="h200",
@@ -151,7 +176,11 @@ PRESETS: dict[str, Hardware] = {
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=4800 * GB,
-        source="H200 141GB HBM3e 4.8 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned",
+        net=50 * GB,
+        net_latency_s=20e-6,
+        host_net=5 * GB,
+        source="H200 141GB HBM3e 4.8 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned; "
+        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
     ),
     "cpu": Hardware(
         name="cpu",
@@ -167,7 +196,12 @@ PRESETS: dict[str, Hardware] = {
         compute_slowdown=0.9,
         flops=50e9,
         memory_bytes_per_s=8 * GB,
-        source="`ooc calibrate --backend cpu` on this project's 2-core CI machine, 2026-11-22 (run it for yours)",
+        net=1.0 * GB,
+        net_latency_s=50e-6,
+        host_contention=1.0,
+        source="`ooc calibrate --backend cpu` on this project's 2-core CI machine, 2026-11-22 (run it for yours); "
+        "net: a 100 MB gloo all-reduce between two local ranks takes ~0.1 s; host_contention: compute and the "
+        "host update share the two cores",
     ),
 }
 

@@ -41,6 +41,12 @@ class OpKind(str, enum.Enum):
     SWAP_IN = "swap_in"
     RECOMPUTE = "recompute"
     BACKWARD = "backward"
+    GRAD_OUT = "grad_out"
+    EXCHANGE = "exchange"
+    HOST_EXCHANGE = "host_exchange"
+    UPDATE = "update"
+    SHARE = "share"
+    PARAM_IN = "param_in"
 
 
 @dataclass(frozen=True)
@@ -62,6 +68,11 @@ class Op:
     """Streamed parameter bytes brought to the device by this op (a STREAM_IN)."""
     param_free: int = 0
     """Streamed parameter bytes freed when the next op is issued (the block's forward or backward)."""
+    floating: bool = False
+    """Issued by a host thread when its dependencies end, not in list order: it may pass earlier
+    ops queued on its resource (the host optimizer's copies of new weights)."""
+    update_bytes: int = 0
+    """fp32 parameter bytes an UPDATE op steps."""
 
     @property
     def label(self) -> str:
@@ -114,6 +125,33 @@ def block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
 
 
 @dataclass(frozen=True)
+class HostUpdate:
+    """The host optimizer's share of a step (``ooc.optim.HostAdamW``), for the simulator.
+
+    Per bucket (each block, then the parameters outside the chain): gradients out (D2H), summed
+    across ``world`` ranks (NET; before the copy with ``reduce_on="device"``), the AdamW update
+    (HOST), with ``shard`` each rank's new weights broadcast (NET), and the new weights in (H2D).
+    ``overlap``: buckets start as their backward ends (``pipeline=model``); else all after it.
+    ``copies``: gradients and weights cross a host link (not on the plain CPU backend in fp32).
+    ``value_bytes``: bytes per parameter value on the device. These ops change no device memory.
+    """
+
+    world: int = 1
+    reduce_on: str = "host"
+    shard: bool = False
+    overlap: bool = True
+    copies: bool = True
+    value_bytes: int = 4
+    """Bytes per parameter value on the device (4 fp32, 2 bf16/fp16); the update steps fp32 masters."""
+
+    def __post_init__(self) -> None:
+        if self.world < 1:
+            raise ValueError(f"world must be >= 1, got {self.world}")
+        if self.reduce_on not in ("device", "host"):
+            raise ValueError(f"reduce_on must be 'device' or 'host', got {self.reduce_on!r}")
+
+
+@dataclass(frozen=True)
 class Schedule:
     ops: tuple[Op, ...]
     plan: Plan
@@ -151,8 +189,10 @@ class Schedule:
         return max(self._param_memory, default=0)
 
 
-def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardware | None = None) -> Schedule:
-    """The ops of one step of ``plan``; byte counts need ``profile``, durations also ``hardware``."""
+def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardware | None = None,
+                   update: HostUpdate | None = None) -> Schedule:
+    """The ops of one step of ``plan``; byte counts need ``profile``, durations also ``hardware``;
+    ``update`` adds the host optimizer's work."""
     n = len(plan)
     if profile is not None and len(profile) != n:
         raise PlanError(f"the plan has {n} blocks, the profile {len(profile)}; they must describe one model")
@@ -239,6 +279,15 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
             wait, issued_copies = (), 0
         add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward, copies=issued_copies,
             param_free=params[b] if streamed[b] else 0)
+        if update is not None and update.overlap and profile is not None:
+            _host_update_ops(add, update, last_compute[-1], b, prof[b].param_bytes, prof[b].grad_bytes)
+    if update is not None and profile is not None:
+        after = last_compute[-1]
+        if not update.overlap:
+            for b in range(n - 1, -1, -1):
+                _host_update_ops(add, update, after, b, prof[b].param_bytes, prof[b].grad_bytes)
+        if profile.outside_param_bytes:
+            _host_update_ops(add, update, after, None, profile.outside_param_bytes, profile.outside_param_bytes)
 
     memory, param_memory = [], []
     current = 0
@@ -263,6 +312,29 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
     )
 
 
+def _host_update_ops(add, update: HostUpdate, after: int, block: int | None, param_bytes: int, grad_bytes: int) -> None:  # noqa: ANN001
+    """One bucket's gradients out, exchange, update and weights in (see :class:`HostUpdate`)."""
+    w = update.world
+    share = 1 / w if update.shard else 1.0
+    ring = 2 * (w - 1) / w  # bytes each rank sends per byte all-reduced (a ring)
+    exchange_bytes = int(grad_bytes * (ring if not update.shard else (w - 1) / w))
+    last = after
+    if w > 1 and update.reduce_on == "device":
+        last = add(OpKind.EXCHANGE, block, Resource.NET, (last,), bytes_moved=exchange_bytes)
+    if update.copies:
+        last = add(OpKind.GRAD_OUT, block, Resource.D2H, (last,), bytes_moved=grad_bytes)
+    if w > 1 and update.reduce_on == "host":
+        last = add(OpKind.HOST_EXCHANGE, block, Resource.NET, (last,), bytes_moved=exchange_bytes)
+    fp32_bytes = int(param_bytes * 4 / update.value_bytes * share)
+    last = add(OpKind.UPDATE, block, Resource.HOST, (last,), update_bytes=fp32_bytes)
+    if update.shard and w > 1:
+        # The update thread broadcasts over the exchange's kind of group: gloo for "host".
+        kind = OpKind.SHARE if update.reduce_on == "device" else OpKind.HOST_EXCHANGE
+        last = add(kind, block, Resource.NET, (last,), bytes_moved=int(param_bytes * (w - 1) / w))
+    if update.copies:
+        add(OpKind.PARAM_IN, block, Resource.H2D, (last,), bytes_moved=param_bytes, floating=True)
+
+
 def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Plan) -> Op:
     from dataclasses import replace
 
@@ -275,8 +347,13 @@ def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Pla
         duration = prof[op.block].backward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.OUTSIDE:
         duration = profile.outside_forward_s + profile.outside_backward_s
-    elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN, OpKind.STREAM_IN):
-        bandwidth = hw.d2h if op.kind is OpKind.SWAP_OUT else hw.h2d
+    elif op.kind in (OpKind.EXCHANGE, OpKind.SHARE, OpKind.HOST_EXCHANGE):
+        bandwidth = hw.host_net if op.kind is OpKind.HOST_EXCHANGE and hw.host_net > 0 else hw.net
+        duration = hw.net_latency_s + (op.bytes_moved / bandwidth if bandwidth > 0 else float("inf"))
+    elif op.kind is OpKind.UPDATE:
+        duration = op.update_bytes / hw.host_optimizer
+    elif op.kind in (OpKind.SWAP_OUT, OpKind.SWAP_IN, OpKind.STREAM_IN, OpKind.GRAD_OUT, OpKind.PARAM_IN):
+        bandwidth = hw.d2h if op.kind in (OpKind.SWAP_OUT, OpKind.GRAD_OUT) else hw.h2d
         duration = hw.copy_latency_s + op.bytes_moved / bandwidth
     else:
         duration = 0.0

@@ -1,10 +1,13 @@
 """An event simulation of one step's schedule on a machine: the concurrency model.
 
-Each resource (compute stream, D2H engine, H2D engine) runs its ops in issue order; an op starts
-when its resource is free and its dependencies are done. Copies pay a fixed latency, then move
-bytes at the one-way bandwidth, or at the duplex bandwidth while the opposite engine moves bytes
-too. While any copy moves bytes, compute runs ``1 + hardware.compute_slowdown`` times slower (zero
-on GPUs with dedicated copy engines; on the CPU backend the copy threads share the cores).
+Each resource (compute stream, D2H engine, H2D engine, the network between ranks, the host
+optimizer's thread) runs its ops in issue order; an op starts when its resource is free and its
+dependencies are done. A "floating" op (issued by a host thread when its dependencies end) may pass
+ops queued before it. Copies pay a fixed latency, then move bytes at the one-way bandwidth, or at
+the duplex bandwidth while the opposite engine moves bytes too. While any copy moves bytes, compute
+runs ``1 + hardware.compute_slowdown`` times slower (zero on GPUs with dedicated copy engines; on
+the CPU backend the copy threads share the cores); while the host update runs beside compute, both
+run ``1 + hardware.host_contention`` times slower. Network and host ops take their durations.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ class SimResult:
     def summary(self) -> str:
         from ooc.scheduler.units import format_bytes
 
-        busy = ", ".join(f"{r.value} {s * 1e3:.2f} ms" for r, s in self.busy_s.items())
+        busy = ", ".join(f"{r.value} {s * 1e3:.2f} ms" for r, s in self.busy_s.items() if s > 0 or r.value in ("compute", "d2h", "h2d"))
         return (
             f"step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_bytes)}, "
             f"compute stalled {self.compute_stall_s * 1e3:.2f} ms; busy: {busy}"
@@ -59,7 +62,7 @@ class _Running:
 
 def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = True) -> SimResult:
     ops = schedule.ops
-    queues: dict[Resource, list[Op]] = {r: [] for r in (Resource.COMPUTE, Resource.D2H, Resource.H2D)}
+    queues: dict[Resource, list[Op]] = {r: [] for r in Resource}
     for op in ops:
         if op.resource not in queues:
             raise ValueError(f"the simulator has no model for resource {op.resource.value} (op {op.label})")
@@ -74,28 +77,46 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
     finished = 0
     slow = 1.0 + hardware.compute_slowdown
 
+    started = [False] * len(ops)
+    copies = (Resource.D2H, Resource.H2D)
+
+    def ready(op: Op) -> bool:
+        return not started[op.index] and all(0.0 <= done[d] <= t + _EPS for d in op.deps)
+
     while finished < len(ops):
         for r, queue in queues.items():
+            while heads[r] < len(queue) and started[queue[heads[r]].index]:
+                heads[r] += 1
             if r in running or heads[r] >= len(queue):
                 continue
             op = queue[heads[r]]
-            if all(0.0 <= done[d] <= t + _EPS for d in op.deps):
-                heads[r] += 1
-                if r is Resource.COMPUTE:
-                    running[r] = _Running(op, 0.0, op.duration_s, t)
-                else:
-                    running[r] = _Running(op, hardware.copy_latency_s, float(op.bytes_moved), t)
+            if not ready(op):
+                op = next((o for o in queue[heads[r] + 1:] if o.floating and ready(o)), None)
+                if op is None:
+                    continue
+            started[op.index] = True
+            if r in copies:
+                running[r] = _Running(op, hardware.copy_latency_s, float(op.bytes_moved), t)
+            else:
+                running[r] = _Running(op, 0.0, op.duration_s, t)
         if not running:
             raise ValueError("the schedule deadlocks: an op waits on one that can never finish")
 
-        moving = {r for r, run in running.items() if r is not Resource.COMPUTE and run.latency <= _EPS}
+        moving = {r for r, run in running.items() if r in copies and run.latency <= _EPS}
         duplex = Resource.D2H in moving and Resource.H2D in moving
+        shared = 1.0 + hardware.host_contention if Resource.HOST in running and Resource.COMPUTE in running else 1.0
         rates: dict[Resource, float] = {}
         step = float("inf")
         for r, run in running.items():
             if r is Resource.COMPUTE:
-                rates[r] = 1.0 / slow if moving else 1.0
+                rates[r] = (1.0 / slow if moving else 1.0) / shared
                 step = min(step, run.remaining / rates[r])
+            elif r is Resource.HOST:
+                rates[r] = 1.0 / shared
+                step = min(step, run.remaining / rates[r])
+            elif r is Resource.NET:
+                rates[r] = 1.0
+                step = min(step, run.remaining)
             elif run.latency > _EPS:
                 step = min(step, run.latency)
             else:
@@ -110,11 +131,11 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
         for r in list(running):
             run = running[r]
             busy[r] += step
-            if r is not Resource.COMPUTE and run.latency > _EPS:
+            if r in copies and run.latency > _EPS:
                 run.latency -= step
                 continue
             run.remaining -= step * rates[r]
-            scale = 1.0 if r is Resource.COMPUTE else max(1.0, float(run.op.bytes_moved))
+            scale = max(1.0, float(run.op.bytes_moved)) if r in copies else 1.0
             if run.remaining <= _EPS * scale + 1e-12:
                 done[run.op.index] = t
                 finished += 1
@@ -131,7 +152,7 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
             # A copy back allocates when the host issues it (its compute dependency ends), not when
             # the engine gets to it; everything else when it starts.
             issued = max((done[d] for d in op.deps if ops[d].resource is Resource.COMPUTE), default=0.0)
-            events.append((issued if op.kind is OpKind.SWAP_IN else starts[op.index], op.alloc_bytes))
+            events.append((issued if op.kind is OpKind.SWAP_IN else starts.get(op.index, done[op.index]), op.alloc_bytes))
             events.append((done[op.index], -op.free_bytes))
         # At equal times frees come first: in program order an op frees before the next allocates.
         for when, delta in sorted(events, key=lambda e: (e[0], e[1])):

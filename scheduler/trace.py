@@ -8,7 +8,7 @@ from typing import Any
 
 from ooc.scheduler.simulate import SimResult
 
-_TIDS = {"compute": 1, "d2h": 2, "h2d": 3}
+_TIDS = {"compute": 1, "d2h": 2, "h2d": 3, "net": 4, "host": 5}
 
 
 def chrome_trace(result: SimResult, *, name: str = "ooc step") -> dict[str, Any]:
