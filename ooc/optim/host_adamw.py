@@ -185,6 +185,7 @@ class HostAdamW(torch.optim.Optimizer):
                 reduce_on_device=comm is not None and comm.reduce_on == "device",
                 delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
                 norm_order=tensors if not small else [p for p in tensors if id(p) not in small],
+                inline=pipeline is None,
             )
         except BaseException:
             if comm is not None:

@@ -154,7 +154,10 @@ class UpdatePipeline:
         accumulate: int,
         max_grad_norm: float | None,
         norm_order: Sequence[torch.Tensor],
+        inline: bool = False,
     ) -> None:
+        """``inline``: run every stage on the calling thread at ``step()`` (no overlap to gain: no
+        model to pipeline with, no ranks to exchange with), which saves two thread hand-offs."""
         self.buckets = tuple(buckets)
         self.state_of = state_of
         self.hyper_of = hyper_of
@@ -177,9 +180,11 @@ class UpdatePipeline:
         self.segments = [self._segments(b) for b in self.buckets]
         self.status = [_BucketState() for _ in self.buckets]
         self.error: BaseException | None = None
+        self._step_jobs: list[_Job] = []
+        self.inline = inline and comm is None
         self._exchange_q: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
         self._update_q: queue.SimpleQueue[_Job | str | None] = queue.SimpleQueue()
-        self._threads = [
+        self._threads = [] if self.inline else [
             threading.Thread(target=self._guard, args=(self._exchange_loop,), name="ooc-exchange", daemon=True),
             threading.Thread(target=self._guard, args=(self._update_loop,), name="ooc-host-update", daemon=True),
         ]
@@ -230,7 +235,7 @@ class UpdatePipeline:
         job = _Job(index, grads, {pid: self.hyper_of(self.params[pid]) for pid in grads})
         if not grads:
             if self.comm is not None:
-                self._exchange_q.put(job)  # holds the bucket's place in the canonical order
+                self._to_exchange(job)  # holds the bucket's place in the canonical order
             return
         if self.delayed_update and status.pending_h2d:
             self._wait_done(index)
@@ -252,7 +257,21 @@ class UpdatePipeline:
                         src = grads[id(p)].contiguous().view(-1)
                         job.after.append(self.backend.copy_d2h(view.view(-1), src, (compute,)))
         job.after.append(compute)
-        self._exchange_q.put(job)
+        self._to_exchange(job)
+
+    def _to_exchange(self, item: _Job | str) -> None:
+        if not self.inline:
+            self._exchange_q.put(item)
+            return
+        self.raise_error()
+        self._guard(lambda: self._on_update_item(item) if item == "step" else self._exchange(item))
+        self.raise_error()
+
+    def _to_update(self, job: _Job) -> None:
+        if self.inline:
+            self._on_update_item(job)
+        else:
+            self._update_q.put(job)
 
     def finish_step(self) -> None:
         """``step()``: launch what no hook launched (unused parameters, no model), and close the step."""
@@ -260,7 +279,7 @@ class UpdatePipeline:
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
-        self._exchange_q.put("step")
+        self._to_exchange("step")
         for status in self.status:
             status.hits = 0
             status.launched = False
@@ -331,6 +350,7 @@ class UpdatePipeline:
                 expected += 1
 
     def _exchange(self, job: _Job) -> None:
+        """Wait for the job's gradients and sum them across ranks; then hand it to the update."""
         if not job.grads:
             return
         for event in job.after:
@@ -354,7 +374,7 @@ class UpdatePipeline:
                     job.grads.update(_present(seg, seg.views(flat), job.grads))
                 else:
                     self._reduce(seg, seg.host_grad)
-        self._update_q.put(job)
+        self._to_update(job)
 
     def _reduce(self, seg: Segment, flat: torch.Tensor) -> None:
         if self.comm is None:
@@ -367,26 +387,25 @@ class UpdatePipeline:
             self.comm.reduce(flat[start:end], dst=rank)
 
     def _update_loop(self) -> None:
-        step_jobs: list[_Job] = []
-        while True:
-            item = self._update_q.get()
-            if item is None:
-                return
-            if item == "step":
-                if self.max_grad_norm is not None:
-                    self._clip(step_jobs)
-                    for job in step_jobs:
-                        self._update(job)
-                step_jobs = []
-                continue
+        while (item := self._update_q.get()) is not None:
+            self._on_update_item(item)
+
+    def _on_update_item(self, item: _Job | str) -> None:
+        if item == "step":
             if self.max_grad_norm is not None:
-                # NOTE [clipping stalls the pipeline]: the global norm needs every bucket's gradient,
-                # so with clipping the updates wait for step(); only the copies out and the exchange
-                # still overlap the backward.
-                self._to_host_fp32(item)
-                step_jobs.append(item)
-                continue
-            self._update(item)
+                self._clip(self._step_jobs)
+                for job in self._step_jobs:
+                    self._update(job)
+            self._step_jobs = []
+            return
+        if self.max_grad_norm is not None:
+            # NOTE [clipping stalls the pipeline]: the global norm needs every bucket's gradient,
+            # so with clipping the updates wait for step(); only the copies out and the exchange
+            # still overlap the backward.
+            self._to_host_fp32(item)
+            self._step_jobs.append(item)
+            return
+        self._update(item)
 
     def _to_host_fp32(self, job: _Job) -> None:
         """Replace ``job.grads`` by the fp32 host gradients this rank updates, as means over ranks."""
