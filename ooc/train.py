@@ -234,10 +234,11 @@ def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int) -> int:
     saved = torch.load(model_file, weights_only=True)
     model.load_state_dict(saved["model"])
     opt.load_state_dict(torch.load(opt_file, weights_only=True)["optimizer"])
-    for p, state in opt.state.items():
-        if "master" in state:
-            with torch.no_grad():
-                p.copy_(state["master"])  # the working copy from the master, as after a step
+    if not opt.delayed_update:  # delayed: the parameters stay one update behind, as saved
+        for p, state in opt.state.items():
+            if "master" in state:
+                with torch.no_grad():
+                    p.copy_(state["master"])  # the working copy from the master, as after a step
     return int(saved["step"])
 
 

@@ -299,6 +299,7 @@ class HostAdamW(torch.optim.Optimizer):
                     state[key] = host
                 elif key == "step":
                     state[key] = value.detach().to("cpu", torch.float32)
+        self._pipeline.after_load()
 
     def close(self) -> None:
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also

@@ -284,6 +284,19 @@ class UpdatePipeline:
             status.hits = 0
             status.launched = False
 
+    def after_load(self) -> None:
+        """After ``load_state_dict`` with ``delayed_update``: the loaded masters are the update the
+        parameters have not taken yet, so they become the pending copy-in of each bucket (sharded:
+        each owner's share is broadcast now, while the update thread is idle)."""
+        if not self.delayed_update:
+            return
+        for index, bucket in enumerate(self.buckets):
+            mine = {id(p): p for p in bucket.params if self._mine(p) and "master" in self.state_of(p)}
+            job = _Job(index, mine, {})  # type: ignore[arg-type]
+            for seg in self.segments[index]:
+                self._stage_and_share(seg, job)
+            self.status[index].pending_h2d = True
+
     def gate(self, indices: Sequence[int]) -> None:
         """Before a forward: the weights of these buckets must be the updated ones."""
         for i in indices:

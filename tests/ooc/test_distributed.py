@@ -27,6 +27,14 @@ COMMON = ["--preset", "nano", "--steps", str(STEPS), "--batch-size", "4", "--seq
           "--plan", "swap"]
 
 
+VARIANTS = {
+    "clip": ["--max-grad-norm", "0.05"],  # small enough that every step clips
+    "bf16": ["--dtype", "bfloat16"],
+    "device-sum": ["--reduce-on", "device"],
+    "delayed": ["--delayed-update"],
+}
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -90,6 +98,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     _single(COMMON + ["--accumulate", "2", "--out", "one.json", "--save", "one"], root)
     _single(COMMON + ["--accumulate", "2", "--dropout", "0", "--out", "one-nodrop.json", "--save", "one-nodrop"], root)
     _single(COMMON + ["--batch-size", "8", "--dropout", "0", "--out", "concat.json", "--save", "concat"], root)
+    for name, extra in VARIANTS.items():
+        _run(both([*extra, "--out", f"{name}.json", "--save", name]), root)
+        _run(both([*extra, "--shard", "--out", f"{name}-sharded.json", "--save", f"{name}-sharded"]), root)
+        _single(COMMON + [*extra, "--accumulate", "2", "--out", f"{name}-one.json", "--save", f"{name}-one"], root)
     return root
 
 
@@ -116,6 +128,23 @@ def test_sharded_equals_unsharded(runs: Path) -> None:
     assert _losses(runs / "sharded.json") == _losses(runs / "two.json")
     sharded, two = _weights(runs / "sharded"), _weights(runs / "two")
     assert all(torch.equal(sharded[k], two[k]) for k in two)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_options_keep_two_ranks_sharded_or_not_equal_to_one_process(runs: Path, variant: str) -> None:
+    """Clipping (the sharded norm is summed across owners), bf16 parameters (fp32 masters, staging
+    buffers, broadcasts in bf16), summing before the host copy, and one-step-delayed updates."""
+    reference = _losses(runs / f"{variant}-one.json")
+    assert _losses(runs / f"{variant}.json") == reference
+    assert _losses(runs / f"{variant}-sharded.json") == reference
+    one = _weights(runs / f"{variant}-one")
+    for name in (variant, f"{variant}-sharded"):
+        two = _weights(runs / name)
+        assert all(torch.equal(two[k], one[k]) for k in one)
+    if variant == "device-sum":  # where the sum happens changes nothing in the numbers
+        assert reference == _losses(runs / "one.json")
+    else:  # the option really changed the run
+        assert reference != _losses(runs / "one.json")
 
 
 def test_sharded_state_is_split_across_ranks(runs: Path) -> None:

@@ -203,6 +203,20 @@ def test_state_dict_round_trip_while_pipelined() -> None:
     opt_b.close()
 
 
+def test_delayed_update_resumes_from_a_state_dict_identically() -> None:
+    """The loaded masters hold the update the weights have not taken yet; it lands at the next step."""
+    a = _model()
+    opt_a = HostAdamW(a.parameters(), lr=1e-2, pipeline=a, delayed_update=True)
+    _pipelined(a, opt_a, steps=2)
+    b = copy.deepcopy(a)  # the weights as a checkpoint saves them: one update behind
+    opt_b = HostAdamW(b.parameters(), lr=1e-2, pipeline=b, delayed_update=True)
+    opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
+    assert _pipelined(a, opt_a, steps=3) == _pipelined(b, opt_b, steps=3)
+    assert _same_weights(a, b)
+    opt_a.close()
+    opt_b.close()
+
+
 def test_lr_scheduler_changes_apply_from_the_next_step() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
