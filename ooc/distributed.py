@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -184,8 +185,6 @@ def init_from_env(timeout_s: float, backend: str | None = None) -> bool:
     Returns ``False`` (and does nothing) for a single process without those variables. ``timeout_s``
     bounds every collective: a rank that dies or hangs makes the others fail within it.
     """
-    import os
-
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
         return False
     if dist.is_initialized():

@@ -21,11 +21,15 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ooc
+from ooc.api import _hardware_for, plan_for_profile
+from ooc.backend import resolve_backend
 from ooc.demo import CharData, load_text
 from ooc.distributed import DataParallel, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
+from ooc.scheduler.dataparallel import choose_reduce_on
+from ooc.scheduler.hardware import preset
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.units import format_bytes
 
@@ -108,9 +112,6 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
             fraction = float(cfg.plan.partition(":")[2])
             prof = ooc.profile(model, sample, backend="cpu")
             budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
-            from ooc.api import plan_for_profile
-            from ooc.scheduler.hardware import preset
-
             chosen[0] = plan_for_profile(prof, budget, hardware=preset("cpu")).to_json()
         else:
             path = Path(cfg.plan)
@@ -129,10 +130,6 @@ def _resolve_reduce_on(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor,
         return cfg.reduce_on
     choice: list[str | None] = [None]
     if dist.get_rank() == 0:
-        from ooc.api import _hardware_for
-        from ooc.backend import resolve_backend
-        from ooc.scheduler.dataparallel import choose_reduce_on
-
         backend = resolve_backend("auto", model)
         prof = ooc.profile(model, sample, backend=backend)
         hardware = _hardware_for(None, backend)

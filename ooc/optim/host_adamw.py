@@ -194,7 +194,6 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
-        self._max_grad_norm = max_grad_norm
         self._pipelined = pipeline is not None
         self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
         if streamer is not None and streamer.blocks:

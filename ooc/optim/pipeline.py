@@ -14,7 +14,8 @@ NOTE [the pipeline of one bucket]
    ``delayed_update`` the copies are issued only when the bucket launches in the *next* step, so
    that step's forward and backward run on weights one update old (ZeRO-Offload's DPU).
 Own-master parameters (host fp32 on the plain CPU backend) skip the copies: the update writes them
-in place, which the gate orders the same way.
+in place, which the gate orders the same way. Without a model to pipeline with and without ranks,
+every stage runs on the calling thread in ``step()`` (``inline``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ _WAIT_SLICE_S = 0.05
 
 
 class PipelineError(OocError, RuntimeError):
-    """A host update or gradient exchange failed; the message names the bucket and the cause."""
+    """A host update or gradient exchange failed (the cause is chained), or a gradient arrived after
+    its bucket's update started."""
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -84,3 +85,34 @@ def test_calibration_check_peaks_are_exact() -> None:
     assert [r.plan for r in rows] == ["keep-all", "swap-all", "recompute-all", "optimal@50%"]
     assert all(r.measured_peak == r.predicted_peak for r in rows)
     assert "peaks within 1% + 1 MiB: yes" in format_check(rows)
+
+
+def test_train_single_process_with_a_budget_plan(tmp_path, capsys) -> None:
+    out = tmp_path / "r.json"
+    code = main(["train", "--preset", "nano", "--steps", "3", "--batch-size", "4", "--seq", "32", "--no-progress",
+                 "--plan", "budget:0.5", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "on 1 rank(s)" in text and "step     2" in text
+    losses = json.loads(out.read_text())["losses"]
+    assert len(losses) == 3 and losses[-1] < losses[0]
+
+
+def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
+    out = tmp_path / "q.json"
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "analytic-v100-16gb-decoder-7b-s2048.json"
+    code = main(["plan", "--profile", str(profile), "--hardware", "v100-16gb",
+                 "--budget", "12GiB", "--include-params", "--out", str(out)])
+    assert code == 0
+    assert "blocks stream their parameters" in capsys.readouterr().out
+    assert any(b.streamed for b in Plan.from_json(out.read_text()).blocks)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "huge"], "no GPT preset 'huge'"),
+    (["--plan", "nowhere.json"], "is not keep/swap/recompute, budget:<fraction> or a plan file"),
+    (["--reduce-on", "nic"], "reduce_on must be"),
+])
+def test_train_rejects_bad_options(argv, message, capsys) -> None:
+    assert main(["train", "--steps", "1", "--no-progress", *argv]) != 0
+    assert message in capsys.readouterr().err
