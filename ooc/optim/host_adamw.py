@@ -163,7 +163,7 @@ class HostAdamW(torch.optim.Optimizer):
                     owner = assign_owners(host_params, comm.world)
             rank = comm.rank if comm else 0
             mine = [p for p in host_params if owner[id(p)] == rank or not (comm and comm.sharded)]
-            needed = _host_bytes_needed(mine, host_params, own_master)
+            needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None)
             available = available_host_bytes()
             if needed > available:
                 raise HostMemoryError(needed, available)
@@ -368,9 +368,14 @@ def _backend_for(spec: str | Backend | None, model: nn.Module | None, params: li
     return resolve_backend(spec, model if model is not None else nn.Module()), True
 
 
-def _host_bytes_needed(mine: list[torch.Tensor], host_params: list[torch.Tensor], own_master) -> int:  # noqa: ANN001
+def _host_bytes_needed(mine: list[torch.Tensor], host_params: list[torch.Tensor], own_master, *,  # noqa: ANN001
+                       data_parallel: bool) -> int:
     """Moments (+ master) for the parameters this rank updates; transfer buffers for every
-    parameter that is not its own master (the gradient in and the new weights out)."""
+    parameter that is not its own master (the gradient in and the new weights out), and with data
+    parallelism one exchange buffer for those that are."""
     state = sum(p.numel() * 4 * (2 if own_master(p) else 3) for p in mine)
-    buffers = sum(2 * p.numel() * p.element_size() for p in host_params if not own_master(p))
-    return state + buffers
+
+    def copies(p: torch.Tensor) -> int:
+        return (1 if data_parallel else 0) if own_master(p) else 2
+
+    return state + sum(copies(p) * p.numel() * p.element_size() for p in host_params)
