@@ -94,7 +94,7 @@ def _worker(args: argparse.Namespace) -> None:
         reduce_s = statistics.median([_timed(lambda: dist.all_reduce(flat)) for _ in range(5)])
         net = 2 * (world - 1) / world * 4 * numel / reduce_s
     if rank == 0:
-        prof = ooc.profile(models["fwd+bwd"], batch, backend="cpu")
+        prof = ooc.profile(models["fwd+bwd"], batch, backend="cpu", reps=7)
         cores = os.cpu_count() or 1
         hw = replace(preset("cpu"), host_optimizer=host_optimizer, net=net or preset("cpu").net, host_net=net or 0.0,
                      host_contention=max(0.0, 2 * world / cores - 1))

@@ -48,8 +48,8 @@ class Hardware:
     """All-reduce bus bandwidth between the ranks' host memories (gloo over the hosts' network),
     bytes/s; 0: the same as ``net``."""
     host_contention: float = 0.0
-    """Extra time, as a fraction, for compute and the host update while both run (they share the
-    cores on the CPU backend; 0 on GPUs, whose host cores are idle)."""
+    """Extra time, as a fraction, for compute, the host update and the exchange while two of them
+    run at once (they share the cores on the CPU backend; 0 on GPUs, whose host cores are idle)."""
     source: str = ""
 
     def __post_init__(self) -> None:

@@ -6,8 +6,9 @@ dependencies are done. A "floating" op (issued by a host thread when its depende
 ops queued before it. Copies pay a fixed latency, then move bytes at the one-way bandwidth, or at
 the duplex bandwidth while the opposite engine moves bytes too. While any copy moves bytes, compute
 runs ``1 + hardware.compute_slowdown`` times slower (zero on GPUs with dedicated copy engines; on
-the CPU backend the copy threads share the cores); while the host update runs beside compute, both
-run ``1 + hardware.host_contention`` times slower. Network and host ops take their durations.
+the CPU backend the copy threads share the cores); while two of compute, the host update and the
+exchange run at once, each runs ``1 + hardware.host_contention`` times slower (they share the
+cores on the CPU backend). Network and host ops take their durations.
 """
 
 from __future__ import annotations
@@ -104,7 +105,10 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
 
         moving = {r for r, run in running.items() if r in copies and run.latency <= _EPS}
         duplex = Resource.D2H in moving and Resource.H2D in moving
-        shared = 1.0 + hardware.host_contention if Resource.HOST in running and Resource.COMPUTE in running else 1.0
+        # Compute, the host update and a host-side exchange (gloo) share the cores where
+        # host_contention > 0 (the CPU backend): any two of them at once slow each other.
+        on_cores = [r for r in (Resource.COMPUTE, Resource.HOST, Resource.NET) if r in running]
+        shared = 1.0 + hardware.host_contention if len(on_cores) >= 2 else 1.0
         rates: dict[Resource, float] = {}
         step = float("inf")
         for r, run in running.items():
@@ -115,8 +119,8 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
                 rates[r] = 1.0 / shared
                 step = min(step, run.remaining / rates[r])
             elif r is Resource.NET:
-                rates[r] = 1.0
-                step = min(step, run.remaining)
+                rates[r] = 1.0 / shared
+                step = min(step, run.remaining / rates[r])
             elif run.latency > _EPS:
                 step = min(step, run.latency)
             else:
