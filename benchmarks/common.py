@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -28,13 +29,17 @@ def median_time(fn: Callable[[], None], reps: int, warmup: int = 3) -> float:
 
 
 def interleaved_medians(fns: dict[str, Callable[[], None]], reps: int, warmup: int = 3) -> dict[str, float]:
-    """Median seconds of each function, measured in turns so drifts in machine load hit all alike."""
+    """Median seconds of each function, measured in turns so drifts in machine load hit all alike;
+    each turn runs them in a fresh (seeded) random order, so none always follows the same neighbour."""
     for fn in fns.values():
         for _ in range(warmup):
             fn()
     times: dict[str, list[float]] = {name: [] for name in fns}
+    order = list(fns.items())
+    shuffle = random.Random(0).shuffle
     for _ in range(reps):
-        for name, fn in fns.items():
+        shuffle(order)
+        for name, fn in order:
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
