@@ -58,6 +58,7 @@ class TrainConfig:
     delayed_update: bool = False
     accumulate: int = 1
     max_grad_norm: float | None = None
+    device_params_below: int = 0
     timeout_s: float = 60.0
     out: str | None = None
     save: str | None = None
@@ -160,6 +161,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     opt = HostAdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model,
         delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
+        device_params_below=cfg.device_params_below,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
     )
     start_step = 0
