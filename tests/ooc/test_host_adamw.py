@@ -41,24 +41,28 @@ def test_close_to_the_default_adamw() -> None:
     assert max(float((p - q).detach().abs().max()) for p, q in zip(a.parameters(), b.parameters())) < 1e-5
 
 
-def test_bf16_parameters_keep_an_fp32_master_on_the_host() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
+def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.dtype, pipelined: bool) -> None:
     torch.manual_seed(0)
-    model = nn.Linear(64, 32).bfloat16()
+    model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32)).to(dtype)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = HostAdamW(model.parameters(), lr=1e-2)
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model if pipelined else None, backend="chaos")
     ref_opt = torch.optim.AdamW(reference, lr=1e-2, fused=True)
     for _ in range(3):
         opt.zero_grad()
-        model(torch.randn(8, 64).bfloat16()).float().square().sum().backward()
+        model(torch.randn(8, 64).to(dtype)).float().square().sum().backward()
         for r, p in zip(reference, model.parameters()):
             r.grad = p.grad.float()
         opt.step()
         ref_opt.step()
+    opt.synchronize()
     for p, r in zip(model.parameters(), reference):
         master = opt.state[p]["master"]
         assert master.dtype == torch.float32 and master.device.type == "cpu"
         assert torch.equal(master, r.detach())  # the same fused kernel on the same fp32 values
-        assert torch.equal(p, master.bfloat16())  # the working copy is the master, rounded
+        assert torch.equal(p, master.to(dtype))  # the working copy is the master, rounded
+    opt.close()
 
 
 def test_state_dict_round_trip_resumes_identically() -> None:
