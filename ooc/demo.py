@@ -104,7 +104,8 @@ def run_demo(
     gen = torch.Generator().manual_seed(seed)
     sample = data.batch(batch_size, cfg.block_size, gen, device)
     show(f"ooc demo: a {cfg.n_layer}-layer character GPT ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) "
-         f"on {len(data.ids)} characters of Shakespeare's sonnets, on {device}")
+         f"on {len(data.ids)} characters of Shakespeare's sonnets, on {device}; AdamW on the host "
+         "(ooc.optim.HostAdamW)")
 
     backend = resolve_backend("auto", model)
     prof = ooc.profile(model, sample, backend=backend)
@@ -127,15 +128,18 @@ def run_demo(
             torch.cuda.synchronize(device)
         return loss.item(), time.perf_counter() - start
 
-    # The plain model, for the step-time baseline, from the same weights.
+    # The plain model, for the step-time baseline, from the same weights and the same AdamW kernel.
     plain = copy.deepcopy(model)
-    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3)
+    plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     compare = min(30, steps)
     plain_times = [train_step(plain, plain_opt, data.batch(batch_size, cfg.block_size, gen, device))[1] for _ in range(compare)]
     del plain, plain_opt
 
     ooc.wrap(model, plan, backend=backend)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    # AdamW on the host. On a GPU each block's update overlaps the rest of the backward; on the CPU
+    # backend compute already keeps every core busy, and the update thread only competes with it
+    # (measured here: 171 ms per step pipelined vs 146 ms updating in step()).
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, pipeline=model if device.type == "cuda" else None)
     losses, times, peak = [], [], 0
     bar = tqdm(range(steps), desc="training", unit="step", disable=None if progress else True, leave=False)
     for step in bar:
@@ -147,6 +151,8 @@ def run_demo(
         if step % max(1, steps // 6) == 0 or step == steps - 1:
             tqdm.write(f"step {step:4d}  loss {loss:.3f}") if progress else show(f"step {step:4d}  loss {loss:.3f}")
     bar.close()
+    opt.synchronize()
+    opt.close()
     ooc.unwrap(model)
 
     window = max(1, steps // 10)

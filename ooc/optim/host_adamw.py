@@ -79,6 +79,8 @@ class HostAdamW(torch.optim.Optimizer):
       and the bucket's next forward waits for its new weights. ``step()`` then returns at once;
       call :meth:`synchronize` before reading parameters outside a forward (``model.state_dict()``
       and ``self.state_dict()`` do it for you). Without ``pipeline`` every update runs in ``step()``.
+      Pipelining pays where host cores idle during the backward (training on a GPU); where compute
+      keeps every core busy (the CPU backend) the update thread only competes with it.
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the

@@ -116,3 +116,16 @@ def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
 def test_train_rejects_bad_options(argv, message, capsys) -> None:
     assert main(["train", "--steps", "1", "--no-progress", *argv]) != 0
     assert message in capsys.readouterr().err
+
+
+def test_the_demo_runs_and_keeps_its_promises() -> None:
+    """The README's first command, shortened: a mixed plan, the measured peak equal to the
+    prediction and within the budget, the loss going down."""
+    from ooc.demo import run_demo
+
+    lines: list[str] = []
+    result = run_demo(steps=12, batch_size=4, show=lines.append, progress=False)
+    assert len(set(result.policies)) >= 2
+    assert result.measured_peak_bytes == result.predicted_peak_bytes <= result.budget_bytes
+    assert result.last_loss < result.first_loss
+    assert any("HostAdamW" in line for line in lines)
