@@ -77,6 +77,14 @@ class TrainConfig:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
         if self.reduce_on not in ("auto", "device", "host", "model"):
             raise ValueError(f"reduce_on must be auto, device, host or model, got {self.reduce_on!r}")
+        if self.plan.startswith("budget:"):
+            fraction = self.plan.partition(":")[2]
+            try:
+                ok = 0.0 < float(fraction) <= 1.0
+            except ValueError:
+                ok = False
+            if not ok:
+                raise ValueError(f"--plan budget:<fraction> needs a fraction of the keep-all peak in (0, 1], got {fraction!r}")
 
 
 @dataclass(frozen=True)

@@ -112,6 +112,7 @@ def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
     (["--preset", "huge"], "no GPT preset 'huge'"),
     (["--plan", "nowhere.json"], "is not keep/swap/recompute, budget:<fraction> or a plan file"),
     (["--reduce-on", "nic"], "reduce_on must be"),
+    (["--plan", "budget:half"], "needs a fraction of the keep-all peak in (0, 1], got 'half'"),
 ])
 def test_train_rejects_bad_options(argv, message, capsys) -> None:
     assert main(["train", "--steps", "1", "--no-progress", *argv]) != 0
