@@ -8,7 +8,8 @@ Per world size (1 process; 2 gloo ranks on this machine), three ways to train th
 - ``pipelined``: HostAdamW(pipeline=model): each block's exchange and update start as its backward ends.
 Hidden fraction = (serial - pipelined) / (serial - fwd+bwd). Every process runs one compute thread
 (as torchrun sets it), so 2 ranks use both cores. The model's inputs are measured in the same run:
-the blocks' profile, the host AdamW rate, and the all-reduce bandwidth between the two ranks.
+the blocks' profile, the host AdamW rate, the all-reduce bandwidth between the two ranks, and the
+contention between compute and a host update thread.
 
 Run: ``python benchmarks/bench_dp.py [--layers 8 --width 384 --reps 15]``.
 """
@@ -36,6 +37,8 @@ def _worker(args: argparse.Namespace) -> None:
     import torch.distributed as dist
 
     import ooc
+    from ooc.backend import CpuBackend
+    from ooc.calibrate import host_contention
     from ooc.distributed import DataParallel
     from ooc.models.gpt import GPT, GPTConfig
     from ooc.optim import HostAdamW
@@ -96,8 +99,13 @@ def _worker(args: argparse.Namespace) -> None:
     if rank == 0:
         prof = ooc.profile(models["fwd+bwd"], batch, backend="cpu", reps=7)
         cores = os.cpu_count() or 1
+        backend = CpuBackend()
+        # Measured with this rank alone; with more busy threads (compute + update per rank) than
+        # cores, each runs at most cores/threads of the time.
+        contention = max(host_contention(backend), 2 * world / cores - 1)
+        backend.close()
         hw = replace(preset("cpu"), host_optimizer=host_optimizer, net=net or preset("cpu").net, host_net=net or 0.0,
-                     host_contention=max(0.0, 2 * world / cores - 1))
+                     host_contention=contention)
         plan = Plan.uniform("keep", len(prof))
         predicted = {
             "fwd+bwd": predict_with_update(plan, prof, hw, None),
@@ -177,6 +185,8 @@ def main() -> None:
               f"alone) hidden under the backward: measured {hidden:.0%}, predicted {hidden_pred:.0%}"
               + (f"; all-reduce bus bandwidth {r['net'] / 1e9:.2f} GB/s" if r["net"] else ""))
     one, two = results[1]["measured"]["pipelined"], results[2]["measured"]["pipelined"]
+    print("host contention used by the model (measured with one rank, at least the oversubscription of "
+          "2 threads per rank on the cores): " + ", ".join(f"world {w} {r['contention']:.2f}" for w, r in results.items()))
     print(f"pipelined: 2 ranks train {2 * one / two:.2f}x the sequences per second of 1 (ideal 2.00x on 2 cores); "
           f"step {two * 1e3:.1f} ms vs {one * 1e3:.1f} ms")
 

@@ -59,6 +59,38 @@ def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor
     return max(0.0, busy / alone - 1.0)
 
 
+def host_contention(backend: Backend, reps: int = 5, *, params: int = 4 * 2**20) -> float:
+    """How much longer a compute loop takes while a host thread runs AdamW (fused, ``params``
+    fp32 parameters, over and over): the ``host_contention`` of a :class:`Hardware`. Near 0 on a
+    GPU (the loop runs on the device); on the CPU backend the two share cores and memory bandwidth."""
+    a = torch.randn(384, 384, device=backend.device)
+
+    def compute() -> None:
+        for _ in range(20):
+            a @ a
+        if backend.device.type == "cuda":
+            torch.cuda.synchronize(backend.device)
+
+    alone = median_seconds(compute, reps)
+    weights = torch.zeros(params)
+    weights.grad = torch.ones_like(weights)
+    opt = torch.optim.AdamW([weights], lr=1e-3, fused=True)
+    stop = threading.Event()
+
+    def update_forever() -> None:
+        while not stop.is_set():
+            opt.step()
+
+    worker = threading.Thread(target=update_forever, daemon=True)
+    worker.start()
+    try:
+        busy = median_seconds(compute, reps)
+    finally:
+        stop.set()
+        worker.join()
+    return max(0.0, busy / alone - 1.0)
+
+
 def _copy_issue_seconds(backend: Backend, reps: int) -> float:
     """Compute time lost per copy issued and waited for, beside a loop of small ops (the shape of a
     model's forward): launch and event costs, and on the CPU backend the hand-off to its thread."""
@@ -87,8 +119,8 @@ def _copy_issue_seconds(backend: Backend, reps: int) -> float:
 
 def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps: int = 5) -> Hardware:
     """Measure copy bandwidths (each direction alone and both at once), copy latency, device-to-device
-    bandwidth, the host AdamW rate, the compute slowdown under copies and the compute cost of issuing
-    one, on ``backend``.
+    bandwidth, the host AdamW rate, the compute slowdown under copies, the compute cost of issuing
+    one, and the contention between compute and a host update thread, on ``backend``.
 
     Returns a :class:`Hardware` named ``measured-<backend>``; figures not measured here (dense
     FLOP/s) come from the nearest preset.
@@ -142,5 +174,6 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
         copy_latency_s=latency_s,
         compute_slowdown=slowdown,
         copy_issue_s=_copy_issue_seconds(backend, reps),
+        host_contention=host_contention(backend, reps),
         source=f"calibrated on {backend!r} with {nbytes} byte copies, median of {reps}",
     )

@@ -72,7 +72,7 @@ def test_scheduler_forwards_profile_and_calibrate() -> None:
     import ooc.scheduler as sched
 
     hw = sched.calibrate("cpu", nbytes=1 << 16, reps=1)
-    assert hw.h2d > 0 and hw.copy_issue_s >= 0
+    assert hw.h2d > 0 and hw.copy_issue_s >= 0 and hw.host_contention >= 0
     assert len(sched.profile(GPT("nano"), gpt_batch(batch=2, seq=8), reps=1)) == 4
 
 
