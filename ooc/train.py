@@ -174,7 +174,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     )
     start_step = 0
     if cfg.resume:
-        start_step = _load(Path(cfg.resume), model, opt, rank)
+        start_step = _load(Path(cfg.resume), model, opt, rank, _layout(cfg, world))
     if rank == 0:
         show(f"ooc train: GPT {cfg.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {cfg.dtype}) "
              f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
@@ -206,7 +206,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     bar.close()
     opt.synchronize()
     if cfg.save:
-        _save(Path(cfg.save), model, opt, rank, start_step + cfg.steps)
+        _save(Path(cfg.save), model, opt, rank, start_step + cfg.steps, _layout(cfg, world))
     if rank == 0:
         median = statistics.median(times[1:] if len(times) > 1 else times)
         report = ooc.memory_report(model)
@@ -220,11 +220,16 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     return result
 
 
-def _save(directory: Path, model: GPT, opt: HostAdamW, rank: int, step: int) -> None:
+def _layout(cfg: TrainConfig, world: int) -> dict[str, object]:
+    """What a checkpoint's optimizer files depend on: who holds which share of the state."""
+    return {"world": world, "shard": cfg.shard}
+
+
+def _save(directory: Path, model: GPT, opt: HostAdamW, rank: int, step: int, layout: dict[str, object]) -> None:
     """Model from rank 0; optimizer state from every rank (sharded, each holds only its share).
     Each file is written to a temporary name and renamed, so a crash leaves no half-written file."""
     directory.mkdir(parents=True, exist_ok=True)
-    files = {f"optimizer-rank{rank}.pt": {"optimizer": opt.state_dict(), "step": step}}
+    files = {f"optimizer-rank{rank}.pt": {"optimizer": opt.state_dict(), "step": step, "layout": layout}}
     if rank == 0:
         files["model.pt"] = {"model": model.state_dict(), "step": step}
     for name, payload in files.items():
@@ -233,14 +238,18 @@ def _save(directory: Path, model: GPT, opt: HostAdamW, rank: int, step: int) -> 
         os.replace(tmp, directory / name)
 
 
-def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int) -> int:
+def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int, layout: dict[str, object]) -> int:
     model_file, opt_file = directory / "model.pt", directory / f"optimizer-rank{rank}.pt"
     for path in (model_file, opt_file):
         if not path.is_file():
             raise ValueError(f"--resume {directory}: no {path.name}; resume with the world size that saved it")
+    optimizer = torch.load(opt_file, weights_only=True)
+    if optimizer.get("layout") != layout:
+        raise ValueError(f"--resume {directory}: saved by {optimizer.get('layout')}, resumed as {layout}; the optimizer "
+                         "state is split by rank, so resume with the same number of ranks and --shard setting")
     saved = torch.load(model_file, weights_only=True)
     model.load_state_dict(saved["model"])
-    opt.load_state_dict(torch.load(opt_file, weights_only=True)["optimizer"])
+    opt.load_state_dict(optimizer["optimizer"])
     if not opt.delayed_update:  # delayed: the parameters stay one update behind, as saved
         for p, state in opt.state.items():
             if "master" in state:

@@ -181,6 +181,13 @@ def test_resume_from_a_checkpoint_continues_identically(runs: Path) -> None:
     assert all(torch.equal(resumed[k], straight[k]) for k in straight)
 
 
+def test_resuming_a_sharded_checkpoint_with_another_layout_is_refused(runs: Path) -> None:
+    done = subprocess.run([sys.executable, "-m", "ooc", "train", *COMMON, "--resume", str(runs / "first-half")],
+                          cwd=runs, env=_env(None, 1, 0), capture_output=True, text=True, timeout=240)
+    assert done.returncode != 0
+    assert "resume with the same number of ranks and --shard setting" in done.stderr
+
+
 @pytest.mark.parametrize("how", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "hung"])
 def test_a_lost_rank_makes_the_survivor_exit_within_the_timeout(tmp_path: Path, how: signal.Signals) -> None:
     timeout = 10
