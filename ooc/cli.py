@@ -37,7 +37,7 @@ def _train(args: argparse.Namespace) -> int:
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq=args.seq, lr=args.lr,
         weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype, dropout=args.dropout, plan=args.plan, shard=args.shard,
         reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
-        max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, timeout_s=args.timeout, out=args.out, save=args.save, resume=args.resume,
+        max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save, resume=args.resume,
         progress=not args.no_progress,
     )
     return train_main(cfg)
@@ -259,6 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--max-grad-norm", type=float, help="clip gradients to this global norm")
     tr.add_argument("--device-params-below", type=int, default=0,
                     help="parameters with fewer elements keep a device optimizer (norms, biases)")
+    tr.add_argument("--no-pipeline", action="store_true",
+                    help="update in step() after the backward (faster where compute already uses every core)")
     tr.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a peer")
     tr.add_argument("--out", help="write losses and step times as JSON (rank 0)")
     tr.add_argument("--save", help="write a checkpoint directory at the end")

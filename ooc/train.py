@@ -59,6 +59,8 @@ class TrainConfig:
     accumulate: int = 1
     max_grad_norm: float | None = None
     device_params_below: int = 0
+    pipeline: bool = True
+    """Overlap each block's exchange and update with the backward (else all in ``step()``)."""
     timeout_s: float = 60.0
     out: str | None = None
     save: str | None = None
@@ -167,7 +169,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         if world > 1 else "auto"
     ooc.wrap(model, plan, backend="auto")
     opt = HostAdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model,
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model if cfg.pipeline else None,
         delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
         device_params_below=cfg.device_params_below,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,

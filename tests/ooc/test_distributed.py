@@ -33,6 +33,7 @@ VARIANTS = {  # name: (options of every run, micro-batches per step of the one-p
     "device-sum": (["--reduce-on", "device"], 2),
     "delayed": (["--delayed-update"], 2),
     "small-on-device": (["--device-params-below", "1000"], 2),
+    "in-step": (["--no-pipeline"], 2),
     "accumulate": (["--accumulate", "2"], 4),
 }
 
@@ -135,8 +136,8 @@ def test_sharded_equals_unsharded(runs: Path) -> None:
 @pytest.mark.parametrize("variant", [v for v in VARIANTS if v != "accumulate"])
 def test_options_keep_two_ranks_sharded_or_not_equal_to_one_process(runs: Path, variant: str) -> None:
     """Clipping (the sharded norm is summed across owners), bf16 parameters (fp32 masters, staging
-    buffers, broadcasts in bf16), summing before the host copy, one-step-delayed updates, and small
-    parameters on a device optimizer."""
+    buffers, broadcasts in bf16), summing before the host copy, one-step-delayed updates, small
+    parameters on a device optimizer, and the whole update in step() (one bucket, no pipeline)."""
     reference = _losses(runs / f"{variant}-one.json")
     assert _losses(runs / f"{variant}.json") == reference
     assert _losses(runs / f"{variant}-sharded.json") == reference
@@ -146,7 +147,7 @@ def test_options_keep_two_ranks_sharded_or_not_equal_to_one_process(runs: Path, 
         assert all(torch.equal(two[k], one[k]) for k in one)
     if variant == "device-sum":  # where the sum happens changes nothing in the numbers
         assert reference == _losses(runs / "one.json")
-    elif variant == "small-on-device":  # nor does which optimizer updates them (the same fused kernel)
+    elif variant in ("small-on-device", "in-step"):  # nor which optimizer or when (the same fused kernel)
         assert reference == _losses(runs / "one.json")
     else:  # the option really changed the run
         assert reference != _losses(runs / "one.json")
