@@ -6,6 +6,7 @@ import os
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -32,8 +33,8 @@ def _device_memory(backend: Backend) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor, reps: int) -> float:
-    """How much longer a compute loop takes while the copy engines move bytes."""
+def _slowdown_beside(backend: Backend, background: Callable[[], None], reps: int) -> float:
+    """How much longer a compute loop takes while another thread runs ``background`` over and over."""
     a = torch.randn(384, 384, device=backend.device)
 
     def compute() -> None:
@@ -45,11 +46,11 @@ def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor
     alone = median_seconds(compute, reps)
     stop = threading.Event()
 
-    def copy_forever() -> None:
+    def forever() -> None:
         while not stop.is_set():
-            backend.copy_d2h(host, device, ()).synchronize()
+            background()
 
-    worker = threading.Thread(target=copy_forever, daemon=True)
+    worker = threading.Thread(target=forever, daemon=True)
     worker.start()
     try:
         busy = median_seconds(compute, reps)
@@ -57,38 +58,21 @@ def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor
         stop.set()
         worker.join()
     return max(0.0, busy / alone - 1.0)
+
+
+def _compute_slowdown(backend: Backend, host: torch.Tensor, device: torch.Tensor, reps: int) -> float:
+    """How much longer a compute loop takes while the copy engines move bytes."""
+    return _slowdown_beside(backend, lambda: backend.copy_d2h(host, device, ()).synchronize(), reps)
 
 
 def host_contention(backend: Backend, reps: int = 5, *, params: int = 4 * 2**20) -> float:
     """How much longer a compute loop takes while a host thread runs AdamW (fused, ``params``
     fp32 parameters, over and over): the ``host_contention`` of a :class:`Hardware`. Near 0 on a
     GPU (the loop runs on the device); on the CPU backend the two share cores and memory bandwidth."""
-    a = torch.randn(384, 384, device=backend.device)
-
-    def compute() -> None:
-        for _ in range(20):
-            a @ a
-        if backend.device.type == "cuda":
-            torch.cuda.synchronize(backend.device)
-
-    alone = median_seconds(compute, reps)
     weights = torch.zeros(params)
     weights.grad = torch.ones_like(weights)
     opt = torch.optim.AdamW([weights], lr=1e-3, fused=True)
-    stop = threading.Event()
-
-    def update_forever() -> None:
-        while not stop.is_set():
-            opt.step()
-
-    worker = threading.Thread(target=update_forever, daemon=True)
-    worker.start()
-    try:
-        busy = median_seconds(compute, reps)
-    finally:
-        stop.set()
-        worker.join()
-    return max(0.0, busy / alone - 1.0)
+    return _slowdown_beside(backend, opt.step, reps)
 
 
 def _copy_issue_seconds(backend: Backend, reps: int) -> float:
