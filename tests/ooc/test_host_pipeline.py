@@ -28,9 +28,9 @@ def _model() -> GPT:
     return GPT("nano")  # 4 blocks
 
 
-def _reference(model: GPT, steps: int = STEPS, *, accumulate: int = 1, clip: float | None = None,
-               **kwargs) -> list[float]:
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True, **kwargs)
+def _train(model: GPT, opt: torch.optim.Optimizer, steps: int, *, accumulate: int = 1,
+           clip: float | None = None) -> list[float]:
+    """``steps`` steps of ``accumulate`` seeded micro-batches each; the loss of every micro-batch."""
     losses = []
     for step in range(steps):
         for micro in range(accumulate):
@@ -45,16 +45,13 @@ def _reference(model: GPT, steps: int = STEPS, *, accumulate: int = 1, clip: flo
     return losses
 
 
+def _reference(model: GPT, steps: int = STEPS, *, accumulate: int = 1, clip: float | None = None) -> list[float]:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    return _train(model, opt, steps, accumulate=accumulate, clip=clip)
+
+
 def _pipelined(model: GPT, opt: HostAdamW, steps: int = STEPS, *, accumulate: int = 1) -> list[float]:
-    losses = []
-    for step in range(steps):
-        for micro in range(accumulate):
-            torch.manual_seed(step * 10 + micro)
-            loss = model(*gpt_batch(seed=step * 10 + micro))[1]
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
+    losses = _train(model, opt, steps, accumulate=accumulate)
     opt.synchronize()
     return losses
 
