@@ -86,6 +86,7 @@ class ParamStreamer:
                     host.copy_(p.detach())
                 entries.append(_Streamed(p, host))
             self.blocks[i] = entries
+        self._host_of = {id(e.param): e.host for entries in self.blocks.values() for e in entries}
         for i, entries in self.blocks.items():
             for e in entries:
                 e.param.data = e.host  # the device copy is freed with its last reference
@@ -94,14 +95,10 @@ class ParamStreamer:
 
     @property
     def streamed_param_ids(self) -> set[int]:
-        return {id(e.param) for entries in self.blocks.values() for e in entries}
+        return set(self._host_of)
 
     def host_copy(self, p: torch.Tensor) -> torch.Tensor | None:
-        for entries in self.blocks.values():
-            for e in entries:
-                if e.param is p:
-                    return e.host
-        return None
+        return self._host_of.get(id(p))
 
     def issue(self, block: int) -> None:
         """Start copying the block's parameters to the device (no-op if there or on the way)."""
@@ -185,3 +182,4 @@ class ParamStreamer:
                     device.copy_(e.host)
                 e.param.data = device
         self.blocks.clear()
+        self._host_of.clear()

@@ -62,7 +62,6 @@ class Segment:
 
     params: list[torch.Tensor]
     offsets: list[int]
-    numel: int
     dtype: torch.dtype
     owners: list[int]
     host_grad: torch.Tensor | None = None
@@ -211,7 +210,7 @@ class UpdatePipeline:
             params = sorted(params, key=lambda p: self.owner[id(p)])  # stable: keeps registration order
             offsets = _offsets(params)
             total = sum(p.numel() for p in params)
-            seg = Segment(params, offsets, total, dtype, [self.owner[id(p)] for p in params])
+            seg = Segment(params, offsets, dtype, [self.owner[id(p)] for p in params])
             nbytes = total * torch.empty((), dtype=dtype).element_size()
             if not all(self.own[id(p)] for p in params):
                 seg.host_grad = self.backend.host_buffer(nbytes).view(dtype)
