@@ -70,7 +70,7 @@ def throughput(device: torch.device) -> None:
 
 
 def saved_tensor_errors() -> None:
-    from ooc.check import demo_model_and_batch
+    from ooc.apps.check import demo_model_and_batch
 
     model, batch = demo_model_and_batch(torch.device("cpu"))
     saved: list[torch.Tensor] = []
@@ -106,7 +106,7 @@ def saved_tensor_errors() -> None:
 
 
 def training(steps: int) -> None:
-    from ooc.check import demo_model_and_batch, train_losses
+    from ooc.apps.check import demo_model_and_batch, train_losses
 
     rows = [["codec", f"loss (mean of last 20 of {steps} steps)", "vs none"]]
     base = None

@@ -19,7 +19,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
 from common import interleaved_medians, machine_header, table  # noqa: E402
-from ooc.demo import CharData, demo_config, load_text  # noqa: E402
+from ooc.apps.demo import CharData, demo_config, load_text  # noqa: E402
 from ooc.models.gpt import GPT  # noqa: E402
 from ooc.scheduler.units import format_bytes  # noqa: E402
 

@@ -1,5 +1,5 @@
 import sys
 
-from ooc.cli import main
+from ooc.apps.cli import main
 
 sys.exit(main())

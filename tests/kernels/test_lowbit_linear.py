@@ -73,7 +73,7 @@ def test_convert_linear_shares_parameters_and_keeps_ties() -> None:
 
 @pytest.mark.slow
 def test_demo_gpt_trains_within_three_percent_of_full_precision() -> None:
-    from ooc.check import demo_model_and_batch, train_losses
+    from ooc.apps.check import demo_model_and_batch, train_losses
 
     finals = {}
     for bits in (None, 8):

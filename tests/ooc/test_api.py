@@ -24,7 +24,7 @@ def boom(*a, **k):
     raise RuntimeError("CUDA touched at import")
 for name in ("init", "is_available", "device_count", "current_device", "_lazy_init", "get_rng_state", "synchronize"):
     setattr(torch.cuda, name, boom)
-import ooc, ooc.scheduler, ooc.kernels, ooc.models, ooc.backend, ooc.cli, ooc.optim, ooc.distributed, ooc.train
+import ooc, ooc.scheduler, ooc.kernels, ooc.models, ooc.backend, ooc.apps.cli, ooc.optim, ooc.distributed, ooc.apps.train
 print("ok")
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

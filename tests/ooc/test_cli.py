@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import ooc
-from ooc.cli import main
+from ooc.apps.cli import main
 from ooc.models import GPT
 from ooc.scheduler import Plan, Profile, ProfileError
 from tests.helpers import gpt_batch
@@ -78,7 +78,7 @@ def test_scheduler_forwards_profile_and_calibrate() -> None:
 
 def test_calibration_check_peaks_are_exact() -> None:
     """`ooc simulate --check` on the demo GPT; step times are reported, not asserted (wall clock)."""
-    from ooc.check import calibration_check, format_check
+    from ooc.apps.check import calibration_check, format_check
     from ooc.scheduler import preset
 
     rows = calibration_check(reps=1, backend="cpu", hardware=preset("cpu"))
@@ -122,7 +122,7 @@ def test_train_rejects_bad_options(argv, message, capsys) -> None:
 def test_the_demo_runs_and_keeps_its_promises() -> None:
     """The README's first command, shortened: a mixed plan, the measured peak equal to the
     prediction and within the budget, the loss going down."""
-    from ooc.demo import run_demo
+    from ooc.apps.demo import run_demo
 
     lines: list[str] = []
     result = run_demo(steps=12, batch_size=4, show=lines.append, progress=False)

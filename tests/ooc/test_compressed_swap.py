@@ -102,7 +102,7 @@ def test_int8_gradients_are_close_to_exact(nano) -> None:
 def test_int8_training_matches_uncompressed_within_two_percent() -> None:
     """The demo GPT on the sonnets, 200 steps, every block swapped (int4 is reported by
     benchmarks/bench_kernels.py)."""
-    from ooc.check import demo_model_and_batch, train_losses
+    from ooc.apps.check import demo_model_and_batch, train_losses
 
     finals = {}
     for codec in ("none", "int8"):

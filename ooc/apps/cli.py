@@ -22,7 +22,7 @@ def _hardware(spec: str | None, default: str = "cpu"):
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from ooc.demo import run_demo
+    from ooc.apps.demo import run_demo
 
     run_demo(steps=args.steps, batch_size=args.batch_size, budget_fraction=args.budget_fraction,
              planner=args.planner, seed=args.seed, progress=not args.no_progress)
@@ -30,8 +30,8 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(args: argparse.Namespace) -> int:
-    from ooc.train import TrainConfig
-    from ooc.train import main as train_main
+    from ooc.apps.train import TrainConfig
+    from ooc.apps.train import main as train_main
 
     cfg = TrainConfig(
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq=args.seq, lr=args.lr,
@@ -147,7 +147,7 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     if args.check:
-        from ooc.check import calibration_check, format_check
+        from ooc.apps.check import calibration_check, format_check
 
         rows = calibration_check(reps=args.reps)
         print(format_check(rows))
@@ -168,7 +168,7 @@ def _simulate(args: argparse.Namespace) -> int:
     result = simulate(build_schedule(plan, prof, hw), hw)
     print(result.summary())
     if args.timeline:
-        from ooc.plots import plot_timeline
+        from ooc.apps.plots import plot_timeline
 
         plot_timeline(result, args.timeline, title=f"{prof.model}, plan {plan.name} on {hw.name}")
         print(f"wrote {args.timeline}")

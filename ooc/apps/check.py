@@ -10,9 +10,9 @@ from dataclasses import dataclass
 import torch
 
 import ooc
+from ooc.apps.demo import CharData, demo_config, load_text
 from ooc.backend import Backend, resolve_backend
 from ooc.calibrate import calibrate
-from ooc.demo import CharData, demo_config, load_text
 from ooc.models.gpt import GPT
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import Plan

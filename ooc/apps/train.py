@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 import ooc
 from ooc.api import _hardware_for, plan_for_profile
+from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.demo import CharData, load_text
 from ooc.distributed import DataParallel, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS

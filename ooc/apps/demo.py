@@ -23,7 +23,7 @@ from ooc.scheduler.units import format_bytes
 
 
 def load_text() -> str:
-    return resources.files("ooc").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
+    return resources.files("ooc.apps").joinpath("data/sonnets.txt").read_text(encoding="utf-8")
 
 
 @dataclass(frozen=True)
