@@ -27,5 +27,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.fixture(autouse=True)
 def _deterministic_threads():
-    # Reductions on CPU can split work by thread count; keep one setting for a whole test.
+    # Reductions on CPU can split work by thread count: a test that changes it (as a benchmark or
+    # ``torchrun``'s OMP_NUM_THREADS=1 would) must not change the numerics of the tests after it.
+    threads = torch.get_num_threads()
     yield
+    torch.set_num_threads(threads)

@@ -11,6 +11,7 @@ import torch
 from ooc.kernels.quant import dequantize, quantize
 from ooc.kernels.quant_reference import QMAX, hash_uniform, torch_dequantize, torch_quantize
 from tests.conftest import HAS_GPU
+from tests.helpers import stable_seed
 
 SHAPES = [(1,), (7,), (3, 63), (2, 4097), (4, 64), (2, 3, 33)]
 
@@ -146,17 +147,18 @@ needs_interpreter = pytest.mark.skipif(
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
 def test_triton_equals_reference(kernels, shape, dtype, codec, stochastic) -> None:
-    torch.manual_seed(hash((shape, codec)) % 1000)
+    seed = stable_seed(shape, codec)
+    torch.manual_seed(seed)
     x = (torch.randn(shape) * 3).to(dtype)
     kernels("reference")
     ref = quantize(x, codec=codec, stochastic=stochastic, seed=11)
     kernels("triton")
     got = quantize(x, codec=codec, stochastic=stochastic, seed=11)
-    assert torch.equal(got.codes, ref.codes)
-    assert torch.equal(got.scales, ref.scales)
+    assert torch.equal(got.codes, ref.codes), f"seed {seed}"
+    assert torch.equal(got.scales, ref.scales), f"seed {seed}"
     out = torch.full(x.shape, float("nan"), dtype=dtype)  # an element the kernel misses stays NaN
     dequantize(got, out=out)
-    assert torch.equal(out, torch_dequantize(ref))
+    assert torch.equal(out, torch_dequantize(ref)), f"seed {seed}"
 
 
 @needs_interpreter
@@ -170,7 +172,8 @@ def test_triton_all_zero_groups_and_bf16(kernels) -> None:
     got = quantize(xb)
     ref = torch_quantize(xb)
     # bf16 is upcast right after the load, so codes and scales are exact; the bf16 output of the
-    # dequantization truncates in the interpreter (PLATFORM.md), so compare it within one bf16 ulp.
+    # dequantization truncates in the interpreter (its fp32->bf16 cast does not round), so compare
+    # it within one bf16 ulp.
     assert torch.equal(got.codes, ref.codes) and torch.equal(got.scales, ref.scales)
     torch.testing.assert_close(dequantize(got).float(), torch_dequantize(ref).float(), rtol=2**-7, atol=0)
 

@@ -11,11 +11,9 @@ import torch
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
-from ooc.models.gpt import GPTConfig
 from ooc.scheduler import build_schedule
-from tests.helpers import gpt_batch
+from tests.helpers import NANO, gpt_batch
 
-NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
 CODECS = ["int8", "int4", "fp8"]
 
 

@@ -10,10 +10,8 @@ import torch.nn as nn
 
 import ooc
 from ooc.models import GPT
-from ooc.models.gpt import GPTConfig
+from tests.helpers import NANO_NO_DROPOUT as NANO
 from tests.helpers import gpt_batch
-
-NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
 
 
 def _assert_untouched_and_trainable(model: nn.Module, reference: nn.Module, batch) -> None:

@@ -10,11 +10,9 @@ import torch
 
 import ooc
 from ooc.models import GPT, ResNet
-from ooc.models.gpt import GPTConfig
 from ooc.scheduler import build_schedule
-from tests.helpers import gpt_batch
+from tests.helpers import NANO, gpt_batch
 
-NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
 MiB = 2**20
 
 

@@ -5,10 +5,7 @@ import torch
 import ooc
 from ooc import nvtx
 from ooc.models import GPT
-from ooc.models.gpt import GPTConfig
-from tests.helpers import gpt_batch
-
-NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
+from tests.helpers import NANO, gpt_batch
 
 
 def test_one_step_has_the_expected_ranges_and_nesting() -> None:
