@@ -7,14 +7,11 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ooc.scheduler.errors import HardwareError
 from ooc.scheduler.units import format_bytes
 
 GiB = 2**30
 GB = 10**9
-
-
-class HardwareError(ValueError):
-    """Hardware figures that cannot describe a real machine (zero or negative bandwidths, ...)."""
 
 
 @dataclass(frozen=True)

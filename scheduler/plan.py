@@ -8,13 +8,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from ooc.scheduler.errors import PlanError
 from ooc.scheduler.units import format_bytes
 
 PLAN_FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A plan that cannot be read or does not fit the model it is applied to."""
 
 
 class Policy(str, enum.Enum):

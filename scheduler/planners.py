@@ -5,19 +5,11 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
-
-
-class InfeasibleBudget(ValueError):
-    """No plan of this planner fits; ``minimum_bytes`` is the smallest peak it can reach."""
-
-    def __init__(self, budget: int, minimum_bytes: int) -> None:
-        self.budget = budget
-        self.minimum_bytes = minimum_bytes
-        super().__init__(f"no plan fits {budget} bytes; the smallest peak is {minimum_bytes} bytes")
 
 
 def annotate(plan: Plan, profile: Profile) -> Plan:

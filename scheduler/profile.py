@@ -8,11 +8,9 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ooc.scheduler.errors import ProfileError
+
 PROFILE_FORMAT_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be read, or one that does not describe the model at hand."""
 
 
 @dataclass(frozen=True)

@@ -131,3 +131,29 @@ def test_unknown_backend_and_planner(gpt) -> None:
 def test_unwrap_of_a_plain_model() -> None:
     with pytest.raises(ooc.WrapError, match="not wrapped"):
         ooc.unwrap(nn.Linear(2, 2))
+
+
+def test_every_exported_error_is_an_ooc_error() -> None:
+    """``except ooc.OocError`` catches every error ooc exports, whichever package exports it."""
+    import importlib
+    import sys
+
+    packages = ("ooc", "ooc.scheduler", "ooc.optim", "ooc.optim.pipeline", "ooc.distributed")
+    for name in packages:
+        importlib.import_module(name)
+    errors = {}
+    for name, module in list(sys.modules.items()):
+        if name in packages or (name.startswith("ooc.") and module is not None):
+            for attr in dir(module):
+                obj = getattr(module, attr)
+                if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__.startswith("ooc"):
+                    errors[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    expected = {
+        "ooc.scheduler.errors.PlanError", "ooc.scheduler.errors.ProfileError", "ooc.scheduler.errors.HardwareError",
+        "ooc.scheduler.errors.InfeasibleBudget", "ooc.errors.BudgetError", "ooc.errors.WrapError",
+        "ooc.errors.BlockError", "ooc.optim.host_adamw.HostMemoryError", "ooc.optim.pipeline.PipelineError",
+        "ooc.distributed.WorldError",
+    }
+    assert expected <= set(errors)
+    assert [name for name, cls in sorted(errors.items()) if not issubclass(cls, ooc.OocError)] == []
+    assert issubclass(ooc.PlanError, ValueError) and issubclass(ooc.scheduler.InfeasibleBudget, ValueError)
