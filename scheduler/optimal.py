@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from ooc.scheduler.costmodel import BASE_OPTIONS, Options, build_options, model_peak
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Plan
 from ooc.scheduler.profile import Profile
@@ -255,8 +256,6 @@ def optimal(
 ) -> Plan:
     """Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
     against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP."""
-    from ooc.scheduler.planners import InfeasibleBudget
-
     opts = build_options(profile, hardware, choices)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
     if budget is None:

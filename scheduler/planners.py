@@ -5,8 +5,10 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ooc.scheduler.costmodel import build_options, model_peak
 from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.optimal import optimal as solve
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
@@ -79,8 +81,6 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
     to hide under), swap a block where its copies hide under the compute of the prefetch window, and
     recompute it where the exposed transfer would cost more than recomputing; stop once the peak fits.
     """
-    from ooc.scheduler.costmodel import build_options, model_peak
-
     opts = build_options(profile, hardware)
     n = opts.n
     KEEP, SWAP, RECOMPUTE, RECOMPUTE_SWAP_INPUT = range(4)
@@ -103,8 +103,6 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
 
 def optimal(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
     """The DP of ``ooc.scheduler.optimal`` (keep, swap, recompute, recompute + swap input)."""
-    from ooc.scheduler.optimal import optimal as solve
-
     return solve(profile, hardware, budget, prefetch=prefetch)
 
 

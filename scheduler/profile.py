@@ -69,6 +69,8 @@ class BlockProfile:
 
 def machine_header() -> dict[str, str]:
     """Where a profile or benchmark was measured (no CUDA initialisation)."""
+    # Imported here, not at the top: the scheduler's modules plan over plain numbers and import no torch;
+    # only this function, called by the runtime when it records a measurement, needs torch's version.
     import torch
 
     return {

@@ -12,10 +12,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ooc.scheduler.costmodel import build_options
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.optimal import minimum_peak
 from ooc.scheduler.plan import Plan
-from ooc.scheduler.planners import InfeasibleBudget
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.simulate import simulate
