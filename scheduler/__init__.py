@@ -10,11 +10,11 @@ from __future__ import annotations
 from ooc.scheduler.dataparallel import choose_reduce_on
 from ooc.scheduler.errors import HardwareError, InfeasibleBudget, OocError, PlanError, ProfileError
 from ooc.scheduler.hardware import PRESETS, Hardware, preset
+from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy, Residency
 from ooc.scheduler.planners import PLANNERS
 from ooc.scheduler.profile import BlockProfile, Profile
 from ooc.scheduler.schedule import HostUpdate, Op, OpKind, Resource, Schedule, build_schedule, peak_bytes
-from ooc.scheduler.streaming import plan_with_streaming
 from ooc.scheduler.units import format_bytes, parse_bytes
 
 __all__ = [

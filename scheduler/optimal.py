@@ -254,8 +254,12 @@ def optimal(
     polish_seconds: float = 2.0,
     exact_blocks: int = 200,
 ) -> Plan:
-    """Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
-    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP."""
+    """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
+    ``choices`` (keep, swap, recompute, recompute + swap input); ``PLANNERS["optimal"]``.
+
+    Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
+    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. Raises
+    :class:`InfeasibleBudget` when no plan fits."""
     opts = build_options(profile, hardware, choices)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
     if budget is None:

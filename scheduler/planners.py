@@ -8,7 +8,7 @@ from dataclasses import replace
 from ooc.scheduler.costmodel import build_options, model_peak
 from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
-from ooc.scheduler.optimal import optimal as solve
+from ooc.scheduler.optimal import optimal
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
@@ -99,11 +99,6 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
         if model_peak(opts, picks, prefetch) <= budget:
             return opts.plan(picks, **kw)
     return opts.plan(picks, **kw)
-
-
-def optimal(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
-    """The DP of ``ooc.scheduler.optimal`` (keep, swap, recompute, recompute + swap input)."""
-    return solve(profile, hardware, budget, prefetch=prefetch)
 
 
 PLANNERS = {

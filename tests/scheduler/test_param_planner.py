@@ -11,9 +11,9 @@ from ooc.scheduler.analytic import decoder_7b
 from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.hardware import preset
 from ooc.scheduler.optimal import minimum_peak
+from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget
 from ooc.scheduler.schedule import build_schedule
-from ooc.scheduler.streaming import plan_with_streaming
 from tests.helpers import gpt_batch
 
 HW = preset("h100-sxm")
