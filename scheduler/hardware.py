@@ -96,10 +96,11 @@ class Hardware:
 # NOTE [hardware presets]
 # PCIe figures are what pinned copies achieve, not link rates: Gen3 x16 is 15.8 GB/s raw, ~12 GB/s
 # pinned (KARMA, SC20, Table 2 machine: V100-SXM2 16 GB); Gen4 x16 ~25 GB/s pinned on A100, falling to
-# ~12-13 GB/s H2D while D2H runs at once (measured on A100 Gen4, ../shared/PLATFORM.md); Gen5 x16 is
+# ~12-13 GB/s H2D while D2H runs at once (public measurements on an A100 with PCIe Gen4); Gen5 x16 is
 # 63 GB/s raw per direction, ~50-55 GB/s pinned. The duplex figures for Gen3/Gen5 assume the same
 # ~50% fall seen on Gen4. Host optimizer: Adam moves ~28 bytes per fp32 parameter; a 2-socket host
-# streams ~100-200 GB/s, torch's fused CPU Adam reaches ~52 ms per 100M params on 2 cores (PLATFORM.md).
+# streams ~100-200 GB/s; torch's fused CPU Adam (``Adam(fused=True)``) takes ~52 ms a step for 100M
+# parameters on this project's 2-core CI machine (DeepSpeed's CPUAdam took ~64 ms there).
 # host_optimizer is in bytes of fp32 parameters updated per second. copy_issue_s on CUDA is a
 # cudaMemcpyAsync plus an event record and a record_stream, ~5 us of host time.
 PRESETS: dict[str, Hardware] = {

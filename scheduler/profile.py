@@ -17,8 +17,9 @@ PROFILE_FORMAT_VERSION = 1
 class BlockProfile:
     """Costs of one block for one input shape.
 
-    Byte counts follow the runtime's accounting (``ooc.scheduler.accounting``): saved tensors are
-    deduplicated within the block, parameters and their views are not counted.
+    Byte counts follow the runtime's accounting (NOTE [accounting by storage] in ``ooc/saved.py``):
+    saved tensors are counted once per storage within the block, parameters and their views are not
+    counted.
 
     - ``saved_bytes``: activations the block saves for backward (what ``KEEP`` holds).
     - ``swappable_bytes``: the part of ``saved_bytes`` in tensors of at least ``min_swap_bytes``
