@@ -8,7 +8,7 @@ profile or a machine runs a model and copies, so that lives in the runtime: ``oo
 from __future__ import annotations
 
 from ooc.scheduler.dataparallel import choose_reduce_on
-from ooc.scheduler.errors import HardwareError, InfeasibleBudget, OocError, PlanError, ProfileError
+from ooc.scheduler.errors import HardwareError, InfeasibleBudget, OocError, PlanError, ProfileError, SizeError
 from ooc.scheduler.hardware import PRESETS, Hardware, preset
 from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy, Residency
@@ -38,6 +38,7 @@ __all__ = [
     "Residency",
     "Resource",
     "Schedule",
+    "SizeError",
     "build_schedule",
     "choose_reduce_on",
     "format_bytes",

@@ -21,6 +21,10 @@ class HardwareError(OocError, ValueError):
     """Hardware figures that cannot describe a real machine (zero or negative bandwidths, ...)."""
 
 
+class SizeError(OocError, ValueError):
+    """A byte size (a budget, a memory size) that is not a finite number of bytes >= 0."""
+
+
 class InfeasibleBudget(OocError, ValueError):
     """No plan of this planner fits; ``minimum_bytes`` is the smallest peak it can reach."""
 
@@ -30,4 +34,4 @@ class InfeasibleBudget(OocError, ValueError):
         super().__init__(f"no plan fits {budget} bytes; the smallest peak is {minimum_bytes} bytes")
 
 
-__all__ = ["HardwareError", "InfeasibleBudget", "OocError", "PlanError", "ProfileError"]
+__all__ = ["HardwareError", "InfeasibleBudget", "OocError", "PlanError", "ProfileError", "SizeError"]

@@ -7,11 +7,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ooc.scheduler import checks
 from ooc.scheduler.errors import HardwareError
 from ooc.scheduler.units import format_bytes
 
 GiB = 2**30
 GB = 10**9
+_FIX = "measure it again (ooc calibrate) or correct the hardware JSON"
+_BANDWIDTHS = ("h2d", "d2h", "h2d_duplex", "d2h_duplex", "d2d", "host_optimizer")
 
 
 @dataclass(frozen=True)
@@ -50,21 +53,18 @@ class Hardware:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("h2d", "d2h", "h2d_duplex", "d2h_duplex", "d2d", "host_optimizer"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise HardwareError(f"{self.name}: bandwidth {name} must be > 0 bytes/s, got {value}")
-        if self.device_memory <= 0:
-            raise HardwareError(f"{self.name}: device_memory must be > 0, got {self.device_memory}")
-        if self.copy_issue_s < 0:
-            raise HardwareError(f"{self.name}: copy_issue_s must be >= 0, got {self.copy_issue_s}")
-        if self.compute_slowdown < 0:
-            raise HardwareError(f"{self.name}: compute_slowdown must be >= 0, got {self.compute_slowdown}")
-        if self.copy_latency_s < 0:
-            raise HardwareError(f"{self.name}: copy_latency_s must be >= 0, got {self.copy_latency_s}")
-        for name in ("net", "net_latency_s", "host_net", "host_contention"):
-            if getattr(self, name) < 0:
-                raise HardwareError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
+        checks.text(self.name, "name", HardwareError, hint=_FIX)
+        checks.text(self.source, "source", HardwareError, hint=_FIX)
+        where = f"{self.name}: "
+        for name in _BANDWIDTHS:
+            value = checks.number(getattr(self, name), f"bandwidth {name} (bytes/s)", HardwareError, where=where, hint=_FIX,
+                                  positive=True)
+            object.__setattr__(self, name, value)
+        memory = checks.count(self.device_memory, "device_memory", HardwareError, where=where, hint=_FIX, positive=True)
+        object.__setattr__(self, "device_memory", memory)
+        for f in fields(self):
+            if f.type == "float" and f.name not in _BANDWIDTHS:
+                object.__setattr__(self, f.name, checks.number(getattr(self, f.name), f.name, HardwareError, where=where, hint=_FIX))
         if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:
             raise HardwareError(f"{self.name}: a duplex bandwidth cannot exceed the one-way bandwidth")
 
@@ -86,8 +86,8 @@ class Hardware:
         names = {f.name for f in fields(cls)}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
-            raise HardwareError(f"corrupt hardware JSON: {exc}") from exc
+        except TypeError as exc:  # a missing field
+            raise HardwareError(f"corrupt hardware JSON: {exc}; {_FIX}") from exc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

@@ -24,6 +24,7 @@ from ooc.scheduler.plan import BlockPlan, Plan
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.simulate import predict
+from ooc.scheduler.units import check_budget
 
 _INF = np.inf
 
@@ -260,6 +261,7 @@ def optimal(
     Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
     against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. Raises
     :class:`InfeasibleBudget` when no plan fits."""
+    check_budget(budget)
     opts = build_options(profile, hardware, choices)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
     if budget is None:

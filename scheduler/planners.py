@@ -12,6 +12,7 @@ from ooc.scheduler.optimal import optimal
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
+from ooc.scheduler.units import check_budget
 
 
 def annotate(plan: Plan, profile: Profile) -> Plan:
@@ -57,6 +58,7 @@ def greedy(profile: Profile, hardware: Hardware | None = None, budget: int | Non
     """Keep what fits: swap blocks from the first on (their copies have the most compute to hide
     under), then recompute from the first on, then also swap recomputed inputs; the first plan of
     that sequence whose peak fits the budget."""
+    check_budget(budget)
     n = len(profile)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="greedy")
     candidates = [Plan.uniform(Policy.KEEP, n, **kw)]
@@ -81,6 +83,7 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
     to hide under), swap a block where its copies hide under the compute of the prefetch window, and
     recompute it where the exposed transfer would cost more than recomputing; stop once the peak fits.
     """
+    check_budget(budget)
     opts = build_options(profile, hardware)
     n = opts.n
     KEEP, SWAP, RECOMPUTE, RECOMPUTE_SWAP_INPUT = range(4)
