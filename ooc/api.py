@@ -16,11 +16,11 @@ from ooc.runtime import _check_trainable, install
 from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.hardware import Hardware, preset
 from ooc.scheduler.optimal import minimum_peak
+from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget, annotate
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import peak_bytes
-from ooc.scheduler.streaming import plan_with_streaming
 from ooc.scheduler.units import parse_bytes
 
 DEFAULT_PLANNER = "optimal"
@@ -46,7 +46,7 @@ def plan_for_profile(
     """Run a named planner on a profile; raise :class:`ooc.BudgetError` if nothing fits.
 
     ``include_params``: the budget covers the device-resident parameters too, and blocks may have
-    their parameters streamed from the host (:func:`ooc.scheduler.streaming.plan_with_streaming`).
+    their parameters streamed from the host (:func:`ooc.scheduler.param_planner.plan_with_streaming`).
     """
     budget_bytes = parse_bytes(budget)
     try:

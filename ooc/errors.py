@@ -1,14 +1,12 @@
-"""Exceptions a user of ooc can catch; each message says what to do."""
+"""Exceptions a user of ooc can catch; each message says what to do.
+
+:class:`OocError`, the root of all of them, and the planning errors live in ``ooc.scheduler.errors``
+(the lowest layer raises them too); the runtime's own errors are defined here."""
 
 from __future__ import annotations
 
-from ooc.scheduler.plan import PlanError
-from ooc.scheduler.profile import ProfileError
+from ooc.scheduler.errors import OocError, PlanError, ProfileError
 from ooc.scheduler.units import format_bytes
-
-
-class OocError(Exception):
-    """Base class of ooc's own errors."""
 
 
 class WrapError(OocError, ValueError):

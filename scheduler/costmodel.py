@@ -7,7 +7,7 @@ from the schedule's ``block_bytes``, and times. The step time is modelled as the
 plus, per block:
 - ``recompute``: the block's forward again;
 - ``exposed_out``: the part of the copy out not hidden under the next block's forward (the runtime
-  makes that copy end before the block after next starts: NOTE in ``schedule.py``);
+  makes that copy end before the block after next starts: the RELEASE op in ``build_schedule``);
 - ``exposed_in``: the part of the copy back not hidden under the compute of the ``prefetch`` blocks
   whose backward runs between its issue and its use.
 The peak constraints are exact (they follow the schedule's memory walk):

@@ -7,14 +7,14 @@ import json
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from ooc.scheduler import checks
+from ooc.scheduler.errors import HardwareError
 from ooc.scheduler.units import format_bytes
 
 GiB = 2**30
 GB = 10**9
-
-
-class HardwareError(ValueError):
-    """Hardware figures that cannot describe a real machine (zero or negative bandwidths, ...)."""
+_FIX = "measure it again (ooc calibrate) or correct the hardware JSON"
+_BANDWIDTHS = ("h2d", "d2h", "h2d_duplex", "d2h_duplex", "d2d", "host_optimizer")
 
 
 @dataclass(frozen=True)
@@ -53,21 +53,18 @@ class Hardware:
     source: str = ""
 
     def __post_init__(self) -> None:
-        for name in ("h2d", "d2h", "h2d_duplex", "d2h_duplex", "d2d", "host_optimizer"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise HardwareError(f"{self.name}: bandwidth {name} must be > 0 bytes/s, got {value}")
-        if self.device_memory <= 0:
-            raise HardwareError(f"{self.name}: device_memory must be > 0, got {self.device_memory}")
-        if self.copy_issue_s < 0:
-            raise HardwareError(f"{self.name}: copy_issue_s must be >= 0, got {self.copy_issue_s}")
-        if self.compute_slowdown < 0:
-            raise HardwareError(f"{self.name}: compute_slowdown must be >= 0, got {self.compute_slowdown}")
-        if self.copy_latency_s < 0:
-            raise HardwareError(f"{self.name}: copy_latency_s must be >= 0, got {self.copy_latency_s}")
-        for name in ("net", "net_latency_s", "host_net", "host_contention"):
-            if getattr(self, name) < 0:
-                raise HardwareError(f"{self.name}: {name} must be >= 0, got {getattr(self, name)}")
+        checks.text(self.name, "name", HardwareError, hint=_FIX)
+        checks.text(self.source, "source", HardwareError, hint=_FIX)
+        where = f"{self.name}: "
+        for name in _BANDWIDTHS:
+            value = checks.number(getattr(self, name), f"bandwidth {name} (bytes/s)", HardwareError, where=where, hint=_FIX,
+                                  positive=True)
+            object.__setattr__(self, name, value)
+        memory = checks.count(self.device_memory, "device_memory", HardwareError, where=where, hint=_FIX, positive=True)
+        object.__setattr__(self, "device_memory", memory)
+        for f in fields(self):
+            if f.type == "float" and f.name not in _BANDWIDTHS:
+                object.__setattr__(self, f.name, checks.number(getattr(self, f.name), f.name, HardwareError, where=where, hint=_FIX))
         if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:
             raise HardwareError(f"{self.name}: a duplex bandwidth cannot exceed the one-way bandwidth")
 
@@ -89,8 +86,8 @@ class Hardware:
         names = {f.name for f in fields(cls)}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})
-        except TypeError as exc:
-            raise HardwareError(f"corrupt hardware JSON: {exc}") from exc
+        except TypeError as exc:  # a missing field
+            raise HardwareError(f"corrupt hardware JSON: {exc}; {_FIX}") from exc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)
@@ -99,10 +96,11 @@ class Hardware:
 # NOTE [hardware presets]
 # PCIe figures are what pinned copies achieve, not link rates: Gen3 x16 is 15.8 GB/s raw, ~12 GB/s
 # pinned (KARMA, SC20, Table 2 machine: V100-SXM2 16 GB); Gen4 x16 ~25 GB/s pinned on A100, falling to
-# ~12-13 GB/s H2D while D2H runs at once (measured on A100 Gen4, ../shared/PLATFORM.md); Gen5 x16 is
+# ~12-13 GB/s H2D while D2H runs at once (public measurements on an A100 with PCIe Gen4); Gen5 x16 is
 # 63 GB/s raw per direction, ~50-55 GB/s pinned. The duplex figures for Gen3/Gen5 assume the same
 # ~50% fall seen on Gen4. Host optimizer: Adam moves ~28 bytes per fp32 parameter; a 2-socket host
-# streams ~100-200 GB/s, torch's fused CPU Adam reaches ~52 ms per 100M params on 2 cores (PLATFORM.md).
+# streams ~100-200 GB/s; torch's fused CPU Adam (``Adam(fused=True)``) takes ~52 ms a step for 100M
+# parameters on this project's 2-core CI machine (DeepSpeed's CPUAdam took ~64 ms there).
 # host_optimizer is in bytes of fp32 parameters updated per second. copy_issue_s on CUDA is a
 # cudaMemcpyAsync plus an event record and a record_stream, ~5 us of host time.
 PRESETS: dict[str, Hardware] = {

@@ -18,11 +18,13 @@ import time
 import numpy as np
 
 from ooc.scheduler.costmodel import BASE_OPTIONS, Options, build_options, model_peak
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Plan
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.simulate import predict
+from ooc.scheduler.units import check_budget
 
 _INF = np.inf
 
@@ -253,10 +255,13 @@ def optimal(
     polish_seconds: float = 2.0,
     exact_blocks: int = 200,
 ) -> Plan:
-    """Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
-    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP."""
-    from ooc.scheduler.planners import InfeasibleBudget
+    """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
+    ``choices`` (keep, swap, recompute, recompute + swap input); ``PLANNERS["optimal"]``.
 
+    Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
+    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. Raises
+    :class:`InfeasibleBudget` when no plan fits."""
+    check_budget(budget)
     opts = build_options(profile, hardware, choices)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
     if budget is None:

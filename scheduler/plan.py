@@ -6,15 +6,14 @@ import enum
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeVar
 
+from ooc.scheduler import checks
+from ooc.scheduler.errors import PlanError
 from ooc.scheduler.units import format_bytes
 
 PLAN_FORMAT_VERSION = 1
-
-
-class PlanError(ValueError):
-    """A plan that cannot be read or does not fit the model it is applied to."""
+_FIX = "make the plan again (ooc plan) or correct the plan JSON"
 
 
 class Policy(str, enum.Enum):
@@ -64,9 +63,13 @@ class BlockPlan:
     params: Residency = Residency.RESIDENT
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "policy", Policy(self.policy))
-        object.__setattr__(self, "codec", Codec(self.codec))
-        object.__setattr__(self, "params", Residency(self.params))
+        object.__setattr__(self, "policy", _member(Policy, self.policy, "policy"))
+        object.__setattr__(self, "codec", _member(Codec, self.codec, "codec"))
+        object.__setattr__(self, "params", _member(Residency, self.params, "params"))
+        checks.flag(self.swap_input, "swap_input", PlanError, hint=_FIX)
+        for name in ("saved_bytes", "device_bytes"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, checks.count(getattr(self, name), name, PlanError, hint=f"leave it out or {_FIX}"))
         if self.swap_input and self.policy is not Policy.RECOMPUTE:
             raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
         if self.codec is not Codec.NONE and not self.swaps_anything:
@@ -91,10 +94,20 @@ class BlockPlan:
         return self.params is Residency.STREAMED
 
 
+_Choice = TypeVar("_Choice", Policy, Codec, Residency)
+
+
+def _member(kind: type[_Choice], value: object, field: str) -> _Choice:
+    try:
+        return kind(value)
+    except ValueError:
+        raise PlanError(f"{field} must be one of {[m.value for m in kind]}, got {value!r}; {_FIX}") from None
+
+
 def _as_block_plan(item: BlockPlan | Policy | str) -> BlockPlan:
     if isinstance(item, BlockPlan):
         return item
-    return BlockPlan(policy=Policy(item))
+    return BlockPlan(policy=_member(Policy, item, "policy"))
 
 
 @dataclass(frozen=True)
@@ -117,10 +130,9 @@ class Plan:
         object.__setattr__(self, "blocks", tuple(_as_block_plan(b) for b in self.blocks))
         if not self.blocks:
             raise PlanError("a plan needs at least one block")
-        if isinstance(self.prefetch, bool) or not isinstance(self.prefetch, int) or self.prefetch < 0:
-            raise PlanError(f"prefetch must be an int >= 0, got {self.prefetch!r}")
-        if self.min_swap_bytes < 0:
-            raise PlanError(f"min_swap_bytes must be >= 0, got {self.min_swap_bytes}")
+        object.__setattr__(self, "prefetch", checks.count(self.prefetch, "prefetch", PlanError, hint=_FIX))
+        object.__setattr__(self, "min_swap_bytes", checks.count(self.min_swap_bytes, "min_swap_bytes", PlanError, hint=_FIX))
+        checks.text(self.name, "name", PlanError, hint=_FIX)
 
     def streaming(self, blocks: Iterable[int]) -> "Plan":
         """This plan with the parameters of ``blocks`` streamed from the host."""
@@ -207,26 +219,32 @@ class Plan:
                 f"plan format version {version!r} is newer than this ooc understands "
                 f"({PLAN_FORMAT_VERSION}); upgrade ooc or re-create the plan"
             )
+        blocks, meta = data.get("blocks"), data.get("meta", {})
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise PlanError(f"corrupt plan JSON: \"blocks\" must be a list of objects, got {blocks!r:.80}; {_FIX}")
+        if not isinstance(meta, dict):
+            raise PlanError(f"corrupt plan JSON: \"meta\" must be an object, got {meta!r:.80}; {_FIX}")
         try:
-            blocks = tuple(
-                BlockPlan(
-                    policy=Policy(b["policy"]),
-                    codec=Codec(b.get("codec", "none")),
-                    swap_input=bool(b.get("swap_input", False)),
-                    saved_bytes=b.get("saved_bytes"),
-                    device_bytes=b.get("device_bytes"),
-                    params=Residency(b.get("params", "resident")),
-                )
-                for b in data["blocks"]
-            )
             return cls(
-                blocks=blocks,
-                prefetch=int(data.get("prefetch", 2)),
-                min_swap_bytes=int(data.get("min_swap_bytes", 4096)),
-                name=str(data.get("name", "custom")),
-                meta=tuple(sorted(dict(data.get("meta", {})).items())),
+                blocks=tuple(
+                    BlockPlan(
+                        policy=b["policy"],
+                        codec=b.get("codec", "none"),
+                        swap_input=b.get("swap_input", False),
+                        saved_bytes=b.get("saved_bytes"),
+                        device_bytes=b.get("device_bytes"),
+                        params=b.get("params", "resident"),
+                    )
+                    for b in blocks
+                ),
+                prefetch=data.get("prefetch", 2),
+                min_swap_bytes=data.get("min_swap_bytes", 4096),
+                name=data.get("name", "custom"),
+                meta=tuple(sorted(meta.items())),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise PlanError(f"corrupt plan JSON: a block has no {exc} field; {_FIX}") from exc
+        except PlanError as exc:
             raise PlanError(f"corrupt plan JSON: {exc}") from exc
 
     def to_json(self) -> str:

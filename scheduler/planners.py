@@ -5,19 +5,14 @@ from __future__ import annotations
 import math
 from dataclasses import replace
 
+from ooc.scheduler.costmodel import build_options, model_peak
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.optimal import optimal
 from ooc.scheduler.plan import BlockPlan, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
-
-
-class InfeasibleBudget(ValueError):
-    """No plan of this planner fits; ``minimum_bytes`` is the smallest peak it can reach."""
-
-    def __init__(self, budget: int, minimum_bytes: int) -> None:
-        self.budget = budget
-        self.minimum_bytes = minimum_bytes
-        super().__init__(f"no plan fits {budget} bytes; the smallest peak is {minimum_bytes} bytes")
+from ooc.scheduler.units import check_budget
 
 
 def annotate(plan: Plan, profile: Profile) -> Plan:
@@ -63,6 +58,7 @@ def greedy(profile: Profile, hardware: Hardware | None = None, budget: int | Non
     """Keep what fits: swap blocks from the first on (their copies have the most compute to hide
     under), then recompute from the first on, then also swap recomputed inputs; the first plan of
     that sequence whose peak fits the budget."""
+    check_budget(budget)
     n = len(profile)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="greedy")
     candidates = [Plan.uniform(Policy.KEEP, n, **kw)]
@@ -87,8 +83,7 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
     to hide under), swap a block where its copies hide under the compute of the prefetch window, and
     recompute it where the exposed transfer would cost more than recomputing; stop once the peak fits.
     """
-    from ooc.scheduler.costmodel import build_options, model_peak
-
+    check_budget(budget)
     opts = build_options(profile, hardware)
     n = opts.n
     KEEP, SWAP, RECOMPUTE, RECOMPUTE_SWAP_INPUT = range(4)
@@ -107,13 +102,6 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
         if model_peak(opts, picks, prefetch) <= budget:
             return opts.plan(picks, **kw)
     return opts.plan(picks, **kw)
-
-
-def optimal(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
-    """The DP of ``ooc.scheduler.optimal`` (keep, swap, recompute, recompute + swap input)."""
-    from ooc.scheduler.optimal import optimal as solve
-
-    return solve(profile, hardware, budget, prefetch=prefetch)
 
 
 PLANNERS = {

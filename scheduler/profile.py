@@ -8,19 +8,20 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from ooc.scheduler import checks
+from ooc.scheduler.errors import ProfileError
+
 PROFILE_FORMAT_VERSION = 1
-
-
-class ProfileError(ValueError):
-    """A profile that cannot be read, or one that does not describe the model at hand."""
+_FIX = "profile the model again (ooc profile) or correct the profile JSON"
 
 
 @dataclass(frozen=True)
 class BlockProfile:
     """Costs of one block for one input shape.
 
-    Byte counts follow the runtime's accounting (``ooc.scheduler.accounting``): saved tensors are
-    deduplicated within the block, parameters and their views are not counted.
+    Byte counts follow the runtime's accounting (NOTE [accounting by storage] in ``ooc/saved.py``):
+    saved tensors are counted once per storage within the block, parameters and their views are not
+    counted.
 
     - ``saved_bytes``: activations the block saves for backward (what ``KEEP`` holds).
     - ``swappable_bytes``: the part of ``saved_bytes`` in tensors of at least ``min_swap_bytes``
@@ -49,10 +50,16 @@ class BlockProfile:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
+        checks.text(self.name, "a block's name", ProfileError, hint=_FIX)
+        where = f"block {self.name!r}: "
         for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name not in ("name", "compressed") and value < 0:
-                raise ProfileError(f"block {self.name!r}: {f.name} must be >= 0, got {value}")
+            if f.type == "float":
+                value = checks.number(getattr(self, f.name), f.name, ProfileError, where=where, hint=_FIX)
+            elif f.type == "int":
+                value = checks.count(getattr(self, f.name), f.name, ProfileError, where=where, hint=_FIX)
+            else:
+                continue
+            object.__setattr__(self, f.name, value)
         if self.swappable_bytes > self.saved_bytes:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
@@ -71,6 +78,8 @@ class BlockProfile:
 
 def machine_header() -> dict[str, str]:
     """Where a profile or benchmark was measured (no CUDA initialisation)."""
+    # Imported here, not at the top: the scheduler's modules plan over plain numbers and import no torch;
+    # only this function, called by the runtime when it records a measurement, needs torch's version.
     import torch
 
     return {
@@ -100,6 +109,17 @@ class Profile:
         object.__setattr__(self, "blocks", tuple(self.blocks))
         if not self.blocks:
             raise ProfileError("a profile needs at least one block")
+        for block in self.blocks:
+            if not isinstance(block, BlockProfile):
+                raise ProfileError(f"a profile's blocks must be BlockProfile objects, got {type(block).__name__}")
+        for name in ("min_swap_bytes", "outside_param_bytes"):
+            object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, hint=_FIX))
+        for name in ("outside_forward_s", "outside_backward_s"):
+            object.__setattr__(self, name, checks.number(getattr(self, name), name, ProfileError, hint=_FIX))
+        for name in ("model", "source", "notes"):
+            checks.text(getattr(self, name), name, ProfileError, hint=_FIX)
+        if not isinstance(self.machine, dict):
+            raise ProfileError(f"machine must be a dict, got {type(self.machine).__name__}; {_FIX}")
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -142,20 +162,25 @@ class Profile:
                 f"profile format version {version!r} is newer than this ooc understands "
                 f"({PROFILE_FORMAT_VERSION}); upgrade ooc or profile the model again"
             )
+        blocks = data.get("blocks")
+        if not isinstance(blocks, list) or not all(isinstance(b, dict) for b in blocks):
+            raise ProfileError(f"corrupt profile JSON: \"blocks\" must be a list of objects, got {blocks!r:.80}; {_FIX}")
         try:
             return cls(
-                blocks=tuple(BlockProfile(**b) for b in data["blocks"]),
-                min_swap_bytes=int(data.get("min_swap_bytes", 4096)),
-                outside_forward_s=float(data.get("outside_forward_s", 0.0)),
-                outside_backward_s=float(data.get("outside_backward_s", 0.0)),
-                outside_param_bytes=int(data.get("outside_param_bytes", 0)),
-                model=str(data.get("model", "model")),
-                source=str(data.get("source", "measured")),
-                machine=dict(data.get("machine", {})),
-                notes=str(data.get("notes", "")),
+                blocks=tuple(BlockProfile(**b) for b in blocks),
+                min_swap_bytes=data.get("min_swap_bytes", 4096),
+                outside_forward_s=data.get("outside_forward_s", 0.0),
+                outside_backward_s=data.get("outside_backward_s", 0.0),
+                outside_param_bytes=data.get("outside_param_bytes", 0),
+                model=data.get("model", "model"),
+                source=data.get("source", "measured"),
+                machine=data.get("machine", {}),
+                notes=data.get("notes", ""),
             )
-        except (KeyError, TypeError) as exc:
-            raise ProfileError(f"corrupt profile JSON: {exc}") from exc
+        except ProfileError:
+            raise
+        except (TypeError, ValueError, OverflowError) as exc:  # a missing or unknown field, a bad codec entry
+            raise ProfileError(f"corrupt profile JSON: {exc}; {_FIX}") from exc
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2)

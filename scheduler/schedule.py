@@ -16,7 +16,7 @@ independent of how fast copies run, and the measured peak can be held equal to t
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
@@ -336,8 +336,6 @@ def _host_update_ops(add, update: HostUpdate, after: int, block: int | None, par
 
 
 def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Plan) -> Op:
-    from dataclasses import replace
-
     if op.kind is OpKind.FORWARD or op.kind is OpKind.RECOMPUTE:
         duration = prof[op.block].forward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.DECODE:

@@ -16,7 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ooc.scheduler.hardware import Hardware
-from ooc.scheduler.schedule import Op, OpKind, Resource, Schedule
+from ooc.scheduler.schedule import Op, OpKind, Resource, Schedule, build_schedule
+from ooc.scheduler.units import format_bytes
 
 _EPS = 1e-15
 
@@ -42,8 +43,6 @@ class SimResult:
     """(time, device bytes) after each change, in time order."""
 
     def summary(self) -> str:
-        from ooc.scheduler.units import format_bytes
-
         busy = ", ".join(f"{r.value} {s * 1e3:.2f} ms" for r, s in self.busy_s.items() if s > 0 or r.value in ("compute", "d2h", "h2d"))
         return (
             f"step {self.step_time_s * 1e3:.2f} ms, peak {format_bytes(self.peak_bytes)}, "
@@ -175,8 +174,6 @@ def simulate(schedule: Schedule, hardware: Hardware, *, keep_timeline: bool = Tr
 
 def predict(plan, profile, hardware: Hardware) -> SimResult:
     """Build the schedule of ``plan`` on ``profile`` and simulate it on ``hardware``."""
-    from ooc.scheduler.schedule import build_schedule
-
     return simulate(build_schedule(plan, profile, hardware), hardware, keep_timeline=False)
 
 

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import re
+from numbers import Integral, Real
+
+from ooc.scheduler import checks
+from ooc.scheduler.errors import SizeError
 
 _UNITS = {
     "": 1,
@@ -17,22 +22,37 @@ _UNITS = {
     "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+_EXAMPLES = "write e.g. 20GiB, 512MiB, 1.5GB or 1048576"
 
 
-def parse_bytes(value: int | float | str) -> int:
-    """Return a byte count from an int or a string such as ``"20GiB"`` or ``"1.5 GB"``."""
+def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size") -> int:
+    """Return a byte count from a number or a string such as ``"20GiB"`` or ``"1.5 GB"``.
+
+    Raises :class:`SizeError` (a ``ValueError``) naming ``what`` for a negative, infinite or NaN
+    size, and ``TypeError`` for a bool."""
     if isinstance(value, bool):
-        raise TypeError("a byte size must be a number or a string like '20GiB', not a bool")
-    if isinstance(value, (int, float)):
+        raise TypeError(f"{what} must be a number or a string like '20GiB', not a bool")
+    if isinstance(value, Integral):
         if value < 0:
-            raise ValueError(f"a byte size must be >= 0, got {value}")
+            raise SizeError(f"{what} must be a number of bytes >= 0, got {value!r}; {_EXAMPLES}")
         return int(value)
-    match = _SIZE.match(str(value))
-    if match is None or match.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"cannot read {value!r} as a byte size; write e.g. 20GiB, 512MiB, 1.5GB or 1048576"
-        )
-    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+    if isinstance(value, Real):
+        number = float(value)
+    else:
+        match = _SIZE.match(str(value))
+        if match is None or match.group(2).lower() not in _UNITS:
+            raise SizeError(f"cannot read {value!r} as {what}; {_EXAMPLES}")
+        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+    if not math.isfinite(number) or number < 0:
+        raise SizeError(f"{what} must be a finite number of bytes >= 0, got {value!r}; {_EXAMPLES}")
+    return int(number)
+
+
+def check_budget(budget: float | None) -> None:
+    """Raise :class:`SizeError` unless ``budget`` is None (no limit) or a finite number of bytes >= 0
+    (a planner's budget: NaN would make every comparison false, infinity every plan fit)."""
+    if budget is not None:
+        checks.number(budget, "the budget", SizeError, hint="give a number of bytes (None for no limit)")
 
 
 def format_bytes(count: int | float) -> str:

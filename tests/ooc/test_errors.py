@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
+import math
+import signal
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -129,3 +135,91 @@ def test_unknown_backend_and_planner(gpt) -> None:
 def test_unwrap_of_a_plain_model() -> None:
     with pytest.raises(ooc.WrapError, match="not wrapped"):
         ooc.unwrap(nn.Linear(2, 2))
+
+
+def test_every_exported_error_is_an_ooc_error() -> None:
+    """``except ooc.OocError`` catches every error ooc exports, whichever package exports it."""
+    import importlib
+    import sys
+
+    packages = ("ooc", "ooc.scheduler", "ooc.optim", "ooc.optim.pipeline", "ooc.distributed")
+    for name in packages:
+        importlib.import_module(name)
+    errors = {}
+    for name, module in list(sys.modules.items()):
+        if name in packages or (name.startswith("ooc.") and module is not None):
+            for attr in dir(module):
+                obj = getattr(module, attr)
+                if isinstance(obj, type) and issubclass(obj, BaseException) and obj.__module__.startswith("ooc"):
+                    errors[f"{obj.__module__}.{obj.__qualname__}"] = obj
+    expected = {
+        "ooc.scheduler.errors.PlanError", "ooc.scheduler.errors.ProfileError", "ooc.scheduler.errors.HardwareError",
+        "ooc.scheduler.errors.InfeasibleBudget", "ooc.errors.BudgetError", "ooc.errors.WrapError",
+        "ooc.errors.BlockError", "ooc.optim.host_adamw.HostMemoryError", "ooc.optim.pipeline.PipelineError",
+        "ooc.distributed.WorldError",
+    }
+    assert expected <= set(errors)
+    assert [name for name, cls in sorted(errors.items()) if not issubclass(cls, ooc.OocError)] == []
+    assert issubclass(ooc.PlanError, ValueError) and issubclass(ooc.scheduler.InfeasibleBudget, ValueError)
+
+
+@contextlib.contextmanager
+def _deadline(seconds: float):
+    """Fail instead of hanging: a NaN that gets past validation makes planning loop forever."""
+
+    def expire(signum, frame) -> None:  # noqa: ANN001
+        raise TimeoutError(f"still running after {seconds} s: a bad number got past validation")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_wrap_refuses_a_profile_with_nan_before_planning(gpt, tmp_path) -> None:
+    model, reference, batch = gpt
+    data = ooc.profile(model, batch, reps=1).to_dict()
+    data["blocks"][1]["forward_s"] = math.nan
+    path = tmp_path / "nan.json"
+    path.write_text(json.dumps(data))
+    with _deadline(60), pytest.raises(ooc.ProfileError, match="forward_s must be a finite number"):
+        ooc.wrap(model, budget="1GiB", profile=ooc.scheduler.Profile.load(path), backend="cpu")
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+@pytest.mark.parametrize("budget", [math.inf, math.nan], ids=str)
+def test_a_budget_that_is_not_finite_names_the_budget(gpt, budget: float) -> None:
+    model, reference, batch = gpt
+    with _deadline(60), pytest.raises(ooc.OocError, match="budget or byte size must be a finite number") as info:
+        ooc.wrap(model, budget=budget, sample=batch, backend="cpu")
+    assert isinstance(info.value, ValueError)
+    _assert_untouched_and_trainable(model, reference, batch)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m ooc ARGS`` in a fresh process, killed (and the test failed) if it hangs."""
+    return subprocess.run([sys.executable, "-m", "ooc", *args], capture_output=True, text=True, timeout=120)
+
+
+def test_cli_plan_and_simulate_refuse_nan_and_infinity(tmp_path) -> None:
+    from ooc.scheduler import BlockProfile, Plan, Profile, preset
+
+    prof = Profile(tuple(BlockProfile(f"b{i}", 1e-3, 2e-3, 1 << 20, 1 << 20, 1 << 16, 1 << 16, 1 << 16, 0, 0)
+                         for i in range(3)), machine={"backend": "cpu"})
+    bad_profile = prof.to_dict()
+    bad_profile["blocks"][0]["backward_s"] = math.inf
+    (tmp_path / "profile.json").write_text(json.dumps(bad_profile))
+    run = _cli("plan", "--profile", str(tmp_path / "profile.json"), "--budget", "2MiB")
+    assert run.returncode == 2 and "backward_s must be a finite number" in run.stderr
+
+    bad_hardware = preset("cpu").to_dict()
+    bad_hardware["compute_slowdown"] = math.nan
+    (tmp_path / "hw.json").write_text(json.dumps(bad_hardware))
+    prof.save(tmp_path / "good.json")
+    (tmp_path / "plan.json").write_text(Plan.uniform("swap", 3).to_json())
+    run = _cli("simulate", "--profile", str(tmp_path / "good.json"), "--plan", str(tmp_path / "plan.json"),
+               "--hardware", str(tmp_path / "hw.json"))
+    assert run.returncode == 2 and "compute_slowdown must be a finite number" in run.stderr

@@ -107,6 +107,11 @@ def test_every_planner_returns_a_plan_for_the_chain(make_profile, name: str) -> 
         assert build_schedule(plan, prof).peak_bytes <= budget
 
 
+def test_each_planner_is_registered_under_its_own_name() -> None:
+    assert PLANNERS["optimal"] is optimal
+    assert all(fn.__name__ == name.replace("-", "_") for name, fn in PLANNERS.items())
+
+
 def test_baselines_are_what_they_say(make_profile) -> None:
     prof = make_profile(9, 0)
     hw = preset("v100-16gb")

@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ooc.scheduler.costmodel import build_options
+from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.optimal import minimum_peak
 from ooc.scheduler.plan import Plan
-from ooc.scheduler.planners import InfeasibleBudget
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.simulate import simulate
+from ooc.scheduler.units import check_budget
 
 PATIENCE = 3
 """Stop adding streamed blocks after this many counts in a row that are no faster."""
@@ -48,6 +49,7 @@ def plan_with_streaming(
     while the simulated step gets faster (up to ``PATIENCE`` counts without a gain). Raises
     :class:`InfeasibleBudget` with the smallest total reachable.
     """
+    check_budget(budget)
     order = streaming_order(profile)
     least_activations = minimum_peak(build_options(profile, hardware), prefetch)
     peaks = [param_peak(profile, order[:k], prefetch) for k in range(len(profile) + 1)]

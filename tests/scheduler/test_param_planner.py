@@ -6,9 +6,9 @@ import pytest
 
 from ooc.scheduler.analytic import decoder_7b
 from ooc.scheduler.hardware import preset
+from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget
 from ooc.scheduler.schedule import build_schedule
-from ooc.scheduler.streaming import plan_with_streaming
 
 HW = preset("h100-sxm")
 PROFILE = decoder_7b(1024, 1, HW)
