@@ -21,8 +21,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
 from ooc.runtime import _check_trainable, _Timer, install, unwrap
-from ooc.saved import compressible_storage
-from ooc.scheduler.compression import KERNEL_CODEC, compressed_nbytes
+from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
 
@@ -219,18 +218,17 @@ def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int],
     """Per block: bytes the tracker saw allocated as ``what``; those in swappable storages; how many
     swappable storages; per codec, the swappable bytes once compressed and the largest storage's codes."""
     total, large, count = [0] * n, [0] * n, [0] * n
-    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
-    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
+    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
+    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
     for kind, block, nbytes, dtype in log:
         if kind == what:
             total[block] += nbytes
             if nbytes >= min_swap_bytes:
                 large[block] += nbytes
                 count[block] += 1
-                compresses = compressible_storage(nbytes, dtype)
-                for codec in KERNEL_CODEC:
-                    size = compressed_nbytes(nbytes, dtype.itemsize, True, codec) if compresses else nbytes
+                for codec, spec in CODECS.items():
+                    size = spec.storage_nbytes(nbytes, dtype)
                     compressed[block][codec.value] += size
-                    if compresses:  # only compressed storages are decoded
+                    if spec.compresses(nbytes, dtype):  # only compressed storages are decoded
                         largest[block][codec.value] = max(largest[block][codec.value], size)
     return total, large, count, (compressed, largest)

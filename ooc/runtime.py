@@ -31,6 +31,7 @@ from ooc.errors import WrapError
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
 from ooc.streaming import ParamStreamer
@@ -368,12 +369,25 @@ def _check_trainable(model: nn.Module) -> None:
         )
 
 
+def check_codecs(plan: Plan, cuda_capability: tuple[int, int] | None) -> None:
+    """Raise :class:`PlanError` if a block's codec does not run on a GPU of this compute capability
+    (``None``: not a CUDA device, where every codec runs)."""
+    for spec in unsupported((b.codec for b in plan.blocks), cuda_capability):
+        major, minor = spec.min_cuda_capability
+        others = [c.value for c, s in CODECS.items() if s.supported(cuda_capability)]
+        raise PlanError(
+            f"codec {spec.codec.value} needs a GPU of compute capability {major}.{minor} or newer, this one is "
+            f"{cuda_capability[0]}.{cuda_capability[1]}; use another codec ({', '.join(others)}) or none"
+        )
+
+
 def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False) -> Runtime:
     if len(plan) != len(chain):
         raise PlanError(
             f"the plan has {len(plan)} blocks but the model has {len(chain)} ({chain.names[0]} ... "
             f"{chain.names[-1]}); make a plan for this model, e.g. Plan.uniform('keep', {len(chain)})"
         )
+    check_codecs(plan, torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None)
     runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
     runtime.install()
     _RUNTIMES[model] = runtime

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ooc import nvtx
-from ooc.scheduler.compression import KERNEL_CODEC, SWAP_GROUP_SIZE, compressed_nbytes
+from ooc.scheduler.codecs import SWAP_GROUP_SIZE, codec_spec
 from ooc.scheduler.plan import Codec
 
 if TYPE_CHECKING:
@@ -112,20 +112,6 @@ class SwappedStorage:
             self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
 
 
-COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def compressible_storage(nbytes: int, dtype: object) -> bool:
-    """Whether a swapped storage of ``nbytes`` viewed as ``dtype`` is compressed under a codec:
-    fp32/fp16/bf16 holding whole elements; the rest (ints, bools, fp64) move as they are. The
-    runtime's pack hook and the profiler both ask this, so they count the same bytes."""
-    return dtype in COMPRESSIBLE_DTYPES and nbytes % dtype.itemsize == 0
-
-
-def compressible(tensor: torch.Tensor) -> bool:
-    return compressible_storage(tensor.untyped_storage().nbytes(), tensor.dtype)
-
-
 class CompressedStorage:
     """A swapped storage kept as codes and scales from its pack until its block's backward.
 
@@ -135,7 +121,8 @@ class CompressedStorage:
     copied to the host. ``release`` drops them after the copy; ``prefetch`` brings them back;
     ``decode`` (run for every such storage when its block's backward starts, so the bytes held are
     a function of the schedule alone) dequantizes into a new storage of the original dtype and drops
-    the codes. The byte counts are ``compressed_nbytes``'s, the ones the profile and schedule use.
+    the codes. What compresses, and into how many bytes, is the codec's entry in
+    ``ooc.scheduler.codecs.CODECS``, which the profile and the schedule read too.
     """
 
     __slots__ = ("ctx", "block", "codec", "dtype", "elements", "nbytes", "full_nbytes", "codes", "host", "d2h_done",
@@ -144,13 +131,14 @@ class CompressedStorage:
     def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str, codec: Codec) -> None:
         from ooc.kernels.quant import quantize
 
+        spec = codec_spec(codec)
         self.ctx, self.block, self.codec, self.dtype = ctx, block, codec, tensor.dtype
         self.full_nbytes = tensor.untyped_storage().nbytes()
         self.elements = self.full_nbytes // tensor.element_size()
-        self.nbytes = compressed_nbytes(self.full_nbytes, tensor.element_size(), True, codec)
+        self.nbytes = spec.encoded_nbytes(self.elements)
         flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (self.elements,), (1,))
         with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"), ctx.backend.encode_context(flat):
-            q = quantize(flat, codec=KERNEL_CODEC[codec], group_size=SWAP_GROUP_SIZE)
+            q = quantize(flat, codec=spec.kernel, group_size=SWAP_GROUP_SIZE)
             scale_bytes = q.scales.numel() * 4
             self._layout = (scale_bytes, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
             self.codes = torch.empty(self.nbytes, dtype=torch.uint8, device=tensor.device)
@@ -196,7 +184,7 @@ class CompressedStorage:
         q = Quantized(
             codes=self.codes[scale_bytes:].view(codes_dtype).view(codes_shape),
             scales=self.codes[:scale_bytes].view(torch.float32).view(scales_shape),
-            shape=torch.Size((self.elements,)), dtype=self.dtype, codec=KERNEL_CODEC[self.codec], group_size=SWAP_GROUP_SIZE,
+            shape=torch.Size((self.elements,)), dtype=self.dtype, codec=codec_spec(self.codec).kernel, group_size=SWAP_GROUP_SIZE,
         )
         restored = dequantize(q)
         self.ctx.tracker.alloc(self.block, self.full_nbytes, "decode")
@@ -268,6 +256,7 @@ def make_pack_hook(
     # A compressed record does not hold its source storage; without this, the allocator could hand
     # that address to a new tensor of this same forward, which the ledger would then take for it.
     held_sources: list[torch.UntypedStorage] = []
+    spec = None if codec is Codec.NONE else codec_spec(codec)
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
@@ -286,7 +275,7 @@ def make_pack_hook(
             return tensor
         record = ledger.get(ptr)
         if record is None:
-            if codec is not Codec.NONE and compressible(tensor):
+            if spec is not None and spec.compresses(nbytes, tensor.dtype):
                 record = CompressedStorage(ctx, block, tensor, what, codec)
                 held_sources.append(storage)
             else:
