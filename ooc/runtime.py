@@ -59,7 +59,7 @@ class _Pass:
     def __init__(self, runtime: "Runtime") -> None:
         self.rt = runtime
         n = len(runtime.chain)
-        self.swapped: list[list[weakref.ref[SwappedStorage | CompressedStorage]]] = [[] for _ in range(n)]
+        self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
         self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
@@ -98,7 +98,7 @@ class _Pass:
         # A graph dropped without a backward frees its saved tensors with it.
         self.free_kept(range(len(self.kept)))
 
-    def _live(self, block: int) -> list[SwappedStorage | CompressedStorage]:
+    def _live(self, block: int) -> list[SwappedStorage]:
         return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
 
     def release(self, block: int) -> None:
