@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import statistics
 from typing import Any
 
 import torch.nn as nn
@@ -10,9 +9,9 @@ import torch.nn as nn
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
-from ooc.profiler import block_profiles_to_profile, outside_param_bytes
+from ooc.profiler import FirstStepRecorder
 from ooc.profiler import profile as measure_profile
-from ooc.runtime import _check_trainable, install
+from ooc.runtime import check_trainable, install
 from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.hardware import Hardware, preset
 from ooc.scheduler.optimal import minimum_peak
@@ -96,19 +95,6 @@ def plan(
                             include_params=include_params)
 
 
-def _first_step_profile(runtime) -> Profile:  # noqa: ANN001
-    """The profile of the measured first step of ``wrap(model, budget=...)`` without a sample."""
-    seconds = runtime.timer.seconds
-    median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-    return block_profiles_to_profile(
-        runtime.chain, runtime.tracker.log, [median(x) for x in seconds["recompute"]], [median(x) for x in seconds["backward"]],
-        [0] * len(runtime.chain), runtime.plan.min_swap_bytes, 0.0, model=type(runtime.model).__name__,
-        machine={"backend": runtime.backend.name, "device": str(runtime.backend.device)},
-        notes="the first training step under wrap(model, budget=...): times include its warm-up",
-        outside_param_bytes=outside_param_bytes(runtime.model, runtime.chain),
-    )
-
-
 def wrap(
     model: nn.Module,
     plan: Plan | None = None,
@@ -142,7 +128,7 @@ def wrap(
 
     Every check runs before anything is installed: after an error the model is unchanged.
     """
-    _check_trainable(model)
+    check_trainable(model)
     if include_params and plan is None and budget is not None and sample is None and profile is None:
         raise WrapError("include_params=True plans parameters from a profile: pass sample= (one input batch) or "
                         "profile=, so the first step does not have to hold every parameter on the device")
@@ -158,10 +144,11 @@ def wrap(
             # memory any plan needs) and is measured; the plan is chosen when its backward ends.
             budget_bytes = parse_bytes(budget)
             hw = _hardware_for(hardware, backend_obj)
-            runtime = install(model, chain, Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch), backend_obj,
-                              owns_backend=not isinstance(backend, Backend))
-            runtime.begin_deferred(lambda rt: plan_for_profile(
-                _first_step_profile(rt), budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
+            first = Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch)
+            runtime = install(model, chain, first, backend_obj, owns_backend=not isinstance(backend, Backend))
+            recorder = FirstStepRecorder(model, chain, backend_obj, first.min_swap_bytes)
+            runtime.begin_deferred(recorder, lambda prof: plan_for_profile(
+                prof, budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
             return model
         elif budget is not None:
             plan = globals()["plan"](

@@ -14,10 +14,9 @@ pass, so two graphs alive at once (gradient accumulation over two forwards) do n
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -40,8 +39,30 @@ from ooc.tracker import MemoryReport, MemoryTracker
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
 
 
-class _NoTimer:
-    """The runtime's timing hooks, doing nothing outside of profiling."""
+class Recorder(Protocol):
+    """What the runtime reports of the steps it runs while one is attached (``Runtime.record``).
+
+    The profiler's ``StepRecorder`` is one: it turns the reports into a profile.
+    """
+
+    marks_backward: bool
+    """Whether the runtime should call ``mark(block, "backward_end")`` from a grad hook on each
+    block's inputs (it always calls ``mark(block, "backward_start")`` when a block's backward starts)."""
+    log: list
+    """The tracker appends every allocation and free here: (what, block, bytes, dtype or None)."""
+
+    def __call__(self, block: int, what: str) -> contextlib.AbstractContextManager:
+        """Wraps one phase (``forward``, ``recompute``) of one block."""
+
+    def mark(self, block: int, what: str) -> None:
+        """A point in a block's backward: ``backward_start`` or ``backward_end``."""
+
+    def finish(self) -> Any:
+        """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
+
+
+class _NoRecorder:
+    """The runtime's recorder hooks, doing nothing while no recorder is attached."""
 
     marks_backward = False
 
@@ -229,9 +250,10 @@ class Runtime:
         self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
         self.streamer = self._make_streamer(plan)
         self.anchor = torch.empty(0, requires_grad=True)
-        self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
+        self.timer: Recorder | _NoRecorder = _NoRecorder()
+        """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
-        self.deferred: Callable[[Runtime], Plan] | None = None
+        self.deferred: Callable[[], Plan] | None = None
         self._current: _Pass | None = None
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
@@ -286,24 +308,28 @@ class Runtime:
         if self.owns_backend:
             self.backend.close()
 
-    def begin_deferred(self, choose: Callable[["Runtime"], Plan]) -> None:
-        """Measure the next step (run under the current, all-recompute plan) and, when its backward
-        ends, switch to ``choose(self)``: ``wrap(model, budget=...)`` without a sample."""
-        self.deferred = choose
-        self.timer = _Timer(self.backend, len(self.chain))
-        self.tracker.log = []
+    def record(self, recorder: Recorder | None) -> None:
+        """Report the steps that follow to ``recorder`` (phase times, marks and the tracker's log);
+        ``None`` detaches it."""
+        self.timer = _NoRecorder() if recorder is None else recorder
+        self.tracker.log = None if recorder is None else recorder.log
+
+    def begin_deferred(self, recorder: Recorder, choose: Callable[[Any], Plan]) -> None:
+        """Report the next step (run under the current plan) to ``recorder`` and, when its backward
+        ends, switch to ``choose(recorder.finish())``: ``wrap(model, budget=...)`` without a sample."""
+        self.deferred = lambda: choose(recorder.finish())
+        self.record(recorder)
 
     def finish_deferred(self) -> None:
         choose, self.deferred = self.deferred, None
         try:
-            plan = choose(self)
+            plan = choose()
         except Exception:
             # Nothing fits: leave the model as it was before wrap (its gradients of this step stay).
             unwrap(self.model)
             raise
         finally:
-            self.timer = _NoTimer()
-            self.tracker.log = None
+            self.record(None)
         self.plan = plan
         self.schedule = build_schedule(plan)
         if any(b.streamed for b in plan.blocks):
@@ -314,50 +340,8 @@ class Runtime:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
 
 
-class _Timer:
-    """Times each block's phases (used by the profiler): median-ready lists of seconds.
-
-    A recomputed block times its phases directly; a kept block's backward runs inside autograd, from
-    the grad hook on its outputs (``backward_start``) to the one on its inputs (``backward_end``).
-    """
-
-    marks_backward = True
-
-    def __init__(self, backend: Backend, num_blocks: int) -> None:
-        self.backend = backend
-        self.seconds: dict[str, list[list[float]]] = {
-            w: [[] for _ in range(num_blocks)] for w in ("forward", "recompute", "backward")
-        }
-        self._cuda = backend.device.type == "cuda"
-        self._started: dict[int, float] = {}
-
-    def mark(self, block: int, what: str) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        now = time.perf_counter()
-        if what == "backward_start":
-            self._started[block] = now
-        elif block in self._started:
-            self.seconds["backward"][block].append(now - self._started.pop(block))
-
-    def clear(self) -> None:
-        for series in self.seconds.values():
-            for s in series:
-                s.clear()
-        self._started.clear()
-
-    @contextlib.contextmanager
-    def __call__(self, block: int, what: str) -> Iterator[None]:
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        start = time.perf_counter()
-        yield
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        self.seconds[what][block].append(time.perf_counter() - start)
-
-
-def _check_trainable(model: nn.Module) -> None:
+def check_trainable(model: nn.Module) -> None:
+    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
     if not isinstance(model, nn.Module):
         raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
     if model in _RUNTIMES:

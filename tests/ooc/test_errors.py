@@ -9,8 +9,10 @@ import torch
 import torch.nn as nn
 
 import ooc
+import ooc.api
 from ooc.models import GPT
 from ooc.models.gpt import GPTConfig
+from ooc.scheduler.profile import Profile
 from tests.helpers import gpt_batch
 
 NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.0)
@@ -131,3 +133,19 @@ def test_unknown_backend_and_planner(gpt) -> None:
 def test_unwrap_of_a_plain_model() -> None:
     with pytest.raises(ooc.WrapError, match="not wrapped"):
         ooc.unwrap(nn.Linear(2, 2))
+
+
+def test_the_first_step_is_planned_from_its_own_profile(gpt, monkeypatch) -> None:
+    """The recorder's profile of the measured first step has the bytes ``ooc.profile`` measures."""
+    model, _, batch = gpt
+    prof = ooc.profile(model, batch)
+    seen = []
+    planner = ooc.api.plan_for_profile
+    monkeypatch.setattr(ooc.api, "plan_for_profile", lambda p, *a, **k: seen.append(p) or planner(p, *a, **k))
+    ooc.wrap(model, budget=sum(b.saved_bytes for b in prof.blocks), backend="cpu")
+    model(*batch)[1].backward()
+    ooc.unwrap(model)
+    assert len(seen) == 1 and isinstance(seen[0], Profile)
+    fields = ("saved_bytes", "swappable_bytes", "input_bytes", "input_swappable_bytes", "param_bytes", "compressed")
+    assert [[getattr(b, f) for f in fields] for b in seen[0].blocks] == [[getattr(b, f) for f in fields] for b in prof.blocks]
+
