@@ -24,8 +24,8 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
 from ooc import nvtx
-from ooc.backend import Backend, resolve_backend
-from ooc.blocks import Chain, find_blocks
+from ooc.backend import Backend
+from ooc.blocks import Chain
 from ooc.errors import WrapError
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
@@ -401,10 +401,3 @@ def memory_report(model: nn.Module) -> MemoryReport:
 def is_wrapped(model: nn.Module) -> bool:
     return model in _RUNTIMES
 
-
-def _resolve_chain(model: nn.Module, blocks: object) -> Chain:
-    return find_blocks(model, blocks)
-
-
-def _resolve_backend(model: nn.Module, backend: str | Backend) -> Backend:
-    return resolve_backend(backend, model)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -10,8 +12,10 @@ import torch.nn as nn
 
 import ooc
 import ooc.api
+from ooc.api import ASSUMED_GPU, hardware_for
 from ooc.models import GPT
 from ooc.models.gpt import GPTConfig
+from ooc.scheduler.hardware import preset
 from ooc.scheduler.profile import Profile
 from tests.helpers import gpt_batch
 
@@ -149,3 +153,12 @@ def test_the_first_step_is_planned_from_its_own_profile(gpt, monkeypatch) -> Non
     fields = ("saved_bytes", "swappable_bytes", "input_bytes", "input_swappable_bytes", "param_bytes", "compressed")
     assert [[getattr(b, f) for f in fields] for b in seen[0].blocks] == [[getattr(b, f) for f in fields] for b in prof.blocks]
 
+
+def test_no_hardware_on_a_gpu_warns_which_preset_is_assumed() -> None:
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))  # a device object; CUDA is never touched
+    with pytest.warns(UserWarning, match=r"planning for the 'h100-sxm' preset.*hardware=.*ooc calibrate"):
+        assert hardware_for(None, gpu) == preset(ASSUMED_GPU) == preset("h100-sxm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hardware_for(None, SimpleNamespace(device=torch.device("cpu"))) == preset("cpu")
+        assert hardware_for("h200", gpu) == preset("h200")
