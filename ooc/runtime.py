@@ -8,7 +8,10 @@ NOTE [one step, as the runtime sees it]
   releases-before-backward and copies-back for that point are issued there.
 - An engine callback closes the step at the end of the backward.
 Every forward that runs the first block with grad enabled opens a new ``_Pass``; hooks hold their
-pass, so two graphs alive at once (gradient accumulation over two forwards) do not mix.
+pass, so two graphs alive at once (gradient accumulation over two forwards) do not mix. Only the
+graph holds a pass (the runtime keeps a weak reference): a graph dropped without its backward (a
+forward that raised, a validation forward without ``no_grad``) takes its pass with it, and the pass
+frees its kept bytes (NOTE [kept tensors are detached] in ``ooc.saved`` keeps that graph collectable).
 """
 
 from __future__ import annotations
@@ -254,7 +257,8 @@ class Runtime:
         """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
         self.deferred: Callable[[], Plan] | None = None
-        self._current: _Pass | None = None
+        self._current: weakref.ref[_Pass] | None = None
+        """The pass of the latest forward, held by its graph alone (NOTE [one step, as the runtime sees it])."""
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
@@ -280,11 +284,10 @@ class Runtime:
         return self._state_ptrs
 
     def pass_for(self, block: int) -> _Pass:
-        current = self._current
+        current = None if self._current is None else self._current()
         if current is None or block <= current.last_forward:
-            # Drop the previous pass first: if its graph is gone, so are its bytes.
-            self._current = current = None
-            current = self._current = _Pass(self)
+            current = _Pass(self)
+            self._current = weakref.ref(current)
             self.tracker.start_step()
         current.last_forward = block
         return current
@@ -346,6 +349,14 @@ def check_trainable(model: nn.Module) -> None:
         raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
     if model in _RUNTIMES:
         raise WrapError("this model is already wrapped by ooc; call ooc.unwrap(model) first to change its plan")
+    inside = set(model.modules())
+    for wrapped in list(_RUNTIMES.keys()):
+        if wrapped in inside:
+            raise WrapError(f"a module inside this model ({type(wrapped).__name__}) is already wrapped by ooc; "
+                            "call ooc.unwrap on it first, or wrap only one of the two")
+        if any(m is model for m in wrapped.modules()):
+            raise WrapError(f"this module is inside a model ({type(wrapped).__name__}) already wrapped by ooc; "
+                            "call ooc.unwrap on that model first, or wrap only one of the two")
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "

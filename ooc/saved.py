@@ -238,8 +238,18 @@ def make_pack_hook(
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
-    A kept tensor is returned as itself (autograd's fast path: a packed non-tensor costs ~7 us per
-    saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what, dtype)``.
+    A kept tensor is returned as a tensor (autograd's fast path: a packed non-tensor costs ~7 us per
+    saved tensor on CPU), detached, and its storage reported once through
+    ``on_kept(block, nbytes, what, dtype)``.
+
+    NOTE [kept tensors are detached]
+    The graph node that saves a tensor holds what the pack hook returns. Autograd saves an op's own
+    output without its ``grad_fn`` (which points back to that node), but it holds a pack hook's
+    result as it is: returning the output itself makes node -> output -> ``grad_fn`` -> node, a
+    cycle through C++ that Python's collector cannot see, so a graph dropped without its backward
+    (a forward that raised, a validation forward without ``no_grad``) would keep its activations for
+    ever. ``detach()`` is the same storage, version counter and layout without the ``grad_fn``;
+    unpacking rebuilds the autograd edges from the saved variable, as it does for the tensor itself.
     With a ``codec``, floating-point storages are compressed before their copy out.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers). ``param_view``: for a
     block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
@@ -255,19 +265,19 @@ def make_pack_hook(
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
-            return tensor
+            return tensor.detach()  # NOTE [kept tensors are detached]
         if param_view is not None and (ref := param_view(tensor)) is not None:
             return ref
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in skip_ptrs:
-            return tensor
+            return tensor.detach()
         nbytes = storage.nbytes()
         if not swap or nbytes < min_swap_bytes:
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
                 on_kept(block, nbytes, what, tensor.dtype)
-            return tensor
+            return tensor.detach()
         record = ledger.get(ptr)
         if record is None:
             if spec is not None and spec.compresses(nbytes, tensor.dtype):
