@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import statistics
+import warnings
 from typing import Any
 
 import torch.nn as nn
@@ -10,11 +10,11 @@ import torch.nn as nn
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
-from ooc.profiler import block_profiles_to_profile, outside_param_bytes
+from ooc.profiler import FirstStepRecorder
 from ooc.profiler import profile as measure_profile
-from ooc.runtime import _check_trainable, install
+from ooc.runtime import check_trainable, install
 from ooc.scheduler.costmodel import build_options
-from ooc.scheduler.hardware import Hardware, preset
+from ooc.scheduler.hardware import PRESETS, Hardware, preset
 from ooc.scheduler.optimal import minimum_peak
 from ooc.scheduler.param_planner import plan_with_streaming
 from ooc.scheduler.plan import Plan, Policy
@@ -24,14 +24,26 @@ from ooc.scheduler.schedule import peak_bytes
 from ooc.scheduler.units import parse_bytes
 
 DEFAULT_PLANNER = "optimal"
+ASSUMED_GPU = "h100-sxm"
+"""The preset a GPU is planned for when no ``hardware=`` is given."""
 
 
-def _hardware_for(hardware: Hardware | str | None, backend: Backend) -> Hardware:
+def hardware_for(hardware: Hardware | str | None, backend: Backend) -> Hardware:
+    """The machine to plan for: ``hardware`` itself, a preset by name, or with ``None`` the ``cpu``
+    preset on the CPU and the ``ASSUMED_GPU`` preset on any GPU, with a warning that says so."""
     if isinstance(hardware, Hardware):
         return hardware
     if isinstance(hardware, str):
         return preset(hardware)
-    return preset("cpu" if backend.device.type == "cpu" else "h100-sxm")
+    if backend.device.type == "cpu":
+        return preset("cpu")
+    # Reported at ooc's own call site, so the default filter shows it once per process and entry point.
+    warnings.warn(
+        f"no hardware= given: planning for the {ASSUMED_GPU!r} preset, whatever this GPU is. Pass hardware= a "
+        f"preset name ({', '.join(sorted(PRESETS))}) or the Hardware that `ooc calibrate` measures on this machine",
+        UserWarning, stacklevel=2,
+    )
+    return preset(ASSUMED_GPU)
 
 
 def plan_for_profile(
@@ -92,21 +104,12 @@ def plan(
     finally:
         if not isinstance(backend, Backend):
             backend_obj.close()
-    return plan_for_profile(prof, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch,
+    return plan_for_profile(prof, budget, hardware=hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch,
                             include_params=include_params)
 
 
-def _first_step_profile(runtime) -> Profile:  # noqa: ANN001
-    """The profile of the measured first step of ``wrap(model, budget=...)`` without a sample."""
-    seconds = runtime.timer.seconds
-    median = lambda xs: statistics.median(xs) if xs else 0.0  # noqa: E731
-    return block_profiles_to_profile(
-        runtime.chain, runtime.tracker.log, [median(x) for x in seconds["recompute"]], [median(x) for x in seconds["backward"]],
-        [0] * len(runtime.chain), runtime.plan.min_swap_bytes, 0.0, model=type(runtime.model).__name__,
-        machine={"backend": runtime.backend.name, "device": str(runtime.backend.device)},
-        notes="the first training step under wrap(model, budget=...): times include its warm-up",
-        outside_param_bytes=outside_param_bytes(runtime.model, runtime.chain),
-    )
+_profile_and_plan = plan
+"""``plan``, under a name that ``wrap``'s own ``plan`` parameter does not shadow."""
 
 
 def wrap(
@@ -142,7 +145,7 @@ def wrap(
 
     Every check runs before anything is installed: after an error the model is unchanged.
     """
-    _check_trainable(model)
+    check_trainable(model)
     if include_params and plan is None and budget is not None and sample is None and profile is None:
         raise WrapError("include_params=True plans parameters from a profile: pass sample= (one input batch) or "
                         "profile=, so the first step does not have to hold every parameter on the device")
@@ -151,20 +154,21 @@ def wrap(
     if plan is None:
         if budget is not None and profile is not None:
             profile.check_matches(list(chain.names))
-            plan = plan_for_profile(profile, budget, hardware=_hardware_for(hardware, backend_obj), planner=planner,
+            plan = plan_for_profile(profile, budget, hardware=hardware_for(hardware, backend_obj), planner=planner,
                                     prefetch=prefetch, include_params=include_params)
         elif budget is not None and sample is None:
             # Plan from the first training step: it runs with every block recomputed (the least
             # memory any plan needs) and is measured; the plan is chosen when its backward ends.
             budget_bytes = parse_bytes(budget)
-            hw = _hardware_for(hardware, backend_obj)
-            runtime = install(model, chain, Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch), backend_obj,
-                              owns_backend=not isinstance(backend, Backend))
-            runtime.begin_deferred(lambda rt: plan_for_profile(
-                _first_step_profile(rt), budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
+            hw = hardware_for(hardware, backend_obj)
+            first = Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch)
+            runtime = install(model, chain, first, backend_obj, owns_backend=not isinstance(backend, Backend))
+            recorder = FirstStepRecorder(model, chain, backend_obj, first.min_swap_bytes)
+            runtime.begin_deferred(recorder, lambda prof: plan_for_profile(
+                prof, budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
             return model
         elif budget is not None:
-            plan = globals()["plan"](
+            plan = _profile_and_plan(
                 model, sample, budget=budget, hardware=hardware, planner=planner,
                 blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch, include_params=include_params,
             )

@@ -8,9 +8,10 @@ applies when it later executes a plan (see NOTE [accounting by storage] in ``ooc
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -20,9 +21,8 @@ from torch.utils._pytree import tree_leaves
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
-from ooc.runtime import _check_trainable, _Timer, install, unwrap
-from ooc.saved import compressible_storage
-from ooc.scheduler.compression import KERNEL_CODEC, compressed_nbytes
+from ooc.runtime import check_trainable, install, unwrap
+from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
 
@@ -71,18 +71,91 @@ def _bytes(tensors: Any) -> int:
     return sum(t.untyped_storage().nbytes() for t in tree_leaves(tensors) if isinstance(t, torch.Tensor))
 
 
-def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn, reps: int) -> tuple[_Timer, list, list[float]]:
-    """``reps`` timed steps (after one warm-up) of ``model`` under ``plan``: the timer, the tracker's
-    log of the last step and each step's seconds."""
+class StepRecorder:
+    """Records what a runtime reports of its steps (``Runtime.record``): each block's phase times,
+    as lists of seconds ready for a median, and the tracker's log of allocations.
+
+    A recomputed block times its phases directly; a kept block's backward runs inside autograd, from
+    the grad hook on its outputs (``backward_start``) to the one on its inputs (``backward_end``).
+    """
+
+    marks_backward = True
+
+    def __init__(self, backend: Backend, num_blocks: int) -> None:
+        self.backend = backend
+        self.seconds: dict[str, list[list[float]]] = {
+            w: [[] for _ in range(num_blocks)] for w in ("forward", "recompute", "backward")
+        }
+        self.log: list = []
+        """The tracker's entries: (what, block, bytes, dtype or None)."""
+        self._cuda = backend.device.type == "cuda"
+        self._started: dict[int, float] = {}
+
+    def mark(self, block: int, what: str) -> None:
+        if self._cuda:
+            # The kernels queued so far belong to the phase that ends here.
+            torch.cuda.synchronize(self.backend.device)
+        now = time.perf_counter()
+        if what == "backward_start":
+            self._started[block] = now
+        elif block in self._started:
+            self.seconds["backward"][block].append(now - self._started.pop(block))
+
+    @contextlib.contextmanager
+    def __call__(self, block: int, what: str) -> Iterator[None]:
+        if self._cuda:
+            # Time this phase's kernels alone: wait for the ones queued before it, then for its own.
+            torch.cuda.synchronize(self.backend.device)
+        start = time.perf_counter()
+        yield
+        if self._cuda:
+            torch.cuda.synchronize(self.backend.device)
+        self.seconds[what][block].append(time.perf_counter() - start)
+
+    def clear_times(self) -> None:
+        for series in self.seconds.values():
+            for s in series:
+                s.clear()
+        self._started.clear()
+
+    def medians(self) -> dict[str, list[float]]:
+        """Per phase, each block's median seconds (0 where it was never timed)."""
+        return {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in self.seconds.items()}
+
+    def finish(self) -> dict[str, list[float]]:
+        return self.medians()
+
+
+class FirstStepRecorder(StepRecorder):
+    """Records the first training step of ``wrap(model, budget=...)`` without a sample (every block
+    recomputed); ``finish`` makes its profile."""
+
+    def __init__(self, model: nn.Module, chain, backend: Backend, min_swap_bytes: int) -> None:  # noqa: ANN001
+        super().__init__(backend, len(chain))
+        self.model, self.chain, self.min_swap_bytes = model, chain, min_swap_bytes
+
+    def finish(self) -> Profile:
+        med = self.medians()
+        return block_profiles_to_profile(
+            self.chain, self.log, med["recompute"], med["backward"], [0] * len(self.chain), self.min_swap_bytes, 0.0,
+            model=type(self.model).__name__, machine={"backend": self.backend.name, "device": str(self.backend.device)},
+            notes="the first training step under wrap(model, budget=...): times include its warm-up",
+            outside_param_bytes=outside_param_bytes(self.model, self.chain),
+        )
+
+
+def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn, reps: int) -> tuple[StepRecorder, list[float]]:
+    """``reps`` timed steps (after one warm-up) of ``model`` under ``plan``: the recorder (its log
+    holds the last step) and each step's seconds."""
     runtime = install(model, chain, plan, backend)
-    timer = runtime.timer = _Timer(backend, len(chain))
+    recorder = StepRecorder(backend, len(chain))
+    runtime.record(recorder)
     totals: list[float] = []
-    log: list = []
     try:
         for rep in range(reps + 1):  # the first run warms up allocators and kernels
-            runtime.tracker.log = log = []
+            recorder.log.clear()
             if rep == 1:
-                timer.clear()
+                recorder.clear_times()
             model.zero_grad(set_to_none=True)
             start = time.perf_counter()
             loss = loss_fn(call_model(model, sample))
@@ -92,9 +165,9 @@ def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: An
             totals.append(time.perf_counter() - start)
             del loss
     finally:
-        runtime.tracker.log = None
+        runtime.record(None)
         unwrap(model)
-    return timer, log, totals[1:]
+    return recorder, totals[1:]
 
 
 def _keep_all_fits(backend: Backend, keep_peak: int) -> bool:
@@ -125,7 +198,7 @@ def profile(
     """
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
-    _check_trainable(model)
+    check_trainable(model)
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
     state = _ModelState(model, backend_obj.device)
@@ -137,15 +210,15 @@ def profile(
     n = len(chain)
     try:
         recompute = Plan.uniform(Policy.RECOMPUTE, n, min_swap_bytes=min_swap_bytes)
-        timer, log, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
-        med = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in timer.seconds.items()}
+        recorder, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
+        med, log = recorder.medians(), recorder.log
         forward_s, backward_s = med["recompute"], med["backward"]
         outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
         saved_total = sum(_sums(log, "recompute", n, min_swap_bytes)[0])
         if _keep_all_fits(backend_obj, saved_total):
             keep = Plan.uniform(Policy.KEEP, n, min_swap_bytes=min_swap_bytes)
-            ktimer, _, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
-            kmed = {w: [statistics.median(s) if s else 0.0 for s in series] for w, series in ktimer.seconds.items()}
+            krecorder, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
+            kmed = krecorder.medians()
             if all(kmed["backward"]):
                 forward_s, backward_s = kmed["forward"], kmed["backward"]
                 outside = statistics.median(ktotals) - sum(forward_s) - sum(backward_s)
@@ -219,18 +292,17 @@ def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int],
     """Per block: bytes the tracker saw allocated as ``what``; those in swappable storages; how many
     swappable storages; per codec, the swappable bytes once compressed and the largest storage's codes."""
     total, large, count = [0] * n, [0] * n, [0] * n
-    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
-    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in KERNEL_CODEC), 0) for _ in range(n)]
+    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
+    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
     for kind, block, nbytes, dtype in log:
         if kind == what:
             total[block] += nbytes
             if nbytes >= min_swap_bytes:
                 large[block] += nbytes
                 count[block] += 1
-                compresses = compressible_storage(nbytes, dtype)
-                for codec in KERNEL_CODEC:
-                    size = compressed_nbytes(nbytes, dtype.itemsize, True, codec) if compresses else nbytes
+                for codec, spec in CODECS.items():
+                    size = spec.storage_nbytes(nbytes, dtype)
                     compressed[block][codec.value] += size
-                    if compresses:  # only compressed storages are decoded
+                    if spec.compresses(nbytes, dtype):  # only compressed storages are decoded
                         largest[block][codec.value] = max(largest[block][codec.value], size)
     return total, large, count, (compressed, largest)

@@ -8,16 +8,18 @@ NOTE [one step, as the runtime sees it]
   releases-before-backward and copies-back for that point are issued there.
 - An engine callback closes the step at the end of the backward.
 Every forward that runs the first block with grad enabled opens a new ``_Pass``; hooks hold their
-pass, so two graphs alive at once (gradient accumulation over two forwards) do not mix.
+pass, so two graphs alive at once (gradient accumulation over two forwards) do not mix. Only the
+graph holds a pass (the runtime keeps a weak reference): a graph dropped without its backward (a
+forward that raised, a validation forward without ``no_grad``) takes its pass with it, and the pass
+frees its kept bytes (NOTE [kept tensors are detached] in ``ooc.saved`` keeps that graph collectable).
 """
 
 from __future__ import annotations
 
 import contextlib
-import time
 import weakref
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
@@ -25,12 +27,13 @@ from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
 from ooc import nvtx
-from ooc.backend import Backend, resolve_backend
-from ooc.blocks import Chain, find_blocks
+from ooc.backend import Backend
+from ooc.blocks import Chain
 from ooc.errors import WrapError
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
 from ooc.streaming import ParamStreamer
@@ -39,8 +42,30 @@ from ooc.tracker import MemoryReport, MemoryTracker
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
 
 
-class _NoTimer:
-    """The runtime's timing hooks, doing nothing outside of profiling."""
+class Recorder(Protocol):
+    """What the runtime reports of the steps it runs while one is attached (``Runtime.record``).
+
+    The profiler's ``StepRecorder`` is one: it turns the reports into a profile.
+    """
+
+    marks_backward: bool
+    """Whether the runtime should call ``mark(block, "backward_end")`` from a grad hook on each
+    block's inputs (it always calls ``mark(block, "backward_start")`` when a block's backward starts)."""
+    log: list
+    """The tracker appends every allocation and free here: (what, block, bytes, dtype or None)."""
+
+    def __call__(self, block: int, what: str) -> contextlib.AbstractContextManager:
+        """Wraps one phase (``forward``, ``recompute``) of one block."""
+
+    def mark(self, block: int, what: str) -> None:
+        """A point in a block's backward: ``backward_start`` or ``backward_end``."""
+
+    def finish(self) -> Any:
+        """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
+
+
+class _NoRecorder:
+    """The runtime's recorder hooks, doing nothing while no recorder is attached."""
 
     marks_backward = False
 
@@ -58,7 +83,7 @@ class _Pass:
     def __init__(self, runtime: "Runtime") -> None:
         self.rt = runtime
         n = len(runtime.chain)
-        self.swapped: list[list[weakref.ref[SwappedStorage | CompressedStorage]]] = [[] for _ in range(n)]
+        self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
         self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
@@ -97,7 +122,7 @@ class _Pass:
         # A graph dropped without a backward frees its saved tensors with it.
         self.free_kept(range(len(self.kept)))
 
-    def _live(self, block: int) -> list[SwappedStorage | CompressedStorage]:
+    def _live(self, block: int) -> list[SwappedStorage]:
         return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
 
     def release(self, block: int) -> None:
@@ -228,10 +253,12 @@ class Runtime:
         self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
         self.streamer = self._make_streamer(plan)
         self.anchor = torch.empty(0, requires_grad=True)
-        self.timer: Callable[[int, str], contextlib.AbstractContextManager] = _NoTimer()
+        self.timer: Recorder | _NoRecorder = _NoRecorder()
+        """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
-        self.deferred: Callable[[Runtime], Plan] | None = None
-        self._current: _Pass | None = None
+        self.deferred: Callable[[], Plan] | None = None
+        self._current: weakref.ref[_Pass] | None = None
+        """The pass of the latest forward, held by its graph alone (NOTE [one step, as the runtime sees it])."""
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
@@ -257,11 +284,10 @@ class Runtime:
         return self._state_ptrs
 
     def pass_for(self, block: int) -> _Pass:
-        current = self._current
+        current = None if self._current is None else self._current()
         if current is None or block <= current.last_forward:
-            # Drop the previous pass first: if its graph is gone, so are its bytes.
-            self._current = current = None
-            current = self._current = _Pass(self)
+            current = _Pass(self)
+            self._current = weakref.ref(current)
             self.tracker.start_step()
         current.last_forward = block
         return current
@@ -285,24 +311,28 @@ class Runtime:
         if self.owns_backend:
             self.backend.close()
 
-    def begin_deferred(self, choose: Callable[["Runtime"], Plan]) -> None:
-        """Measure the next step (run under the current, all-recompute plan) and, when its backward
-        ends, switch to ``choose(self)``: ``wrap(model, budget=...)`` without a sample."""
-        self.deferred = choose
-        self.timer = _Timer(self.backend, len(self.chain))
-        self.tracker.log = []
+    def record(self, recorder: Recorder | None) -> None:
+        """Report the steps that follow to ``recorder`` (phase times, marks and the tracker's log);
+        ``None`` detaches it."""
+        self.timer = _NoRecorder() if recorder is None else recorder
+        self.tracker.log = None if recorder is None else recorder.log
+
+    def begin_deferred(self, recorder: Recorder, choose: Callable[[Any], Plan]) -> None:
+        """Report the next step (run under the current plan) to ``recorder`` and, when its backward
+        ends, switch to ``choose(recorder.finish())``: ``wrap(model, budget=...)`` without a sample."""
+        self.deferred = lambda: choose(recorder.finish())
+        self.record(recorder)
 
     def finish_deferred(self) -> None:
         choose, self.deferred = self.deferred, None
         try:
-            plan = choose(self)
+            plan = choose()
         except Exception:
             # Nothing fits: leave the model as it was before wrap (its gradients of this step stay).
             unwrap(self.model)
             raise
         finally:
-            self.timer = _NoTimer()
-            self.tracker.log = None
+            self.record(None)
         self.plan = plan
         self.schedule = build_schedule(plan)
         if any(b.streamed for b in plan.blocks):
@@ -313,58 +343,36 @@ class Runtime:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
 
 
-class _Timer:
-    """Times each block's phases (used by the profiler): median-ready lists of seconds.
-
-    A recomputed block times its phases directly; a kept block's backward runs inside autograd, from
-    the grad hook on its outputs (``backward_start``) to the one on its inputs (``backward_end``).
-    """
-
-    marks_backward = True
-
-    def __init__(self, backend: Backend, num_blocks: int) -> None:
-        self.backend = backend
-        self.seconds: dict[str, list[list[float]]] = {
-            w: [[] for _ in range(num_blocks)] for w in ("forward", "recompute", "backward")
-        }
-        self._cuda = backend.device.type == "cuda"
-        self._started: dict[int, float] = {}
-
-    def mark(self, block: int, what: str) -> None:
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        now = time.perf_counter()
-        if what == "backward_start":
-            self._started[block] = now
-        elif block in self._started:
-            self.seconds["backward"][block].append(now - self._started.pop(block))
-
-    def clear(self) -> None:
-        for series in self.seconds.values():
-            for s in series:
-                s.clear()
-        self._started.clear()
-
-    @contextlib.contextmanager
-    def __call__(self, block: int, what: str) -> Iterator[None]:
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        start = time.perf_counter()
-        yield
-        if self._cuda:
-            torch.cuda.synchronize(self.backend.device)
-        self.seconds[what][block].append(time.perf_counter() - start)
-
-
-def _check_trainable(model: nn.Module) -> None:
+def check_trainable(model: nn.Module) -> None:
+    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
     if not isinstance(model, nn.Module):
         raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
     if model in _RUNTIMES:
         raise WrapError("this model is already wrapped by ooc; call ooc.unwrap(model) first to change its plan")
+    inside = set(model.modules())
+    for wrapped in list(_RUNTIMES.keys()):
+        if wrapped in inside:
+            raise WrapError(f"a module inside this model ({type(wrapped).__name__}) is already wrapped by ooc; "
+                            "call ooc.unwrap on it first, or wrap only one of the two")
+        if any(m is model for m in wrapped.modules()):
+            raise WrapError(f"this module is inside a model ({type(wrapped).__name__}) already wrapped by ooc; "
+                            "call ooc.unwrap on that model first, or wrap only one of the two")
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "
             "ooc is for training (use torch.no_grad() for inference)"
+        )
+
+
+def check_codecs(plan: Plan, cuda_capability: tuple[int, int] | None) -> None:
+    """Raise :class:`PlanError` if a block's codec does not run on a GPU of this compute capability
+    (``None``: not a CUDA device, where every codec runs)."""
+    for spec in unsupported((b.codec for b in plan.blocks), cuda_capability):
+        major, minor = spec.min_cuda_capability
+        others = [c.value for c, s in CODECS.items() if s.supported(cuda_capability)]
+        raise PlanError(
+            f"codec {spec.codec.value} needs a GPU of compute capability {major}.{minor} or newer, this one is "
+            f"{cuda_capability[0]}.{cuda_capability[1]}; use another codec ({', '.join(others)}) or none"
         )
 
 
@@ -374,6 +382,7 @@ def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, own
             f"the plan has {len(plan)} blocks but the model has {len(chain)} ({chain.names[0]} ... "
             f"{chain.names[-1]}); make a plan for this model, e.g. Plan.uniform('keep', {len(chain)})"
         )
+    check_codecs(plan, torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None)
     runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
     runtime.install()
     _RUNTIMES[model] = runtime
@@ -403,10 +412,3 @@ def memory_report(model: nn.Module) -> MemoryReport:
 def is_wrapped(model: nn.Module) -> bool:
     return model in _RUNTIMES
 
-
-def _resolve_chain(model: nn.Module, blocks: object) -> Chain:
-    return find_blocks(model, blocks)
-
-
-def _resolve_backend(model: nn.Module, backend: str | Backend) -> Backend:
-    return resolve_backend(backend, model)

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ooc import nvtx
-from ooc.scheduler.compression import KERNEL_CODEC, SWAP_GROUP_SIZE, compressed_nbytes
+from ooc.scheduler.codecs import SWAP_GROUP_SIZE, codec_spec
 from ooc.scheduler.plan import Codec
 
 if TYPE_CHECKING:
@@ -52,30 +52,42 @@ class SwapContext:
 class SwappedStorage:
     """One storage copied to a host buffer during the forward and back before the backward.
 
-    Life cycle, in the order of the schedule's ops: created (copy out issued after a compute event)
-    -> ``release`` (compute waits for the copy, the device memory is dropped) -> ``prefetch`` (a
-    device buffer is allocated, the copy back is issued) -> ``materialize`` (compute waits for it)
-    -> garbage (autograd is done with every view; the host buffer goes back to the pool).
+    Life cycle, in the order of the schedule's ops: created (``encode``, then the copy out issued
+    after a compute event) -> ``release`` (compute waits for the copy, the device bytes are dropped)
+    -> ``prefetch`` (a device buffer is allocated, the copy back is issued) -> ``materialize``
+    (compute waits for it) -> garbage (autograd is done with every view; the host buffer goes back
+    to the pool). The bytes moved are the storage itself; :class:`CompressedStorage` moves its codes
+    instead and adds only their encoding and decoding.
     """
 
-    __slots__ = ("ctx", "block", "nbytes", "device", "host", "d2h_done", "restored", "h2d_done", "__weakref__")
+    __slots__ = ("ctx", "block", "nbytes", "device", "host", "d2h_done", "copied_back", "h2d_done", "__weakref__")
 
-    def __init__(self, ctx: SwapContext, block: int, device_bytes: torch.Tensor, what: str) -> None:
+    def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str) -> None:
         self.ctx = ctx
         self.block = block
-        self.nbytes = device_bytes.numel()
-        ctx.tracker.alloc(block, self.nbytes, what)
-        self.device: torch.Tensor | None = device_bytes
-        self.restored: torch.Tensor | None = None
+        self.nbytes = 0
+        self.device: torch.Tensor | None = None
+        """The bytes moved, on the device until ``release``."""
+        self.copied_back: torch.Tensor | None = None
+        """Their copy back, from ``prefetch`` on."""
         self.h2d_done: Event | None = None
         self.host: torch.Tensor | None = None
         self.d2h_done: Event | None = None  # stays None if the copy could not be issued (backend closed)
         with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"):
+            device_bytes = self.encode(tensor)
+            self.nbytes = device_bytes.numel()
+            ctx.tracker.alloc(block, self.nbytes, what)
+            self.device = device_bytes
             self.host = ctx.pool.acquire(self.nbytes)
-            # The copy may start only once compute has produced the tensor.
+            # The copy may start only once compute has produced the bytes it reads (codes are written
+            # in the encoding context's order, which this copy follows too).
             produced = ctx.backend.record_compute()
             self.d2h_done = ctx.backend.copy_d2h(self.host, device_bytes, (produced,))
         ctx.tracker.swapped_out += self.nbytes
+
+    def encode(self, tensor: torch.Tensor) -> torch.Tensor:
+        """The device bytes to move, as a 1-D ``uint8`` tensor: here the whole storage (no copy)."""
+        return storage_bytes(tensor)
 
     def release(self) -> None:
         if self.device is None:
@@ -86,102 +98,77 @@ class SwappedStorage:
         self.ctx.tracker.free(self.block, self.nbytes, "release")
 
     def prefetch(self) -> None:
-        if self.restored is not None:
+        if self.copied_back is not None:
             return
         self.release()
         ctx = self.ctx
-        self.restored = ctx.backend.device_buffer(self.nbytes)
+        self.copied_back = ctx.backend.device_buffer(self.nbytes)
         ctx.tracker.alloc(self.block, self.nbytes, "swap_in")
         # The copy back waits for the copy out (the host buffer must be full) and for compute to
         # reach the point where the destination was allocated.
         allocated = ctx.backend.record_compute()
-        self.h2d_done = ctx.backend.copy_h2d(self.restored, self.host, (self.d2h_done, allocated))
+        self.h2d_done = ctx.backend.copy_h2d(self.copied_back, self.host, (self.d2h_done, allocated))
         ctx.tracker.swapped_in += self.nbytes
 
-    def materialize(self) -> torch.Tensor:
+    def arrived(self) -> torch.Tensor:
+        """The copied-back bytes, once compute may read them."""
         self.prefetch()
-        # Backward reads the restored bytes next: compute waits for the copy back.
+        # Compute reads the copied-back bytes next: it waits for the copy back.
         self.ctx.backend.wait_compute(self.h2d_done)
-        return self.restored
+        return self.copied_back
+
+    def materialize(self) -> torch.Tensor:
+        return self.arrived()
 
     def __del__(self) -> None:
-        if self.device is not None or self.restored is not None:
+        if self.device is not None or self.copied_back is not None:
             self.ctx.tracker.free(self.block, self.nbytes)
         # The host buffer may be reused once its last reader (the copy back, else the copy out) ends.
         if self.host is not None:
             self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
 
 
-COMPRESSIBLE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def compressible_storage(nbytes: int, dtype: object) -> bool:
-    """Whether a swapped storage of ``nbytes`` viewed as ``dtype`` is compressed under a codec:
-    fp32/fp16/bf16 holding whole elements; the rest (ints, bools, fp64) move as they are. The
-    runtime's pack hook and the profiler both ask this, so they count the same bytes."""
-    return dtype in COMPRESSIBLE_DTYPES and nbytes % dtype.itemsize == 0
-
-
-def compressible(tensor: torch.Tensor) -> bool:
-    return compressible_storage(tensor.untyped_storage().nbytes(), tensor.dtype)
-
-
-class CompressedStorage:
+class CompressedStorage(SwappedStorage):
     """A swapped storage kept as codes and scales from its pack until its block's backward.
 
     NOTE [compressed swap]
     At pack time the whole storage (viewed as its dtype) is quantized per group of SWAP_GROUP_SIZE
-    values; only the codes and scales are held (``codes``: one device buffer, scales first) and
+    values (``encode``); only the codes and scales are held (one device buffer, scales first) and
     copied to the host. ``release`` drops them after the copy; ``prefetch`` brings them back;
     ``decode`` (run for every such storage when its block's backward starts, so the bytes held are
     a function of the schedule alone) dequantizes into a new storage of the original dtype and drops
-    the codes. The byte counts are ``compressed_nbytes``'s, the ones the profile and schedule use.
+    the codes. What compresses, and into how many bytes, is the codec's entry in
+    ``ooc.scheduler.codecs.CODECS``, which the profile and the schedule read too.
     """
 
-    __slots__ = ("ctx", "block", "codec", "dtype", "elements", "nbytes", "full_nbytes", "codes", "host", "d2h_done",
-                 "h2d_done", "restored", "_layout", "__weakref__")
+    __slots__ = ("codec", "dtype", "elements", "full_nbytes", "restored", "_layout")
 
     def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str, codec: Codec) -> None:
-        from ooc.kernels.quant import quantize
-
-        self.ctx, self.block, self.codec, self.dtype = ctx, block, codec, tensor.dtype
+        self.codec, self.dtype = codec, tensor.dtype
         self.full_nbytes = tensor.untyped_storage().nbytes()
         self.elements = self.full_nbytes // tensor.element_size()
-        self.nbytes = compressed_nbytes(self.full_nbytes, tensor.element_size(), True, codec)
+        self.restored: torch.Tensor | None = None
+        """The decoded storage, from ``decode`` on."""
+        super().__init__(ctx, block, tensor, what)
+
+    def encode(self, tensor: torch.Tensor) -> torch.Tensor:
+        from ooc.kernels.quant import quantize
+
+        spec = codec_spec(self.codec)
         flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (self.elements,), (1,))
-        with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"), ctx.backend.encode_context(flat):
-            q = quantize(flat, codec=KERNEL_CODEC[codec], group_size=SWAP_GROUP_SIZE)
+        with self.ctx.backend.encode_context(flat):
+            q = quantize(flat, codec=spec.kernel, group_size=SWAP_GROUP_SIZE)
             scale_bytes = q.scales.numel() * 4
             self._layout = (scale_bytes, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
-            self.codes = torch.empty(self.nbytes, dtype=torch.uint8, device=tensor.device)
-            self.codes[:scale_bytes].copy_(q.scales.reshape(-1).view(torch.uint8))
-            self.codes[scale_bytes:].copy_(q.codes.reshape(-1).view(torch.uint8))
-        ctx.tracker.alloc(block, self.nbytes, what)
-        self.host = ctx.pool.acquire(self.nbytes)
-        # The codes were written in the encoding context's order; the copy follows them.
-        self.d2h_done = ctx.backend.copy_d2h(self.host, self.codes, (ctx.backend.record_compute(),))
-        ctx.tracker.swapped_out += self.nbytes
-        self.h2d_done = None
-        self.restored: torch.Tensor | None = None
-
-    def release(self) -> None:
-        if self.codes is None or self.h2d_done is not None:
-            return
-        # Compute must not run ahead of the copy out: this bounds the device bytes in flight.
-        self.ctx.backend.wait_compute(self.d2h_done)
-        self.codes = None
-        self.ctx.tracker.free(self.block, self.nbytes, "release")
+            codes = torch.empty(spec.encoded_nbytes(self.elements), dtype=torch.uint8, device=tensor.device)
+            codes[:scale_bytes].copy_(q.scales.reshape(-1).view(torch.uint8))
+            codes[scale_bytes:].copy_(q.codes.reshape(-1).view(torch.uint8))
+        return codes
 
     def prefetch(self) -> None:
-        if self.h2d_done is not None or self.restored is not None:
-            return
-        self.release()
-        ctx = self.ctx
-        self.codes = ctx.backend.device_buffer(self.nbytes)
-        ctx.tracker.alloc(self.block, self.nbytes, "swap_in")
-        allocated = ctx.backend.record_compute()
-        self.h2d_done = ctx.backend.copy_h2d(self.codes, self.host, (self.d2h_done, allocated))
-        ctx.tracker.swapped_in += self.nbytes
+        if self.restored is not None:
+            return  # decoded already: the codes are gone
+        super().prefetch()
 
     def decode(self) -> None:
         if self.restored is not None:
@@ -189,19 +176,17 @@ class CompressedStorage:
         from ooc.kernels.quant import dequantize
         from ooc.kernels.quant_reference import Quantized
 
-        self.prefetch()
-        # The codes are read next, on the compute stream.
-        self.ctx.backend.wait_compute(self.h2d_done)
+        codes = self.arrived()
         scale_bytes, codes_dtype, codes_shape, scales_shape = self._layout
         q = Quantized(
-            codes=self.codes[scale_bytes:].view(codes_dtype).view(codes_shape),
-            scales=self.codes[:scale_bytes].view(torch.float32).view(scales_shape),
-            shape=torch.Size((self.elements,)), dtype=self.dtype, codec=KERNEL_CODEC[self.codec], group_size=SWAP_GROUP_SIZE,
+            codes=codes[scale_bytes:].view(codes_dtype).view(codes_shape),
+            scales=codes[:scale_bytes].view(torch.float32).view(scales_shape),
+            shape=torch.Size((self.elements,)), dtype=self.dtype, codec=codec_spec(self.codec).kernel, group_size=SWAP_GROUP_SIZE,
         )
         restored = dequantize(q)
         self.ctx.tracker.alloc(self.block, self.full_nbytes, "decode")
         self.restored = storage_bytes(restored)
-        self.codes = None
+        self.copied_back = None
         self.ctx.tracker.free(self.block, self.nbytes, "decode")
 
     def materialize(self) -> torch.Tensor:
@@ -211,15 +196,13 @@ class CompressedStorage:
     def __del__(self) -> None:
         if self.restored is not None:
             self.ctx.tracker.free(self.block, self.full_nbytes)
-        elif self.codes is not None:
-            self.ctx.tracker.free(self.block, self.nbytes)
-        self.ctx.pool.release(self.host, self.h2d_done if self.h2d_done is not None else self.d2h_done)
+        super().__del__()
 
 
 class SwappedView:
     __slots__ = ("storage", "dtype", "offset", "size", "stride")
 
-    def __init__(self, storage: SwappedStorage | CompressedStorage, tensor: torch.Tensor) -> None:
+    def __init__(self, storage: SwappedStorage, tensor: torch.Tensor) -> None:
         self.storage = storage
         self.dtype = tensor.dtype
         self.offset = tensor.storage_offset()
@@ -255,8 +238,18 @@ def make_pack_hook(
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
-    A kept tensor is returned as itself (autograd's fast path: a packed non-tensor costs ~7 us per
-    saved tensor on CPU) and its storage reported once through ``on_kept(block, nbytes, what, dtype)``.
+    A kept tensor is returned as a tensor (autograd's fast path: a packed non-tensor costs ~7 us per
+    saved tensor on CPU), detached, and its storage reported once through
+    ``on_kept(block, nbytes, what, dtype)``.
+
+    NOTE [kept tensors are detached]
+    The graph node that saves a tensor holds what the pack hook returns. Autograd saves an op's own
+    output without its ``grad_fn`` (which points back to that node), but it holds a pack hook's
+    result as it is: returning the output itself makes node -> output -> ``grad_fn`` -> node, a
+    cycle through C++ that Python's collector cannot see, so a graph dropped without its backward
+    (a forward that raised, a validation forward without ``no_grad``) would keep its activations for
+    ever. ``detach()`` is the same storage, version counter and layout without the ``grad_fn``;
+    unpacking rebuilds the autograd edges from the saved variable, as it does for the tensor itself.
     With a ``codec``, floating-point storages are compressed before their copy out.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers). ``param_view``: for a
     block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
@@ -264,33 +257,34 @@ def make_pack_hook(
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
     # it, never across a release (the allocator may hand the address to another tensor). The ledger
     # dies with this closure when the block's forward ends.
-    ledger: dict[int, SwappedStorage | CompressedStorage | None] = {}
+    ledger: dict[int, SwappedStorage | None] = {}
     # A compressed record does not hold its source storage; without this, the allocator could hand
     # that address to a new tensor of this same forward, which the ledger would then take for it.
     held_sources: list[torch.UntypedStorage] = []
+    spec = None if codec is Codec.NONE else codec_spec(codec)
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
-            return tensor
+            return tensor.detach()  # NOTE [kept tensors are detached]
         if param_view is not None and (ref := param_view(tensor)) is not None:
             return ref
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in skip_ptrs:
-            return tensor
+            return tensor.detach()
         nbytes = storage.nbytes()
         if not swap or nbytes < min_swap_bytes:
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
                 on_kept(block, nbytes, what, tensor.dtype)
-            return tensor
+            return tensor.detach()
         record = ledger.get(ptr)
         if record is None:
-            if codec is not Codec.NONE and compressible(tensor):
+            if spec is not None and spec.compresses(nbytes, tensor.dtype):
                 record = CompressedStorage(ctx, block, tensor, what, codec)
                 held_sources.append(storage)
             else:
-                record = SwappedStorage(ctx, block, storage_bytes(tensor), what)
+                record = SwappedStorage(ctx, block, tensor, what)
             ledger[ptr] = record
             on_swapped(record)
         return SwappedView(record, tensor)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
@@ -35,10 +36,11 @@ BASE_OPTIONS: tuple[BlockPlan, ...] = (
 )
 CODEC_OPTIONS: tuple[BlockPlan, ...] = tuple(
     BlockPlan(policy, codec=codec, swap_input=policy is Policy.RECOMPUTE)
-    for codec in (Codec.INT8, Codec.INT4, Codec.FP8)
+    for codec in CODECS
     for policy in (Policy.SWAP, Policy.RECOMPUTE)
 )
-"""Lossy options: the planner considers them only when asked (``choices=BASE_OPTIONS + CODEC_OPTIONS``)."""
+"""Lossy options, one SWAP and one RECOMPUTE+swap_input per entry of ``ooc.scheduler.codecs.CODECS``: the
+planner considers them only when asked (``choices=BASE_OPTIONS + CODEC_OPTIONS``)."""
 
 
 @dataclass(frozen=True)

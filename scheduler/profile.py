@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from ooc.scheduler import checks
+from ooc.scheduler.codecs import nominal_ratio
 from ooc.scheduler.errors import ProfileError
 
 PROFILE_FORMAT_VERSION = 1
@@ -72,8 +73,7 @@ class BlockProfile:
             if name == codec:
                 return (inp, inp_max) if inputs else (saved, saved_max)
         raw = self.input_swappable_bytes if inputs else self.swappable_bytes
-        nominal = {"none": 1.0, "int8": 0.25 + 4 / 256, "int4": 0.125 + 4 / 256, "fp8": 0.25 + 4 / 256}[codec]
-        return int(raw * nominal), 0
+        return int(raw * nominal_ratio(codec)), 0
 
 
 def machine_header() -> dict[str, str]:

@@ -14,7 +14,7 @@ import torch
 from tqdm import tqdm
 
 import ooc
-from ooc.api import _hardware_for, plan_for_profile
+from ooc.api import hardware_for, plan_for_profile
 from ooc.backend import resolve_backend
 from ooc.blocks import find_blocks
 from ooc.models.gpt import GPT, GPT_PRESETS, GPTConfig
@@ -111,7 +111,7 @@ def run_demo(
     prof = ooc.profile(model, sample, backend=backend)
     keep_peak = sum(b.saved_bytes for b in prof.blocks)
     budget = int(keep_peak * budget_fraction)
-    plan = plan_for_profile(prof, budget, hardware=_hardware_for(None, backend), planner=planner)
+    plan = plan_for_profile(prof, budget, hardware=hardware_for(None, backend), planner=planner)
     predicted = build_schedule(plan, prof).peak_bytes
     show(f"budget for saved activations: {format_bytes(budget)} "
          f"({budget_fraction:.0%} of the {format_bytes(keep_peak)} that keeping everything needs)")

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ooc
-from ooc.api import _hardware_for, plan_for_profile
+from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
 from ooc.distributed import DataParallel, init_from_env, peer_failures
@@ -143,7 +143,7 @@ def _resolve_reduce_on(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor,
     if dist.get_rank() == 0:
         backend = resolve_backend("auto", model)
         prof = ooc.profile(model, sample, backend=backend)
-        hardware = _hardware_for(None, backend)
+        hardware = hardware_for(None, backend)
         choice[0], seconds = choose_reduce_on(plan, prof, hardware, world=world, shard=cfg.shard,
                                               copies=backend.separate_memory or cfg.dtype != "float32")
         show(f"reduce on {choice[0]}: predicted step " + ", ".join(f"{k} {v * 1e3:.1f} ms" for k, v in seconds.items())

@@ -1,7 +1,9 @@
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from pathlib import Path
 
 import ooc
 
@@ -30,3 +32,15 @@ print("ok")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_no_private_name_is_imported_across_modules() -> None:
+    """A leading underscore means "this module only": another module needing it makes it public."""
+    root = Path(ooc.__file__).resolve().parent.parent
+    found = []
+    for folder in ("ooc", "kernels", "scheduler"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text())):
+                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("ooc"):
+                    found += [f"{path.relative_to(root)}: {node.module}.{a.name}" for a in node.names if a.name.startswith("_")]
+    assert found == []

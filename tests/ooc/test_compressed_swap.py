@@ -10,11 +10,15 @@ import torch
 
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
+from ooc.kernels.quant import quantize
 from ooc.models import GPT
+from ooc.runtime import check_codecs
 from ooc.scheduler import build_schedule
+from ooc.scheduler.codecs import CODECS as CODEC_TABLE
+from ooc.scheduler.codecs import SWAP_GROUP_SIZE, codec_spec
 from tests.helpers import NANO, gpt_batch
 
-CODECS = ["int8", "int4", "fp8"]
+CODECS = [c.value for c in CODEC_TABLE]
 
 
 def _plans(codec: str) -> list[ooc.Plan]:
@@ -110,3 +114,34 @@ def test_int8_training_matches_uncompressed_within_two_percent() -> None:
         ooc.unwrap(model)
     print(f"final loss (mean of last 20 steps): {finals}")
     assert abs(finals["int8"] - finals["none"]) / finals["none"] < 0.02
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_kernels_make_the_bytes_the_codec_table_counts(codec: str) -> None:
+    spec = codec_spec(codec)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        for elements in (1, 7, 64, 65, 4097):
+            q = quantize(torch.randn(elements).to(dtype), codec=spec.kernel, group_size=SWAP_GROUP_SIZE)
+            assert q.nbytes == spec.encoded_nbytes(elements) == spec.storage_nbytes(elements * dtype.itemsize, dtype)
+
+
+@pytest.mark.parametrize("codec", CODECS)
+def test_the_runtime_moves_the_bytes_the_profile_counts_for_every_codec_in_the_table(nano, codec: str) -> None:
+    model, batch, prof = nano
+    assert all({entry[0] for entry in b.compressed} == set(CODECS) for b in prof.blocks)
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 4, min_swap_bytes=1024), backend="cpu")
+    try:
+        model(*batch)[1].backward()
+        moved = ooc.memory_report(model).swapped_out_bytes
+    finally:
+        ooc.unwrap(model)
+        model.zero_grad(set_to_none=True)
+    assert moved == sum(b.compressed_bytes(codec, inputs=False)[0] for b in prof.blocks)
+
+
+def test_a_codec_the_gpu_lacks_is_refused_before_anything_runs() -> None:
+    plan = ooc.Plan.of([ooc.BlockPlan("swap", codec="fp8"), "keep"])
+    with pytest.raises(ooc.PlanError, match="fp8 needs a GPU of compute capability 8.9 or newer, this one is 8.0"):
+        check_codecs(plan, (8, 0))
+    check_codecs(plan, (9, 0))
+    check_codecs(plan, None)

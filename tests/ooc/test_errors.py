@@ -9,13 +9,19 @@ import math
 import signal
 import subprocess
 import sys
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
 import ooc
+import ooc.api
+from ooc.api import ASSUMED_GPU, hardware_for
 from ooc.models import GPT
+from ooc.scheduler.hardware import preset
+from ooc.scheduler.profile import Profile
 from tests.helpers import NANO_NO_DROPOUT as NANO
 from tests.helpers import gpt_batch
 
@@ -223,3 +229,26 @@ def test_cli_plan_and_simulate_refuse_nan_and_infinity(tmp_path) -> None:
     run = _cli("simulate", "--profile", str(tmp_path / "good.json"), "--plan", str(tmp_path / "plan.json"),
                "--hardware", str(tmp_path / "hw.json"))
     assert run.returncode == 2 and "compute_slowdown must be a finite number" in run.stderr
+def test_the_first_step_is_planned_from_its_own_profile(gpt, monkeypatch) -> None:
+    """The recorder's profile of the measured first step has the bytes ``ooc.profile`` measures."""
+    model, _, batch = gpt
+    prof = ooc.profile(model, batch)
+    seen = []
+    planner = ooc.api.plan_for_profile
+    monkeypatch.setattr(ooc.api, "plan_for_profile", lambda p, *a, **k: seen.append(p) or planner(p, *a, **k))
+    ooc.wrap(model, budget=sum(b.saved_bytes for b in prof.blocks), backend="cpu")
+    model(*batch)[1].backward()
+    ooc.unwrap(model)
+    assert len(seen) == 1 and isinstance(seen[0], Profile)
+    fields = ("saved_bytes", "swappable_bytes", "input_bytes", "input_swappable_bytes", "param_bytes", "compressed")
+    assert [[getattr(b, f) for f in fields] for b in seen[0].blocks] == [[getattr(b, f) for f in fields] for b in prof.blocks]
+
+
+def test_no_hardware_on_a_gpu_warns_which_preset_is_assumed() -> None:
+    gpu = SimpleNamespace(device=torch.device("cuda", 0))  # a device object; CUDA is never touched
+    with pytest.warns(UserWarning, match=r"planning for the 'h100-sxm' preset.*hardware=.*ooc calibrate"):
+        assert hardware_for(None, gpu) == preset(ASSUMED_GPU) == preset("h100-sxm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert hardware_for(None, SimpleNamespace(device=torch.device("cpu"))) == preset("cpu")
+        assert hardware_for("h200", gpu) == preset("h200")

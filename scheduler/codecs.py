@@ -1,0 +1,117 @@
+"""The codecs a swapped storage may be compressed with: one table, read by the runtime (what it
+compresses, and into how many bytes), the profiler (the bytes it records per codec), the profile
+(nominal ratios where it recorded none) and the cost model (the options the planner considers).
+
+Adding a codec is one entry in ``CODECS`` (plus its ``Codec`` member and its kernel in
+``ooc.kernels.quant``); the byte counts of the prediction and of the run then agree by construction.
+Pure arithmetic: no torch, so a dtype is named by its string (``"float32"``; a ``torch.dtype`` is
+accepted too, through its ``str``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ooc.scheduler.plan import Codec
+
+SWAP_GROUP_SIZE = 64
+"""Values per fp32 scale when a swapped storage is compressed (the kernels' default group)."""
+
+SCALE_BYTES = 4
+"""One fp32 scale per group."""
+
+FLOAT_ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+"""Bytes per value of the dtypes a codec may take; anything else (ints, bools, fp64) moves as it is."""
+
+
+def dtype_name(dtype: object) -> str:
+    """``"float32"`` for ``torch.float32`` or ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class CodecSpec:
+    """One lossy codec: how it is launched, how many bytes it makes, what it takes, where it runs.
+
+    A storage of ``n`` values is encoded per group of ``SWAP_GROUP_SIZE`` values into
+    ``ceil(n * bits / 8)`` bytes of codes and ``ceil(n / SWAP_GROUP_SIZE)`` fp32 scales.
+    """
+
+    codec: Codec
+    kernel: str
+    """The codec's name in ``ooc.kernels.quant.quantize(codec=...)``."""
+    bits: int
+    """Bits per value in the codes."""
+    dtypes: frozenset[str] = frozenset(FLOAT_ITEMSIZE)
+    """Dtypes (by name) it compresses; a storage of another dtype is swapped as it is."""
+    min_cuda_capability: tuple[int, int] | None = None
+    """The oldest CUDA compute capability whose kernels it runs on; ``None``: any GPU (and the CPU)."""
+
+    def __post_init__(self) -> None:
+        if self.bits not in (4, 8):
+            raise ValueError(f"codec {self.codec.value}: bits must be 4 or 8, got {self.bits}")
+        if not self.dtypes <= set(FLOAT_ITEMSIZE):
+            raise ValueError(f"codec {self.codec.value}: dtypes must be among {sorted(FLOAT_ITEMSIZE)}")
+
+    def encoded_nbytes(self, elements: int) -> int:
+        """Bytes of the codes and scales of ``elements`` values (scales first in the runtime's buffer)."""
+        scales = SCALE_BYTES * -(-elements // SWAP_GROUP_SIZE)
+        codes = -(-elements * self.bits // 8)
+        return scales + codes
+
+    def compresses(self, nbytes: int, dtype: object) -> bool:
+        """Whether a storage of ``nbytes`` viewed as ``dtype`` is encoded: a dtype it takes, holding
+        whole values."""
+        name = dtype_name(dtype)
+        return name in self.dtypes and nbytes % FLOAT_ITEMSIZE[name] == 0
+
+    def storage_nbytes(self, nbytes: int, dtype: object) -> int:
+        """Device/host bytes of one swapped storage of ``nbytes`` viewed as ``dtype`` (``nbytes`` if it
+        does not compress)."""
+        if not self.compresses(nbytes, dtype):
+            return nbytes
+        return self.encoded_nbytes(nbytes // FLOAT_ITEMSIZE[dtype_name(dtype)])
+
+    @property
+    def nominal_ratio(self) -> float:
+        """Encoded over raw bytes for whole groups of fp32 values: what a profile that recorded no
+        bytes for this codec is charged."""
+        return self.encoded_nbytes(SWAP_GROUP_SIZE) / (SWAP_GROUP_SIZE * FLOAT_ITEMSIZE["float32"])
+
+    def supported(self, cuda_capability: tuple[int, int] | None) -> bool:
+        """Whether it runs on a GPU of this compute capability (``None``: not a CUDA device)."""
+        return cuda_capability is None or self.min_cuda_capability is None or cuda_capability >= self.min_cuda_capability
+
+
+CODECS: dict[Codec, CodecSpec] = {
+    spec.codec: spec
+    for spec in (
+        CodecSpec(Codec.INT8, kernel="int8", bits=8),
+        CodecSpec(Codec.INT4, kernel="int4", bits=4),
+        # e4m3 arithmetic is in hardware from Ada/Hopper (sm_89) on.
+        CodecSpec(Codec.FP8, kernel="fp8_e4m3", bits=8, min_cuda_capability=(8, 9)),
+    )
+}
+"""Every lossy codec, in the order the planner considers them. ``Codec.NONE`` has no entry."""
+
+
+def codec_spec(codec: Codec | str) -> CodecSpec:
+    """The table's entry for ``codec`` (a ``Codec`` or its value); ``KeyError`` for ``none``."""
+    return CODECS[Codec(codec)]
+
+
+def swapped_nbytes(codec: Codec | str, nbytes: int, dtype: object) -> int:
+    """Bytes one swapped storage of ``nbytes`` viewed as ``dtype`` occupies under ``codec``."""
+    codec = Codec(codec)
+    return nbytes if codec is Codec.NONE else CODECS[codec].storage_nbytes(nbytes, dtype)
+
+
+def nominal_ratio(codec: Codec | str) -> float:
+    """Encoded over raw bytes (1.0 for ``none``)."""
+    codec = Codec(codec)
+    return 1.0 if codec is Codec.NONE else CODECS[codec].nominal_ratio
+
+
+def unsupported(codecs: object, cuda_capability: tuple[int, int] | None) -> list[CodecSpec]:
+    """The entries among ``codecs`` (an iterable of ``Codec``) that do not run on this device."""
+    return [CODECS[c] for c in dict.fromkeys(codecs) if c is not Codec.NONE and not CODECS[c].supported(cuda_capability)]

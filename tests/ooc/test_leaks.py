@@ -1,0 +1,91 @@
+"""A graph dropped without its backward frees what the plan saved, and wraps cannot overlap."""
+
+from __future__ import annotations
+
+import gc
+import warnings
+import weakref
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ooc
+from ooc.models import GPT
+from ooc.models.gpt import GPTConfig
+from ooc.runtime import runtime_of
+from tests.helpers import gpt_batch
+
+NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=3, n_head=2, n_embd=32, dropout=0.0)
+
+
+class Interrupted(Exception):
+    pass
+
+
+def _live_tensors() -> int:
+    gc.collect()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # gc also finds deprecated torch objects that warn when inspected
+        return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+def test_graphs_dropped_without_backward_free_their_saved_tensors(policy: str) -> None:
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    batch = gpt_batch(batch=2, seq=8)
+    ooc.wrap(model, ooc.Plan.uniform(policy, NANO.n_layer, min_swap_bytes=1024), backend="cpu")
+    try:
+        tracker = runtime_of(model).tracker
+        model(*batch)[1].backward()  # one whole step first: the host pool holds its buffers from now on
+        model.zero_grad(set_to_none=True)
+        baseline = _live_tensors()
+        assert tracker.current == 0
+
+        def interrupt(_module, _inputs, _output) -> None:
+            raise Interrupted
+
+        handle = model.blocks[1].register_forward_hook(interrupt)  # after block 1 has saved its tensors
+        for _ in range(50):
+            with pytest.raises(Interrupted):
+                model(*batch)
+        handle.remove()
+        assert tracker.current == 0
+        outputs = []
+        for _ in range(50):  # e.g. a validation forward without no_grad
+            logits, loss = model(*batch)
+            outputs.append(weakref.ref(loss))
+            del logits, loss
+        assert tracker.current == 0
+        assert all(ref() is None for ref in outputs)
+        assert _live_tensors() == baseline
+        model(*batch)[1].backward()  # and training goes on as before
+        assert ooc.memory_report(model).current_bytes == 0
+    finally:
+        ooc.unwrap(model)
+
+
+def _stack() -> tuple[nn.Module, nn.Module]:
+    inner = nn.Sequential(*[nn.Linear(8, 8) for _ in range(3)])
+    return inner, nn.Sequential(inner, nn.Linear(8, 1))
+
+
+def test_wrapping_the_model_around_a_wrapped_module_is_refused() -> None:
+    inner, outer = _stack()
+    ooc.wrap(inner, backend="cpu")
+    with pytest.raises(ooc.WrapError, match="already wrapped.*unwrap"):
+        ooc.wrap(outer, blocks=list(inner), backend="cpu")
+    assert not ooc.is_wrapped(outer)
+    ooc.unwrap(inner)
+    ooc.wrap(outer, blocks=list(inner), backend="cpu")
+    ooc.unwrap(outer)
+
+
+def test_wrapping_a_module_inside_a_wrapped_model_is_refused() -> None:
+    inner, outer = _stack()
+    ooc.wrap(outer, blocks=list(inner), backend="cpu")
+    with pytest.raises(ooc.WrapError, match="already wrapped.*unwrap"):
+        ooc.wrap(inner, backend="cpu")
+    assert not ooc.is_wrapped(inner)
+    ooc.unwrap(outer)
