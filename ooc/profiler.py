@@ -20,7 +20,7 @@ from torch.utils._pytree import tree_leaves
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
-from ooc.runtime import _check_trainable, _Timer, install, unwrap
+from ooc.runtime import _check_trainable, _Timer, install, is_wrapped, unwrap
 from ooc.saved import compressible_storage
 from ooc.scheduler.compression import KERNEL_CODEC, compressed_nbytes
 from ooc.scheduler.plan import Plan, Policy
@@ -93,7 +93,8 @@ def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: An
             del loss
     finally:
         runtime.tracker.log = None
-        unwrap(model)
+        if is_wrapped(model):  # a chain that did not run unwraps itself (NOTE [which chain] in ooc.blocks)
+            unwrap(model)
     return timer, log, totals[1:]
 
 
