@@ -215,3 +215,28 @@ def test_nested_explicit_blocks_are_refused() -> None:
     model = GPT("nano")
     with pytest.raises(ooc.BlockError, match="inside block"):
         find_blocks(model, [model.blocks[0], model.blocks[0].attn])
+
+
+def test_describe_reports_each_chain_with_its_shares() -> None:
+    class Staged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.layer1 = nn.Sequential(_Unit(), _Unit())
+            self.layer2 = nn.Sequential(_Unit())
+
+        def forward(self, x):
+            return self.layer2(self.layer1(torch.tanh(self.stem(x))))
+
+    model = Staged()
+    report = ooc.describe(model, torch.randn(3, 4))
+    chosen = report.chosen
+    assert chosen.containers == ("layer1", "layer2") and chosen.blocks == 3
+    assert chosen.param_share == pytest.approx(3 / 4)
+    # Storages saved, each (3, 4) fp32 = 48 bytes: the stem's Linear saves x, tanh its output; each
+    # unit's fc saves its input (the previous output, counted where it was first saved) and relu
+    # its output. So 2 outside the chain, 3 inside.
+    assert report.saved_bytes == 48 * 5
+    assert chosen.saved_share == pytest.approx(3 / 5)
+    assert "layer1 + layer2" in str(report)
+    assert ooc.describe(model).chosen.saved_share is None
