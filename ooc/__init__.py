@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 from ooc.api import plan, wrap
+from ooc.describe import ChainReport, describe
 from ooc.errors import BlockError, BudgetError, OocError, PlanError, ProfileError, WrapError
 from ooc.profiler import profile
 from ooc.runtime import is_wrapped, memory_report, unwrap
@@ -30,6 +31,7 @@ __all__ = [
     "BlockError",
     "BlockPlan",
     "BudgetError",
+    "ChainReport",
     "Codec",
     "MemoryReport",
     "OocError",
@@ -39,6 +41,7 @@ __all__ = [
     "ProfileError",
     "Residency",
     "WrapError",
+    "describe",
     "is_wrapped",
     "memory_report",
     "plan",

@@ -1,4 +1,20 @@
-"""Finding a model's chain of blocks (transformer layers, ResNet blocks)."""
+"""Finding a model's chain of blocks (transformer layers, ResNet blocks).
+
+NOTE [which chain]
+A chain is a run of containers (``ModuleList``/``Sequential``) whose children all share one class,
+in forward order. Models split their blocks over several such containers: a ResNet's stages
+(``layer1`` ... ``layer4``), a ConvNeXt's ``stages.i.blocks``, T5's ``encoder.block`` and
+``decoder.block``. Containers that sit at the same relative path under consecutive siblings (or are
+consecutive siblings themselves) and hold the same block class are concatenated into one chain.
+A ``ModuleList`` inside a block of another candidate is not a chain: nothing says its children
+run one after another (the experts of a mixture-of-experts layer); a ``Sequential`` runs them so.
+Among the candidate chains, one whose blocks hold parameters wins over one whose blocks hold none
+(a list of activations declared beside the layers); then the chain holding the most parameters,
+where chains within 10% of the largest count as equal and the one with more blocks wins (finer
+blocks give the planner more choices). The runtime then checks, at the first training forward, that
+every block of the chain ran, once and in chain order (``check_first_forward``), so a chain that
+does not run is refused instead of silently planning nothing.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +23,9 @@ from dataclasses import dataclass
 import torch.nn as nn
 
 from ooc.errors import BlockError
+
+_COVERAGE_TIE = 0.9
+"""Chains holding at least this fraction of the best chain's parameters count as equal."""
 
 
 @dataclass(frozen=True)
@@ -20,43 +39,121 @@ class Chain:
         return len(self.modules)
 
 
-def _candidates(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [
-        (name or "<model>", module)
-        for name, module in model.named_modules()
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0
-    ]
+@dataclass(frozen=True)
+class Candidate:
+    """One possible chain: its containers (qualified names), blocks and parameter bytes."""
+
+    containers: tuple[str, ...]
+    chain: Chain
+    param_bytes: int
+
+    @property
+    def block_class(self) -> str:
+        return type(self.chain.modules[0]).__name__
+
+    def describe(self) -> str:
+        where = " + ".join(self.containers)
+        return f"{where}: {len(self.chain)} x {self.block_class}"
 
 
-def _uniform_run(container: nn.Module) -> int:
-    children = list(container.children())
-    return len(children) if children and len({type(c) for c in children}) == 1 else 0
+def _uniform_containers(model: nn.Module) -> dict[str, type]:
+    """Qualified name -> block class of every non-empty ModuleList/Sequential whose children share one class."""
+    found: dict[str, type] = {}
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0:
+            classes = {type(c) for c in module.children()}
+            if len(classes) == 1:
+                found[name] = classes.pop()
+    return found
+
+
+def _join(*parts: str) -> str:
+    return ".".join(p for p in parts if p)
+
+
+def _group_of(name: str, containers: dict[str, type], modules: dict[str, nn.Module]) -> tuple[str, ...]:
+    """The containers concatenated with ``name``: same block class, same relative path under
+    consecutive siblings, at the closest ancestor where there are at least two."""
+    parts = name.split(".") if name else []
+    for level in range(len(parts) - 1, -1, -1):
+        prefix, head, suffix = ".".join(parts[:level]), parts[level], ".".join(parts[level + 1:])
+        siblings = [child for child, _ in modules[prefix].named_children()]
+        at = siblings.index(head)
+
+        def member(sibling: str, prefix: str = prefix, suffix: str = suffix) -> bool:
+            return containers.get(_join(prefix, sibling, suffix)) is containers[name]
+
+        start = at
+        while start > 0 and member(siblings[start - 1]):
+            start -= 1
+        end = at
+        while end + 1 < len(siblings) and member(siblings[end + 1]):
+            end += 1
+        if end > start:
+            return tuple(_join(prefix, s, suffix) for s in siblings[start:end + 1])
+    return (name,)
+
+
+def _inside_a_block(name: str, containers: dict[str, type]) -> bool:
+    """Whether container ``name`` sits inside a child of another uniform container."""
+    parts = name.split(".")
+    return any(".".join(parts[:k]) in containers for k in range(len(parts) - 1))
+
+
+def candidates(model: nn.Module) -> list[Candidate]:
+    """Every chain ``find_blocks`` considers, best first (NOTE [which chain])."""
+    containers = _uniform_containers(model)
+    modules = dict(model.named_modules())
+    groups: list[tuple[str, ...]] = []
+    for name in containers:
+        for group in (_group_of(name, containers, modules), (name,)):
+            if group not in groups:
+                groups.append(group)
+    found = []
+    for group in groups:
+        if any(isinstance(modules[c], nn.ModuleList) and _inside_a_block(c, containers) for c in group):
+            continue
+        blocks: list[nn.Module] = []
+        names: list[str] = []
+        for container in group:
+            for child, module in modules[container].named_children():
+                blocks.append(module)
+                names.append(_join(container, child))
+        if len(blocks) < 2 or len({id(b) for b in blocks}) != len(blocks):
+            continue
+        params = {id(p): p for b in blocks for p in b.parameters()}
+        nbytes = sum(p.numel() * p.element_size() for p in params.values())
+        found.append(Candidate(group, Chain(tuple(blocks), tuple(names)), nbytes))
+    best_bytes = max((c.param_bytes for c in found), default=0)
+
+    def rank(c: Candidate) -> tuple[bool, bool, int]:
+        return (c.param_bytes > 0, c.param_bytes >= _COVERAGE_TIE * best_bytes, len(c.chain))
+
+    # sorted() is stable: equal ranks keep module order, so the first container wins a tie.
+    return sorted(found, key=rank, reverse=True)
 
 
 def find_blocks(model: nn.Module, blocks: object = None) -> Chain:
     """The chain of blocks of ``model``.
 
     ``blocks`` may be a list of submodules, or an ``nn.ModuleList``/``nn.Sequential``. Without it,
-    the longest ``ModuleList``/``Sequential`` whose children all share one class is used (how
-    FSDP's transformer auto-wrap policy picks layers); ties go to the first in module order.
+    the best of :func:`candidates` is used (NOTE [which chain]).
     """
     names_by_id = {id(m): name for name, m in model.named_modules()}
     if blocks is None:
-        best_name, best, best_len = None, None, 1
-        for name, container in _candidates(model):
-            length = _uniform_run(container)
-            if length > best_len:
-                best_name, best, best_len = name, container, length
-        if best is None:
-            found = [f"{name} ({type(m).__name__}, {len(m)} children)" for name, m in _candidates(model)]
-            hint = "; candidates: " + ", ".join(found) if found else "; the model has no ModuleList/Sequential"
+        found = candidates(model)
+        if not found:
+            hint = ", ".join(
+                f"{name} ({type(m).__name__}, {len(m)} children)"
+                for name, m in model.named_modules()
+                if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
+            )
+            hint = "; candidates: " + hint if hint else "; the model has no ModuleList/Sequential"
             raise BlockError(
-                "found no chain of blocks (a ModuleList/Sequential of at least 2 modules of one class)"
+                "found no chain of blocks (ModuleLists/Sequentials of at least 2 modules of one class)"
                 f"{hint}. Pass blocks=[...] (a list of submodules, in forward order) to ooc.wrap."
             )
-        modules = tuple(best.children())
-        prefix = best_name + "." if best_name != "<model>" else ""
-        return Chain(modules, tuple(f"{prefix}{i}" for i in range(len(modules))))
+        return found[0].chain
 
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         modules = tuple(blocks.children())
@@ -71,4 +168,33 @@ def find_blocks(model: nn.Module, blocks: object = None) -> Chain:
             raise BlockError(f"every block must be a submodule of the model; {type(m).__name__} is not")
     if len({id(m) for m in modules}) != len(modules):
         raise BlockError("a block appears twice in blocks; each submodule may be one block only")
+    nested = [(names_by_id[id(a)], names_by_id[id(b)]) for a in modules for b in modules
+              if a is not b and any(sub is b for sub in a.modules())]
+    if nested:
+        outer, inner = nested[0]
+        raise BlockError(f"block {inner} is inside block {outer}; the blocks of a chain must not contain each other")
     return Chain(modules, tuple(names_by_id[id(m)] for m in modules))
+
+
+def check_first_forward(chain: Chain, calls: list[int]) -> None:
+    """Raise :class:`BlockError` unless the blocks ran once each, in chain order.
+
+    ``calls``: the block indices in the order their forwards ran during one training forward of
+    the model. The runtime's schedule (releases, prefetches, the backward's order) assumes it.
+    """
+    if calls == list(range(len(chain))):
+        return
+    hint = ("Pass blocks=[...] to ooc.wrap: the submodules that run one after another in every forward, "
+            "each once, in forward order.")
+    never = [chain.names[i] for i in range(len(chain)) if i not in calls]
+    if len(never) == len(chain):
+        raise BlockError(f"none of the {len(chain)} blocks ooc found ({chain.names[0]} ... {chain.names[-1]}) ran in "
+                         f"the model's forward, so a plan for them would change nothing. {hint}")
+    if never:
+        raise BlockError(f"blocks {never[:4]} of the chain never ran in the model's forward. {hint}")
+    twice = sorted({chain.names[i] for i in calls if calls.count(i) > 1})
+    if twice:
+        raise BlockError(f"blocks {twice[:4]} ran more than once in one forward (a block called twice, or one module "
+                         f"used at two places); ooc plans each block once per forward. {hint}")
+    order = [chain.names[i] for i in calls]
+    raise BlockError(f"the blocks ran in the order {order[:6]}..., not in chain order. {hint}")

@@ -21,7 +21,7 @@ from torch.utils._pytree import tree_leaves
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.errors import WrapError
-from ooc.runtime import check_trainable, install, unwrap
+from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
@@ -166,7 +166,8 @@ def _run_steps(model: nn.Module, chain, plan: Plan, backend: Backend, sample: An
             del loss
     finally:
         runtime.record(None)
-        unwrap(model)
+        if is_wrapped(model):  # a chain that did not run unwraps itself (NOTE [which chain] in ooc.blocks)
+            unwrap(model)
     return recorder, totals[1:]
 
 

@@ -28,8 +28,8 @@ from torch.utils._pytree import tree_leaves
 
 from ooc import nvtx
 from ooc.backend import Backend
-from ooc.blocks import Chain
-from ooc.errors import WrapError
+from ooc.blocks import Chain, check_first_forward
+from ooc.errors import BlockError, WrapError
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
@@ -191,6 +191,8 @@ class _BlockForward:
                 return self.original(*args, **kwargs)  # nothing is saved without autograd
             finally:
                 rt.streamer.release(i)
+        if rt.first_calls is not None:
+            rt.first_calls.append(i)
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
@@ -262,6 +264,9 @@ class Runtime:
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
+        self.first_calls: list[int] | None = None
+        """The blocks run during the model's first training forward, checked when it ends."""
+        self._first_forward_hooks: list[Any] = []
 
     def _make_streamer(self, plan: Plan) -> ParamStreamer:
         streamer = ParamStreamer(self.chain, plan, self.backend, self.tracker)
@@ -297,8 +302,32 @@ class Runtime:
             previous = module.__dict__.get("forward")
             module.forward = _BlockForward(self, i, module.forward)
             self._installed.append((module, previous))
+        self._first_forward_hooks = [
+            self.model.register_forward_pre_hook(self._start_first_forward),
+            self.model.register_forward_hook(self._end_first_forward),
+        ]
+
+    def _start_first_forward(self, _module: nn.Module, _args: Any) -> None:
+        self.first_calls = [] if torch.is_grad_enabled() else None
+
+    def _end_first_forward(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        calls, self.first_calls = self.first_calls, None
+        if calls is None:
+            return
+        for handle in self._first_forward_hooks:
+            handle.remove()
+        self._first_forward_hooks = []
+        try:
+            check_first_forward(self.chain, calls)
+        except BlockError as exc:
+            # The chain does not describe this model's forward: leave the model as it was.
+            unwrap(self.model)
+            raise BlockError(f"{exc} ooc unwrapped the model.") from None
 
     def uninstall(self) -> None:
+        for handle in self._first_forward_hooks:
+            handle.remove()
+        self._first_forward_hooks = []
         for module, previous in self._installed:
             if previous is None:
                 module.__dict__.pop("forward", None)

@@ -8,8 +8,8 @@ from pathlib import Path
 import ooc
 
 EXPECTED = {
-    "BlockError", "BlockPlan", "BudgetError", "Codec", "MemoryReport", "OocError", "Plan", "PlanError",
-    "Policy", "ProfileError", "Residency", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap",
+    "BlockError", "BlockPlan", "BudgetError", "ChainReport", "Codec", "MemoryReport", "OocError", "Plan", "PlanError",
+    "Policy", "ProfileError", "Residency", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap", "describe",
 }
 
 

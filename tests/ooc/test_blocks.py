@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 import torch.nn as nn
 
 import ooc
@@ -49,3 +50,193 @@ def test_duplicate_blocks() -> None:
     model = GPT("nano")
     with pytest.raises(ooc.BlockError, match="twice"):
         find_blocks(model, [model.blocks[0], model.blocks[0]])
+
+
+class _Unit(nn.Module):
+    def __init__(self, width: int = 4) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+
+    def forward(self, x):
+        return torch.relu(self.fc(x))
+
+
+def test_parameterless_list_beside_the_layers_is_not_the_chain() -> None:
+    """Issue 12: 5 ReLUs declared beside 3 real layers were taken for the chain (peak 0, nothing planned)."""
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([nn.Linear(4, 4) for _ in range(3)])
+            self.acts = nn.ModuleList([nn.ReLU() for _ in range(5)])
+
+        def forward(self, x):
+            for layer, act in zip(self.layers, self.acts):
+                x = act(layer(x))
+            return x
+
+    assert find_blocks(Model()).names == ("layers.0", "layers.1", "layers.2")
+
+
+class _NeverRuns(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Linear(4, 4)
+        self.unused = nn.ModuleList([_Unit() for _ in range(3)])
+
+    def forward(self, x):
+        return self.stem(x)
+
+
+def test_a_chain_that_never_runs_is_refused_and_the_model_left_plain() -> None:
+    model = _NeverRuns()
+    ooc.wrap(model, ooc.Plan.of(["recompute"] * 3))
+    with pytest.raises(ooc.BlockError, match="none of the 3 blocks"):
+        model(torch.randn(2, 4))
+    assert not ooc.is_wrapped(model)
+    model(torch.randn(2, 4)).sum().backward()  # trainable as plain PyTorch
+    assert model.stem.weight.grad is not None
+
+
+def test_a_chain_that_never_runs_is_refused_by_wrap_with_a_sample() -> None:
+    model = _NeverRuns()
+    with pytest.raises(ooc.BlockError, match="ran in the model's forward"):
+        ooc.wrap(model, budget="1MiB", sample=torch.randn(2, 4))
+    assert not ooc.is_wrapped(model)
+
+
+def test_a_block_called_twice_is_refused() -> None:
+    class Twice(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_Unit() for _ in range(2)])
+
+        def forward(self, x):
+            return self.blocks[1](self.blocks[0](self.blocks[0](x)))
+
+    model = Twice()
+    ooc.wrap(model)
+    with pytest.raises(ooc.BlockError, match="more than once"):
+        model(torch.randn(2, 4))
+    assert not ooc.is_wrapped(model)
+
+
+def test_the_check_runs_on_the_first_training_forward_only() -> None:
+    class Partial(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.ModuleList([_Unit() for _ in range(3)])
+
+        def forward(self, x, depth: int = 3):
+            for block in self.blocks[:depth]:
+                x = block(x)
+            return x
+
+    model = Partial()
+    ooc.wrap(model)
+    with torch.no_grad():
+        model(torch.randn(2, 4), depth=1)  # inference is not checked
+    model(torch.randn(2, 4)).sum().backward()
+    assert ooc.is_wrapped(model)
+    ooc.unwrap(model)
+
+
+def test_stages_are_concatenated_into_one_chain() -> None:
+    """Issue 13: a ResNet's stages (layer1 ... layer4) are one chain, not the first stage alone."""
+
+    class Staged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.layer1 = nn.Sequential(_Unit(), _Unit())
+            self.layer2 = nn.Sequential(_Unit(), _Unit())
+            self.layer3 = nn.Sequential(_Unit())
+            self.head = nn.Linear(4, 2)
+
+    assert find_blocks(Staged()).names == ("layer1.0", "layer1.1", "layer2.0", "layer2.1", "layer3.0")
+
+
+def test_two_stacks_are_one_chain_in_module_order() -> None:
+    """Issue 13: T5's encoder.block and decoder.block form one chain (the decoder's backward runs first)."""
+
+    class Stack(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.block = nn.ModuleList([_Unit() for _ in range(n)])
+
+    class EncoderDecoder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.shared = nn.Embedding(10, 4)
+            self.encoder = Stack(2)
+            self.decoder = Stack(3)
+            self.lm_head = nn.Linear(4, 10)
+
+    names = find_blocks(EncoderDecoder()).names
+    assert names == ("encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1", "decoder.block.2")
+
+
+def test_blocks_nested_in_stages_win_when_they_hold_the_parameters() -> None:
+    """ConvNeXt: ``stages.i.blocks`` (many fine blocks) over ``stages`` (four coarse ones)."""
+
+    class Stage(nn.Module):
+        def __init__(self, n: int) -> None:
+            super().__init__()
+            self.downsample = nn.Identity()
+            self.blocks = nn.Sequential(*[_Unit() for _ in range(n)])
+
+    class ConvNeXtLike(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stages = nn.Sequential(Stage(2), Stage(2), Stage(3))
+
+    chain = find_blocks(ConvNeXtLike())
+    assert len(chain) == 7 and chain.names[0] == "stages.0.blocks.0" and chain.names[-1] == "stages.2.blocks.2"
+
+
+def test_experts_inside_layers_are_not_the_chain() -> None:
+    """Mixture of experts: the layers run in sequence, the experts inside each one do not."""
+
+    class Layer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = nn.Linear(4, 4)
+            self.experts = nn.ModuleList([nn.Linear(4, 16) for _ in range(8)])  # most of the parameters
+
+    class MoE(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layers = nn.ModuleList([Layer() for _ in range(2)])
+
+    assert find_blocks(MoE()).names == ("layers.0", "layers.1")
+
+
+def test_nested_explicit_blocks_are_refused() -> None:
+    model = GPT("nano")
+    with pytest.raises(ooc.BlockError, match="inside block"):
+        find_blocks(model, [model.blocks[0], model.blocks[0].attn])
+
+
+def test_describe_reports_each_chain_with_its_shares() -> None:
+    class Staged(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.stem = nn.Linear(4, 4)
+            self.layer1 = nn.Sequential(_Unit(), _Unit())
+            self.layer2 = nn.Sequential(_Unit())
+
+        def forward(self, x):
+            return self.layer2(self.layer1(torch.tanh(self.stem(x))))
+
+    model = Staged()
+    report = ooc.describe(model, torch.randn(3, 4))
+    chosen = report.chosen
+    assert chosen.containers == ("layer1", "layer2") and chosen.blocks == 3
+    assert chosen.param_share == pytest.approx(3 / 4)
+    # Storages saved, each (3, 4) fp32 = 48 bytes: the stem's Linear saves x, tanh its output; each
+    # unit's fc saves its input (the previous output, counted where it was first saved) and relu
+    # its output. So 2 outside the chain, 3 inside.
+    assert report.saved_bytes == 48 * 5
+    assert chosen.saved_share == pytest.approx(3 / 5)
+    assert "layer1 + layer2" in str(report)
+    assert ooc.describe(model).chosen.saved_share is None

@@ -1,0 +1,127 @@
+"""``ooc.describe``: which chains of blocks ooc sees in a model, and how much of it they cover.
+
+A budget covers the saved activations of the chain's blocks only; whatever the model saves outside
+them (a stem, a head, the loss) stays on the device unplanned. So before training, a user should
+see which chain was found and what share of the saved activations it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+
+from ooc.blocks import Candidate, candidates, find_blocks
+from ooc.scheduler.units import format_bytes
+
+
+@dataclass(frozen=True)
+class ChainShare:
+    """One candidate chain: where its blocks are, and its shares of the model."""
+
+    containers: tuple[str, ...]
+    blocks: int
+    block_class: str
+    param_share: float
+    """Fraction of the model's parameter bytes held by the chain's blocks."""
+    saved_share: float | None
+    """Fraction of the bytes saved for backward by one forward of ``sample`` that the chain's blocks
+    save (``None`` without a sample)."""
+    chosen: bool
+
+
+@dataclass(frozen=True)
+class ChainReport:
+    """What :func:`describe` found: every candidate chain, the chosen one first."""
+
+    model: str
+    chains: tuple[ChainShare, ...]
+    saved_bytes: int | None
+    """Bytes saved for backward by one forward of the sample (all of the model)."""
+
+    @property
+    def chosen(self) -> ChainShare:
+        return next(c for c in self.chains if c.chosen)
+
+    def __str__(self) -> str:
+        head = f"{self.model}: chains of blocks ooc found (the chosen one first)"
+        if self.saved_bytes is not None:
+            head += f"; one forward saves {format_bytes(self.saved_bytes)} for backward"
+        rows = [head, f"  {'':2}{'blocks':>7}  {'params':>7}  {'saved':>7}  where"]
+        for c in self.chains:
+            saved = "-" if c.saved_share is None else f"{c.saved_share:7.1%}"
+            rows.append(f"  {'*' if c.chosen else ' ':2}{c.blocks:>7}  {c.param_share:7.1%}  {saved:>7}  "
+                        f"{' + '.join(c.containers)} ({c.block_class})")
+        return "\n".join(rows)
+
+
+def _saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple[list[float], int]:
+    """Run one forward of ``sample`` and attribute each saved storage to the candidates whose blocks
+    were running when it was saved (each storage counted once; parameters and buffers never)."""
+    from ooc.profiler import call_model
+
+    state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    running: dict[int, int] = {}  # candidate index -> depth of its blocks on the stack
+    seen: set[int] = set()
+    per_candidate = [0] * len(found)
+    total = 0
+    handles = []
+    for k, cand in enumerate(found):
+        for block in cand.chain.modules:
+            handles.append(block.register_forward_pre_hook(
+                lambda _m, _a, k=k: running.__setitem__(k, running.get(k, 0) + 1)))
+            handles.append(block.register_forward_hook(
+                lambda _m, _a, _o, k=k: running.__setitem__(k, running[k] - 1)))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in state_ptrs or ptr in seen:
+            return tensor
+        seen.add(ptr)
+        total += storage.nbytes()
+        for k, depth in running.items():
+            if depth > 0:
+                per_candidate[k] += storage.nbytes()
+        return tensor
+
+    try:
+        with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
+            out = call_model(model, sample)
+        del out
+    finally:
+        for handle in handles:
+            handle.remove()
+    return [b / total if total else 0.0 for b in per_candidate], total
+
+
+def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> ChainReport:
+    """Which chains of blocks ``ooc.wrap`` would consider in ``model``, which it picks, and their
+    shares of the model's parameters and (with ``sample``, one input batch as the model takes it)
+    of the bytes one forward saves for backward. ``print()`` the result for a table.
+
+    The model's gradients are untouched (no backward runs); buffers such as BatchNorm running
+    statistics are updated by the forward as by any training forward.
+    """
+    found = candidates(model)
+    chosen = find_blocks(model, blocks)
+    if blocks is not None and not any(c.chain.modules == chosen.modules for c in found):
+        params = {id(p): p for b in chosen.modules for p in b.parameters()}
+        found.insert(0, Candidate(("blocks=",), chosen, sum(p.numel() * p.element_size() for p in params.values())))
+    model_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) or 1
+    shares: list[float | None] = [None] * len(found)
+    total: int | None = None
+    if sample is not None:
+        measured, total = _saved_shares(model, sample, found)
+        shares = list(measured)
+    rows = [
+        ChainShare(c.containers, len(c.chain), c.block_class, c.param_bytes / model_bytes, share,
+                   c.chain.modules == chosen.modules)
+        for c, share in zip(found, shares)
+    ]
+    rows.sort(key=lambda r: not r.chosen)
+    return ChainReport(type(model).__name__, tuple(rows), total)
