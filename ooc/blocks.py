@@ -144,7 +144,7 @@ def find_blocks(model: nn.Module, blocks: object = None) -> Chain:
         found = candidates(model)
         if not found:
             hint = ", ".join(
-                f"{name} ({type(m).__name__}, {len(m)} children)"
+                f"{name or '<model>'} ({type(m).__name__}, {len(m)} children)"
                 for name, m in model.named_modules()
                 if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m) > 0
             )
