@@ -30,6 +30,7 @@ from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward
 from ooc.errors import BlockError, WrapError
+from ooc.hf import check_no_hf_checkpointing, disable_caches
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
@@ -264,6 +265,8 @@ class Runtime:
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
+        self.on_uninstall: list[Callable[[], None]] = []
+        """Undo what was changed on the model at install (HF caches: NOTE [caches and recompute] in ooc.hf)."""
         self.first_calls: list[int] | None = None
         """The blocks run during the model's first training forward, checked when it ends."""
         self._first_forward_hooks: list[Any] = []
@@ -337,6 +340,9 @@ class Runtime:
         self._current = None
         self.backend.synchronize()
         self.streamer.restore()
+        for undo in self.on_uninstall:
+            undo()
+        self.on_uninstall.clear()
         if self.owns_backend:
             self.backend.close()
 
@@ -386,6 +392,7 @@ def check_trainable(model: nn.Module) -> None:
         if any(m is model for m in wrapped.modules()):
             raise WrapError(f"this module is inside a model ({type(wrapped).__name__}) already wrapped by ooc; "
                             "call ooc.unwrap on that model first, or wrap only one of the two")
+    check_no_hf_checkpointing(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "
@@ -413,6 +420,7 @@ def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, own
         )
     check_codecs(plan, torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None)
     runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
+    runtime.on_uninstall.append(disable_caches(model))
     runtime.install()
     _RUNTIMES[model] = runtime
     return runtime

@@ -1,0 +1,58 @@
+"""Hugging Face models under ooc: no key/value cache in training forwards, no second checkpointing.
+
+NOTE [caches and recompute]
+An HF decoder called as ``model(input_ids, labels=...)`` builds a ``DynamicCache`` (``use_cache``
+defaults to the config's ``True``) and each layer appends its keys and values to it. A recomputed
+layer runs again in the backward and appends them a second time, so the re-run attends over twice
+the keys: with sdpa and no mask the gradients were silently wrong. HF's own gradient checkpointing
+turns the cache off in training for this reason; ooc does the same for as long as the model is
+wrapped (every ``config`` found on the model's modules, restored by ``ooc.unwrap``), and says so
+once. A call that asks for ``use_cache=True`` explicitly is caught by the recompute's check that
+the re-run saves what the forward saved.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+
+import torch.nn as nn
+
+from ooc.errors import WrapError
+
+
+def check_no_hf_checkpointing(model: nn.Module) -> None:
+    """Raise :class:`WrapError` if HF's gradient checkpointing is on: ooc would then see only the
+    layers' inputs, and a recompute plan would run each layer three times."""
+    on = [name or type(m).__name__ for name, m in model.named_modules()
+          if getattr(m, "gradient_checkpointing", False) is True or getattr(m, "is_gradient_checkpointing", False) is True]
+    if on:
+        raise WrapError(
+            f"Hugging Face gradient checkpointing is on ({on[0]}); ooc's plan replaces it. Call "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer transformers) "
+            "before ooc.wrap, and leave gradient_checkpointing=False in TrainingArguments"
+        )
+
+
+def disable_caches(model: nn.Module) -> Callable[[], None]:
+    """Set ``use_cache=False`` on every config of ``model`` that has it on; return the undo."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is True:
+            configs[id(config)] = config
+    for config in configs.values():
+        config.use_cache = False
+    if configs:
+        warnings.warn(
+            f"ooc turned off use_cache on {type(model).__name__}'s config while it is wrapped: a recomputed layer "
+            "would append to the key/value cache twice (NOTE [caches and recompute] in ooc.hf). ooc.unwrap turns it "
+            "back on; for generation, unwrap first or pass use_cache=True under torch.no_grad().",
+            stacklevel=4,
+        )
+
+    def restore() -> None:
+        for config in configs.values():
+            config.use_cache = True
+
+    return restore

@@ -1,0 +1,65 @@
+"""Hugging Face decoders called the normal way (``model(input_ids, labels=...)``, ``use_cache`` left
+at its default) under recompute plans: gradients equal plain PyTorch bit for bit (issue 13)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import ooc
+
+transformers = pytest.importorskip("transformers")
+
+VOCAB = 97
+
+
+def _llama(attn: str) -> torch.nn.Module:
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn,
+    )
+    return transformers.LlamaForCausalLM(config)
+
+
+def _step(model: torch.nn.Module, x: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    model.zero_grad(set_to_none=True)
+    loss = model(input_ids=x, attention_mask=mask, labels=x).loss
+    loss.backward()
+    return loss.detach()
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding-mask"])
+def test_recompute_with_the_default_cache_equals_plain(attn: str, padded: bool) -> None:
+    torch.manual_seed(0)
+    plain = _llama(attn).train()
+    wrapped = copy.deepcopy(plain)
+    assert wrapped.config.use_cache is True  # the default that used to double the keys
+    x = torch.randint(0, VOCAB, (2, 12))
+    mask = None
+    if padded:
+        mask = torch.ones_like(x)
+        mask[1, :4] = 0
+    with pytest.warns(UserWarning, match="use_cache"):
+        ooc.wrap(wrapped, ooc.Plan.of(["recompute", "swap", "recompute"]), backend="chaos")
+    try:
+        for _ in range(2):
+            assert torch.equal(_step(plain, x, mask), _step(wrapped, x, mask))
+            for (name, p), q in zip(plain.named_parameters(), wrapped.parameters()):
+                assert torch.equal(p.grad, q.grad), name
+    finally:
+        ooc.unwrap(wrapped)
+    assert wrapped.config.use_cache is True  # restored
+
+
+def test_hf_gradient_checkpointing_is_refused_with_the_fix() -> None:
+    model = _llama("sdpa")
+    model.gradient_checkpointing_enable()
+    with pytest.raises(ooc.WrapError, match=r"gradient_checkpointing_disable\(\)"):
+        ooc.wrap(model)
+    assert not ooc.is_wrapped(model)
+    model.gradient_checkpointing_disable()
+    ooc.wrap(model)
+    ooc.unwrap(model)
