@@ -26,6 +26,7 @@ Without a GPU every GPU step is skipped with its reason, and the doctor exits 0 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -42,6 +43,15 @@ from pathlib import Path
 from typing import Any
 
 DEFAULT_BUDGET_S = 570.0
+
+GPT2 = ("gpt2", 4, 512)
+"""The GPT step's model preset, batch size and sequence length."""
+OVERLAP_CHAIN = (8192, 2048, 8192, 8)
+"""The overlap step's MLP chain: rows, width, hidden, depth. Per block ~12*rows*width*hidden = 1.6
+TFLOP of fp32 matmuls (~30 ms on an H100 without TF32) against ~0.6 GiB saved (~12 ms each way at
+50 GB/s): compute outlasts the copies about 2.5 times."""
+KERNEL_ELEMENTS = 64 * 2**20
+"""The kernel step's tensor: 256 MiB of fp32, far beyond L2, so every figure is DRAM bandwidth."""
 """Ten minutes on the GPU machine, less 30 s for the machine's own start and the report."""
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -57,18 +67,26 @@ class StepSpec:
     needs_source: bool = False
 
 
+# In order of what a short GPU loan must not miss: the measurements take about two minutes on an
+# H100, the GPU lane the most; the last two steps run on every CPU machine as well.
 STEPS = (
     StepSpec("environment", "versions, device, ooc imports", 60),
-    StepSpec("offline-install", "pip install --no-index --no-deps --no-build-isolation -e . into a fresh venv", 150,
-             needs_source=True),
-    StepSpec("compile-lane", "Triton kernels for sm_80/sm_90 and .cu files with nvcc (tests/kernels/test_compile.py)", 180,
-             needs_source=True),
     StepSpec("calibrate", "copy bandwidths, latency, host AdamW rate (ooc.calibrate)", 90, needs_gpu=True),
     StepSpec("kernels", "quantize/dequantize GB/s vs the device-to-device copy", 90, needs_gpu=True),
     StepSpec("overlap", "all-SWAP step hides the copies behind compute", 120, needs_gpu=True),
     StepSpec("gpt2", "GPT-2 small 4x512: KEEP overhead; optimal plans at 50%/25% vs the simulator", 180, needs_gpu=True),
-    StepSpec("gpu-lane", 'pytest -m "gpu and not slow" (the CUDA runtime tests)', 300, needs_gpu=True, needs_source=True),
+    StepSpec("gpu-lane", 'pytest -m "gpu and not slow" (the CUDA runtime tests)', 330, needs_gpu=True, needs_source=True),
+    StepSpec("offline-install", "pip install --no-index --no-deps --no-build-isolation -e . into a fresh venv", 150,
+             needs_source=True),
+    StepSpec("compile-lane", "Triton kernels for sm_80/sm_90 and .cu files with nvcc (tests/kernels/test_compile.py)", 180,
+             needs_source=True),
 )
+
+GPU_LANE_ORDER = (
+    "tests/gpu/test_cuda_runtime.py", "tests/gpu/test_cuda_host_adamw.py", "tests/gpu/test_cuda_memory.py",
+    "tests/gpu/test_cuda_nccl.py", "tests/kernels", "tests/gpu/test_cuda_sanitizer.py", "tests/gpu/test_cpu_lanes_on_gpu.py",
+)
+"""The GPU lane's files, runtime first: if the cap cuts the run short, what ran matters most."""
 
 
 @dataclass
@@ -208,22 +226,58 @@ def _pytest_counts(text: str) -> dict[str, int]:
     return {kind: int(n) for n, kind in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected|xfailed|xpassed)", tail)}
 
 
-def _run_pytest(result: StepResult, out: Path, args: list[str], log_name: str, timeout: float, env: dict[str, str]) -> None:
-    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rfE", *args]
-    result.figures["command"] = " ".join(["python"] + command[1:])
+def _session_members(sid: int) -> list[int]:
+    """Processes of session ``sid`` (Linux /proc), whatever process group they moved to."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # the process ended while we looked
+        if int(fields[3]) == sid:  # after "pid (comm)": state, ppid, pgrp, session
+            members.append(int(stat.parent.name))
+    return members
+
+
+def run_capped(command: list[str], timeout: float, *, session: bool = False, **kwargs: Any) -> tuple[int | None, str]:
+    """Run ``command``; on timeout stop it and everything it started. With ``session`` it leads a
+    new session and everything in that session is stopped (the step processes, whose pytest runs
+    in a process group of its own); else it leads a new process group. Returns (exit code, or None
+    on timeout; stdout and stderr together)."""
+    if session:
+        kwargs["start_new_session"] = True
+    else:
+        kwargs["preexec_fn"] = os.setpgrp
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kwargs)
     try:
-        done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired as exc:
-        text = (exc.stdout or b"").decode() if isinstance(exc.stdout, bytes) else (exc.stdout or "")
-        (out / log_name).write_text(text)
+        output, _ = proc.communicate(timeout=timeout)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        for pid in (_session_members(proc.pid) if session else []) + [proc.pid]:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL) if pid == proc.pid else os.kill(pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return None, output
+
+
+def _run_pytest(result: StepResult, out: Path, args: list[str], log_name: str, timeout: float, env: dict[str, str]) -> None:
+    command = [sys.executable, "-m", "pytest", "-v", "-p", "no:cacheprovider", "-rfE", *args]
+    result.figures["command"] = " ".join(["python"] + command[1:])
+    code, output = run_capped(command, timeout, cwd=ROOT, env=env)
+    (out / log_name).write_text(output)
+    lines = output.splitlines()
+    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    if code is None:
+        counts = {kind: sum(line.rstrip().endswith(kind.upper()) or f" {kind.upper()} " in line for line in lines)
+                  for kind in ("passed", "failed", "skipped")}
+        failed = [line.split(" ")[0] for line in lines if " FAILED" in line][:30]
+        result.figures.update(counts=counts, failed=failed, log=log_name)
         result.check("pytest finished within its cap", timeout, f"<= {timeout:.0f} s", False)
-        result.reason = f"pytest did not finish in {timeout:.0f} s; partial log in {log_name}"
+        result.reason = f"pytest did not finish in {timeout:.0f} s ({counts} so far); its log: {log_name}"
         return
-    (out / log_name).write_text(done.stdout + done.stderr)
-    counts = _pytest_counts(done.stdout)
-    failed = [line.split(" ", 1)[1].split(" - ")[0] for line in done.stdout.splitlines() if line.startswith(("FAILED ", "ERROR "))]
+    counts = _pytest_counts(output)
     result.figures.update(counts=counts, failed=failed[:30], log=log_name)
-    result.check("pytest exit code", done.returncode, "0", done.returncode == 0)
+    result.check("pytest exit code", code, "0", code == 0)
     result.summary = ", ".join(f"{n} {k}" for k, n in counts.items()) + f" (log: {log_name})"
 
 
@@ -235,7 +289,8 @@ def _step_compile_lane(result: StepResult, out: Path) -> None:
 def _step_gpu_lane(result: StepResult, out: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    _run_pytest(result, out, ["-m", "gpu and not slow", "tests"], "gpu-lane.log", result.cap_s - 10, env)
+    rest = [f"tests/{p.name}" for p in sorted((ROOT / "tests").iterdir()) if p.is_dir() and p.name not in ("gpu", "kernels")]
+    _run_pytest(result, out, ["-m", "gpu and not slow", *GPU_LANE_ORDER, *rest], "gpu-lane.log", result.cap_s - 10, env)
 
 
 def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
@@ -284,7 +339,7 @@ def _step_kernels(result: StepResult, out: Path) -> None:
 
     from ooc.kernels.quant import dequantize, quantize
 
-    n = 64 * 2**20  # 256 MiB of fp32: far beyond L2, so every figure is DRAM bandwidth
+    n = KERNEL_ELEMENTS
     x = torch.randn(n, device="cuda").view(4096, -1)
     y = torch.empty_like(x)
     d2d = 2 * 4 * n / _cuda_seconds(lambda: y.copy_(x), 10)  # bytes read + written
@@ -326,9 +381,7 @@ def _step_overlap(result: StepResult, out: Path) -> None:
     from ooc.backend.cuda import CudaBackend
     from ooc.models import MLPChain
 
-    # Per block ~12*N*w*h = 1.6 TFLOP of fp32 matmuls (~30 ms on an H100 without TF32) against
-    # ~0.6 GiB saved (~12 ms each way at 50 GB/s): compute outlasts the copies about 2.5 times.
-    rows, width, hidden, depth = 8192, 2048, 8192, 8
+    rows, width, hidden, depth = OVERLAP_CHAIN
     torch.manual_seed(0)
     model = MLPChain(width, width, depth, 16, hidden=hidden).cuda()
     batch = (torch.randn(rows, width, device="cuda"), torch.randint(0, 16, (rows,), device="cuda"))
@@ -378,8 +431,9 @@ def _step_gpt2(result: StepResult, out: Path) -> None:
     from ooc.scheduler.simulate import simulate
 
     torch.manual_seed(0)
-    model = GPT("gpt2").cuda()
-    x = torch.randint(0, model.config.vocab_size, (4, 512), device="cuda")
+    preset, batch_size, seq = GPT2
+    model = GPT(preset).cuda()
+    x = torch.randint(0, model.config.vocab_size, (batch_size, seq), device="cuda")
     batch = (x, torch.roll(x, -1, dims=1))
 
     def loss_fn(m, b):  # noqa: ANN001, ANN202
@@ -468,13 +522,8 @@ def _run_child(spec: StepSpec, out: Path, timeout: float) -> StepResult:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
     command = [sys.executable, "-m", "ooc.apps.doctor", "--out", str(out), "--run-step", spec.name, "--step-out", str(result_path)]
     # Own session: on timeout the step and anything it started (pytest, pip) are stopped together.
-    proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
+    code, output = run_capped(command, timeout, session=True, cwd=ROOT, env=env)
+    if code is None:
         return StepResult(spec.name, spec.title, status="fail", cap_s=timeout,
                           reason=f"timed out after {timeout:.0f} s (the step's cap); output tail: {output[-800:]}")
     if result_path.is_file():
@@ -483,7 +532,7 @@ def _run_child(spec: StepSpec, out: Path, timeout: float) -> StepResult:
         data["checks"] = [Check(**c) for c in data["checks"]]
         return StepResult(**data)
     return StepResult(spec.name, spec.title, status="fail", cap_s=timeout,
-                      reason=f"the step's process exited {proc.returncode} without a result: {output[-1500:]}")
+                      reason=f"the step's process exited {code} without a result: {output[-1500:]}")
 
 
 def run_doctor(out: Path, *, budget_s: float = DEFAULT_BUDGET_S, only: tuple[str, ...] = ()) -> dict[str, Any]:

@@ -61,3 +61,13 @@ def test_version_gates_are_found(tmp_path: Path) -> None:
 def test_unknown_step_is_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit, match="no step gpt3"):
         doctor.main(["--out", str(tmp_path), "--only", "gpt3"])
+
+
+def test_a_step_past_its_cap_is_stopped_and_fails(tmp_path: Path) -> None:
+    """The budget caps a step: its process (and the pytest it started) is killed, the step fails
+    with the reason, the other steps still report, and the exit code is 1."""
+    assert doctor.main(["--out", str(tmp_path), "--only", "compile-lane", "--budget-s", "16"]) == 1
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    step = next(s for s in report["steps"] if s["name"] == "compile-lane")
+    assert step["status"] == "fail" and step["reason"].startswith("timed out after 16 s")
+    assert not report["ok"] and report["counts"]["fail"] == 1
