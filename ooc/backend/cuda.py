@@ -3,7 +3,7 @@
 Its chaos mode (:class:`CudaChaosConfig`) makes the copy streams late on purpose: before each copy
 the copy stream spins for a random number of GPU cycles (``torch.cuda._sleep``), poisons a device
 destination with 0xFF bytes (NaN in every float dtype), and copies in two halves with another
-spin between them. Compute that reads a copy's destination without waiting for its event then
+spin between them; device buffers are poisoned on the compute stream when allocated. Compute that reads a copy's destination without waiting for its event then
 reads NaN or half-old bytes, so a missing stream wait fails a bit-for-bit test instead of passing
 by luck of timing.
 
@@ -73,7 +73,14 @@ class CudaBackend(Backend):
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         # Allocated on the compute stream so the caching allocator orders its reuse after compute.
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.chaos is not None:
+            # Chaos: poisoned on the compute stream, so compute that reads the buffer before the copy
+            # into it has landed sees NaN rather than whatever the allocator's block held before
+            # (often the very activation that was swapped out, which would hide the missing wait),
+            # and a copy that does not wait for the allocation is overwritten by the poison.
+            buffer.fill_(0xFF)
+        return buffer
 
     def record_compute(self) -> Event:
         event = torch.cuda.Event()
