@@ -8,6 +8,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from ooc.apps import doctor
+
 
 def _hardware(spec: str | None, default: str = "cpu"):
     from ooc.scheduler.hardware import Hardware, preset
@@ -272,6 +274,10 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--backend", default="auto")
     cal.add_argument("--out", help="write the hardware JSON here")
     cal.set_defaults(run=_calibrate)
+
+    doc = sub.add_parser("doctor", help="first contact with a GPU machine: run every check and write doctor.md/doctor.json")
+    doctor.add_arguments(doc)
+    doc.set_defaults(run=doctor.run)
     return parser
 
 

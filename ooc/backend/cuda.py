@@ -1,37 +1,86 @@
 """The CUDA backend: one side stream per copy direction, events between streams, pinned host memory.
 
+Its chaos mode (:class:`CudaChaosConfig`) makes the copy streams late on purpose: before each copy
+the copy stream spins for a random number of GPU cycles (``torch.cuda._sleep``), poisons a device
+destination with 0xFF bytes (NaN in every float dtype), and copies in two halves with another
+spin between them; device buffers are poisoned on the compute stream when allocated. Compute that reads a copy's destination without waiting for its event then
+reads NaN or half-old bytes, so a missing stream wait fails a bit-for-bit test instead of passing
+by luck of timing.
+
 Nothing here runs at import time; ``torch.cuda`` is touched only when a ``CudaBackend`` is built.
 """
 
 from __future__ import annotations
 
 import contextlib
+import random
+import threading
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import torch
 
 from ooc.backend.base import Backend, Event
 
 
+@dataclass(frozen=True)
+class CudaChaosConfig:
+    """Random spins on the CUDA copy streams.
+
+    ``max_sleep_cycles``: before each copy, and again half-way through it, the copy stream spins
+    for up to this many GPU clock cycles (1e6 cycles is about 0.6 ms at 1.7 GHz). ``seed`` makes
+    the sequence of spins reproducible (the run's timing still varies with the host).
+    """
+
+    seed: int = 0
+    max_sleep_cycles: int = 1_000_000
+
+    def __post_init__(self) -> None:
+        if self.max_sleep_cycles < 0:
+            raise ValueError(f"max_sleep_cycles must be >= 0, got {self.max_sleep_cycles}")
+
+
 class CudaBackend(Backend):
     name = "cuda"
 
-    def __init__(self, device: torch.device | int | str | None = None) -> None:
+    def __init__(self, device: torch.device | int | str | None = None, *, chaos: CudaChaosConfig | None = None) -> None:
         if not torch.cuda.is_available():
             raise RuntimeError("backend='cuda' needs a CUDA device; use backend='cpu' on this machine")
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else torch.device(device).index)
+        if device is None:
+            index = torch.cuda.current_device()
+        else:
+            device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+            index = torch.cuda.current_device() if device.index is None else device.index
+        self.device = torch.device("cuda", index)
+        self.chaos = chaos
+        self._rng = random.Random(chaos.seed) if chaos else None
+        self._rng_lock = threading.Lock()  # the host optimizer's threads issue copies too
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
 
     def __repr__(self) -> str:
-        return f"CudaBackend({self.device})"
+        return f"CudaBackend({self.device}, chaos={self.chaos})" if self.chaos else f"CudaBackend({self.device})"
+
+    def _spin(self) -> None:
+        """Chaos: keep the current (copy) stream busy for a random number of cycles."""
+        with self._rng_lock:
+            cycles = self._rng.randint(0, self.chaos.max_sleep_cycles)
+        if cycles:
+            torch.cuda._sleep(cycles)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         # Allocated on the compute stream so the caching allocator orders its reuse after compute.
-        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        if self.chaos is not None:
+            # Chaos: poisoned on the compute stream, so compute that reads the buffer before the copy
+            # into it has landed sees NaN rather than whatever the allocator's block held before
+            # (often the very activation that was swapped out, which would hide the missing wait),
+            # and a copy that does not wait for the allocation is overwritten by the poison.
+            buffer.fill_(0xFF)
+        return buffer
 
     def record_compute(self) -> Event:
         event = torch.cuda.Event()
@@ -43,7 +92,10 @@ class CudaBackend(Backend):
             # The copy must not start before the producer (compute or the opposite copy) is done.
             stream.wait_event(event)
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            if self.chaos is None:
+                dst.copy_(src, non_blocking=True)
+            else:
+                self._chaos_copy(dst, src)
         for tensor in (dst, src):
             if tensor.is_cuda:
                 # The compute stream may drop its reference before the copy runs: tell the caching
@@ -52,6 +104,21 @@ class CudaBackend(Backend):
         done = torch.cuda.Event()
         done.record(stream)
         return done
+
+    def _chaos_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """On the copy stream (current here): spin, poison a device destination, copy half, spin,
+        copy the rest. Only the stream's order changes, never the bytes that finally land."""
+        self._spin()
+        if dst.is_cuda and dst.is_contiguous():
+            dst.view(-1).view(torch.uint8).fill_(0xFF)
+        if dst.is_contiguous() and src.is_contiguous() and dst.numel() == src.numel() and dst.numel() > 1:
+            flat_dst, flat_src = dst.view(-1), src.view(-1)
+            half = dst.numel() // 2
+            flat_dst[:half].copy_(flat_src[:half], non_blocking=True)
+            self._spin()
+            flat_dst[half:].copy_(flat_src[half:], non_blocking=True)
+        else:
+            dst.copy_(src, non_blocking=True)
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         return self._copy(self._d2h, dst, src, after)

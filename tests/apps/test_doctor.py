@@ -1,0 +1,73 @@
+"""``ooc doctor`` on this GPU-less machine: both report files, every GPU step skipped with its
+reason, exit code 0; and the scan for torch version gates finds one when there is one."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from ooc.apps import doctor
+
+GPU_STEPS = [s.name for s in doctor.STEPS if s.needs_gpu]
+
+
+def _check_report(out: Path, ran: set[str]) -> dict:
+    report = json.loads((out / "doctor.json").read_text())
+    markdown = (out / "doctor.md").read_text()
+    steps = {s["name"]: s for s in report["steps"]}
+    assert list(steps) == [s.name for s in doctor.STEPS]
+    assert report["ok"] and report["counts"]["fail"] == 0
+    for name, step in steps.items():
+        if name in ran:
+            assert step["status"] == "pass", step
+            assert step["checks"] and all(c["ok"] for c in step["checks"])
+            assert step["elapsed_s"] > 0
+        else:
+            assert step["status"] == "skip" and step["reason"], step
+        assert f"| {name} | {step['status'].upper()} |" in markdown
+    for name in GPU_STEPS:
+        assert steps[name]["reason"].startswith("no CUDA device")
+        assert steps[name]["reason"] in markdown
+    return steps
+
+
+def test_doctor_environment_only(tmp_path: Path) -> None:
+    assert doctor.main(["--out", str(tmp_path), "--only", "environment"]) == 0
+    steps = _check_report(tmp_path, {"environment"})
+    assert steps["offline-install"]["reason"] == "not selected (--only environment)"
+    assert steps["environment"]["figures"]["cuda_available"] is False
+
+
+@pytest.mark.slow
+def test_doctor_whole_on_the_cpu(tmp_path: Path) -> None:
+    """The command the GPU machine runs, end to end here: the CPU steps pass, the GPU steps skip."""
+    assert doctor.main(["--out", str(tmp_path)]) == 0
+    steps = _check_report(tmp_path, {"environment", "offline-install", "compile-lane"})
+    assert steps["offline-install"]["figures"]["torch_version_gates"] == []
+    assert steps["compile-lane"]["figures"]["counts"]["passed"] >= 1
+    assert (tmp_path / "compile-lane.log").is_file()
+
+
+def test_version_gates_are_found(tmp_path: Path) -> None:
+    (tmp_path / "ooc").mkdir()
+    (tmp_path / "ooc" / "a.py").write_text('import torch\nif torch.__version__ < "2.12":\n    raise ImportError\n')
+    (tmp_path / "ooc" / "b.py").write_text("from packaging import version\nok = version.parse(torch.__version__)\n")
+    (tmp_path / "ooc" / "c.py").write_text('meta = {"torch": torch.__version__}\n')
+    assert doctor.version_gates(tmp_path) == ["ooc/a.py:2", "ooc/b.py:2"]
+
+
+def test_unknown_step_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="no step gpt3"):
+        doctor.main(["--out", str(tmp_path), "--only", "gpt3"])
+
+
+def test_a_step_past_its_cap_is_stopped_and_fails(tmp_path: Path) -> None:
+    """The budget caps a step: its process (and the pytest it started) is killed, the step fails
+    with the reason, the other steps still report, and the exit code is 1."""
+    assert doctor.main(["--out", str(tmp_path), "--only", "compile-lane", "--budget-s", "16"]) == 1
+    report = json.loads((tmp_path / "doctor.json").read_text())
+    step = next(s for s in report["steps"] if s["name"] == "compile-lane")
+    assert step["status"] == "fail" and step["reason"].startswith("timed out after 16 s")
+    assert not report["ok"] and report["counts"]["fail"] == 1
