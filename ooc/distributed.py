@@ -168,6 +168,25 @@ def check_world(mine: dict[str, str]) -> None:
         )
 
 
+def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],
+               host_params: Sequence[torch.Tensor], options: dict[str, Any],
+               plan_json: str | None) -> tuple[GroupCommunicator, dict[int, int]]:
+    """The data-parallel handshake of a host optimizer, on every rank: make its process groups, check
+    (``config.check``) that every rank built the same model, plan and ``options``, start every rank
+    from rank 0's weights, and give each of ``host_params`` its owner rank (all rank 0's unless
+    sharded). Returns the communicator and the owners (by ``id``); closes the groups on failure."""
+    comm = GroupCommunicator(config)
+    try:
+        if config.check:
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json))
+        broadcast_parameters(params)
+        owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
+    except BaseException:
+        comm.close()
+        raise
+    return comm, owner
+
+
 def broadcast_parameters(params: Sequence[torch.Tensor]) -> None:
     """Every rank starts from rank 0's weights (as DistributedDataParallel does)."""
     with torch.no_grad():

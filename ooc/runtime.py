@@ -404,6 +404,14 @@ def is_wrapped(model: nn.Module) -> bool:
     return model in _RUNTIMES
 
 
+def weight_streamer(model: nn.Module) -> ParamStreamer | None:
+    """The streamer of a wrapped model whose plan streams weights (NOTE [streamed parameters] in
+    ooc.streaming), else ``None``: a host optimizer updates its host copies and waits in its
+    ``before_stream_in`` callbacks."""
+    runtime = _RUNTIMES.get(model)
+    return runtime.streamer if runtime is not None and runtime.streamer.blocks else None
+
+
 def _resolve_chain(model: nn.Module, blocks: object) -> Chain:
     return find_blocks(model, blocks)
 

@@ -23,20 +23,13 @@ from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import Chain, find_blocks
-from ooc.distributed import (
-    DataParallel,
-    GroupCommunicator,
-    assign_owners,
-    broadcast_parameters,
-    check_world,
-    fingerprint,
-    options_of,
-    peer_failures,
-)
+from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_failures
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.pipeline import Hyper, UpdatePipeline
-from ooc.runtime import is_wrapped, runtime_of
+from ooc.optim.layout import grad32_elements, make_layout
+from ooc.optim.pipeline import PipelineConfig, UpdatePipeline
+from ooc.optim.stages import Hyper, StageListener, Stages
+from ooc.runtime import is_wrapped, runtime_of, weight_streamer
 from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer
 
@@ -120,10 +113,8 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate must be an int >= 1 (backward passes per step), got {accumulate!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                                inline=pipeline is None)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
         if pipeline is not None and not isinstance(pipeline, nn.Module):
@@ -134,6 +125,9 @@ class HostAdamW(torch.optim.Optimizer):
             if not p.is_floating_point():
                 raise TypeError(f"HostAdamW optimizes floating-point parameters, got {p.dtype}")
         self.delayed_update = delayed_update
+        self.stage_listeners: list[StageListener] = []
+        """Called with (bucket index, :class:`~ooc.optim.stages.Stage`) as each stage of a bucket's
+        update ends, on the thread that ran it (NOTE [stage listeners] in ooc.optim.stages)."""
         self._device_params = [p for p in tensors if p.numel() < device_params_below]
         small = {id(p) for p in self._device_params}
         host_params = [p for p in tensors if id(p) not in small]
@@ -141,7 +135,7 @@ class HostAdamW(torch.optim.Optimizer):
         backend_obj, self._owns_backend = _backend_for(backend, pipeline, tensors)
         self.backend = backend_obj
 
-        streamer = runtime_of(pipeline).streamer if pipeline is not None and is_wrapped(pipeline) else None
+        streamer = weight_streamer(pipeline) if pipeline is not None else None
         home = {id(p): _home_of(p, streamer) for p in tensors}
 
         def own_master(p: torch.Tensor) -> bool:
@@ -149,23 +143,27 @@ class HostAdamW(torch.optim.Optimizer):
             return weights.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
                 and not delayed_update
 
+        chain = _chain_of(pipeline)
+        self._buckets = make_buckets(pipeline, chain, host_params)
         comm = None
         owner = {id(p): 0 for p in host_params}
         try:
             if data_parallel is not None:
-                comm = GroupCommunicator(data_parallel)
-                if data_parallel.check:
-                    plan_json = runtime_of(pipeline).plan.to_json() if pipeline is not None and is_wrapped(pipeline) else None
-                    options = options_of(data_parallel, lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
-                                         delayed_update=delayed_update, accumulate=accumulate,
-                                         max_grad_norm=max_grad_norm, device_params_below=device_params_below)
-                    check_world(fingerprint(pipeline, tensors, options, plan_json))
-                broadcast_parameters(tensors)
-                if data_parallel.shard:
-                    owner = assign_owners(host_params, comm.world)
+                plan_json = runtime_of(pipeline).plan.to_json() if pipeline is not None and is_wrapped(pipeline) else None
+                options = dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
+                               delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                               device_params_below=device_params_below)
+                comm, owner = join_world(data_parallel, model=pipeline, params=tensors, host_params=host_params,
+                                         options=options, plan_json=plan_json)
             rank = comm.rank if comm else 0
-            mine = [p for p in host_params if owner[id(p)] == rank or not (comm and comm.sharded)]
-            needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None)
+            sharded = comm is not None and comm.sharded
+
+            def is_mine(p: torch.Tensor) -> bool:
+                return not sharded or owner[id(p)] == rank
+
+            mine = [p for p in host_params if is_mine(p)]
+            needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None) \
+                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None)
             available = available_host_bytes()
             if needed > available:
                 raise HostMemoryError(needed, available)
@@ -174,21 +172,16 @@ class HostAdamW(torch.optim.Optimizer):
             for p in self._device_params:
                 self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
-            chain = _chain_of(pipeline)
-            self._buckets = make_buckets(pipeline, chain, host_params)
-            # Looked up at each use: load_state_dict replaces both the state and the groups. Weakly:
-            # the host threads must not keep a dropped optimizer alive.
-            group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-            me = weakref.ref(self)
-            self._pipeline = UpdatePipeline(
-                buckets=self._buckets, state_of=lambda p: me().state[p],
-                hyper_of=lambda p: _hyper(me().param_groups[group_of[id(p)]]),
-                backend=backend_obj, own_master=own_master, home=home, owner=owner, comm=comm,
-                reduce_on_device=comm is not None and comm.reduce_on == "device",
-                delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                norm_order=tensors if not small else [p for p in tensors if id(p) not in small],
-                inline=pipeline is None,
+            reduce_on_device = comm is not None and comm.reduce_on == "device"
+            layout = make_layout(
+                self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
+                norm_order=[p for p in tensors if id(p) not in small], rank=rank,
+                world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
+                reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
+            stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=_StateView(self),
+                            reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
+            self._pipeline = UpdatePipeline(stages, config, self.stage_listeners)
         except BaseException:
             if comm is not None:
                 comm.close()
@@ -198,11 +191,17 @@ class HostAdamW(torch.optim.Optimizer):
         self._comm = comm
         self._pipelined = pipeline is not None
         self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
-        if streamer is not None and streamer.blocks:
+        if streamer is not None:
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
                                            backend_obj if self._owns_backend else None)
         self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
+
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The groups of parameters updated together, in canonical order; a stage listener's bucket
+        index is a position in this tuple."""
+        return self._buckets
 
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
@@ -341,6 +340,22 @@ def _home_of(p: torch.Tensor, streamer: ParamStreamer | None) -> torch.Tensor:
     """Where the weights of ``p`` live between steps: a streamed parameter's host copy, else ``p``."""
     host = streamer.host_copy(p) if streamer is not None else None
     return p if host is None else host
+
+
+class _StateView:
+    """The optimizer's state and settings for the stages, looked up at each use (``load_state_dict``
+    replaces both the state and the groups), and weakly: the host threads must not keep a dropped
+    optimizer alive."""
+
+    def __init__(self, opt: HostAdamW) -> None:
+        self._opt = weakref.ref(opt)
+        self._group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+
+    def state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return self._opt().state[p]
+
+    def hyper_of(self, p: torch.Tensor) -> Hyper:
+        return _hyper(self._opt().param_groups[self._group_of[id(p)]])
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:

@@ -8,6 +8,7 @@ weight fails.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
-from ooc.optim import HostAdamW
+from ooc.optim import HostAdamW, Stage
 from ooc.optim.pipeline import PipelineError
 from tests.helpers import gpt_batch
 
@@ -233,3 +234,28 @@ def test_model_state_dict_waits_for_the_updates() -> None:
     saved = model.state_dict()  # no synchronize(): the state_dict hook waits
     opt.close()
     assert all(torch.equal(saved[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_stage_listeners_see_every_stage_of_every_bucket_in_order(delayed: bool) -> None:
+    """NOTE [stage listeners]: each listener call names its bucket and stage, on the thread that ran
+    the stage; per bucket the stages of one step come in order and before the next step's."""
+    model = _model()
+    backend = CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001))  # not own-master: real copies
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend, delayed_update=delayed)
+    seen: list[tuple[int, Stage, str]] = []
+    opt.stage_listeners.append(lambda bucket, stage: seen.append((bucket, stage, threading.current_thread().name)))
+    try:
+        _pipelined(model, opt, steps=3)
+    finally:
+        opt.close()
+        backend.close()
+    thread_of = {Stage.COPY_OUT: "MainThread", Stage.EXCHANGE: "ooc-exchange", Stage.UPDATE: "ooc-host-update",
+                 Stage.COPY_IN: "MainThread" if delayed else "ooc-host-update"}
+    assert all(thread == thread_of[stage] for _, stage, thread in seen)
+    one_step = [Stage.COPY_OUT, Stage.EXCHANGE, Stage.UPDATE, Stage.COPY_IN]
+    # Delayed: a step's weights go in when the bucket launches in the next step (none after the last).
+    expected = one_step[:3] + [Stage.COPY_IN, *one_step[:3]] * 2 if delayed else one_step * 3
+    assert len(opt.buckets) == 7
+    for index in range(len(opt.buckets)):
+        assert [stage for bucket, stage, _ in seen if bucket == index] == expected
