@@ -29,6 +29,16 @@ import torch.nn as nn
 from ooc.errors import OocError
 
 REDUCE_ON = ("auto", "device", "host")
+"""Where data-parallel gradients are summed (:attr:`DataParallel.reduce_on`)."""
+
+
+def check_reduce_on(value: str, *, extra: tuple[str, ...] = ()) -> str:
+    """``value`` if it is one of :data:`REDUCE_ON` or of ``extra`` (choices a caller adds on top,
+    such as ``ooc train``'s ``"model"``), else ``ValueError``."""
+    choices = (*REDUCE_ON, *extra)
+    if value not in choices:
+        raise ValueError(f"reduce_on must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 class WorldError(OocError, RuntimeError):
@@ -55,8 +65,7 @@ class DataParallel:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.reduce_on not in REDUCE_ON:
-            raise ValueError(f"reduce_on must be one of {REDUCE_ON}, got {self.reduce_on!r}")
+        check_reduce_on(self.reduce_on)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 

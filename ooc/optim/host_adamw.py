@@ -5,8 +5,8 @@ step brings the gradients to the host, runs torch's fused CPU AdamW kernel on th
 copies the result back. On the CPU backend an fp32 parameter is its own master, so the step is the
 fused kernel alone, and results equal ``torch.optim.AdamW(fused=True)`` bit for bit.
 
-With ``pipeline=model`` the updates run block by block on host threads while the backward goes on
-(:mod:`ooc.optim.pipeline`); with ``data_parallel`` the gradients are averaged across ranks on the
+With ``model=model`` the updates run block by block on host threads while the backward goes on
+(:mod:`ooc.optim.pipeline`, :mod:`ooc.optim.stages`); with ``data_parallel`` the gradients are averaged across ranks on the
 way (:mod:`ooc.distributed`).
 """
 
@@ -66,14 +66,16 @@ class HostAdamW(torch.optim.Optimizer):
     The update is torch's fused CPU AdamW kernel, so on the CPU in fp32 the weights equal
     ``torch.optim.AdamW(fused=True)`` bit for bit.
 
-    - ``pipeline``: the model whose backward the updates overlap. Each block of its chain (found as
-      ``ooc.wrap`` finds it) and each top-level module outside the chain is a bucket; when a
-      bucket's last gradient arrives its update starts on a host thread while the backward goes on,
-      and the bucket's next forward waits for its new weights. ``step()`` then returns at once;
-      call :meth:`synchronize` before reading parameters outside a forward (``model.state_dict()``
-      and ``self.state_dict()`` do it for you). Without ``pipeline`` every update runs in ``step()``.
-      Pipelining pays where host cores idle during the backward (training on a GPU); where compute
-      keeps every core busy (the CPU backend) the update thread only competes with it.
+    - ``model``: the module being trained. Each block of its chain (found as ``ooc.wrap`` finds
+      it) and each top-level module outside the chain is a bucket (without a model, all parameters
+      are one bucket); a wrapped model's backend and streamed weights are used.
+    - ``pipeline`` (with ``model``): when a bucket's last gradient arrives its update starts on a
+      host thread while the backward goes on, and the bucket's next forward waits for its new
+      weights. ``step()`` then returns at once; call :meth:`synchronize` before reading parameters
+      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
+      ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
+      cores idle during the backward (training on a GPU); where compute keeps every core busy (the
+      CPU backend) the update thread only competes with it.
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
@@ -101,7 +103,8 @@ class HostAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        pipeline: nn.Module | None = None,
+        model: nn.Module | None = None,
+        pipeline: bool = True,
         backend: str | Backend | None = None,
         delayed_update: bool = False,
         accumulate: int = 1,
@@ -114,11 +117,14 @@ class HostAdamW(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                                inline=pipeline is None)
+                                inline=model is None or not pipeline)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
-        if pipeline is not None and not isinstance(pipeline, nn.Module):
-            raise TypeError(f"pipeline must be the nn.Module being trained, got {type(pipeline).__name__}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be the nn.Module being trained, got {type(model).__name__}")
+        if not isinstance(pipeline, bool):
+            raise TypeError(f"pipeline is True or False (pass the module being trained as model=...), got "
+                            f"{type(pipeline).__name__}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         tensors = [p for group in self.param_groups for p in group["params"]]
         for p in tensors:
@@ -132,10 +138,10 @@ class HostAdamW(torch.optim.Optimizer):
         small = {id(p) for p in self._device_params}
         host_params = [p for p in tensors if id(p) not in small]
 
-        backend_obj, self._owns_backend = _backend_for(backend, pipeline, tensors)
+        backend_obj, self._owns_backend = _backend_for(backend, model, tensors)
         self.backend = backend_obj
 
-        streamer = weight_streamer(pipeline) if pipeline is not None else None
+        streamer = weight_streamer(model) if model is not None else None
         home = {id(p): _home_of(p, streamer) for p in tensors}
 
         def own_master(p: torch.Tensor) -> bool:
@@ -143,17 +149,17 @@ class HostAdamW(torch.optim.Optimizer):
             return weights.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
                 and not delayed_update
 
-        chain = _chain_of(pipeline)
-        self._buckets = make_buckets(pipeline, chain, host_params)
+        chain = _chain_of(model)
+        self._buckets = make_buckets(model, chain, host_params)
         comm = None
         owner = {id(p): 0 for p in host_params}
         try:
             if data_parallel is not None:
-                plan_json = runtime_of(pipeline).plan.to_json() if pipeline is not None and is_wrapped(pipeline) else None
+                plan_json = runtime_of(model).plan.to_json() if model is not None and is_wrapped(model) else None
                 options = dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
                                delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
                                device_params_below=device_params_below)
-                comm, owner = join_world(data_parallel, model=pipeline, params=tensors, host_params=host_params,
+                comm, owner = join_world(data_parallel, model=model, params=tensors, host_params=host_params,
                                          options=options, plan_json=plan_json)
             rank = comm.rank if comm else 0
             sharded = comm is not None and comm.sharded
@@ -189,8 +195,8 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
-        self._pipelined = pipeline is not None
-        self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
+        self._pipelined = model is not None and pipeline
+        self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if streamer is not None:
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
@@ -219,12 +225,14 @@ class HostAdamW(torch.optim.Optimizer):
             state["master"] = master
         return state
 
-    def _install_hooks(self, model: nn.Module, chain: Chain | None) -> list[Any]:
+    def _install_hooks(self, model: nn.Module, chain: Chain | None, *, on_grad: bool) -> list[Any]:
+        """Forward gates and the ``state_dict`` wait; with ``on_grad``, the gradient hooks that
+        launch each bucket's update inside the backward."""
         pipe = self._pipeline
         handles = []
         for bucket in self._buckets:
             for p in bucket.params:
-                if p.requires_grad:
+                if on_grad and p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=bucket.index: pipe.on_grad(i)))
             if bucket.block is not None and chain is not None:
                 # The block's forward reads its parameters: they must hold this step's update.

@@ -47,7 +47,7 @@ def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.d
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32)).to(dtype)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model if pipelined else None, backend="chaos")
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, pipeline=pipelined, backend="chaos")
     ref_opt = torch.optim.AdamW(reference, lr=1e-2, fused=True)
     for _ in range(3):
         opt.zero_grad()
