@@ -53,6 +53,12 @@ class Segment:
         """Per-parameter views of a segment-sized 1-D buffer."""
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
+    def weight_views(self, flat: torch.Tensor, homes: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Per-parameter views of a segment-sized 1-D buffer with the strides of each parameter's
+        home (``homes``, in the segment's order): a copy into such a view lays the weights out as
+        their home holds them (channels_last too), so the H2D copy moves the bytes as they are."""
+        return [flat[o:o + p.numel()].as_strided(h.shape, h.stride()) for p, o, h in zip(self.params, self.offsets, homes)]
+
     def grad32_view(self, index: int) -> torch.Tensor:
         """The fp32 gradient buffer of the ``index``-th parameter (one this rank updates)."""
         p, start = self.params[index], self.offsets[index] - self.mine[0]
@@ -95,6 +101,22 @@ class Layout:
         return not self.sharded or self.owner[id(p)] == self.rank
 
 
+def dense(t: torch.Tensor) -> bool:
+    """The elements of ``t`` fill ``t.numel()`` consecutive places of its storage, in some order
+    (contiguous, or a permutation such as channels_last)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def storage_span(t: torch.Tensor) -> torch.Tensor:
+    """A dense tensor's memory as a 1-D tensor, in storage order (the bytes a copy engine moves)."""
+    return t.as_strided((t.numel(),), (1,), t.storage_offset())
+
+
 def grad32_elements(buckets: Sequence[Bucket], mine: Callable[[torch.Tensor], bool], *, per_bucket: bool) -> int:
     """Elements of the fp32 gradient buffer: the non-fp32 parameters this rank updates, of the
     largest bucket (one bucket is updated at a time), or of all buckets when every bucket's fp32
@@ -130,6 +152,12 @@ def make_layout(
     layout = Layout(tuple(buckets), segments, params, own, owner, home, tuple(norm_order), rank, world, sharded)
     for per_bucket in segments:
         for seg in per_bucket:
+            for p in seg.params if seg.staging is not None else ():
+                if not dense(home[id(p)]):
+                    raise ValueError(
+                        f"HostAdamW copies weights as dense blocks of memory, but a parameter of shape "
+                        f"{tuple(p.shape)} has strides {p.stride()}; make it contiguous (or channels_last)"
+                    )
             ranges = {r: (s, e) for r, s, e in seg.owner_ranges(world)} if sharded else {rank: (0, seg.numel)}
             seg.mine = ranges.get(rank, (0, 0))
     total = grad32_elements(buckets, layout.mine, per_bucket=grad32_per_bucket)

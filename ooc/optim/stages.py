@@ -38,7 +38,7 @@ import torch
 from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, Event
-from ooc.optim.layout import Layout, Segment
+from ooc.optim.layout import Layout, Segment, storage_span
 
 
 class Stage(enum.Enum):
@@ -262,7 +262,8 @@ class Stages:
         updated = set(updated)
         for seg in layout.segments[index]:
             if seg.staging is not None:
-                for p, view in zip(seg.params, seg.views(seg.staging)):
+                homes = [layout.home[id(p)] for p in seg.params]
+                for p, view in zip(seg.params, seg.weight_views(seg.staging, homes)):
                     if id(p) in updated:
                         view.copy_(self.state.state_of(p)["master"])
             if not layout.sharded:
@@ -290,8 +291,10 @@ class Stages:
         for seg in self.layout.segments[index]:
             if seg.staging is None:
                 continue
-            for p, view in zip(seg.params, seg.views(seg.staging)):
-                events.append(self.backend.copy_h2d(self.layout.home[id(p)].detach().view(-1), view.reshape(-1), after))
+            for p, o in zip(seg.params, seg.offsets):
+                # Staged in the home's own layout (stage_weights): the bytes go as they are.
+                dst = storage_span(self.layout.home[id(p)].detach())
+                events.append(self.backend.copy_h2d(dst, seg.staging[o:o + p.numel()], after))
         self.staging_readers[index] = list(events)
         return events
 
