@@ -1,4 +1,4 @@
-"""AdamW whose fp32 master weights and moments live in host memory (pinned on CUDA).
+"""AdamW whose fp32 master weights and moments live in host memory.
 
 The device keeps only working copies of the parameters in their own dtype (fp32, bf16 or fp16); each
 step brings the gradients to the host, runs torch's fused CPU AdamW kernel on the master weights and
@@ -12,6 +12,7 @@ way (:mod:`ooc.distributed`).
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Iterable
@@ -176,7 +177,10 @@ class HostAdamW(torch.optim.Optimizer):
             for p in mine:
                 self.state[p] = self._fresh_state(p, own=own_master(p))
             for p in self._device_params:
-                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                # step on the parameter's device, as torch.optim.AdamW(fused=True) keeps it: the fused
+                # CUDA kernel takes no CPU tensor.
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                 "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
             reduce_on_device = comm is not None and comm.reduce_on == "device"
             layout = make_layout(
@@ -211,7 +215,8 @@ class HostAdamW(torch.optim.Optimizer):
 
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(p.shape, dtype=torch.float32, pin_memory=p.is_cuda)
+        # Not pinned: masters and moments never cross PCIe (the staging and gradient buffers do).
+        return torch.zeros(p.shape, dtype=torch.float32)
 
     def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
         state = {
@@ -292,21 +297,26 @@ class HostAdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``Optimizer.load_state_dict``, but the state stays on the host (the base class would move
-        it to each parameter's device)."""
+        """As ``Optimizer.load_state_dict``, but each state tensor is copied exactly: the host state
+        (fp32 masters and moments, whatever the parameter's dtype, and ``step``) into host memory.
+        The base class would first cast every state tensor to its parameter's dtype and device,
+        truncating the fp32 state of bf16/fp16 parameters and staging all of it in device memory.
+        The state of parameters kept on their device (``device_params_below``) goes there, as the
+        base class puts it, with ``step`` on the device too (the fused kernel's rule)."""
         self.synchronize()
-        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        # The base class checks the groups and maps saved ids to parameters; given no state
+        # tensors, it casts none.
+        super().load_state_dict({**state_dict, "state": {k: {} for k in saved}})
+        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         device_ids = {id(p) for p in self._device_params}
-        for p, state in self.state.items():
-            if id(p) in device_ids:
+        for key, value in saved.items():
+            p = id_map.get(key)
+            if p is None:
+                self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and key != "step":
-                    host = self._host_zeros_like(p)
-                    host.copy_(value)
-                    state[key] = host
-                elif key == "step":
-                    state[key] = value.detach().to("cpu", torch.float32)
+            self.state[p] = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
         self._pipeline.after_load()
 
     def close(self) -> None:
@@ -364,6 +374,18 @@ class _StateView:
 
     def hyper_of(self, p: torch.Tensor) -> Hyper:
         return _hyper(self._opt().param_groups[self._group_of[id(p)]])
+
+
+def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
+    """A copy of one loaded state value of ``p``: host state in fp32 on the host, exactly; device
+    state (``on_device``) in the parameter's dtype on its device; ``step`` as fp32 beside the rest."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if name == "step":
+        return value.detach().to(p.device if on_device else "cpu", torch.float32, copy=True)
+    if on_device:
+        return value.detach().to(p.device, p.dtype, copy=True)
+    return HostAdamW._host_zeros_like(p).copy_(value.detach())
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:
