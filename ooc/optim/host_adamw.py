@@ -92,7 +92,8 @@ class HostAdamW(torch.optim.Optimizer):
       ranks of the default process group, bucket by bucket, overlapping the backward.
 
     Host memory needed (8 bytes per parameter for the moments, 4 more for a master copy where the
-    parameter is not itself a host fp32 tensor, plus transfer buffers) is checked before anything is
+    parameter is not itself a host fp32 tensor, plus transfer buffers and, for bf16/fp16 parameters,
+    fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
     allocated. Tensor shapes are the parameters' own; nothing is reshaped.
     """
 
@@ -189,9 +190,10 @@ class HostAdamW(torch.optim.Optimizer):
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
-            stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=_StateView(self),
+            state_view = _StateView(self)
+            stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
                             reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
-            self._pipeline = UpdatePipeline(stages, config, self.stage_listeners)
+            self._pipeline = UpdatePipeline(stages, config, state_view.listeners)
         except BaseException:
             if comm is not None:
                 comm.close()
@@ -361,7 +363,7 @@ def _home_of(p: torch.Tensor, streamer: ParamStreamer | None) -> torch.Tensor:
 
 
 class _StateView:
-    """The optimizer's state and settings for the stages, looked up at each use (``load_state_dict``
+    """The optimizer's state, settings and stage listeners for the pipeline, looked up at each use (``load_state_dict``
     replaces both the state and the groups), and weakly: the host threads must not keep a dropped
     optimizer alive."""
 
@@ -374,6 +376,9 @@ class _StateView:
 
     def hyper_of(self, p: torch.Tensor) -> Hyper:
         return _hyper(self._opt().param_groups[self._group_of[id(p)]])
+
+    def listeners(self) -> list[StageListener]:
+        return self._opt().stage_listeners
 
 
 def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:

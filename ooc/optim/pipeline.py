@@ -80,12 +80,14 @@ class _BucketState:
 class UpdatePipeline:
     """Runs the host AdamW updates of a :class:`~ooc.optim.HostAdamW`, bucket by bucket."""
 
-    def __init__(self, stages: Stages, config: PipelineConfig, listeners: list[StageListener] | None = None) -> None:
+    def __init__(self, stages: Stages, config: PipelineConfig,
+                 listeners: Callable[[], Sequence[StageListener]] = tuple) -> None:
+        """``listeners``: returns the callables to call with (bucket, stage) as each stage ends (NOTE
+        [stage listeners] in ooc.optim.stages), looked up at each call."""
         self.stages = stages
         self.config = config
         self.buckets = stages.layout.buckets
-        self.listeners: list[StageListener] = [] if listeners is None else listeners
-        """Called with (bucket, stage) as each stage ends (NOTE [stage listeners] in ooc.optim.stages)."""
+        self.listeners = listeners
         self.status = [_BucketState() for _ in self.buckets]
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
@@ -101,7 +103,7 @@ class UpdatePipeline:
             thread.start()
 
     def _ended(self, index: int, stage: Stage) -> None:
-        for listener in self.listeners:
+        for listener in self.listeners():
             listener(index, stage)
 
     # training thread ---------------------------------------------------------------------------
@@ -281,6 +283,9 @@ class UpdatePipeline:
         if self.config.delayed_update:
             status.pending_h2d = True
         else:
+            # No compute event to wait on: this thread waited (EXCHANGE) for the copy-out's compute
+            # event, recorded after the bucket's backward, so that backward no longer reads the old
+            # weights. The next forward waits for these copies at the gate.
             status.gate = self.stages.copy_in(job.bucket)
             self._ended(job.bucket, Stage.COPY_IN)
         status.done.set()
