@@ -5,7 +5,7 @@ prediction is printed beside each measurement.
 Per world size (1 process; 2 gloo ranks on this machine), three ways to train the same GPT:
 - ``fwd+bwd``: no optimizer step (the floor);
 - ``serial``: HostAdamW updating everything in ``step()`` after the backward (exchange included);
-- ``pipelined``: HostAdamW(pipeline=model): each block's exchange and update start as its backward ends.
+- ``pipelined``: HostAdamW(model=model): each block's exchange and update start as its backward ends.
 Hidden fraction = (serial - pipelined) / (serial - fwd+bwd). Every process runs one compute thread
 (as torchrun sets it), so 2 ranks use both cores. The model's inputs are measured in the same run:
 the blocks' profile, the host AdamW rate, the all-reduce bandwidth between the two ranks, and the
@@ -61,7 +61,7 @@ def _worker(args: argparse.Namespace) -> None:
     opts = {
         "fwd+bwd": None,
         "serial": HostAdamW(models["serial"].parameters(), lr=1e-4, data_parallel=dp),
-        "pipelined": HostAdamW(models["pipelined"].parameters(), lr=1e-4, pipeline=models["pipelined"], data_parallel=dp),
+        "pipelined": HostAdamW(models["pipelined"].parameters(), lr=1e-4, model=models["pipelined"], data_parallel=dp),
     }
 
     def step(mode: str) -> None:

@@ -29,6 +29,16 @@ import torch.nn as nn
 from ooc.errors import OocError
 
 REDUCE_ON = ("auto", "device", "host")
+"""Where data-parallel gradients are summed (:attr:`DataParallel.reduce_on`)."""
+
+
+def check_reduce_on(value: str, *, extra: tuple[str, ...] = ()) -> str:
+    """``value`` if it is one of :data:`REDUCE_ON` or of ``extra`` (choices a caller adds on top,
+    such as ``ooc train``'s ``"model"``), else ``ValueError``."""
+    choices = (*REDUCE_ON, *extra)
+    if value not in choices:
+        raise ValueError(f"reduce_on must be one of {', '.join(choices)}, got {value!r}")
+    return value
 
 
 class WorldError(OocError, RuntimeError):
@@ -55,8 +65,7 @@ class DataParallel:
     timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.reduce_on not in REDUCE_ON:
-            raise ValueError(f"reduce_on must be one of {REDUCE_ON}, got {self.reduce_on!r}")
+        check_reduce_on(self.reduce_on)
         if not self.timeout_s > 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
@@ -166,6 +175,25 @@ def check_world(mine: dict[str, str]) -> None:
             "; ".join(problems) + ". Every rank must build the same model (same sizes and dtypes), the same "
             "ooc plan and the same optimizer options; check the command line of each rank."
         )
+
+
+def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],
+               host_params: Sequence[torch.Tensor], options: dict[str, Any],
+               plan_json: str | None) -> tuple[GroupCommunicator, dict[int, int]]:
+    """The data-parallel handshake of a host optimizer, on every rank: make its process groups, check
+    (``config.check``) that every rank built the same model, plan and ``options``, start every rank
+    from rank 0's weights, and give each of ``host_params`` its owner rank (all rank 0's unless
+    sharded). Returns the communicator and the owners (by ``id``); closes the groups on failure."""
+    comm = GroupCommunicator(config)
+    try:
+        if config.check:
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json))
+        broadcast_parameters(params)
+        owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
+    except BaseException:
+        comm.close()
+        raise
+    return comm, owner
 
 
 def broadcast_parameters(params: Sequence[torch.Tensor]) -> None:

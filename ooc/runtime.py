@@ -449,3 +449,10 @@ def memory_report(model: nn.Module) -> MemoryReport:
 def is_wrapped(model: nn.Module) -> bool:
     return model in _RUNTIMES
 
+
+def weight_streamer(model: nn.Module) -> ParamStreamer | None:
+    """The streamer of a wrapped model whose plan streams weights (NOTE [streamed parameters] in
+    ooc.streaming), else ``None``: a host optimizer updates its host copies and waits in its
+    ``before_stream_in`` callbacks."""
+    runtime = _RUNTIMES.get(model)
+    return runtime.streamer if runtime is not None and runtime.streamer.blocks else None

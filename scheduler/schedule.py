@@ -131,7 +131,7 @@ class HostUpdate:
     Per bucket (each block, then the parameters outside the chain): gradients out (D2H), summed
     across ``world`` ranks (NET; before the copy with ``reduce_on="device"``), the AdamW update
     (HOST), with ``shard`` each rank's new weights broadcast (NET), and the new weights in (H2D).
-    ``overlap``: buckets start as their backward ends (``pipeline=model``); else all after it.
+    ``overlap``: buckets start as their backward ends (``HostAdamW(model=...)``); else all after it.
     ``copies``: gradients and weights cross a host link (not on the plain CPU backend in fp32).
     ``value_bytes``: bytes per parameter value on the device. These ops change no device memory.
     """

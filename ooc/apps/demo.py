@@ -139,7 +139,7 @@ def run_demo(
     # AdamW on the host. On a GPU each block's update overlaps the rest of the backward; on the CPU
     # backend compute already keeps every core busy, and the update thread only competes with it
     # (measured here: 171 ms per step pipelined vs 146 ms updating in step()).
-    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, pipeline=model if device.type == "cuda" else None)
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, pipeline=device.type == "cuda")
     losses, times, peak = [], [], 0
     bar = tqdm(range(steps), desc="training", unit="step", disable=None if progress else True, leave=False)
     for step in bar:

@@ -24,7 +24,7 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.distributed import DataParallel, init_from_env, peer_failures
+from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
@@ -77,8 +77,7 @@ class TrainConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
-        if self.reduce_on not in ("auto", "device", "host", "model"):
-            raise ValueError(f"reduce_on must be auto, device, host or model, got {self.reduce_on!r}")
+        check_reduce_on(self.reduce_on, extra=("model",))  # model: the performance model chooses (rank 0)
         if self.plan.startswith("budget:"):
             fraction = self.plan.partition(":")[2]
             try:
@@ -169,7 +168,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         if world > 1 else "auto"
     ooc.wrap(model, plan, backend="auto")
     opt = HostAdamW(
-        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, pipeline=model if cfg.pipeline else None,
+        model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, model=model, pipeline=cfg.pipeline,
         delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
         device_params_below=cfg.device_params_below,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,

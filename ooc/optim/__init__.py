@@ -1,5 +1,6 @@
 """Optimizers whose state lives on the host."""
 
 from ooc.optim.host_adamw import HostAdamW, HostMemoryError
+from ooc.optim.stages import Stage
 
-__all__ = ["HostAdamW", "HostMemoryError"]
+__all__ = ["HostAdamW", "HostMemoryError", "Stage"]

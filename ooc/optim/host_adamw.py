@@ -1,17 +1,18 @@
-"""AdamW whose fp32 master weights and moments live in host memory (pinned on CUDA).
+"""AdamW whose fp32 master weights and moments live in host memory.
 
 The device keeps only working copies of the parameters in their own dtype (fp32, bf16 or fp16); each
 step brings the gradients to the host, runs torch's fused CPU AdamW kernel on the master weights and
 copies the result back. On the CPU backend an fp32 parameter is its own master, so the step is the
 fused kernel alone, and results equal ``torch.optim.AdamW(fused=True)`` bit for bit.
 
-With ``pipeline=model`` the updates run block by block on host threads while the backward goes on
-(:mod:`ooc.optim.pipeline`); with ``data_parallel`` the gradients are averaged across ranks on the
+With ``model=model`` the updates run block by block on host threads while the backward goes on
+(:mod:`ooc.optim.pipeline`, :mod:`ooc.optim.stages`); with ``data_parallel`` the gradients are averaged across ranks on the
 way (:mod:`ooc.distributed`).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import weakref
 from collections.abc import Iterable
@@ -23,20 +24,13 @@ from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import Chain, find_blocks
-from ooc.distributed import (
-    DataParallel,
-    GroupCommunicator,
-    assign_owners,
-    broadcast_parameters,
-    check_world,
-    fingerprint,
-    options_of,
-    peer_failures,
-)
+from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_failures
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.pipeline import Hyper, UpdatePipeline
-from ooc.runtime import is_wrapped, runtime_of
+from ooc.optim.layout import grad32_elements, make_layout
+from ooc.optim.pipeline import PipelineConfig, UpdatePipeline
+from ooc.optim.stages import Hyper, StageListener, Stages
+from ooc.runtime import is_wrapped, runtime_of, weight_streamer
 from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer
 
@@ -73,14 +67,16 @@ class HostAdamW(torch.optim.Optimizer):
     The update is torch's fused CPU AdamW kernel, so on the CPU in fp32 the weights equal
     ``torch.optim.AdamW(fused=True)`` bit for bit.
 
-    - ``pipeline``: the model whose backward the updates overlap. Each block of its chain (found as
-      ``ooc.wrap`` finds it) and each top-level module outside the chain is a bucket; when a
-      bucket's last gradient arrives its update starts on a host thread while the backward goes on,
-      and the bucket's next forward waits for its new weights. ``step()`` then returns at once;
-      call :meth:`synchronize` before reading parameters outside a forward (``model.state_dict()``
-      and ``self.state_dict()`` do it for you). Without ``pipeline`` every update runs in ``step()``.
-      Pipelining pays where host cores idle during the backward (training on a GPU); where compute
-      keeps every core busy (the CPU backend) the update thread only competes with it.
+    - ``model``: the module being trained. Each block of its chain (found as ``ooc.wrap`` finds
+      it) and each top-level module outside the chain is a bucket (without a model, all parameters
+      are one bucket); a wrapped model's backend and streamed weights are used.
+    - ``pipeline`` (with ``model``): when a bucket's last gradient arrives its update starts on a
+      host thread while the backward goes on, and the bucket's next forward waits for its new
+      weights. ``step()`` then returns at once; call :meth:`synchronize` before reading parameters
+      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
+      ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
+      cores idle during the backward (training on a GPU); where compute keeps every core busy (the
+      CPU backend) the update thread only competes with it.
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
@@ -96,7 +92,8 @@ class HostAdamW(torch.optim.Optimizer):
       ranks of the default process group, bucket by bucket, overlapping the backward.
 
     Host memory needed (8 bytes per parameter for the moments, 4 more for a master copy where the
-    parameter is not itself a host fp32 tensor, plus transfer buffers) is checked before anything is
+    parameter is not itself a host fp32 tensor, plus transfer buffers and, for bf16/fp16 parameters,
+    fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
     allocated. Tensor shapes are the parameters' own; nothing is reshaped.
     """
 
@@ -108,7 +105,8 @@ class HostAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 1e-2,
         *,
-        pipeline: nn.Module | None = None,
+        model: nn.Module | None = None,
+        pipeline: bool = True,
         backend: str | Backend | None = None,
         delayed_update: bool = False,
         accumulate: int = 1,
@@ -120,28 +118,32 @@ class HostAdamW(torch.optim.Optimizer):
             raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"accumulate must be an int >= 1 (backward passes per step), got {accumulate!r}")
-        if max_grad_norm is not None and not max_grad_norm > 0:
-            raise ValueError(f"max_grad_norm must be > 0 or None, got {max_grad_norm}")
+        config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                                inline=model is None or not pipeline)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
-        if pipeline is not None and not isinstance(pipeline, nn.Module):
-            raise TypeError(f"pipeline must be the nn.Module being trained, got {type(pipeline).__name__}")
+        if model is not None and not isinstance(model, nn.Module):
+            raise TypeError(f"model must be the nn.Module being trained, got {type(model).__name__}")
+        if not isinstance(pipeline, bool):
+            raise TypeError(f"pipeline is True or False (pass the module being trained as model=...), got "
+                            f"{type(pipeline).__name__}")
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
         tensors = [p for group in self.param_groups for p in group["params"]]
         for p in tensors:
             if not p.is_floating_point():
                 raise TypeError(f"HostAdamW optimizes floating-point parameters, got {p.dtype}")
         self.delayed_update = delayed_update
+        self.stage_listeners: list[StageListener] = []
+        """Called with (bucket index, :class:`~ooc.optim.stages.Stage`) as each stage of a bucket's
+        update ends, on the thread that ran it (NOTE [stage listeners] in ooc.optim.stages)."""
         self._device_params = [p for p in tensors if p.numel() < device_params_below]
         small = {id(p) for p in self._device_params}
         host_params = [p for p in tensors if id(p) not in small]
 
-        backend_obj, self._owns_backend = _backend_for(backend, pipeline, tensors)
+        backend_obj, self._owns_backend = _backend_for(backend, model, tensors)
         self.backend = backend_obj
 
-        streamer = runtime_of(pipeline).streamer if pipeline is not None and is_wrapped(pipeline) else None
+        streamer = weight_streamer(model) if model is not None else None
         home = {id(p): _home_of(p, streamer) for p in tensors}
 
         def own_master(p: torch.Tensor) -> bool:
@@ -149,46 +151,49 @@ class HostAdamW(torch.optim.Optimizer):
             return weights.device.type == "cpu" and p.dtype == torch.float32 and not backend_obj.separate_memory \
                 and not delayed_update
 
+        chain = _chain_of(model)
+        self._buckets = make_buckets(model, chain, host_params)
         comm = None
         owner = {id(p): 0 for p in host_params}
         try:
             if data_parallel is not None:
-                comm = GroupCommunicator(data_parallel)
-                if data_parallel.check:
-                    plan_json = runtime_of(pipeline).plan.to_json() if pipeline is not None and is_wrapped(pipeline) else None
-                    options = options_of(data_parallel, lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
-                                         delayed_update=delayed_update, accumulate=accumulate,
-                                         max_grad_norm=max_grad_norm, device_params_below=device_params_below)
-                    check_world(fingerprint(pipeline, tensors, options, plan_json))
-                broadcast_parameters(tensors)
-                if data_parallel.shard:
-                    owner = assign_owners(host_params, comm.world)
+                plan_json = runtime_of(model).plan.to_json() if model is not None and is_wrapped(model) else None
+                options = dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
+                               delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
+                               device_params_below=device_params_below)
+                comm, owner = join_world(data_parallel, model=model, params=tensors, host_params=host_params,
+                                         options=options, plan_json=plan_json)
             rank = comm.rank if comm else 0
-            mine = [p for p in host_params if owner[id(p)] == rank or not (comm and comm.sharded)]
-            needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None)
+            sharded = comm is not None and comm.sharded
+
+            def is_mine(p: torch.Tensor) -> bool:
+                return not sharded or owner[id(p)] == rank
+
+            mine = [p for p in host_params if is_mine(p)]
+            needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None) \
+                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None)
             available = available_host_bytes()
             if needed > available:
                 raise HostMemoryError(needed, available)
             for p in mine:
                 self.state[p] = self._fresh_state(p, own=own_master(p))
             for p in self._device_params:
-                self.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+                # step on the parameter's device, as torch.optim.AdamW(fused=True) keeps it: the fused
+                # CUDA kernel takes no CPU tensor.
+                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                                 "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
-            chain = _chain_of(pipeline)
-            self._buckets = make_buckets(pipeline, chain, host_params)
-            # Looked up at each use: load_state_dict replaces both the state and the groups. Weakly:
-            # the host threads must not keep a dropped optimizer alive.
-            group_of = {id(p): g for g, group in enumerate(self.param_groups) for p in group["params"]}
-            me = weakref.ref(self)
-            self._pipeline = UpdatePipeline(
-                buckets=self._buckets, state_of=lambda p: me().state[p],
-                hyper_of=lambda p: _hyper(me().param_groups[group_of[id(p)]]),
-                backend=backend_obj, own_master=own_master, home=home, owner=owner, comm=comm,
-                reduce_on_device=comm is not None and comm.reduce_on == "device",
-                delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                norm_order=tensors if not small else [p for p in tensors if id(p) not in small],
-                inline=pipeline is None,
+            reduce_on_device = comm is not None and comm.reduce_on == "device"
+            layout = make_layout(
+                self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
+                norm_order=[p for p in tensors if id(p) not in small], rank=rank,
+                world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
+                reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
+            state_view = _StateView(self)
+            stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
+                            reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
+            self._pipeline = UpdatePipeline(stages, config, state_view.listeners)
         except BaseException:
             if comm is not None:
                 comm.close()
@@ -196,17 +201,24 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
-        self._pipelined = pipeline is not None
-        self._handles = self._install_hooks(pipeline, chain) if pipeline is not None else []
-        if streamer is not None and streamer.blocks:
+        self._pipelined = model is not None and pipeline
+        self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
+        if streamer is not None:
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
                                            backend_obj if self._owns_backend else None)
         self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
 
+    @property
+    def buckets(self) -> tuple[Bucket, ...]:
+        """The groups of parameters updated together, in canonical order; a stage listener's bucket
+        index is a position in this tuple."""
+        return self._buckets
+
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
-        return torch.zeros(p.shape, dtype=torch.float32, pin_memory=p.is_cuda)
+        # Not pinned: masters and moments never cross PCIe (the staging and gradient buffers do).
+        return torch.zeros(p.shape, dtype=torch.float32)
 
     def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
         state = {
@@ -220,12 +232,14 @@ class HostAdamW(torch.optim.Optimizer):
             state["master"] = master
         return state
 
-    def _install_hooks(self, model: nn.Module, chain: Chain | None) -> list[Any]:
+    def _install_hooks(self, model: nn.Module, chain: Chain | None, *, on_grad: bool) -> list[Any]:
+        """Forward gates and the ``state_dict`` wait; with ``on_grad``, the gradient hooks that
+        launch each bucket's update inside the backward."""
         pipe = self._pipeline
         handles = []
         for bucket in self._buckets:
             for p in bucket.params:
-                if p.requires_grad:
+                if on_grad and p.requires_grad:
                     handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=bucket.index: pipe.on_grad(i)))
             if bucket.block is not None and chain is not None:
                 # The block's forward reads its parameters: they must hold this step's update.
@@ -285,21 +299,26 @@ class HostAdamW(torch.optim.Optimizer):
         return super().state_dict()
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As ``Optimizer.load_state_dict``, but the state stays on the host (the base class would move
-        it to each parameter's device)."""
+        """As ``Optimizer.load_state_dict``, but each state tensor is copied exactly: the host state
+        (fp32 masters and moments, whatever the parameter's dtype, and ``step``) into host memory.
+        The base class would first cast every state tensor to its parameter's dtype and device,
+        truncating the fp32 state of bf16/fp16 parameters and staging all of it in device memory.
+        The state of parameters kept on their device (``device_params_below``) goes there, as the
+        base class puts it, with ``step`` on the device too (the fused kernel's rule)."""
         self.synchronize()
-        super().load_state_dict(state_dict)
+        saved = state_dict["state"]
+        # The base class checks the groups and maps saved ids to parameters; given no state
+        # tensors, it casts none.
+        super().load_state_dict({**state_dict, "state": {k: {} for k in saved}})
+        id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
+                          itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         device_ids = {id(p) for p in self._device_params}
-        for p, state in self.state.items():
-            if id(p) in device_ids:
+        for key, value in saved.items():
+            p = id_map.get(key)
+            if p is None:
+                self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
-            for key, value in list(state.items()):
-                if isinstance(value, torch.Tensor) and key != "step":
-                    host = self._host_zeros_like(p)
-                    host.copy_(value)
-                    state[key] = host
-                elif key == "step":
-                    state[key] = value.detach().to("cpu", torch.float32)
+            self.state[p] = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
         self._pipeline.after_load()
 
     def close(self) -> None:
@@ -341,6 +360,37 @@ def _home_of(p: torch.Tensor, streamer: ParamStreamer | None) -> torch.Tensor:
     """Where the weights of ``p`` live between steps: a streamed parameter's host copy, else ``p``."""
     host = streamer.host_copy(p) if streamer is not None else None
     return p if host is None else host
+
+
+class _StateView:
+    """The optimizer's state, settings and stage listeners for the pipeline, looked up at each use (``load_state_dict``
+    replaces both the state and the groups), and weakly: the host threads must not keep a dropped
+    optimizer alive."""
+
+    def __init__(self, opt: HostAdamW) -> None:
+        self._opt = weakref.ref(opt)
+        self._group_of = {id(p): g for g, group in enumerate(opt.param_groups) for p in group["params"]}
+
+    def state_of(self, p: torch.Tensor) -> dict[str, Any]:
+        return self._opt().state[p]
+
+    def hyper_of(self, p: torch.Tensor) -> Hyper:
+        return _hyper(self._opt().param_groups[self._group_of[id(p)]])
+
+    def listeners(self) -> list[StageListener]:
+        return self._opt().stage_listeners
+
+
+def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
+    """A copy of one loaded state value of ``p``: host state in fp32 on the host, exactly; device
+    state (``on_device``) in the parameter's dtype on its device; ``step`` as fp32 beside the rest."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    if name == "step":
+        return value.detach().to(p.device if on_device else "cpu", torch.float32, copy=True)
+    if on_device:
+        return value.detach().to(p.device, p.dtype, copy=True)
+    return HostAdamW._host_zeros_like(p).copy_(value.detach())
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:

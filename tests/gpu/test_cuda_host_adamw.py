@@ -134,7 +134,7 @@ def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.d
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 32)).cuda().to(dtype)
     masters = [p.detach().float().cpu().requires_grad_() for p in model.parameters()]
-    opt = HostAdamW(model.parameters(), lr=LR, pipeline=model if pipelined else None)
+    opt = HostAdamW(model.parameters(), lr=LR, model=model, pipeline=pipelined)
     ref_opt = torch.optim.AdamW(masters, lr=LR, fused=True)
     g = torch.Generator().manual_seed(0)
     try:
@@ -159,7 +159,7 @@ def test_close_to_torch_default_cuda_adamw() -> None:
 
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-3, weight_decay=WD, pipeline=model)
+    opt = HostAdamW(model.parameters(), lr=1e-3, weight_decay=WD, model=model)
     try:
         _train(model, opt)
     finally:

@@ -47,7 +47,7 @@ def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.d
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 32), nn.Linear(32, 32)).to(dtype)
     reference = [p.detach().float().clone().requires_grad_() for p in model.parameters()]
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model if pipelined else None, backend="chaos")
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, pipeline=pipelined, backend="chaos")
     ref_opt = torch.optim.AdamW(reference, lr=1e-2, fused=True)
     for _ in range(3):
         opt.zero_grad()
@@ -101,3 +101,34 @@ def test_host_memory_is_checked_before_anything_is_allocated(monkeypatch) -> Non
 def test_bad_hyperparameters(kwargs) -> None:
     with pytest.raises(ValueError):
         HostAdamW(nn.Linear(2, 2).parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("device_params_below", [0, 1000], ids=["all-on-host", "small-on-device"])
+def test_state_dict_round_trip_of_bf16_parameters_is_exact(device_params_below: int) -> None:
+    """Issue 11 (e): the fp32 masters and moments of bf16 parameters load into host memory bit for
+    bit (the base class would cast them to bf16 first), and training resumes as if uninterrupted.
+    Issue 11 (d): the step of a parameter kept on its device lives on that device."""
+    torch.manual_seed(0)
+    a = GPT("nano").to(torch.bfloat16)
+    opt_a = HostAdamW(a.parameters(), lr=1e-3, model=a, device_params_below=device_params_below)
+    _train(a, opt_a, range(3))
+    saved = copy.deepcopy(opt_a.state_dict())
+    b = copy.deepcopy(a)
+    opt_b = HostAdamW(b.parameters(), lr=1e-3, model=b, device_params_below=device_params_below)
+    opt_b.load_state_dict(copy.deepcopy(saved))
+    for p_a, p_b in zip(a.parameters(), b.parameters()):
+        state_a, state_b = opt_a.state[p_a], opt_b.state[p_b]
+        assert state_a.keys() == state_b.keys()
+        for key in state_a:
+            assert state_b[key].dtype == state_a[key].dtype and state_b[key].device == state_a[key].device
+            assert torch.equal(state_b[key], state_a[key]), key
+        assert state_b["step"].device == (p_b.device if p_b.numel() < device_params_below else torch.device("cpu"))
+    assert any("master" in s for s in opt_b.state.values())
+    assert (device_params_below > 0) == any(p.numel() < device_params_below for p in b.parameters())
+    _train(a, opt_a, range(3, 6))
+    _train(b, opt_b, range(3, 6))
+    opt_a.synchronize()
+    opt_b.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    opt_a.close()
+    opt_b.close()

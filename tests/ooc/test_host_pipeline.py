@@ -8,6 +8,7 @@ weight fails.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -15,7 +16,7 @@ import torch
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
-from ooc.optim import HostAdamW
+from ooc.optim import HostAdamW, Stage
 from ooc.optim.pipeline import PipelineError
 from tests.helpers import gpt_batch
 
@@ -68,7 +69,7 @@ def test_pipelined_updates_equal_fused_adamw(backend: str, wrapped: bool) -> Non
     backend_obj = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.002)) if backend == "chaos" else CpuBackend()
     if wrapped:
         ooc.wrap(model, MIXED, backend=backend_obj)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, backend=backend_obj)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend_obj)
     try:
         assert _pipelined(model, opt) == _reference(plain)
         assert _same_weights(model, plain)
@@ -87,7 +88,7 @@ def test_without_the_forward_gate_the_chaos_run_differs(monkeypatch) -> None:
     plain = _model()
     model = copy.deepcopy(plain)
     backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.02))
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend)
     try:
         losses = _pipelined(model, opt, steps=3)
     finally:
@@ -98,7 +99,7 @@ def test_without_the_forward_gate_the_chaos_run_differs(monkeypatch) -> None:
 
 def test_block_updates_start_inside_the_backward() -> None:
     model = _model()
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
     launched_during_backward = []
     original = opt._pipeline.launch
 
@@ -119,7 +120,7 @@ def test_block_updates_start_inside_the_backward() -> None:
 def test_gradient_accumulation() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, accumulate=2)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, accumulate=2)
     try:
         assert _pipelined(model, opt, accumulate=2) == _reference(plain, accumulate=2)
         assert _same_weights(model, plain)
@@ -129,7 +130,7 @@ def test_gradient_accumulation() -> None:
 
 def test_a_second_backward_without_accumulate_is_an_error() -> None:
     model = _model()
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
     model(*gpt_batch())[1].backward()
     with pytest.raises(PipelineError, match="accumulate=k"):
         model(*gpt_batch(seed=1))[1].backward()
@@ -139,7 +140,7 @@ def test_a_second_backward_without_accumulate_is_an_error() -> None:
 def test_clipping_by_global_norm_equals_clip_grad_norm() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, max_grad_norm=0.5)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, max_grad_norm=0.5)
     try:
         assert _pipelined(model, opt) == _reference(plain, clip=0.5)
         assert _same_weights(model, plain)
@@ -151,7 +152,7 @@ def test_delayed_update_applies_each_gradient_one_step_late() -> None:
     """DPU: step s runs on the weights after the gradients of step s-2, i.e. one update stale."""
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, delayed_update=True)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, delayed_update=True)
     losses = _pipelined(model, opt)
     opt.close()
     master = copy.deepcopy(plain)  # the weights the host optimizer holds
@@ -177,7 +178,7 @@ def test_delayed_update_applies_each_gradient_one_step_late() -> None:
 def test_small_parameters_may_stay_on_the_device() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model, device_params_below=1000)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000)
     try:
         assert _pipelined(model, opt) == _reference(plain)
         assert _same_weights(model, plain)
@@ -192,10 +193,10 @@ def test_state_dict_round_trip_resumes_identically(options: dict) -> None:
     """Delayed: the loaded masters hold the update the weights (as a checkpoint saves them, one
     update behind) have not taken yet; it lands at the next step."""
     a = _model()
-    opt_a = HostAdamW(a.parameters(), lr=1e-2, pipeline=a, **options)
+    opt_a = HostAdamW(a.parameters(), lr=1e-2, model=a, **options)
     _pipelined(a, opt_a, steps=2)
     b = copy.deepcopy(a)
-    opt_b = HostAdamW(b.parameters(), lr=1e-2, pipeline=b, **options)
+    opt_b = HostAdamW(b.parameters(), lr=1e-2, model=b, **options)
     opt_b.load_state_dict(copy.deepcopy(opt_a.state_dict()))
     assert _pipelined(a, opt_a, steps=3) == _pipelined(b, opt_b, steps=3)
     assert _same_weights(a, b)
@@ -206,7 +207,7 @@ def test_state_dict_round_trip_resumes_identically(options: dict) -> None:
 def test_lr_scheduler_changes_apply_from_the_next_step() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model)
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=1, gamma=0.5) for o in (opt, ref)]
     for step in range(3):
@@ -224,7 +225,7 @@ def test_lr_scheduler_changes_apply_from_the_next_step() -> None:
 def test_model_state_dict_waits_for_the_updates() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=CpuBackend(chaos=ChaosConfig(max_delay_s=0.01)))
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=CpuBackend(chaos=ChaosConfig(max_delay_s=0.01)))
     ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True)
     for m, o in ((model, opt), (plain, ref)):
         torch.manual_seed(0)
@@ -233,3 +234,62 @@ def test_model_state_dict_waits_for_the_updates() -> None:
     saved = model.state_dict()  # no synchronize(): the state_dict hook waits
     opt.close()
     assert all(torch.equal(saved[k], v) for k, v in plain.state_dict().items())
+
+
+@pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
+def test_stage_listeners_see_every_stage_of_every_bucket_in_order(delayed: bool) -> None:
+    """NOTE [stage listeners]: each listener call names its bucket and stage, on the thread that ran
+    the stage; per bucket the stages of one step come in order and before the next step's."""
+    model = _model()
+    backend = CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001))  # not own-master: real copies
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, delayed_update=delayed)
+    seen: list[tuple[int, Stage, str]] = []
+    opt.stage_listeners.append(lambda bucket, stage: seen.append((bucket, stage, threading.current_thread().name)))
+    try:
+        _pipelined(model, opt, steps=3)
+    finally:
+        opt.close()
+        backend.close()
+    thread_of = {Stage.COPY_OUT: "MainThread", Stage.EXCHANGE: "ooc-exchange", Stage.UPDATE: "ooc-host-update",
+                 Stage.COPY_IN: "MainThread" if delayed else "ooc-host-update"}
+    assert all(thread == thread_of[stage] for _, stage, thread in seen)
+    one_step = [Stage.COPY_OUT, Stage.EXCHANGE, Stage.UPDATE, Stage.COPY_IN]
+    # Delayed: a step's weights go in when the bucket launches in the next step (none after the last).
+    expected = one_step[:3] + [Stage.COPY_IN, *one_step[:3]] * 2 if delayed else one_step * 3
+    assert len(opt.buckets) == 7
+    for index in range(len(opt.buckets)):
+        assert [stage for bucket, stage, _ in seen if bucket == index] == expected
+
+
+def test_pipeline_false_keeps_the_buckets_and_updates_in_step() -> None:
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, pipeline=False)
+    in_step: list[bool] = []
+    stages: list[tuple[Stage, bool]] = []
+    opt.stage_listeners.append(lambda bucket, stage: stages.append((stage, bool(in_step))))
+    step = opt.step
+
+    def spy() -> None:
+        in_step.append(True)
+        step()
+        in_step.pop()
+
+    opt.step = spy
+    try:
+        assert _train(model, opt, STEPS) == _reference(plain)
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()
+    assert len(opt.buckets) == 7  # the model's blocks and the modules outside them
+    one_bucket = [Stage.COPY_OUT, Stage.EXCHANGE, Stage.UPDATE, Stage.COPY_IN]
+    assert [stage for stage, _ in stages] == one_bucket * len(opt.buckets) * STEPS
+    assert all(during_step for _, during_step in stages)  # nothing started in the backward
+
+
+def test_pipeline_takes_a_bool_and_the_module_goes_to_model() -> None:
+    model = _model()
+    with pytest.raises(TypeError, match="model="):
+        HostAdamW(model.parameters(), pipeline=model)
+    with pytest.raises(TypeError, match="model must be the nn.Module"):
+        HostAdamW(model.parameters(), model=[model])

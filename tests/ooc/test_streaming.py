@@ -91,7 +91,7 @@ def test_streamed_with_the_pipelined_host_optimizer() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
     ooc.wrap(model, Plan.of(POLICIES["mixed"]).streaming([0, 1, 2, 3]), backend="chaos")
-    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, pipeline=model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model)
     expected = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 4)
     assert _train(model, opt, 4) == expected
     opt.synchronize()
