@@ -53,7 +53,9 @@ def _pair_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constex
     return g, live, row, base, col_even, col_odd, live[:, None] & (col_even < cols), live[:, None] & (col_odd < cols), pcol
 
 
-@triton.jit
+# The JIT turns an int argument equal to 1 into a constant (and ``seed.to`` then fails to compile):
+# the seed is a runtime value, never specialised.
+@triton.jit(do_not_specialize=["seed"])
 def _quantize_int_kernel(
     x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
     QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
