@@ -51,7 +51,8 @@ def _grad_weight_kernel(
         else:
             q = tl.load(codes_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=mk, other=0).to(tl.float32)
         scale = tl.load(scales_ptr + m[:, None] * groups_per_row + k[None, :] // GROUP, mask=mk, other=0.0)
-        acc += tl.dot(tl.trans(g), q * scale)
+        # "ieee": an fp32 dot otherwise runs on TF32 tensor cores (10 mantissa bits) on a GPU.
+        acc += tl.dot(tl.trans(g), q * scale, input_precision="ieee")
     tl.store(out_ptr + n[:, None].to(tl.int64) * K + k[None, :], acc, mask=(n[:, None] < N) & (k[None, :] < K))
 
 

@@ -67,10 +67,11 @@ def _quantize_int_kernel(
     fo = tl.abs(xo) < float("inf")
     bad = tl.sum(tl.where(fe, 0, 1), axis=1) + tl.sum(tl.where(fo, 0, 1), axis=1)
     absmax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=1), tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=1))
-    scale = tl.fdiv(absmax, QMAX * 1.0, ieee_rounding=True)
+    # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
+    scale = tl.div_rn(absmax, QMAX * 1.0)
     safe = tl.where(scale > 0, scale, 1.0)
-    ve = tl.fdiv(xe, safe[:, None], ieee_rounding=True)
-    vo = tl.fdiv(xo, safe[:, None], ieee_rounding=True)
+    ve = tl.div_rn(xe, safe[:, None])
+    vo = tl.div_rn(xo, safe[:, None])
     if STOCHASTIC:
         ve = ve + _uniform(base + col_even, seed)
         vo = vo + _uniform(base + col_odd, seed)
@@ -128,9 +129,9 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_ro
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    scale = tl.fdiv(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX, ieee_rounding=True)
+    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX)
     safe = tl.where(scale > 0, scale, 1.0)
-    v = tl.fdiv(x, safe[:, None], ieee_rounding=True)
+    v = tl.div_rn(x, safe[:, None])
     tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
 

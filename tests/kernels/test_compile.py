@@ -35,6 +35,10 @@ def _ptx(compiled: dict, case: str, arch: int) -> str:
     return Path(result[f"sm_{arch}"]["ptx"]).read_text()
 
 
+def _found(ptx: str, *ops: str) -> dict[str, bool]:
+    return {op: op in ptx for op in ops}
+
+
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_every_launch_compiles(compiled, case) -> None:
     result = compiled[case]
@@ -50,6 +54,23 @@ def test_stochastic_rounding_with_seed_one_compiles(compiled, arch) -> None:
     for case in ("quantize_int8_stochastic_seed1", "quantize_int4_stochastic_seed1"):
         assert "error" not in compiled[case], compiled[case].get("error")
         assert ".entry" in _ptx(compiled, case, arch)
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
+def test_quantize_divides_with_ieee_rounding(compiled, case) -> None:
+    # The reference divides in IEEE fp32; approximate division (div.full / div.approx) changes
+    # scales and codes on a GPU though the interpreter, which uses numpy, cannot show it.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert _found(ptx, "div.rn.f32", "div.full", "div.approx") == {"div.rn.f32": True, "div.full": False, "div.approx": False}
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("grad_weight")))
+def test_grad_weight_dot_is_fp32_not_tf32(compiled, case) -> None:
+    # Its test bounds the error by fp32 summation; a TF32 tensor-core dot keeps 10 mantissa bits.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert _found(ptx, "tf32", "fma.rn.f32") == {"tf32": False, "fma.rn.f32": True}
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
