@@ -41,15 +41,15 @@ def _grad_weight_kernel(
     k = pid_k * BK + tl.arange(0, BK)
     acc = tl.zeros((BN, BK), dtype=tl.float32)
     for m0 in range(0, M, BM):
-        m = m0 + tl.arange(0, BM)
-        g = tl.load(g_ptr + m[:, None].to(tl.int64) * N + n[None, :], mask=(m[:, None] < M) & (n[None, :] < N), other=0.0).to(tl.float32)
+        m = (m0 + tl.arange(0, BM)).to(tl.int64)  # int64: m * N, m * K and m * groups can pass 2^31
+        g = tl.load(g_ptr + m[:, None] * N + n[None, :], mask=(m[:, None] < M) & (n[None, :] < N), other=0.0).to(tl.float32)
         mk = (m[:, None] < M) & (k[None, :] < K)
         if PACK4:
-            byte = tl.load(codes_ptr + m[:, None].to(tl.int64) * ((K + 1) // 2) + k[None, :] // 2, mask=mk, other=0).to(tl.int32)
+            byte = tl.load(codes_ptr + m[:, None] * ((K + 1) // 2) + k[None, :] // 2, mask=mk, other=0).to(tl.int32)
             nib = (byte >> ((k[None, :] % 2) * 4)) & 0xF
             q = tl.where(nib > 7, nib - 16, nib).to(tl.float32)
         else:
-            q = tl.load(codes_ptr + m[:, None].to(tl.int64) * K + k[None, :], mask=mk, other=0).to(tl.float32)
+            q = tl.load(codes_ptr + m[:, None] * K + k[None, :], mask=mk, other=0).to(tl.float32)
         scale = tl.load(scales_ptr + m[:, None] * groups_per_row + k[None, :] // GROUP, mask=mk, other=0.0)
         # "ieee": an fp32 dot otherwise runs on TF32 tensor cores (10 mantissa bits) on a GPU.
         acc += tl.dot(tl.trans(g), q * scale, input_precision="ieee")

@@ -38,17 +38,17 @@ def _uniform(index, seed):
 
 
 @triton.jit
-def _pair_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+def _pair_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
     """This program's GPP groups, split into even and odd columns (so int4 packs column 2k in the
     low nibble with 2k+1 in the high one without a shuffle): group ids, liveness, row offsets,
     column indices and masks of both halves, and the packed (int4) column of each pair."""
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    g = pid.to(tl.int64) * GPP + tl.arange(0, GPP)  # int64: a row may hold 2^31 elements or more
     live = g < total
     row = g // groups_per_row
     half = tl.arange(0, GROUP // 2)
     col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
     col_odd = col_even + 1
-    base = row[:, None].to(tl.int64) * cols
+    base = row[:, None] * cols
     pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
     return g, live, row, base, col_even, col_odd, live[:, None] & (col_even < cols), live[:, None] & (col_odd < cols), pcol
 
@@ -57,10 +57,10 @@ def _pair_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constex
 # the seed is a runtime value, never specialised.
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_int_kernel(
-    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
+    x_ptr, codes_ptr, scales_ptr, total, cols, groups_per_row, seed,
     QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     xe = tl.load(x_ptr + base + col_even, mask=m_even, other=0.0).to(tl.float32)
     xo = tl.load(x_ptr + base + col_odd, mask=m_odd, other=0.0).to(tl.float32)
     fe = tl.abs(xe) < float("inf")  # false for NaN and Inf
@@ -84,7 +84,7 @@ def _quantize_int_kernel(
     if PACK4:
         packed = (qe & 0xF) | ((qo & 0xF) << 4)
         packed_cols = (cols + 1) // 2
-        tl.store(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
+        tl.store(codes_ptr + row[:, None] * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
     else:
         tl.store(codes_ptr + base + col_even, qe.to(tl.int8), mask=m_even)
         tl.store(codes_ptr + base + col_odd, qo.to(tl.int8), mask=m_odd)
@@ -92,14 +92,14 @@ def _quantize_int_kernel(
 
 @triton.jit
 def _dequantize_int_kernel(
-    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row,
+    codes_ptr, scales_ptr, out_ptr, total, cols, groups_per_row,
     GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
 ):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     if PACK4:
         packed_cols = (cols + 1) // 2
-        byte = tl.load(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
+        byte = tl.load(codes_ptr + row[:, None] * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
         lo = byte & 0xF
         hi = (byte >> 4) & 0xF
         qe = tl.where(lo > 7, lo - 16, lo).to(tl.float32)
@@ -113,19 +113,19 @@ def _dequantize_int_kernel(
 
 
 @triton.jit
-def _group_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+def _group_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
     """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask."""
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+    g = pid.to(tl.int64) * GPP + tl.arange(0, GPP)  # int64: a row may hold 2^31 elements or more
     live = g < total
     col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    base = (g // groups_per_row)[:, None].to(tl.int64) * cols
+    base = (g // groups_per_row)[:, None] * cols
     return g, live, base, col, live[:, None] & (col < cols)
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, FP8_MAX: tl.constexpr,
+def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, total, cols, groups_per_row, FP8_MAX: tl.constexpr,
                          GROUP: tl.constexpr, GPP: tl.constexpr):
-    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
@@ -137,8 +137,8 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_ro
 
 
 @triton.jit
-def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
-    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, total, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     v = tl.load(codes_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     tl.store(out_ptr + base + col, (v * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)
@@ -210,11 +210,11 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
         codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
-        _quantize_fp8_kernel[grid](x2, codes, scales, rows, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
+        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
     else:
         pack4 = codec == "int4"
         codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
-        _quantize_int_kernel[grid](x2, codes, scales, rows, cols, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
+        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
                                    GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
@@ -234,8 +234,8 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
     if q.codec in FP8:
-        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
+        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
     else:
-        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
                                      PACK4=q.codec == "int4")
     return result
