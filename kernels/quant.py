@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ooc.kernels.capability import CODECS, check_codec
 from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_rows, torch_dequantize, torch_quantize
-
-CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 
 # Groups per program: 32 groups of 64 values is a 2048-element tile, which keeps the interpreter's
 # per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
@@ -161,6 +160,17 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None elsewhere (the interpreter runs every codec)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _check_device_runs(codec: str, device: torch.device) -> None:
+    capability = device_capability(device)
+    if capability is not None:
+        check_codec(codec, capability)
+
+
 def _check_group_size(group_size: int) -> None:
     if not 32 <= group_size <= 256 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two from 32 to 256, got {group_size}")
@@ -171,7 +181,9 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     """Quantize ``x`` (any shape; fp32, fp16 or bf16) per group of ``group_size`` values along its last
     dimension. ``bits`` 8 or 4, or ``codec`` one of ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``.
     ``stochastic=True`` rounds up with probability equal to the remainder (unbiased), reproducibly
-    from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales).
+    from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales), and
+    :class:`~ooc.kernels.capability.UnsupportedCodecError` (a ``ValueError``) if the device cannot run
+    ``codec`` (fp8_e4m3 below compute capability 8.9).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -190,6 +202,7 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     if x.numel() == 0:
         raise ValueError("quantize got an empty tensor")
     if use_triton(x):
+        _check_device_runs(codec, x.device)
         q = _quantize_triton(x, codec, group_size, stochastic, seed)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
@@ -229,6 +242,7 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
         if out is None:
             return result
         return out.copy_(result)
+    _check_device_runs(q.codec, q.codes.device)
     rows, groups = q.scales.shape
     cols = q.cols
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
