@@ -177,13 +177,18 @@ def _check_group_size(group_size: int) -> None:
 
 
 def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic: bool = False, seed: int | None = None,
-             codec: str | None = None) -> Quantized:
+             codec: str | None = None, check_finite: bool = True, nonfinite_flag: torch.Tensor | None = None) -> Quantized:
     """Quantize ``x`` (any shape; fp32, fp16 or bf16) per group of ``group_size`` values along its last
     dimension. ``bits`` 8 or 4, or ``codec`` one of ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``.
     ``stochastic=True`` rounds up with probability equal to the remainder (unbiased), reproducibly
     from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales), and
     :class:`~ooc.kernels.capability.UnsupportedCodecError` (a ``ValueError``) if the device cannot run
     ``codec`` (fp8_e4m3 below compute capability 8.9).
+
+    The NaN/Inf check reads the scales back to the host: one device sync per call. A caller that
+    quantizes many tensors per step passes ``check_finite=False`` and ``nonfinite_flag``, a 1-element
+    int32/int64 tensor on ``x``'s device to which the count of non-finite groups is added on the device,
+    and reads it once per step (a group holding NaN or Inf gets a NaN scale).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -198,6 +203,10 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
         raise ValueError("stochastic rounding applies to int8 and int4 codecs")
     if stochastic and seed is None:
         raise ValueError("stochastic=True needs seed=<int> so the rounding is reproducible")
+    if nonfinite_flag is not None and (nonfinite_flag.numel() != 1 or nonfinite_flag.device != x.device
+                                       or nonfinite_flag.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"nonfinite_flag must be a 1-element int32 or int64 tensor on {x.device}, e.g. "
+                         f"torch.zeros(1, dtype=torch.int64, device={str(x.device)!r})")
     seed = int(seed or 0) & 0xFFFFFFFF
     if x.numel() == 0:
         raise ValueError("quantize got an empty tensor")
@@ -206,12 +215,22 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
         q = _quantize_triton(x, codec, group_size, stochastic, seed)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
-    # One flag per group, so the check reads 1/group_size of the input's bytes.
-    bad = int(torch.isnan(q.scales).sum())
+    if nonfinite_flag is not None:
+        nonfinite_flag.add_(nonfinite_groups(q))
+    if not check_finite:
+        return q
+    # One flag per group, so the check reads 1/group_size of the input's bytes; int() syncs.
+    bad = int(nonfinite_groups(q))
     if bad:
         raise ValueError(f"quantize: {bad} group(s) of the input hold NaN or Inf; a swapped activation "
                          "must be finite (check the loss scale, or keep this tensor uncompressed)")
     return q
+
+
+def nonfinite_groups(q: Quantized) -> torch.Tensor:
+    """How many groups of the quantized input held NaN or Inf: a 0-dim int64 tensor on the scales'
+    device, computed without a host sync."""
+    return torch.isnan(q.scales).sum()
 
 
 def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: bool, seed: int) -> Quantized:
