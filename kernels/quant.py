@@ -37,88 +37,70 @@ def _uniform(index, seed):
 
 
 @triton.jit
-def _pair_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
-    """This program's GPP groups, split into even and odd columns (so int4 packs column 2k in the
-    low nibble with 2k+1 in the high one without a shuffle): group ids, liveness, row offsets,
-    column indices and masks of both halves, and the packed (int4) column of each pair."""
+def _group_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask.
+    Each group is GROUP contiguous columns of one row, so loads and stores of a tile vectorize."""
     g = pid.to(tl.int64) * GPP + tl.arange(0, GPP)  # int64: a row may hold 2^31 elements or more
     live = g < total
-    row = g // groups_per_row
-    half = tl.arange(0, GROUP // 2)
-    col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
-    col_odd = col_even + 1
-    base = row[:, None] * cols
-    pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
-    return g, live, row, base, col_even, col_odd, live[:, None] & (col_even < cols), live[:, None] & (col_odd < cols), pcol
+    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    base = (g // groups_per_row)[:, None] * cols
+    return g, live, base, col, live[:, None] & (col < cols)
+
+
+@triton.jit
+def _packed_tile(g, live, packed_cols, groups_per_row, GROUP: tl.constexpr):
+    """int4 bytes of the same groups: byte k of a group holds columns 2k (low nibble) and 2k+1
+    (high); offsets into the (rows, packed_cols = ceil(cols / 2)) codes and their mask. packed_cols
+    is an argument, not computed, so the JIT sees when it is 16-divisible and vectorizes."""
+    pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+    return (g // groups_per_row)[:, None] * packed_cols + pcol, live[:, None] & (pcol < packed_cols)
 
 
 # The JIT turns an int argument equal to 1 into a constant (and ``seed.to`` then fails to compile):
 # the seed is a runtime value, never specialised.
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_int_kernel(
-    x_ptr, codes_ptr, scales_ptr, total, cols, groups_per_row, seed,
+    x_ptr, codes_ptr, scales_ptr, total, cols, packed_cols, groups_per_row, seed,
     QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
 ):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
-    xe = tl.load(x_ptr + base + col_even, mask=m_even, other=0.0).to(tl.float32)
-    xo = tl.load(x_ptr + base + col_odd, mask=m_odd, other=0.0).to(tl.float32)
-    fe = tl.abs(xe) < float("inf")  # false for NaN and Inf
-    fo = tl.abs(xo) < float("inf")
-    bad = tl.sum(tl.where(fe, 0, 1), axis=1) + tl.sum(tl.where(fo, 0, 1), axis=1)
-    absmax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=1), tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=1))
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
+    x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # false for NaN and Inf
+    bad = tl.sum(tl.where(finite, 0, 1), axis=1)
     # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
-    scale = tl.div_rn(absmax, QMAX * 1.0)
+    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0)
     safe = tl.where(scale > 0, scale, 1.0)
-    ve = tl.div_rn(xe, safe[:, None])
-    vo = tl.div_rn(xo, safe[:, None])
+    v = tl.div_rn(x, safe[:, None])
     if STOCHASTIC:
-        ve = ve + _uniform(base + col_even, seed)
-        vo = vo + _uniform(base + col_odd, seed)
+        v = v + _uniform(base + col, seed)
     else:
-        ve = ve + 0.5
-        vo = vo + 0.5
-    qe = tl.minimum(tl.maximum(tl.floor(ve), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
-    qo = tl.minimum(tl.maximum(tl.floor(vo), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+        v = v + 0.5
+    q = tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
     if PACK4:
-        packed = (qe & 0xF) | ((qo & 0xF) << 4)
-        packed_cols = (cols + 1) // 2
-        tl.store(codes_ptr + row[:, None] * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
+        even, odd = tl.split(tl.reshape(q, (GPP, GROUP // 2, 2)))
+        offsets, pm = _packed_tile(g, live, packed_cols, groups_per_row, GROUP)
+        tl.store(codes_ptr + offsets, ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8), mask=pm)
     else:
-        tl.store(codes_ptr + base + col_even, qe.to(tl.int8), mask=m_even)
-        tl.store(codes_ptr + base + col_odd, qo.to(tl.int8), mask=m_odd)
+        tl.store(codes_ptr + base + col, q.to(tl.int8), mask=m)
 
 
 @triton.jit
 def _dequantize_int_kernel(
-    codes_ptr, scales_ptr, out_ptr, total, cols, groups_per_row,
+    codes_ptr, scales_ptr, out_ptr, total, cols, packed_cols, groups_per_row,
     GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
 ):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     if PACK4:
-        packed_cols = (cols + 1) // 2
-        byte = tl.load(codes_ptr + row[:, None] * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
+        offsets, pm = _packed_tile(g, live, packed_cols, groups_per_row, GROUP)
+        byte = tl.load(codes_ptr + offsets, mask=pm, other=0).to(tl.int32)
         lo = byte & 0xF
         hi = (byte >> 4) & 0xF
-        qe = tl.where(lo > 7, lo - 16, lo).to(tl.float32)
-        qo = tl.where(hi > 7, hi - 16, hi).to(tl.float32)
+        q = tl.reshape(tl.join(tl.where(lo > 7, lo - 16, lo), tl.where(hi > 7, hi - 16, hi)), (GPP, GROUP)).to(tl.float32)
     else:
-        qe = tl.load(codes_ptr + base + col_even, mask=m_even, other=0).to(tl.float32)
-        qo = tl.load(codes_ptr + base + col_odd, mask=m_odd, other=0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + base + col_even, (qe * scale[:, None]).to(out_ty), mask=m_even)
-    tl.store(out_ptr + base + col_odd, (qo * scale[:, None]).to(out_ty), mask=m_odd)
-
-
-@triton.jit
-def _group_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
-    """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask."""
-    g = pid.to(tl.int64) * GPP + tl.arange(0, GPP)  # int64: a row may hold 2^31 elements or more
-    live = g < total
-    col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    base = (g // groups_per_row)[:, None] * cols
-    return g, live, base, col, live[:, None] & (col < cols)
+        q = tl.load(codes_ptr + base + col, mask=m, other=0).to(tl.float32)
+    tl.store(out_ptr + base + col, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)
 
 
 @triton.jit
@@ -246,7 +228,7 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
     else:
         pack4 = codec == "int4"
         codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
-        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
+        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
                                    GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
@@ -269,6 +251,6 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
     if q.codec in FP8:
         _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
     else:
-        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
                                      PACK4=q.codec == "int4")
     return result

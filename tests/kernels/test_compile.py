@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -71,6 +72,16 @@ def test_grad_weight_dot_is_fp32_not_tf32(compiled, case) -> None:
     for arch in CASES[case][0]:
         ptx = _ptx(compiled, case, arch)
         assert _found(ptx, "tf32", "fma.rn.f32") == {"tf32": False, "fma.rn.f32": True}
+
+
+@pytest.mark.parametrize("case", ["quantize_int8_fp32", "quantize_int8_stochastic_seed1", "quantize_int4_stochastic_seed1",
+                                  "dequantize_int8_fp32", "dequantize_int4_fp16"])
+def test_int_kernels_load_and_store_vectors_on_sm90(compiled, case) -> None:
+    # Rows of 4096 columns: a group is 64 contiguous, 16-aligned values, so each thread moves
+    # 8 or 16 bytes per instruction (the former even/odd-column tiles loaded one value at a time).
+    ptx = _ptx(compiled, case, 90)
+    assert re.search(r"ld\.global(\.\w+)*\.v[24]\.", ptx), "no vector load"
+    assert re.search(r"st\.global(\.\w+)*\.v[24]\.", ptx), "no vector store"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

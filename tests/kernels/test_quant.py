@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ooc.kernels.quant import _group_tile, _pair_tile, dequantize, quantize
+from ooc.kernels.quant import _group_tile, _packed_tile, dequantize, quantize
 from ooc.kernels.quant_reference import QMAX, hash_uniform, torch_dequantize, torch_quantize
 from tests.conftest import HAS_GPU
 
@@ -269,37 +269,39 @@ def test_cuda_fp8_within_reference() -> None:
 
 
 @triton.jit
-def _offsets_probe(out_ptr, mask_ptr, pid, cols, groups_per_row, total, PAIR: tl.constexpr, WIDTH: tl.constexpr,
+def _offsets_probe(out_ptr, mask_ptr, pid, cols, groups_per_row, total, PACKED: tl.constexpr, WIDTH: tl.constexpr,
                    GROUP: tl.constexpr, GPP: tl.constexpr):
     """Stores the element offsets (base + column) and mask the kernels' tile helper computes for
     program ``pid``, as a (GPP, WIDTH) int64 and int8 tile."""
-    if PAIR:
-        g, live, row, base, col, col_odd, m, m_odd, pcol = _pair_tile(pid, cols, groups_per_row, total, GROUP, GPP)
+    g, live, base, col, m = _group_tile(pid, cols, groups_per_row, total, GROUP, GPP)
+    if PACKED:
+        offsets, m = _packed_tile(g, live, (cols + 1) // 2, groups_per_row, GROUP)
     else:
-        g, live, base, col, m = _group_tile(pid, cols, groups_per_row, total, GROUP, GPP)
+        offsets = base + col
     i = tl.arange(0, GPP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
-    tl.store(out_ptr + i, base + col)
+    tl.store(out_ptr + i, offsets)
     tl.store(mask_ptr + i, m.to(tl.int8))
 
 
 @needs_interpreter
-@pytest.mark.parametrize("tile", ["pair", "group"])
+@pytest.mark.parametrize("tile", ["elements", "int4_bytes"])
 def test_offsets_past_two_to_the_31_do_not_wrap(tile) -> None:
-    # One row of 2^31 + 320 elements (a large storage viewed as one row): the offsets of its last
-    # groups exceed int32. The kernels' own tile helper computes them for the last program in the
-    # interpreter, which wraps int32 arithmetic as a GPU does; too large to allocate, so only the
-    # offsets and the mask are stored.
+    # One row of 2^31 + 320 elements (2^32 + 320 for int4 bytes, two per byte; a large storage viewed
+    # as one row): the offsets of its last groups exceed int32. The kernels' own tile helpers compute
+    # them for the last program in the interpreter, which wraps int32 arithmetic as a GPU does; too
+    # large to allocate, so only the offsets and the mask are stored.
     group, gpp = 64, 32
-    cols = 2**31 + 5 * group
+    packed = tile == "int4_bytes"
+    cols = (2**32 if packed else 2**31) + 5 * group
     groups = -(-cols // group)
     last = (groups - 1) // gpp
-    width = group // 2 if tile == "pair" else group
+    width = group // 2 if packed else group
     out = torch.zeros(gpp, width, dtype=torch.int64)
     mask = torch.zeros(gpp, width, dtype=torch.int8)
-    _offsets_probe[(1,)](out, mask, last, cols, groups, groups, PAIR=tile == "pair", WIDTH=width, GROUP=group, GPP=gpp)
+    _offsets_probe[(1,)](out, mask, last, cols, groups, groups, PACKED=packed, WIDTH=width, GROUP=group, GPP=gpp)
     g = last * gpp + torch.arange(gpp, dtype=torch.int64)[:, None]
-    expected = g * group + (2 if tile == "pair" else 1) * torch.arange(width, dtype=torch.int64)[None, :]
-    expected_mask = (g < groups) & (expected < cols)
+    expected = g * width + torch.arange(width, dtype=torch.int64)[None, :]
+    expected_mask = (g < groups) & ((2 * expected if packed else expected) < cols)
     assert torch.equal(mask.bool(), expected_mask)
     assert torch.equal(out[expected_mask], expected[expected_mask])
     assert int(out[expected_mask].max()) >= 2**31
