@@ -1,7 +1,8 @@
-// Gather many small device tensors into one contiguous buffer (pinned, mapped host memory or device
-// memory) with one launch, and scatter back: one transfer instead of hundreds of tiny ones.
-// Grid: blockIdx.y is the tensor, blockIdx.x strides over its bytes. Offsets are 16-byte aligned by
-// the launcher, so a tensor whose own address is 16-byte aligned moves as uint4 words.
+// Copy many small tensors into one contiguous buffer (pinned, mapped host memory or device memory)
+// with one launch, and back: one transfer instead of hundreds of tiny ones.
+// Each copy t moves sizes[t] bytes from src[t] to dst[t] (absolute addresses, built by pack.py).
+// Grid: blockIdx.y strides over the copies (gridDim.y is capped at 65535), blockIdx.x over a
+// copy's bytes. vector_ok[t] says both addresses are 16-byte aligned, so the copy moves uint4 words.
 
 __device__ void copy_bytes(unsigned char* __restrict__ dst, const unsigned char* __restrict__ src,
                            unsigned long long n, bool aligned) {
@@ -18,20 +19,13 @@ __device__ void copy_bytes(unsigned char* __restrict__ dst, const unsigned char*
     for (unsigned long long b = done + i; b < n; b += stride) dst[b] = src[b];
 }
 
-extern "C" __global__ void gather_bytes(const unsigned long long* __restrict__ src_ptrs,
-                                        const unsigned long long* __restrict__ offsets,
-                                        const unsigned long long* __restrict__ sizes,
-                                        unsigned char* __restrict__ out) {
-    const int t = blockIdx.y;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(src_ptrs[t]);
-    copy_bytes(out + offsets[t], src, sizes[t], (src_ptrs[t] & 15) == 0);
-}
-
-extern "C" __global__ void scatter_bytes(const unsigned char* __restrict__ buffer,
-                                         const unsigned long long* __restrict__ dst_ptrs,
-                                         const unsigned long long* __restrict__ offsets,
-                                         const unsigned long long* __restrict__ sizes) {
-    const int t = blockIdx.y;
-    unsigned char* dst = reinterpret_cast<unsigned char*>(dst_ptrs[t]);
-    copy_bytes(dst, buffer + offsets[t], sizes[t], (dst_ptrs[t] & 15) == 0);
+extern "C" __global__ void copy_many(const unsigned long long* __restrict__ src,
+                                     const unsigned long long* __restrict__ dst,
+                                     const unsigned long long* __restrict__ sizes,
+                                     const unsigned long long* __restrict__ vector_ok,
+                                     unsigned long long count) {
+    for (unsigned long long t = blockIdx.y; t < count; t += gridDim.y) {
+        copy_bytes(reinterpret_cast<unsigned char*>(dst[t]), reinterpret_cast<const unsigned char*>(src[t]), sizes[t],
+                   vector_ok[t] != 0);
+    }
 }

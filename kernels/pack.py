@@ -1,9 +1,10 @@
 """Packing many small tensors into one buffer (``pack``) and back (``unpack``).
 
-On CUDA tensors with CuPy installed, one launch of ``pack.cu``'s ``gather_bytes`` / ``scatter_bytes``
-on PyTorch's current stream (the buffer may be pinned host memory: the kernel writes it through the
-unified address space); everywhere else the torch reference (``torch_pack`` / ``torch_unpack``:
-slice assignments), which is also the spec. CuPy is imported on first use, never at import time.
+On CUDA tensors with CuPy installed, one launch of ``pack.cu``'s ``copy_many`` on PyTorch's current
+stream of the tensors' device (the buffer may be pinned host memory: the kernel reads and writes it
+through the unified address space, which pageable memory is not part of); everywhere else the torch
+reference (``torch_pack`` / ``torch_unpack``: slice assignments), which is also the spec. The
+argument checks run first on every path. CuPy is imported on first use, never at import time.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from importlib import resources
 import torch
 
 ALIGN = 16
+MAX_GRID_Y = 65535  # CUDA's limit on gridDim.y; the kernel strides over more copies than that
+THREADS = 256
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,49 @@ def torch_unpack(buffer: torch.Tensor, layout: PackLayout, device: torch.device)
     return result
 
 
+def check_pack(tensors: list[torch.Tensor], out: torch.Tensor, layout: PackLayout) -> None:
+    """``out`` must be a 1-D ``uint8`` tensor of at least ``layout.nbytes`` on the tensors' device, or
+    in pinned host memory when they are on an accelerator (the kernel writes it in place, asynchronously)."""
+    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.nbytes:
+        raise ValueError(f"out must be a 1-D uint8 tensor of at least {layout.nbytes} bytes")
+    _check_host_side(out, tensors[0].device, "out")
+
+
+def check_unpack(buffer: torch.Tensor, layout: PackLayout, device: torch.device) -> None:
+    """``buffer`` must be a 1-D ``uint8`` tensor of at least ``layout.nbytes`` on ``device``, or in
+    pinned host memory when ``device`` is an accelerator."""
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
+        raise ValueError("buffer must be a 1-D uint8 tensor")
+    if buffer.numel() < layout.nbytes:
+        raise ValueError(f"buffer holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
+    _check_host_side(buffer, device, "buffer")
+
+
+def _check_host_side(buffer: torch.Tensor, device: torch.device, name: str) -> None:
+    if buffer.device == device or (device.type == "cpu" and buffer.device.type == "cpu"):
+        return
+    if buffer.device.type == "cpu" and device.type != "cpu":
+        if not buffer.is_pinned():
+            raise ValueError(f"{name} is pageable host memory; a copy to or from {device} needs pinned memory "
+                             f"(torch.empty(n, dtype=torch.uint8, pin_memory=True))")
+        return
+    raise ValueError(f"{name} is on {buffer.device}; it must be on {device} or in pinned host memory")
+
+
+def copy_table(src: list[int], dst: list[int], sizes: tuple[int, ...]) -> list[list[int]]:
+    """The kernel's metadata, one column per copy: source and destination addresses, byte counts, and
+    whether both addresses are 16-byte aligned (the kernel then moves 16-byte words)."""
+    vector_ok = [int((s | d) % ALIGN == 0) for s, d in zip(src, dst)]
+    return [list(src), list(dst), list(sizes), vector_ok]
+
+
+def launch_grid(sizes: tuple[int, ...]) -> tuple[int, int]:
+    """(blocks along bytes, blocks along copies): enough blocks for the largest copy's 16-byte words,
+    at most 1024; one row of blocks per copy up to CUDA's gridDim.y limit (the kernel strides past it)."""
+    blocks_x = max(1, min(1024, -(-max(sizes) // (THREADS * 16))))
+    return blocks_x, min(len(sizes), MAX_GRID_Y)
+
+
 @functools.cache
 def _module():
     import cupy  # optional extra: ooc[cuda]
@@ -82,33 +128,38 @@ def _cupy_ready(device: torch.device) -> bool:
     return True
 
 
-def _launch(name: str, args: tuple, layout: PackLayout) -> None:
+def _launch(device: torch.device, table: list[list[int]], layout: PackLayout) -> None:
     import cupy
+    import numpy
 
-    threads = 256
-    blocks_x = max(1, min(1024, -(-max(layout.sizes) // (threads * 16))))
-    stream = cupy.cuda.ExternalStream(torch.cuda.current_stream().cuda_stream)
-    with stream:
-        _module().get_function(name)((blocks_x, len(layout.sizes)), (threads,), args)
+    stream = torch.cuda.current_stream(device)
+    # Pinned, so the H2D copy of the metadata is asynchronous on `stream` (no sync per call); the
+    # caching host allocator keeps `host` until that copy has run, and `meta` is freed on `stream`.
+    host = torch.tensor(table, dtype=torch.int64, pin_memory=True)
+    meta = host.to(device, non_blocking=True)
+    count = len(layout.sizes)
+    with cupy.cuda.Device(device.index):  # CuPy launches on its current device, not the tensors'
+        with cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+            _module().get_function("copy_many")(
+                launch_grid(layout.sizes), (THREADS,),
+                (meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), meta[3].data_ptr(), numpy.uint64(count)),
+            )
 
 
 def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> tuple[torch.Tensor, PackLayout]:
     """Copy ``tensors`` (contiguous, one device) into one ``uint8`` buffer; returns it and its layout.
 
-    ``out`` (``uint8``, at least ``layout.nbytes``; e.g. pinned host memory) receives the bytes;
-    without it a device buffer is allocated.
+    ``out`` (``uint8``, at least ``layout.nbytes``; on the tensors' device, or pinned host memory)
+    receives the bytes; without it a device buffer is allocated.
     """
     layout = layout_of(tensors)
     device = tensors[0].device
     if out is None:
         out = torch.empty(layout.nbytes, dtype=torch.uint8, device=device)
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.nbytes:
-        raise ValueError(f"out must be a 1-D uint8 tensor of at least {layout.nbytes} bytes")
+    check_pack(tensors, out, layout)
     if _cupy_ready(device):
-        meta = torch.tensor([[t.data_ptr() for t in tensors], list(layout.offsets), list(layout.sizes)], dtype=torch.int64, device=device)
-        _launch("gather_bytes", (meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), out.data_ptr()), layout)
-        # The launch is asynchronous: keep the metadata alive until the stream has read it.
-        meta.record_stream(torch.cuda.current_stream())
+        base = out.data_ptr()
+        _launch(device, copy_table([t.data_ptr() for t in tensors], [base + o for o in layout.offsets], layout.sizes), layout)
     else:
         torch_pack(tensors, out, layout)
     return out, layout
@@ -117,12 +168,12 @@ def pack(tensors: list[torch.Tensor], out: torch.Tensor | None = None) -> tuple[
 def unpack(buffer: torch.Tensor, layout: PackLayout, device: torch.device | str | None = None) -> list[torch.Tensor]:
     """New tensors on ``device`` (default: the buffer's) with the shapes and dtypes of ``layout``."""
     device = torch.device(device) if device is not None else buffer.device
-    if buffer.numel() < layout.nbytes:
-        raise ValueError(f"buffer holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    check_unpack(buffer, layout, device)
     if not _cupy_ready(device):
         return torch_unpack(buffer, layout, device)
     result = [torch.empty(shape, dtype=dtype, device=device) for shape, dtype in zip(layout.shapes, layout.dtypes)]
-    meta = torch.tensor([[t.data_ptr() for t in result], list(layout.offsets), list(layout.sizes)], dtype=torch.int64, device=device)
-    _launch("scatter_bytes", (buffer.data_ptr(), meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr()), layout)
-    meta.record_stream(torch.cuda.current_stream())
+    base = buffer.data_ptr()
+    _launch(device, copy_table([base + o for o in layout.offsets], [t.data_ptr() for t in result], layout.sizes), layout)
     return result

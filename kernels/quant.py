@@ -15,9 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from ooc.kernels.capability import CODECS, check_codec
 from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_rows, torch_dequantize, torch_quantize
-
-CODECS = ("int8", "int4", "fp8_e4m3", "fp8_e5m2")
 
 # Groups per program: 32 groups of 64 values is a 2048-element tile, which keeps the interpreter's
 # per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
@@ -38,104 +37,89 @@ def _uniform(index, seed):
 
 
 @triton.jit
-def _pair_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
-    """This program's GPP groups, split into even and odd columns (so int4 packs column 2k in the
-    low nibble with 2k+1 in the high one without a shuffle): group ids, liveness, row offsets,
-    column indices and masks of both halves, and the packed (int4) column of each pair."""
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
-    live = g < total
-    row = g // groups_per_row
-    half = tl.arange(0, GROUP // 2)
-    col_even = (g % groups_per_row)[:, None] * GROUP + 2 * half[None, :]
-    col_odd = col_even + 1
-    base = row[:, None].to(tl.int64) * cols
-    pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + half[None, :]
-    return g, live, row, base, col_even, col_odd, live[:, None] & (col_even < cols), live[:, None] & (col_odd < cols), pcol
-
-
-@triton.jit
-def _quantize_int_kernel(
-    x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, seed,
-    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
-):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
-    xe = tl.load(x_ptr + base + col_even, mask=m_even, other=0.0).to(tl.float32)
-    xo = tl.load(x_ptr + base + col_odd, mask=m_odd, other=0.0).to(tl.float32)
-    fe = tl.abs(xe) < float("inf")  # false for NaN and Inf
-    fo = tl.abs(xo) < float("inf")
-    bad = tl.sum(tl.where(fe, 0, 1), axis=1) + tl.sum(tl.where(fo, 0, 1), axis=1)
-    absmax = tl.maximum(tl.max(tl.where(fe, tl.abs(xe), 0.0), axis=1), tl.max(tl.where(fo, tl.abs(xo), 0.0), axis=1))
-    scale = tl.fdiv(absmax, QMAX * 1.0, ieee_rounding=True)
-    safe = tl.where(scale > 0, scale, 1.0)
-    ve = tl.fdiv(xe, safe[:, None], ieee_rounding=True)
-    vo = tl.fdiv(xo, safe[:, None], ieee_rounding=True)
-    if STOCHASTIC:
-        ve = ve + _uniform(base + col_even, seed)
-        vo = vo + _uniform(base + col_odd, seed)
-    else:
-        ve = ve + 0.5
-        vo = vo + 0.5
-    qe = tl.minimum(tl.maximum(tl.floor(ve), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
-    qo = tl.minimum(tl.maximum(tl.floor(vo), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
-    tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
-    if PACK4:
-        packed = (qe & 0xF) | ((qo & 0xF) << 4)
-        packed_cols = (cols + 1) // 2
-        tl.store(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, packed.to(tl.uint8), mask=m_even)
-    else:
-        tl.store(codes_ptr + base + col_even, qe.to(tl.int8), mask=m_even)
-        tl.store(codes_ptr + base + col_odd, qo.to(tl.int8), mask=m_odd)
-
-
-@triton.jit
-def _dequantize_int_kernel(
-    codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row,
-    GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
-):
-    g, live, row, base, col_even, col_odd, m_even, m_odd, pcol = _pair_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
-    scale = tl.load(scales_ptr + g, mask=live, other=0.0)
-    if PACK4:
-        packed_cols = (cols + 1) // 2
-        byte = tl.load(codes_ptr + row[:, None].to(tl.int64) * packed_cols + pcol, mask=m_even, other=0).to(tl.int32)
-        lo = byte & 0xF
-        hi = (byte >> 4) & 0xF
-        qe = tl.where(lo > 7, lo - 16, lo).to(tl.float32)
-        qo = tl.where(hi > 7, hi - 16, hi).to(tl.float32)
-    else:
-        qe = tl.load(codes_ptr + base + col_even, mask=m_even, other=0).to(tl.float32)
-        qo = tl.load(codes_ptr + base + col_odd, mask=m_odd, other=0).to(tl.float32)
-    out_ty = out_ptr.dtype.element_ty
-    tl.store(out_ptr + base + col_even, (qe * scale[:, None]).to(out_ty), mask=m_even)
-    tl.store(out_ptr + base + col_odd, (qo * scale[:, None]).to(out_ty), mask=m_odd)
-
-
-@triton.jit
-def _group_tile(cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
-    """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask."""
-    g = tl.program_id(0) * GPP + tl.arange(0, GPP)
+def _group_tile(pid, cols, groups_per_row, total, GROUP: tl.constexpr, GPP: tl.constexpr):
+    """This program's GPP whole groups: group ids, liveness, row offsets, columns and their mask.
+    Each group is GROUP contiguous columns of one row, so loads and stores of a tile vectorize."""
+    g = pid.to(tl.int64) * GPP + tl.arange(0, GPP)  # int64: a row may hold 2^31 elements or more
     live = g < total
     col = (g % groups_per_row)[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
-    base = (g // groups_per_row)[:, None].to(tl.int64) * cols
+    base = (g // groups_per_row)[:, None] * cols
     return g, live, base, col, live[:, None] & (col < cols)
 
 
 @triton.jit
-def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, rows, cols, groups_per_row, FP8_MAX: tl.constexpr,
+def _packed_tile(g, live, packed_cols, groups_per_row, GROUP: tl.constexpr):
+    """int4 bytes of the same groups: byte k of a group holds columns 2k (low nibble) and 2k+1
+    (high); offsets into the (rows, packed_cols = ceil(cols / 2)) codes and their mask. packed_cols
+    is an argument, not computed, so the JIT sees when it is 16-divisible and vectorizes."""
+    pcol = (g % groups_per_row)[:, None] * (GROUP // 2) + tl.arange(0, GROUP // 2)[None, :]
+    return (g // groups_per_row)[:, None] * packed_cols + pcol, live[:, None] & (pcol < packed_cols)
+
+
+# The JIT turns an int argument equal to 1 into a constant (and ``seed.to`` then fails to compile):
+# the seed is a runtime value, never specialised.
+@triton.jit(do_not_specialize=["seed"])
+def _quantize_int_kernel(
+    x_ptr, codes_ptr, scales_ptr, total, cols, packed_cols, groups_per_row, seed,
+    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
+):
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
+    x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
+    finite = tl.abs(x) < float("inf")  # false for NaN and Inf
+    bad = tl.sum(tl.where(finite, 0, 1), axis=1)
+    # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
+    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0)
+    safe = tl.where(scale > 0, scale, 1.0)
+    v = tl.div_rn(x, safe[:, None])
+    if STOCHASTIC:
+        v = v + _uniform(base + col, seed)
+    else:
+        v = v + 0.5
+    q = tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+    tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
+    if PACK4:
+        even, odd = tl.split(tl.reshape(q, (GPP, GROUP // 2, 2)))
+        offsets, pm = _packed_tile(g, live, packed_cols, groups_per_row, GROUP)
+        tl.store(codes_ptr + offsets, ((even & 0xF) | ((odd & 0xF) << 4)).to(tl.uint8), mask=pm)
+    else:
+        tl.store(codes_ptr + base + col, q.to(tl.int8), mask=m)
+
+
+@triton.jit
+def _dequantize_int_kernel(
+    codes_ptr, scales_ptr, out_ptr, total, cols, packed_cols, groups_per_row,
+    GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
+):
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
+    scale = tl.load(scales_ptr + g, mask=live, other=0.0)
+    if PACK4:
+        offsets, pm = _packed_tile(g, live, packed_cols, groups_per_row, GROUP)
+        byte = tl.load(codes_ptr + offsets, mask=pm, other=0).to(tl.int32)
+        lo = byte & 0xF
+        hi = (byte >> 4) & 0xF
+        q = tl.reshape(tl.join(tl.where(lo > 7, lo - 16, lo), tl.where(hi > 7, hi - 16, hi)), (GPP, GROUP)).to(tl.float32)
+    else:
+        q = tl.load(codes_ptr + base + col, mask=m, other=0).to(tl.float32)
+    tl.store(out_ptr + base + col, (q * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, total, cols, groups_per_row, FP8_MAX: tl.constexpr,
                          GROUP: tl.constexpr, GPP: tl.constexpr):
-    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    scale = tl.fdiv(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX, ieee_rounding=True)
+    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX)
     safe = tl.where(scale > 0, scale, 1.0)
-    v = tl.fdiv(x, safe[:, None], ieee_rounding=True)
+    v = tl.div_rn(x, safe[:, None])
     tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
 
 
 @triton.jit
-def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, rows, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
-    g, live, base, col, m = _group_tile(cols, groups_per_row, rows * groups_per_row, GROUP, GPP)
+def _dequantize_fp8_kernel(codes_ptr, scales_ptr, out_ptr, total, cols, groups_per_row, GROUP: tl.constexpr, GPP: tl.constexpr):
+    g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     v = tl.load(codes_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     scale = tl.load(scales_ptr + g, mask=live, other=0.0)
     tl.store(out_ptr + base + col, (v * scale[:, None]).to(out_ptr.dtype.element_ty), mask=m)
@@ -158,17 +142,35 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def device_capability(device: torch.device) -> tuple[int, int] | None:
+    """The CUDA compute capability of ``device``; None elsewhere (the interpreter runs every codec)."""
+    return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+
+
+def _check_device_runs(codec: str, device: torch.device) -> None:
+    capability = device_capability(device)
+    if capability is not None:
+        check_codec(codec, capability)
+
+
 def _check_group_size(group_size: int) -> None:
     if not 32 <= group_size <= 256 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two from 32 to 256, got {group_size}")
 
 
 def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic: bool = False, seed: int | None = None,
-             codec: str | None = None) -> Quantized:
+             codec: str | None = None, check_finite: bool = True, nonfinite_flag: torch.Tensor | None = None) -> Quantized:
     """Quantize ``x`` (any shape; fp32, fp16 or bf16) per group of ``group_size`` values along its last
     dimension. ``bits`` 8 or 4, or ``codec`` one of ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``.
     ``stochastic=True`` rounds up with probability equal to the remainder (unbiased), reproducibly
-    from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales).
+    from ``seed``. Raises ``ValueError`` if ``x`` holds NaN or Inf (found from the group scales), and
+    :class:`~ooc.kernels.capability.UnsupportedCodecError` (a ``ValueError``) if the device cannot run
+    ``codec`` (fp8_e4m3 below compute capability 8.9).
+
+    The NaN/Inf check reads the scales back to the host: one device sync per call. A caller that
+    quantizes many tensors per step passes ``check_finite=False`` and ``nonfinite_flag``, a 1-element
+    int32/int64 tensor on ``x``'s device to which the count of non-finite groups is added on the device,
+    and reads it once per step (a group holding NaN or Inf gets a NaN scale).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -183,19 +185,34 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
         raise ValueError("stochastic rounding applies to int8 and int4 codecs")
     if stochastic and seed is None:
         raise ValueError("stochastic=True needs seed=<int> so the rounding is reproducible")
+    if nonfinite_flag is not None and (nonfinite_flag.numel() != 1 or nonfinite_flag.device != x.device
+                                       or nonfinite_flag.dtype not in (torch.int32, torch.int64)):
+        raise ValueError(f"nonfinite_flag must be a 1-element int32 or int64 tensor on {x.device}, e.g. "
+                         f"torch.zeros(1, dtype=torch.int64, device={str(x.device)!r})")
     seed = int(seed or 0) & 0xFFFFFFFF
     if x.numel() == 0:
         raise ValueError("quantize got an empty tensor")
     if use_triton(x):
+        _check_device_runs(codec, x.device)
         q = _quantize_triton(x, codec, group_size, stochastic, seed)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
-    # One flag per group, so the check reads 1/group_size of the input's bytes.
-    bad = int(torch.isnan(q.scales).sum())
+    if nonfinite_flag is not None:
+        nonfinite_flag.add_(nonfinite_groups(q))
+    if not check_finite:
+        return q
+    # One flag per group, so the check reads 1/group_size of the input's bytes; int() syncs.
+    bad = int(nonfinite_groups(q))
     if bad:
         raise ValueError(f"quantize: {bad} group(s) of the input hold NaN or Inf; a swapped activation "
                          "must be finite (check the loss scale, or keep this tensor uncompressed)")
     return q
+
+
+def nonfinite_groups(q: Quantized) -> torch.Tensor:
+    """How many groups of the quantized input held NaN or Inf: a 0-dim int64 tensor on the scales'
+    device, computed without a host sync."""
+    return torch.isnan(q.scales).sum()
 
 
 def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: bool, seed: int) -> Quantized:
@@ -207,11 +224,11 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
         codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
-        _quantize_fp8_kernel[grid](x2, codes, scales, rows, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
+        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
     else:
         pack4 = codec == "int4"
         codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
-        _quantize_int_kernel[grid](x2, codes, scales, rows, cols, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
+        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
                                    GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
@@ -226,13 +243,14 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
         if out is None:
             return result
         return out.copy_(result)
+    _check_device_runs(q.codec, q.codes.device)
     rows, groups = q.scales.shape
     cols = q.cols
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
     if q.codec in FP8:
-        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
+        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
     else:
-        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
                                      PACK4=q.codec == "int4")
     return result

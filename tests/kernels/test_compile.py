@@ -1,9 +1,13 @@
-"""Compile lane: every Triton kernel builds for sm_80 and sm_90 (fp8 for sm_90) and every .cu file
-with nvcc, on a machine without a GPU. Triton compiles in a subprocess without TRITON_INTERPRET."""
+"""Compile lane: every kernel launch the launchers make compiles for sm_80 and sm_90 (fp8 e4m3 for
+sm_90), with the specialisation Triton's JIT would give the same arguments, and the PTX says what
+the GPU will run; every .cu file compiles with nvcc. No GPU needed: Triton compiles in a subprocess
+without TRITON_INTERPRET (``compile_launches.py``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -11,62 +15,73 @@ from pathlib import Path
 
 import pytest
 
+from tests.kernels.compile_launches import CASES
+
 KERNELS = Path(__file__).resolve().parents[2] / "kernels"
 
-COMPILE = r'''
-import json
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from ooc.kernels import lowbit_linear, quant
 
-INT = {"rows": "i32", "cols": "i32", "groups_per_row": "i32"}
-jobs = {
-    "quantize_int8": (quant._quantize_int_kernel, {"x_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", **INT, "seed": "i32"},
-                      {"QMAX": 127, "GROUP": 64, "GPP": 32, "PACK4": False, "STOCHASTIC": True}),
-    "quantize_int4_bf16": (quant._quantize_int_kernel, {"x_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32", **INT, "seed": "i32"},
-                           {"QMAX": 7, "GROUP": 64, "GPP": 32, "PACK4": True, "STOCHASTIC": False}),
-    "dequantize_int4": (quant._dequantize_int_kernel, {"codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp16", **INT},
-                        {"GROUP": 64, "GPP": 32, "PACK4": True}),
-    "quantize_fp8": (quant._quantize_fp8_kernel, {"x_ptr": "*fp32", "codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32", **INT},
-                     {"FP8_MAX": 448.0, "GROUP": 64, "GPP": 32}),
-    "grad_weight_int8": (lowbit_linear._grad_weight_kernel, {"g_ptr": "*fp32", "codes_ptr": "*i8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                          "M": "i32", "N": "i32", "K": "i32", "groups_per_row": "i32"},
-                         {"GROUP": 64, "PACK4": False, "BN": 32, "BK": 32, "BM": 32}),
-    "grad_weight_int4_bf16": (lowbit_linear._grad_weight_kernel, {"g_ptr": "*bf16", "codes_ptr": "*u8", "scales_ptr": "*fp32", "out_ptr": "*fp32",
-                               "M": "i32", "N": "i32", "K": "i32", "groups_per_row": "i32"},
-                              {"GROUP": 64, "PACK4": True, "BN": 32, "BK": 32, "BM": 32}),
-    "dequantize_fp8": (quant._dequantize_fp8_kernel, {"codes_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "out_ptr": "*fp32", **INT},
-                       {"GROUP": 64, "GPP": 32}),
-}
-arches = {name: ([90] if "fp8" in name else [80, 90]) for name in jobs}
-out = {}
-for name, (fn, signature, constexprs) in jobs.items():
-    sig = dict(signature)
-    sig.update({k: "constexpr" for k in constexprs})
-    for arch in arches[name]:
-        compiled = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=constexprs), target=GPUTarget("cuda", arch, 32))
-        out[f"{name}@sm_{arch}"] = {"ptx": len(compiled.asm["ptx"]), "cubin": len(compiled.asm["cubin"]), "shared": compiled.metadata.shared}
-print(json.dumps(out))
-'''
-
-
-def _compile() -> dict:
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("ptx")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", COMPILE], capture_output=True, text=True, env=env, timeout=600)
+    script = Path(__file__).with_name("compile_launches.py")
+    proc = subprocess.run([sys.executable, str(script), str(out)], capture_output=True, text=True, env=env, timeout=900)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    import json
-
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def test_quant_kernels_compile_for_sm80_and_sm90() -> None:
-    results = _compile()
-    for name in ("quantize_int8", "quantize_int4_bf16", "dequantize_int4", "grad_weight_int8", "grad_weight_int4_bf16"):
-        for arch in (80, 90):
-            assert results[f"{name}@sm_{arch}"]["cubin"] > 0
-    assert results["quantize_fp8@sm_90"]["cubin"] > 0
-    assert results["dequantize_fp8@sm_90"]["cubin"] > 0
+def _ptx(compiled: dict, case: str, arch: int) -> str:
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    return Path(result[f"sm_{arch}"]["ptx"]).read_text()
+
+
+def _found(ptx: str, *ops: str) -> dict[str, bool]:
+    return {op: op in ptx for op in ops}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_launch_compiles(compiled, case) -> None:
+    result = compiled[case]
+    assert "error" not in result, result.get("error")
+    for arch in CASES[case][0]:
+        assert ".entry" in Path(result[f"sm_{arch}"]["ptx"]).read_text()
+        print(f"{case}@sm_{arch}: {result[f'sm_{arch}']['kernel']} shared={result[f'sm_{arch}']['shared']} B")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_stochastic_rounding_with_seed_one_compiles(compiled, arch) -> None:
+    # The JIT turns an int argument equal to 1 into a constant; the seed must not be specialised.
+    for case in ("quantize_int8_stochastic_seed1", "quantize_int4_stochastic_seed1"):
+        assert "error" not in compiled[case], compiled[case].get("error")
+        assert ".entry" in _ptx(compiled, case, arch)
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
+def test_quantize_divides_with_ieee_rounding(compiled, case) -> None:
+    # The reference divides in IEEE fp32; approximate division (div.full / div.approx) changes
+    # scales and codes on a GPU though the interpreter, which uses numpy, cannot show it.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert _found(ptx, "div.rn.f32", "div.full", "div.approx") == {"div.rn.f32": True, "div.full": False, "div.approx": False}
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("grad_weight")))
+def test_grad_weight_dot_is_fp32_not_tf32(compiled, case) -> None:
+    # Its test bounds the error by fp32 summation; a TF32 tensor-core dot keeps 10 mantissa bits.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert _found(ptx, "tf32", "fma.rn.f32") == {"tf32": False, "fma.rn.f32": True}
+
+
+@pytest.mark.parametrize("case", ["quantize_int8_fp32", "quantize_int8_stochastic_seed1", "quantize_int4_stochastic_seed1",
+                                  "dequantize_int8_fp32", "dequantize_int4_fp16"])
+def test_int_kernels_load_and_store_vectors_on_sm90(compiled, case) -> None:
+    # Rows of 4096 columns: a group is 64 contiguous, 16-aligned values, so each thread moves
+    # 8 or 16 bytes per instruction (the former even/odd-column tiles loaded one value at a time).
+    ptx = _ptx(compiled, case, 90)
+    assert re.search(r"ld\.global(\.\w+)*\.v[24]\.", ptx), "no vector load"
+    assert re.search(r"st\.global(\.\w+)*\.v[24]\.", ptx), "no vector store"
 
 
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from ooc.kernels.pack import ALIGN, layout_of, pack, unpack
+from ooc.kernels.pack import ALIGN, MAX_GRID_Y, copy_table, launch_grid, layout_of, pack, unpack
 
 
 def _tensors(device: str = "cpu") -> list[torch.Tensor]:
@@ -47,6 +47,44 @@ def test_errors() -> None:
     buffer, layout = pack([torch.randn(100)])
     with pytest.raises(ValueError, match="layout needs"):
         unpack(buffer[:10], layout)
+
+
+def test_a_device_copy_needs_pinned_host_memory_on_every_path() -> None:
+    # "meta" stands in for an accelerator on a CPU-only machine; the checks run before any dispatch.
+    tensors = [torch.empty(100, device="meta"), torch.empty(3, dtype=torch.int8, device="meta")]
+    layout = layout_of(tensors)
+    with pytest.raises(ValueError, match="out is pageable host memory.*needs pinned memory"):
+        pack(tensors, torch.empty(layout.nbytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="buffer is pageable host memory.*needs pinned memory"):
+        unpack(torch.empty(layout.nbytes, dtype=torch.uint8), layout, "meta")
+    with pytest.raises(ValueError, match="out is on meta; it must be on cpu"):
+        pack([torch.randn(100)], torch.empty(512, dtype=torch.uint8, device="meta"))
+    with pytest.raises(ValueError, match="buffer must be a 1-D uint8"):
+        unpack(torch.empty(layout.nbytes // 4), layout)
+
+
+def test_vector_copies_need_both_addresses_aligned() -> None:
+    tensors = _tensors()
+    layout = layout_of(tensors)
+    big = torch.empty(layout.nbytes + ALIGN, dtype=torch.uint8)
+    assert big.data_ptr() % ALIGN == 0
+    src = [t.data_ptr() for t in tensors]
+    assert all(p % ALIGN == 0 for p in src)
+    aligned = copy_table(src, [big.data_ptr() + o for o in layout.offsets], layout.sizes)
+    assert aligned[3] == [1] * len(tensors) and aligned[2] == list(layout.sizes)
+    # out = big[1:], a buffer whose own address is odd: every destination is misaligned
+    shifted = copy_table(src, [big[1:].data_ptr() + o for o in layout.offsets], layout.sizes)
+    assert shifted[3] == [0] * len(tensors)
+    # a view one float into a tensor, as the source of one copy and the destination of another
+    view = torch.randn(9)[1:]
+    assert view.data_ptr() % ALIGN == 4
+    assert copy_table([view.data_ptr(), big.data_ptr()], [big.data_ptr(), view.data_ptr()], (32, 32))[3] == [0, 0]
+
+
+def test_launch_grid_stays_within_cuda_limits() -> None:
+    assert launch_grid((16,) * 70_000) == (1, MAX_GRID_Y)
+    assert launch_grid((2**30, 1, 7)) == (1024, 3)
+    assert launch_grid((256 * 16 * 5 + 1,)) == (6, 1)
 
 
 @pytest.mark.gpu

@@ -3,15 +3,23 @@ it bit for bit on codes and scales."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
-from ooc.kernels.quant import dequantize, quantize
+from ooc.kernels.quant import _group_tile, _packed_tile, dequantize, quantize
 from ooc.kernels.quant_reference import QMAX, hash_uniform, torch_dequantize, torch_quantize
 from tests.conftest import HAS_GPU
 from tests.helpers import stable_seed
+
+needs_interpreter = pytest.mark.skipif(
+    not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs a GPU or TRITON_INTERPRET=1"
+)
 
 SHAPES = [(1,), (7,), (3, 63), (2, 4097), (4, 64), (2, 3, 33)]
 
@@ -106,6 +114,55 @@ def test_nan_and_inf_raise_with_a_clear_message(kernels) -> None:
             quantize(x)
 
 
+@contextlib.contextmanager
+def no_host_reads() -> Iterator[None]:
+    """Makes every device-to-host read of a tensor value (int(), item(), bool(), tolist()) raise."""
+    def refuse(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("host read of a tensor value")
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("__int__", "__index__", "__bool__", "__float__", "item", "tolist"):
+            patch.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+@pytest.mark.parametrize("choice", ["reference", pytest.param("triton", marks=needs_interpreter)])
+def test_check_finite_false_reads_nothing_back_and_the_flag_counts_on_the_device(kernels, choice) -> None:
+    kernels(choice)
+    x = torch.randn(3, 130)
+    x[0, 3], x[2, 70], x[2, 100] = float("nan"), float("inf"), float("-inf")  # groups (0, 0) and (2, 1) hold them
+    clean = torch.randn(2, 64)
+    flag = torch.zeros(1, dtype=torch.int64)
+    with no_host_reads():
+        q = quantize(x, check_finite=False, nonfinite_flag=flag)
+        quantize(clean, check_finite=False, nonfinite_flag=flag)
+        quantize(x, bits=4, check_finite=False, nonfinite_flag=flag)
+        with pytest.raises(AssertionError, match="host read"):
+            quantize(clean)  # the default check reads the count back: one sync per call
+    assert flag.tolist() == [4]
+    assert torch.isnan(q.scales).nonzero().tolist() == [[0, 0], [2, 1]]
+    with pytest.raises(ValueError, match="2 group"):
+        quantize(x)
+
+
+def test_nonfinite_flag_must_be_an_integer_count_on_the_input_device() -> None:
+    for flag in (torch.zeros(2, dtype=torch.int64), torch.zeros(1), torch.zeros(1, dtype=torch.bool),
+                 torch.zeros(1, dtype=torch.int64, device="meta")):
+        with pytest.raises(ValueError, match="nonfinite_flag must be a 1-element int32 or int64 tensor"):
+            quantize(torch.randn(2, 64), nonfinite_flag=flag)
+
+
+@pytest.mark.gpu
+def test_cuda_check_finite_false_does_not_synchronize() -> None:
+    x = torch.randn(33, 4097, device="cuda")
+    flag = torch.zeros(1, dtype=torch.int64, device="cuda")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        quantize(x, check_finite=False, nonfinite_flag=flag)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert int(flag) == 0
+
+
 @pytest.mark.parametrize(
     "kwargs, message",
     [
@@ -135,10 +192,6 @@ def test_non_contiguous_input_is_quantized_as_its_values(kernels) -> None:
 
 
 # interpret lane: Triton under TRITON_INTERPRET=1 equals the reference bit for bit ----------------
-
-needs_interpreter = pytest.mark.skipif(
-    not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs a GPU or TRITON_INTERPRET=1"
-)
 
 
 @needs_interpreter
@@ -215,3 +268,43 @@ def test_cuda_fp8_within_reference() -> None:
     got = dequantize(quantize(x, codec="fp8_e4m3"))
     ref = torch_dequantize(torch_quantize(x.cpu(), codec="fp8_e4m3"))
     torch.testing.assert_close(got.cpu(), ref, rtol=2**-3, atol=0)
+
+
+
+@triton.jit
+def _offsets_probe(out_ptr, mask_ptr, pid, cols, groups_per_row, total, PACKED: tl.constexpr, WIDTH: tl.constexpr,
+                   GROUP: tl.constexpr, GPP: tl.constexpr):
+    """Stores the element offsets (base + column) and mask the kernels' tile helper computes for
+    program ``pid``, as a (GPP, WIDTH) int64 and int8 tile."""
+    g, live, base, col, m = _group_tile(pid, cols, groups_per_row, total, GROUP, GPP)
+    if PACKED:
+        offsets, m = _packed_tile(g, live, (cols + 1) // 2, groups_per_row, GROUP)
+    else:
+        offsets = base + col
+    i = tl.arange(0, GPP)[:, None] * WIDTH + tl.arange(0, WIDTH)[None, :]
+    tl.store(out_ptr + i, offsets)
+    tl.store(mask_ptr + i, m.to(tl.int8))
+
+
+@needs_interpreter
+@pytest.mark.parametrize("tile", ["elements", "int4_bytes"])
+def test_offsets_past_two_to_the_31_do_not_wrap(tile) -> None:
+    # One row of 2^31 + 320 elements (2^32 + 320 for int4 bytes, two per byte; a large storage viewed
+    # as one row): the offsets of its last groups exceed int32. The kernels' own tile helpers compute
+    # them for the last program in the interpreter, which wraps int32 arithmetic as a GPU does; too
+    # large to allocate, so only the offsets and the mask are stored.
+    group, gpp = 64, 32
+    packed = tile == "int4_bytes"
+    cols = (2**32 if packed else 2**31) + 5 * group
+    groups = -(-cols // group)
+    last = (groups - 1) // gpp
+    width = group // 2 if packed else group
+    out = torch.zeros(gpp, width, dtype=torch.int64)
+    mask = torch.zeros(gpp, width, dtype=torch.int8)
+    _offsets_probe[(1,)](out, mask, last, cols, groups, groups, PACKED=packed, WIDTH=width, GROUP=group, GPP=gpp)
+    g = last * gpp + torch.arange(gpp, dtype=torch.int64)[:, None]
+    expected = g * width + torch.arange(width, dtype=torch.int64)[None, :]
+    expected_mask = (g < groups) & ((2 * expected if packed else expected) < cols)
+    assert torch.equal(mask.bool(), expected_mask)
+    assert torch.equal(out[expected_mask], expected[expected_mask])
+    assert int(out[expected_mask].max()) >= 2**31
