@@ -75,8 +75,9 @@ class StepRecorder:
     """Records what a runtime reports of its steps (``Runtime.record``): each block's phase times,
     as lists of seconds ready for a median, and the tracker's log of allocations.
 
-    A recomputed block times its phases directly; a kept block's backward runs inside autograd, from
-    the grad hook on its outputs (``backward_start``) to the one on its inputs (``backward_end``).
+    Forwards and re-runs are timed directly; a block's backward runs inside autograd, from the grad
+    hook on its outputs (``backward_start``, moved past a recomputed block's re-run) to the one on its
+    inputs, or on its parameters when no input requires grad (``backward_end``).
     """
 
     marks_backward = True
@@ -110,7 +111,11 @@ class StepRecorder:
         yield
         if self._cuda:
             torch.cuda.synchronize(self.backend.device)
-        self.seconds[what][block].append(time.perf_counter() - start)
+        end = time.perf_counter()
+        self.seconds[what][block].append(end - start)
+        if what == "recompute" and block in self._started:
+            # A recomputed block re-runs at its backward's start: its backward proper starts now.
+            self._started[block] = end
 
     def clear_times(self) -> None:
         for series in self.seconds.values():

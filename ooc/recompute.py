@@ -1,21 +1,53 @@
-"""RECOMPUTE: run a block's forward without saving its activations, and re-run it in the backward.
+"""RECOMPUTE: run a block's forward without keeping its saved tensors, and re-run it when backward needs them.
 
-Unlike ``torch.utils.checkpoint``, the one tensor kept (the input) goes through the block's own pack
-hook, so it is counted, and swapped when the plan says ``swap_input``. The re-run happens under the
-RNG and autocast state of the first run (dropout masks repeat bit for bit), and restores the block's
-buffers afterwards, so BatchNorm running statistics are updated once per step, as without ooc.
+NOTE [recompute through saved-tensor hooks]
+This is the mechanism of ``torch.utils.checkpoint.checkpoint(use_reentrant=False)``, written for ooc
+(torch's version lives in private functions whose signatures change between releases, and it lacks
+what ooc adds below). The block's forward runs normally, inside the caller's autograd graph, under a
+pack hook that replaces every saved tensor by an empty ``_Holder``. The first time backward unpacks
+one of them, the block's forward is re-run under a second pack hook that puts each re-saved tensor
+into its holder, in order, and stops the re-run (``_StopRecompute``) once the last holder is filled.
+Each holder hands its tensor out once and forgets it. Because every node of the block stays a node
+of the caller's graph, everything autograd does works as without ooc: ``autograd.grad`` with
+``inputs=``, ``backward(inputs=...)``, hooks, double backward (``create_graph=True``), backward
+inside the block's forward, outputs that do not require grad when nothing in the block does.
+
+Recomputed tensors belong to one backward (keyed by autograd's graph task id): a second backward
+over a graph kept with ``retain_graph=True`` re-runs the block again.
+
+What ooc adds to torch's mechanism:
+- The block's tensor arguments are held through the block's own pack hook (``save_input``), so they
+  are counted by the tracker and swapped to the host when the plan says ``swap_input``.
+- Every tensor the re-run saves goes through the runtime's ``recompute_pack`` hook (the tracker
+  counts it as "recompute", at the block's backward start, as the schedule does).
+- The re-run replays the CPU and the block device's RNG state (dropout masks repeat bit for bit) and
+  the autocast state of the first run, and restores the block's buffers afterwards, so BatchNorm
+  running statistics are updated once per step, as without ooc (torch's checkpoint updates them twice).
+- Every re-run is checked: a different number of saved tensors, or a different shape, dtype or
+  device of one, raises :class:`RecomputeError` naming the block; ``check_recompute=True`` also
+  compares the values bit for bit (against host copies taken in the forward).
+- A block that modifies one of its tensor arguments in place, or whose argument is modified in place
+  before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ooc import nvtx
+from ooc.errors import OocError
+
+
+class RecomputeError(OocError, RuntimeError):
+    """A recomputed block cannot be re-run faithfully (its re-run differs from its forward)."""
 
 
 class RngState:
@@ -42,103 +74,256 @@ class RngState:
                 torch.cuda.set_rng_state(outer.cuda, self.device)
 
 
-class RecomputeCall:
-    """One recomputed call of a block: its arguments' structure and what the re-run needs."""
+class AutocastState:
+    """Autocast as the first run saw it, for the block's device type and for the CPU."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, device: torch.device) -> None:
+        kinds = dict.fromkeys((device.type, "cpu"))
+        self.states = [(k, torch.is_autocast_enabled(k), torch.get_autocast_dtype(k), torch.is_autocast_cache_enabled())
+                       for k in kinds]
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        with contextlib.ExitStack() as stack:
+            for kind, enabled, dtype, cache in self.states:
+                stack.enter_context(torch.autocast(kind, dtype, enabled, cache))
+            yield
+
+
+class _StopRecompute(Exception):
+    """Raised by the re-run's pack hook once every saved tensor the backward needs is recomputed."""
+
+
+class _Holder:
+    """Stands in for one saved tensor of the block's forward; holds its recomputed value per backward.
+
+    ``tensors[gid]`` is the tensor recomputed for graph task ``gid`` until backward unpacks it, then
+    None (a tensor is handed out once, so it dies with the node that used it, even under
+    ``retain_graph=True``).
+    """
+
+    __slots__ = ("tensors", "__weakref__")
+
+    def __init__(self) -> None:
+        self.tensors: dict[int, torch.Tensor | None] = {}
+
+
+_outside_backward = itertools.count(-2, -1)
+
+
+def _graph_task_id() -> int:
+    gid = torch._C._current_graph_task_id()  # what torch's own checkpoint keys its re-runs by
+    return gid if gid != -1 else next(_outside_backward)  # an unpack outside backward re-runs alone
+
+
+def _meta(t: torch.Tensor) -> tuple[torch.Size, torch.dtype, torch.device]:
+    return (t.shape, t.dtype, t.device)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().contiguous().reshape(-1)
+    return t.view(torch.uint8) if t.dtype != torch.bool else t
+
+
+class RecomputeFrame:
+    """One recomputed call of a block: its held arguments, the state to replay, the holders to fill."""
 
     def __init__(
         self,
         forward: Callable[..., Any],
         module: torch.nn.Module,
-        leaves: list[Any],
-        spec: Any,
+        name: str,
         device: torch.device,
-        recompute_hooks: Callable[[], contextlib.AbstractContextManager],
+        recompute_pack: Callable[[], Callable[[torch.Tensor], object]],
         range_name: str,
         timer: Callable[[str], contextlib.AbstractContextManager],
+        check_values: bool,
     ) -> None:
         self.forward = forward
         self.module = module
-        self.leaves = leaves
-        self.spec = spec
-        self.tensor_slots = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.name = name
         self.device = device
-        self.recompute_hooks = recompute_hooks
+        self.recompute_pack = recompute_pack
         self.range_name = range_name
         self.timer = timer
-        self.rng: RngState | None = None
-        self.autocast: tuple[bool, torch.dtype] | None = None
-        self.out_leaves: list[Any] = []
-        self.out_spec: Any = None
-        self.out_slots: list[int] = []
+        self.check_values = check_values
+        self.rng = RngState(device)
+        self.autocast = AutocastState(device)
+        self.leaves: list[Any] = []
+        self.spec: Any = None
+        self.tensor_slots: list[int] = []
+        self.requires_grad: list[bool] = []
+        self.versions: list[tuple[torch.Tensor, int] | None] = []
+        self.load_input: Callable[[object], torch.Tensor] = lambda packed: packed  # type: ignore[assignment, return-value]
+        self.holders: list[weakref.ref[_Holder]] = []
+        self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
+        self.values: list[torch.Tensor | None] = []
+        self._state_ptrs: frozenset[int] | None = None
+        self.counts: dict[int, int] = {}
+        self.done: set[int] = set()
+        self.forward_done = False
+        self.unchecked = False
 
-    def _call(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+    # -- the first run ------------------------------------------------------------------------
+
+    def hold_inputs(
+        self, leaves: list[Any], spec: Any, save_input: Callable[[torch.Tensor], object],
+        load_input: Callable[[object], torch.Tensor],
+    ) -> None:
+        """Hold the call's tensor arguments through ``save_input`` (the block's pack hook)."""
+        self.spec = spec
+        self.load_input = load_input
+        self.tensor_slots = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+        self.requires_grad = [leaves[k].requires_grad for k in self.tensor_slots]
+        self.leaves = list(leaves)
+        for k in self.tensor_slots:
+            self.leaves[k] = save_input(leaves[k])
+
+    def note_versions(self, leaves: list[Any], before: list[int]) -> None:
+        """After the first run: refuse a block that modified an argument in place; remember the versions
+        of the arguments held as themselves, to refuse a re-run from one modified later."""
+        for k, version in zip(self.tensor_slots, before):
+            if leaves[k]._version != version:
+                raise RecomputeError(
+                    f"block {self.name} modifies its argument {k} in place, so it cannot be recomputed from "
+                    "that argument (its value before the block is gone); plan this block as keep or swap, "
+                    "or make the operation out of place"
+                )
+        self.versions = [(self.leaves[k], self.leaves[k]._version) if self.leaves[k] is leaves[k] else None
+                         for k in self.tensor_slots]
+
+    def pack_forward(self, tensor: torch.Tensor) -> _Holder:
+        holder = _Holder()
+        self.holders.append(weakref.ref(holder))
+        self.metas.append(_meta(tensor))
+        if self.check_values:
+            # Model state (BatchNorm's running statistics) legitimately differs in the re-run: not compared.
+            state = tensor.untyped_storage().data_ptr() in self.state_ptrs()
+            self.values.append(None if state else tensor.detach().to("cpu", copy=True))
+        return holder
+
+    def state_ptrs(self) -> frozenset[int]:
+        if self._state_ptrs is None:
+            tensors = [*self.module.parameters(), *self.module.buffers()]
+            self._state_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+        return self._state_ptrs
+
+    def unpack(self, holder: _Holder) -> torch.Tensor:
+        gid = _graph_task_id()
+        if gid not in self.done:
+            self.recompute(gid)
+        if gid not in holder.tensors:
+            raise RecomputeError(f"block {self.name}: a saved tensor was not recomputed (was it saved after the "
+                                 "backward that unpacked it started?)")
+        tensor = holder.tensors[gid]
+        if tensor is None:
+            raise RecomputeError(
+                f"block {self.name}: a recomputed saved tensor is unpacked a second time in one backward; "
+                "read ctx.saved_tensors once per backward call"
+            )
+        holder.tensors[gid] = None
+        return tensor
+
+    # -- the re-run -----------------------------------------------------------------------------
+
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
         leaves = list(self.leaves)
-        for slot, tensor in zip(self.tensor_slots, tensors):
-            leaves[slot] = tensor
-        args, kwargs = tree_unflatten(leaves, self.spec)
-        return self.forward(*args, **kwargs)
+        for n, k in enumerate(self.tensor_slots):
+            held = self.versions[n] if n < len(self.versions) else None
+            if held is not None and held[0]._version != held[1]:
+                raise RecomputeError(
+                    f"block {self.name}: its argument {k} was modified in place after the block's forward, so "
+                    "the block cannot be recomputed from it; plan this block as keep or swap, or make that "
+                    "operation out of place"
+                )
+            tensor = self.load_input(leaves[k])
+            if self.requires_grad[n] and not tensor.requires_grad:
+                # Ops save different tensors depending on which inputs require grad: match the first run.
+                tensor = tensor.detach().requires_grad_()
+            leaves[k] = tensor
+        return tree_unflatten(leaves, self.spec)
 
-    def first_run(self, tensors: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        self.rng = RngState(self.device)
-        kind = self.device.type
-        self.autocast = (torch.is_autocast_enabled(kind), torch.get_autocast_dtype(kind))
-        with self.timer("forward"):
-            out = self._call(tensors)
-        # Keep the structure, not the tensors: the inputs are held (or swapped) by save_for_backward only.
-        self.leaves = [None if isinstance(v, torch.Tensor) else v for v in self.leaves]
-        self.out_leaves, self.out_spec = tree_flatten(out)
-        self.out_slots = [k for k, v in enumerate(self.out_leaves) if isinstance(v, torch.Tensor)]
-        return tuple(self.out_leaves[k] for k in self.out_slots)
+    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+        def pack(tensor: torch.Tensor) -> object:
+            index = self.counts.get(gid, 0)
+            self.counts[gid] = index + 1
+            # Detached: a packed output that points back to its own node would be a reference cycle
+            # autograd cannot break (the re-run's graph, and this frame with it, would never be freed).
+            tensor = tensor.detach() if tensor.requires_grad else tensor
+            if index >= len(self.holders):
+                if not self.forward_done:
+                    # A backward inside the block's forward re-runs it while more is still to be saved.
+                    self.unchecked = True
+                    return tensor
+                raise RecomputeError(
+                    f"block {self.name} saved more tensors when recomputed than in its forward "
+                    f"({len(self.holders)}): its forward is not deterministic (data-dependent control flow, "
+                    "or state changed between the runs); plan this block as keep or swap"
+                )
+            holder = self.holders[index]()
+            if holder is not None:  # None: its node already ran (a backward inside the forward)
+                account(tensor)
+                holder.tensors[gid] = tensor
+            if index + 1 == len(self.holders):
+                raise _StopRecompute
+            # The re-run's own graph may be backwarded (a backward inside the block's forward).
+            return tensor
 
-    def rebuild_output(self, tensors: tuple[torch.Tensor, ...]) -> Any:
-        leaves = list(self.out_leaves)
-        for slot, tensor in zip(self.out_slots, tensors):
-            leaves[slot] = tensor
-        self.out_leaves = []  # the outputs live on in the caller; do not pin them here
-        return tree_unflatten(leaves, self.out_spec)
+        return pack
 
-    def rerun_and_backward(
-        self, inputs: tuple[torch.Tensor, ...], requires_grad: tuple[bool, ...], grads: tuple[torch.Tensor | None, ...]
-    ) -> tuple[torch.Tensor | None, ...]:
-        detached = tuple(t.detach().requires_grad_(rg) for t, rg in zip(inputs, requires_grad))
+    def recompute(self, gid: int) -> None:
+        args, kwargs = self._arguments()
         buffers = [b.detach().clone() for b in self.module.buffers()]
-        enabled, dtype = self.autocast
+        pack = self.pack_recomputed(gid, self.recompute_pack())
         with nvtx.range(self.range_name), self.timer("recompute"):
-            with self.rng.restored(), torch.enable_grad(), torch.autocast(self.device.type, dtype, enabled), self.recompute_hooks():
-                out = self._call(detached)
+            with (
+                self.rng.restored(),
+                self.autocast.restored(),
+                torch.enable_grad(),
+                saved_tensors_hooks(pack, lambda tensor: tensor),
+            ):
+                try:
+                    self.forward(*args, **kwargs)
+                except _StopRecompute:
+                    pass
         with torch.no_grad():
             # The first run already updated the buffers (BatchNorm statistics) for this step.
             for buffer, saved in zip(self.module.buffers(), buffers):
                 buffer.copy_(saved)
-        out_leaves, _ = tree_flatten(out)
-        outputs, out_grads = [], []
-        for slot, grad in zip(self.out_slots, grads):
-            tensor = out_leaves[slot]
-            if grad is not None and isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-                outputs.append(tensor)
-                out_grads.append(grad)
-        with self.timer("backward"):
-            if outputs:
-                torch.autograd.backward(outputs, out_grads)
-        return tuple(d.grad if rg else None for d, rg in zip(detached, requires_grad))
+        self.done.add(gid)
+        self._check(gid)
 
-
-class RecomputeFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, call: RecomputeCall, anchor: torch.Tensor, *tensors: torch.Tensor):  # noqa: ANN205
-        ctx.call = call
-        ctx.input_requires_grad = tuple(t.requires_grad for t in tensors)
-        outputs = call.first_run(tensors)
-        # The only tensors this block keeps; they go through the block's pack hook (kept or swapped).
-        ctx.save_for_backward(*tensors)
-        ctx.mark_non_differentiable(*[t for t in outputs if not (t.is_floating_point() or t.is_complex())])
-        return outputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor | None):  # noqa: ANN205
-        inputs = ctx.saved_tensors
-        input_grads = ctx.call.rerun_and_backward(inputs, ctx.input_requires_grad, grads)
-        return (None, None, *input_grads)
+    def _check(self, gid: int) -> None:
+        if self.unchecked:
+            return
+        count = self.counts.get(gid, 0)
+        if count != len(self.holders):
+            raise RecomputeError(
+                f"block {self.name} saved {count} tensors when recomputed but {len(self.holders)} in its "
+                "forward: its forward is not deterministic (data-dependent control flow, or state changed "
+                "between the runs); plan this block as keep or swap"
+            )
+        for index, ref in enumerate(self.holders):
+            holder = ref()
+            if holder is None or holder.tensors.get(gid) is None:
+                continue
+            tensor = holder.tensors[gid]
+            if _meta(tensor) != self.metas[index]:
+                raise RecomputeError(
+                    f"block {self.name}: saved tensor {index} was {self.metas[index]} in the forward but "
+                    f"{_meta(tensor)} when recomputed; the forward is not deterministic, plan this block as "
+                    "keep or swap"
+                )
+            value = self.values[index] if self.check_values else None
+            if value is not None and not torch.equal(_bits(tensor.cpu()), _bits(value)):
+                raise RecomputeError(
+                    f"block {self.name}: saved tensor {index} {tuple(tensor.shape)} has other values when "
+                    "recomputed than in the forward (check_recompute=True); the forward is not deterministic "
+                    "(RNG outside torch's generators, nondeterministic kernels, state changed between the runs); "
+                    "plan this block as keep or swap"
+                )
 
 
 def run_recomputed(
@@ -147,19 +332,31 @@ def run_recomputed(
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     *,
-    anchor: torch.Tensor,
+    name: str,
     device: torch.device,
-    recompute_hooks: Callable[[], contextlib.AbstractContextManager],
+    save_input: Callable[[torch.Tensor], object],
+    load_input: Callable[[object], torch.Tensor],
+    recompute_pack: Callable[[], Callable[[torch.Tensor], object]],
     range_name: str,
     timer: Callable[[str], contextlib.AbstractContextManager],
+    check_recompute: bool = False,
 ) -> Any:
-    """Run ``forward(*args, **kwargs)`` keeping only its tensor arguments for the backward.
+    """Run ``forward(*args, **kwargs)`` (``module``'s forward) keeping only its tensor arguments for backward.
 
-    ``anchor`` is a leaf that requires grad, so the outputs require grad even when no input does
-    (the first block of a chain often takes raw data): the block's parameters still get gradients.
+    The arguments go through ``save_input`` and come back through ``load_input`` (the block's pack
+    hook and ooc's unpack); each tensor the re-run saves goes through a hook from ``recompute_pack()``
+    (called once per re-run). ``timer(what)`` times the phases "forward" and "recompute";
+    ``range_name`` names the re-run's NVTX range; ``name`` (the block's) is in every error.
+    ``check_recompute``: also compare the re-run's saved values with the forward's, bit for bit
+    (keeps a host copy of every saved tensor of the block until its backward).
+    Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
+    frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     leaves, spec = tree_flatten((args, kwargs))
-    call = RecomputeCall(forward, module, leaves, spec, device, recompute_hooks, range_name, timer)
-    tensors = tuple(leaves[k] for k in call.tensor_slots)
-    outputs = RecomputeFunction.apply(call, anchor, *tensors)
-    return call.rebuild_output(outputs)
+    frame.hold_inputs(leaves, spec, save_input, load_input)
+    before = [leaves[k]._version for k in frame.tensor_slots]
+    with saved_tensors_hooks(frame.pack_forward, frame.unpack), timer("forward"):
+        out = forward(*args, **kwargs)
+    frame.forward_done = True
+    frame.note_versions(leaves, before)
+    return out

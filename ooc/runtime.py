@@ -1,7 +1,8 @@
 """``ooc.wrap``: run a model's blocks under a plan, through forward wrappers and autograd hooks.
 
 NOTE [one step, as the runtime sees it]
-- Block ``i``'s forward runs under the block's pack hook (keep, swap, or the recompute function).
+- Block ``i``'s forward runs under the block's pack hook (keep, swap), or under recompute's hooks
+  (NOTE [recompute through saved-tensor hooks] in ``ooc.recompute``).
   Swapped storages start their copy out at once; at the end of the forward the schedule's releases
   run (the previous block's swapped storages, after their copies).
 - A grad hook on the block's outputs marks the start of the block's backward: the schedule's
@@ -202,20 +203,20 @@ class _BlockForward:
         rt.streamer.attach(i)
         try:
             if decision.policy is Policy.RECOMPUTE:
-                with saved_tensors_hooks(step.pack_hook(i, swap=decision.swap_input, what="save"), unpack):
-                    out = run_recomputed(
-                        self.original,
-                        rt.chain.modules[i],
-                        args,
-                        kwargs,
-                        anchor=rt.anchor,
-                        device=rt.backend.device,
-                        recompute_hooks=lambda: saved_tensors_hooks(
-                            step.pack_hook(i, swap=False, what="recompute"), unpack
-                        ),
-                        range_name=f"ooc/recompute/{rt.chain.names[i]}",
-                        timer=lambda what: rt.timer(i, what),
-                    )
+                out = run_recomputed(
+                    self.original,
+                    rt.chain.modules[i],
+                    args,
+                    kwargs,
+                    name=rt.chain.names[i],
+                    device=rt.backend.device,
+                    save_input=step.pack_hook(i, swap=decision.swap_input, what="save"),
+                    load_input=unpack,
+                    recompute_pack=lambda: step.pack_hook(i, swap=False, what="recompute"),
+                    range_name=f"ooc/recompute/{rt.chain.names[i]}",
+                    timer=lambda what: rt.timer(i, what),
+                    check_recompute=rt.check_recompute,
+                )
             else:
                 pack = step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save")
                 with saved_tensors_hooks(pack, unpack), rt.timer(i, "forward"):
@@ -229,6 +230,9 @@ class _BlockForward:
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
                 register_multi_grad_hook(inputs, lambda _grad: rt.timer.mark(i, "backward_end"), mode="any")
+            elif params := [p for p in rt.chain.modules[i].parameters() if p.requires_grad]:
+                # No input needs a gradient (raw data): the block's backward ends with its parameters'.
+                register_multi_grad_hook(params, lambda _grads: rt.timer.mark(i, "backward_end"), mode="all")
         if isinstance(out, torch.Tensor):
             outputs = [out] if out.requires_grad else []
         else:
@@ -255,7 +259,8 @@ class Runtime:
         self.pool = HostPool(backend)
         self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
         self.streamer = self._make_streamer(plan)
-        self.anchor = torch.empty(0, requires_grad=True)
+        self.check_recompute = False
+        """Compare each recomputed block's re-saved values with its forward's (``run_recomputed``)."""
         self.timer: Recorder | _NoRecorder = _NoRecorder()
         """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
