@@ -14,6 +14,8 @@ import torch
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# CPU backends check the CUDA stream-order rules (NOTE [stream-order checker] in ooc.backend.order).
+os.environ.setdefault("OOC_CHECK_ORDER", "1")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -29,3 +31,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 def _deterministic_threads():
     # Reductions on CPU can split work by thread count; keep one setting for a whole test.
     yield
+    from ooc.backend.order import unwatch_thread
+
+    unwatch_thread()  # the next test's thread starts unwatched (the checker's mode costs per op)
