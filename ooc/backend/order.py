@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import weakref
 from typing import Any, NamedTuple
 
 import torch
@@ -69,9 +70,12 @@ class _Access(NamedTuple):
 
 
 class _Buf:
-    __slots__ = ("ptr", "nbytes", "kind", "alloc", "writer", "readers")
+    __slots__ = ("ptr", "nbytes", "kind", "alloc", "writer", "readers", "ref")
 
-    def __init__(self, ptr: int, nbytes: int, kind: str, alloc: _Access) -> None:
+    def __init__(self, ptr: int, nbytes: int, kind: str, alloc: _Access, storage: torch.UntypedStorage) -> None:
+        self.ref = weakref.ref(storage)
+        """The storage this entry is about; dead or another object: the memory was freed (and maybe
+        reallocated where the checker did not see it)."""
         self.ptr = ptr
         self.nbytes = nbytes
         self.kind = kind
@@ -85,14 +89,15 @@ _HOST_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::equal"})
 
 
 class _OpInfo:
-    __slots__ = ("name", "written_pos", "written_names", "fresh_outputs", "tracked", "host_sync")
+    __slots__ = ("name", "written_pos", "written_names", "fresh_outputs", "tracked", "host_sync", "collective")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
         self.name = schema.name
         args = schema.arguments
         written = [i for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
-        if self.name.startswith("c10d::") and self.name.endswith("_") and args:
+        self.collective = self.name.startswith("c10d::")
+        if self.collective and self.name.endswith("_") and args:
             written = [0]  # in-place collectives (allreduce_, broadcast_, ...) write their tensors unannotated
         self.written_pos = frozenset(written)
         self.written_names = frozenset(args[i].name for i in written)
@@ -104,7 +109,10 @@ class _OpInfo:
         self.host_sync = self.name in _HOST_SYNC_OPS
 
 
-def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
+_Key = tuple[int, int, torch.UntypedStorage]
+
+
+def _storage_key(t: torch.Tensor) -> _Key | None:
     if t.device.type != "cpu" or t.layout is not torch.strided:
         return None
     try:
@@ -112,7 +120,7 @@ def _storage_key(t: torch.Tensor) -> tuple[int, int] | None:
     except (RuntimeError, NotImplementedError):
         return None
     ptr = storage.data_ptr()
-    return (ptr, storage.nbytes()) if ptr else None
+    return (ptr, storage.nbytes(), storage) if ptr else None
 
 
 def _caller() -> str:
@@ -158,10 +166,13 @@ class OrderChecker:
         self._exempt: list[bool] = []
         """Streams whose uses are covered by record_stream (the copy engines)."""
         self.host = self._new_stream("host", exempt=False)
-        self._compute: dict[int, int] = {}
         self._bufs: dict[int, _Buf] = {}
         self._ops: dict[Any, _OpInfo] = {}
         self._tls = threading.local()
+        """Per thread: ``mode`` (its dispatch mode, once watched) and ``compute`` (its compute stream,
+        once it issues device work: records or waits on compute, allocates a device buffer, runs a
+        collective; until then its ops are host work). Thread-local, so a new thread that reuses a
+        dead one's id starts afresh."""
 
     # streams and events --------------------------------------------------------------------
 
@@ -177,10 +188,9 @@ class OrderChecker:
             return self._new_stream(name, exempt=True)
 
     def _compute_stream(self) -> int:
-        ident = threading.get_ident()
-        stream = self._compute.get(ident)
+        stream = getattr(self._tls, "compute", None)
         if stream is None:
-            stream = self._compute[ident] = self._new_stream(f"compute[{threading.current_thread().name}]", exempt=False)
+            stream = self._tls.compute = self._new_stream(f"compute[{threading.current_thread().name}]", exempt=False)
         return stream
 
     def _join(self, into: dict[int, int], vec: dict[int, int]) -> None:
@@ -277,10 +287,11 @@ class OrderChecker:
                                          "an event recorded after that read (a pooled host buffer: the event its "
                                          "last copy returned).")
 
-    def _allocated(self, key: tuple[int, int], stream: int, access: _Access, kind: str) -> _Buf:
-        ptr, nbytes = key
+    def _allocated(self, key: _Key, stream: int, access: _Access, kind: str) -> _Buf:
+        ptr, nbytes, storage = key
         old = self._bufs.get(ptr)
-        if old is not None and old.kind == "device" and kind == "device":
+        if old is not None and old.kind == "device" and kind == "device" and stream != self.host \
+                and old.ref() is not storage:
             for prev in (old.writer, *old.readers.values()):
                 if prev.stream != stream and not self._exempt[prev.stream] and not self._covered(stream, prev):
                     raise StreamOrderError(
@@ -290,13 +301,15 @@ class OrderChecker:
                         "buffer alive until an event after that use completes, or call record_stream on it for "
                         "the other stream."
                     )
-        buf = self._bufs[ptr] = _Buf(ptr, nbytes, kind, access)
+        buf = self._bufs[ptr] = _Buf(ptr, nbytes, kind, access, storage)
         return buf
 
-    def _buf(self, key: tuple[int, int]) -> _Buf:
+    def _buf(self, key: _Key) -> _Buf:
         buf = self._bufs.get(key[0])
-        if buf is None:
-            buf = self._bufs[key[0]] = _Buf(key[0], key[1], "device", _Access(self.host, 0, "an unknown allocation"))
+        if buf is None or buf.ref() is not key[2]:
+            # Never seen, or allocated where the checker did not look: no constraint known.
+            buf = self._bufs[key[0]] = _Buf(key[0], key[1], "device", _Access(self.host, 0, "an unknown allocation"),
+                                            key[2])
         return buf
 
     def allocated(self, tensor: torch.Tensor, what: str, *, host: bool) -> None:
@@ -343,13 +356,13 @@ class OrderChecker:
             info = self._ops[func] = _OpInfo(func)
         if not info.tracked:
             return
-        reads: list[tuple[int, int]] = []
-        writes: list[tuple[int, int]] = []
+        reads: list[_Key] = []
+        writes: list[_Key] = []
         for i, arg in enumerate(args):
             _collect(arg, writes if i in info.written_pos else reads)
         for name, arg in kwargs.items():
             _collect(arg, writes if name in info.written_names else reads)
-        fresh: list[tuple[int, int]] = []
+        fresh: list[_Key] = []
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for is_fresh, o in zip(info.fresh_outputs, outs):
             if is_fresh:
@@ -359,15 +372,14 @@ class OrderChecker:
             inputs = {key[0] for key in (*reads, *writes)}
             fresh = [key for key in fresh if key[0] not in inputs]
         with self._lock:
-            compute = self._compute_stream()
+            compute = self._compute_stream() if info.collective else getattr(self._tls, "compute", None)
             host_ticked = False
-            self._clock[compute] += 1
+            if compute is not None:
+                self._clock[compute] += 1
             for keys, write in ((reads, False), (writes, True)):
                 for key in keys:
-                    buf = self._bufs.get(key[0])
-                    if buf is None:
-                        buf = self._buf(key)
-                    if buf.kind == "host":
+                    buf = self._buf(key)
+                    if buf.kind == "host" or compute is None:
                         stream = self.host
                         if not host_ticked:
                             self._clock[self.host] += 1
@@ -385,8 +397,11 @@ class OrderChecker:
                     else:
                         buf.readers[stream] = access
             for key in fresh:
-                self._allocated(key, compute, _Access(compute, self._clock[compute], info.name), "device")
-            if info.host_sync:
+                if compute is None:
+                    self._allocated(key, self.host, _Access(self.host, self._clock[self.host], info.name), "device")
+                else:
+                    self._allocated(key, compute, _Access(compute, self._clock[compute], info.name), "device")
+            if info.host_sync and compute is not None:
                 # The host waits for the value: it knows everything this compute stream did.
                 self._issued_by_host(compute)
                 self._join(self._knows[self.host], self._snapshot(compute))
@@ -414,7 +429,7 @@ class OrderChecker:
             _pop_mode()
 
 
-def _collect(arg: object, into: list[tuple[int, int]]) -> None:
+def _collect(arg: object, into: list[_Key]) -> None:
     if isinstance(arg, torch.Tensor):
         key = _storage_key(arg)
         if key is not None:
