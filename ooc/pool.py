@@ -21,6 +21,19 @@ def _size_class(nbytes: int) -> int:
     return max(_GRANULE, -(-nbytes // _GRANULE) * _GRANULE)
 
 
+def _take(free: list[tuple[torch.Tensor, Event | None]]) -> tuple[torch.Tensor, Event | None] | None:
+    """The free buffer to hand out: the most recently released one whose last copy is done (warm in
+    cache), else the earliest released (the likeliest to be done soon). Plain LIFO would pick the
+    buffer most likely still in flight, and the host would wait for it while idle ones sit free."""
+    if not free:
+        return None
+    for i in range(len(free) - 1, -1, -1):
+        ready = free[i][1]
+        if ready is None or ready.query():
+            return free.pop(i)
+    return free.pop(0)
+
+
 class HostPool:
     def __init__(self, backend: Backend) -> None:
         self._backend = backend
@@ -35,8 +48,7 @@ class HostPool:
         """A ``uint8`` host buffer of exactly ``nbytes`` elements (a view of a pooled block)."""
         size = _size_class(nbytes)
         with self._lock:
-            free = self._free[size]
-            entry = free.pop() if free else None
+            entry = _take(self._free[size])
             self.in_use_bytes += size
             self.peak_in_use_bytes = max(self.peak_in_use_bytes, self.in_use_bytes)
         if entry is None:
@@ -47,7 +59,8 @@ class HostPool:
             block, ready = entry
             if ready is not None:
                 # The last copy that read this buffer may still be running; reusing it earlier
-                # would overwrite data in flight.
+                # would overwrite data in flight. (A host-side wait: CUDA events the host waits on
+                # block the thread rather than spin, see CudaBackend.)
                 ready.synchronize()
         return block[:nbytes]
 

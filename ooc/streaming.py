@@ -109,7 +109,12 @@ class ParamStreamer:
             callback(block)
         for e in entries:
             e.device = self.backend.device_buffer(e.nbytes).view(e.host.dtype).view(e.host.shape)
-            e.ready = self.backend.copy_h2d(e.device.view(-1), e.host.view(-1), ())
+        # The buffers were allocated in compute order: the allocator may have handed over memory that
+        # kernels still queued on compute use (the block released just before). The copies wait for
+        # compute to reach the allocation.
+        allocated = self.backend.record_compute()
+        for e in entries:
+            e.ready = self.backend.copy_h2d(e.device.view(-1), e.host.view(-1), (allocated,))
         self.tracker.alloc_params(sum(e.nbytes for e in entries))
 
     def attach(self, block: int) -> None:
@@ -126,7 +131,7 @@ class ParamStreamer:
                 e.param.grad = None
                 e.param.data = e.device
                 if grad is not None:
-                    e.param.grad = grad.to(e.device.device)  # accumulation continues on the device
+                    e.param.grad = self._grad_to_device(grad)  # accumulation continues on the device
             self._by_ptr[e.device.untyped_storage().data_ptr()] = e
         self._grads_pending[block] = sum(1 for e in entries if e.param.requires_grad)
 
@@ -141,11 +146,33 @@ class ParamStreamer:
             e.param.grad = None
             e.param.data = e.host
             if grad is not None:
-                e.param.grad = grad.to(e.host.device)
+                e.param.grad = self._grad_to_host(grad)
             e.device = None
             e.ready = None
         self._release_when_done.discard(block)
         self.tracker.free_params(sum(e.nbytes for e in entries))
+
+    def _grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
+        """A device gradient's host copy (pinned on CUDA), complete when this returns."""
+        src = grad.contiguous()  # before the event below: the copy reads what compute wrote up to it
+        host = self.backend.host_buffer(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        # The copy waits for compute to have produced the gradient (its backward may still be queued).
+        produced = self.backend.record_compute()
+        done = self.backend.copy_d2h(host.view(-1), src.view(-1), (produced,))
+        # The host (optimizer, user) reads .grad next: wait for the copy.
+        done.synchronize()
+        return host
+
+    def _grad_to_device(self, grad: torch.Tensor) -> torch.Tensor:
+        """A host gradient's device copy, which compute may read once this returns."""
+        src = grad.contiguous()
+        device = self.backend.device_buffer(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        # The destination was allocated in compute order: the copy waits for compute to reach that point.
+        allocated = self.backend.record_compute()
+        ready = self.backend.copy_h2d(device.view(-1), src.view(-1), (allocated,))
+        # Backward accumulates into it next: compute waits for the copy.
+        self.backend.wait_compute(ready)
+        return device
 
     def release_after_backward(self, block: int) -> None:
         """Release once every gradient of the block has been accumulated (now, or at the last one)."""

@@ -14,6 +14,8 @@ import torch
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# CPU backends check the CUDA stream-order rules (NOTE [stream-order checker] in ooc.backend.order).
+os.environ.setdefault("OOC_CHECK_ORDER", "1")
 
 
 # The CPU lanes: tests that need Triton's interpreter (CPU tensors through @triton.jit kernels) or
@@ -43,3 +45,6 @@ def _deterministic_threads():
     threads = torch.get_num_threads()
     yield
     torch.set_num_threads(threads)
+    from ooc.backend.order import unwatch_thread
+
+    unwatch_thread()  # the next test's thread starts unwatched (the checker's mode costs per op)

@@ -5,6 +5,7 @@ at random and poisons destinations first, so a missing wait shows up as NaNs or 
 from __future__ import annotations
 
 import ctypes
+import os
 import queue
 import random
 import threading
@@ -15,6 +16,11 @@ from dataclasses import dataclass
 import torch
 
 from ooc.backend.base import Backend, Event
+from ooc.backend.order import CheckedEvent, OrderChecker, checker
+
+CHECK_ORDER_ENV = "OOC_CHECK_ORDER"
+"""``OOC_CHECK_ORDER=1``: CPU backends built without ``check_order=`` check stream order (the tests
+set it; see NOTE [stream-order checker] in ``ooc.backend.order``)."""
 
 
 @dataclass(frozen=True)
@@ -86,11 +92,23 @@ class _CopyEngine:
 
 
 class CpuBackend(Backend):
+    """``chaos``: random copy delays (:class:`ChaosConfig`). ``check_order``: raise
+    :class:`~ooc.backend.order.StreamOrderError` on any access that the CUDA ordering rules do not
+    order (NOTE [stream-order checker]); ``None`` reads ``OOC_CHECK_ORDER``. Both are fixed for the
+    backend's life."""
+
     name = "cpu"
 
-    def __init__(self, *, chaos: ChaosConfig | None = None) -> None:
+    def __init__(self, *, chaos: ChaosConfig | None = None, check_order: bool | None = None) -> None:
         self.device = torch.device("cpu")
         self.chaos = chaos
+        if check_order is None:
+            check_order = os.environ.get(CHECK_ORDER_ENV, "") == "1"
+        self.check_order = check_order
+        self._checker: OrderChecker | None = checker() if check_order else None
+        if self._checker is not None:
+            self._h2d_stream = self._checker.copy_stream(f"h2d#{id(self):x}")
+            self._d2h_stream = self._checker.copy_stream(f"d2h#{id(self):x}")
         self.separate_memory = chaos is not None
         self._rng = random.Random(chaos.seed) if chaos else None
         self._rng_lock = threading.Lock()
@@ -99,7 +117,7 @@ class CpuBackend(Backend):
         self._last: list[CpuEvent] = []
 
     def __repr__(self) -> str:
-        return f"CpuBackend(chaos={self.chaos})"
+        return f"CpuBackend(chaos={self.chaos}, check_order={self.check_order})"
 
     def _delay(self) -> float:
         if self._rng is None:
@@ -108,26 +126,43 @@ class CpuBackend(Backend):
             return self._rng.uniform(0.0, self.chaos.max_delay_s)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self._checker is not None:
+            self._checker.allocated(buffer, "host_buffer", host=True)
+        return buffer
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.empty(nbytes, dtype=torch.uint8)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if self._checker is not None:
+            self._checker.allocated(buffer, "device_buffer", host=False)
+        return buffer
 
     def record_compute(self) -> Event:
         # Compute on the CPU has already happened when the host gets here; chaos mode still
         # completes the event late, as a GPU that runs behind the host would.
         delay = self._delay()
         if delay == 0.0:
-            return CpuEvent(done=True)
-        event = CpuEvent()
-        timer = threading.Timer(delay, event.set)
-        timer.daemon = True
-        timer.start()
+            event = CpuEvent(done=True)
+        else:
+            event = CpuEvent()
+            timer = threading.Timer(delay, event.set)
+            timer.daemon = True
+            timer.start()
+        if self._checker is not None:
+            return CheckedEvent(event, self._checker.record_compute(), self._checker)
         return event
 
     def _copy(self, engine: _CopyEngine, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         if dst.numel() != src.numel() or dst.dtype != src.dtype:
             raise ValueError(f"copy of {src.numel()} {src.dtype} into {dst.numel()} {dst.dtype}")
+        knowledge = None
+        if self._checker is not None:
+            # Checked at issue, in issue order. The job below holds both buffers until the copy ran:
+            # the CPU stand-in for CudaBackend._copy's record_stream, so the checker exempts copies
+            # from the use-after-free rule.
+            d2h = engine is self._d2h
+            knowledge = self._checker.copy(self._d2h_stream if d2h else self._h2d_stream, dst, src, after,
+                                           "D2H copy" if d2h else "H2D copy")
         done = CpuEvent()
         delays = (self._delay(), self._delay())
         chaos = self.chaos is not None
@@ -162,6 +197,8 @@ class CpuBackend(Backend):
         self._last.append(done)
         if len(self._last) > 64:
             self._last = [e for e in self._last if not e.query()]
+        if knowledge is not None:
+            return CheckedEvent(done, knowledge, self._checker)
         return done
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
@@ -171,13 +208,19 @@ class CpuBackend(Backend):
         return self._copy(self._h2d, dst, src, after)
 
     def wait_compute(self, event: Event) -> None:
-        # The CPU "compute stream" is the host thread itself, so it blocks.
-        event.synchronize()
+        # The CPU "compute stream" is the host thread itself, so it blocks. The checker counts it as
+        # the GPU-side wait it stands for: compute learns the event, the host does not.
+        (event.inner if isinstance(event, CheckedEvent) else event).synchronize()
+        if self._checker is not None:
+            self._checker.compute_waits(event)
 
     def synchronize(self) -> None:
         for event in list(self._last):
             event.synchronize()
         self._last.clear()
+        if self._checker is not None:
+            # The host has waited for every copy issued so far.
+            self._checker.host_syncs_streams((self._d2h_stream, self._h2d_stream))
 
     def close(self) -> None:
         self._d2h.close()

@@ -83,7 +83,10 @@ class CudaBackend(Backend):
         return buffer
 
     def record_compute(self) -> Event:
-        event = torch.cuda.Event()
+        # blocking: ooc's host threads wait on these events (the exchange thread on compute, the pool
+        # and the update thread on copies); a default event spin-waits, burning the core the host
+        # optimizer needs. A blocking one sleeps in the driver instead.
+        event = torch.cuda.Event(blocking=True)
         event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -101,7 +104,7 @@ class CudaBackend(Backend):
                 # The compute stream may drop its reference before the copy runs: tell the caching
                 # allocator the copy stream still uses this memory.
                 tensor.record_stream(stream)
-        done = torch.cuda.Event()
+        done = torch.cuda.Event(blocking=True)  # host waits sleep, not spin (see record_compute)
         done.record(stream)
         return done
 

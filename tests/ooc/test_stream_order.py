@@ -1,0 +1,279 @@
+"""The CPU backend's stream-order checker (NOTE [stream-order checker] in ooc.backend.order).
+
+First the rules, each on a bare backend: a copy into a compute-allocated buffer needs an event after
+the allocation; a copy of a tensor written after its event reads unfinished work; a host read of a
+D2H destination needs the copy's event; a pooled host buffer is not rewritten before its last copy;
+an allocation may not take memory another thread's compute still uses. Then the races it found in
+ooc, each a test that failed before its fix (the optimizer pipeline's are fixed on another branch:
+``xfail(strict=True)`` here until that lands).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ooc
+from ooc.backend import ChaosConfig, CpuBackend
+from ooc.backend.order import StreamOrderError
+from ooc.models import GPT
+from ooc.optim import HostAdamW
+from ooc.pool import HostPool
+from ooc.scheduler.plan import Plan
+from tests.helpers import gpt_batch
+
+
+@pytest.fixture
+def backend():
+    b = CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001), check_order=True)
+    yield b
+    b.synchronize()
+    b.close()
+
+
+# the rules ---------------------------------------------------------------------------------------
+
+def test_a_copy_into_a_compute_allocated_buffer_waits_for_the_allocation(backend: CpuBackend) -> None:
+    host, dev = backend.host_buffer(64), backend.device_buffer(64)
+    with pytest.raises(StreamOrderError, match=r"device buffer .* allocated by device_buffer .* H2D copy"):
+        backend.copy_h2d(dev, host, ())
+    backend.wait_compute(backend.copy_h2d(dev, host, (backend.record_compute(),)))
+    assert dev.sum().item() == host.sum().item()
+
+
+def test_a_copy_of_a_tensor_written_after_its_event_is_caught(backend: CpuBackend) -> None:
+    x = torch.ones(16)
+    host = backend.host_buffer(64).view(torch.float32)
+    event = backend.record_compute()
+    x.mul_(2)  # a kernel queued after the event: the copy may read x before it ran
+    with pytest.raises(StreamOrderError, match=r"aten::mul_ on compute\[.*\] .* D2H copy"):
+        backend.copy_d2h(host, x, (event,))
+    backend.copy_d2h(host, x, (backend.record_compute(),)).synchronize()
+    assert host.tolist() == [2.0] * 16
+
+
+def test_compute_reading_a_copy_destination_waits_for_the_copy(backend: CpuBackend) -> None:
+    host, dev = backend.host_buffer(64).view(torch.float32), backend.device_buffer(64).view(torch.float32)
+    host.fill_(3)
+    done = backend.copy_h2d(dev, host, (backend.record_compute(),))
+    with pytest.raises(StreamOrderError, match="wait_compute"):
+        dev.sum()
+    backend.wait_compute(done)
+    assert dev.sum().item() == 48
+
+
+def test_a_host_read_of_a_d2h_destination_waits_for_its_event(backend: CpuBackend) -> None:
+    x = torch.arange(16, dtype=torch.float32)
+    host = backend.host_buffer(64).view(torch.float32)
+    done = backend.copy_d2h(host, x, (backend.record_compute(),))
+    with pytest.raises(StreamOrderError, match=r"read\) on host"):
+        host.clone()
+    done.synchronize()
+    assert torch.equal(host.clone(), x)
+
+
+def test_a_host_buffer_is_not_rewritten_before_its_last_copy(backend: CpuBackend) -> None:
+    host, dev = backend.host_buffer(64), backend.device_buffer(64)
+    backend.copy_h2d(dev, host, (backend.record_compute(),))
+    x = torch.zeros(64, dtype=torch.uint8)
+    with pytest.raises(StreamOrderError, match="last reader"):
+        backend.copy_d2h(host, x, (backend.record_compute(),))  # reuse without waiting for the H2D
+
+
+def test_the_pool_waits_for_the_last_copy_before_reuse(backend: CpuBackend) -> None:
+    pool = HostPool(backend)
+    host = pool.acquire(4096)
+    dev = backend.device_buffer(4096)
+    read = backend.copy_h2d(dev, host, (backend.record_compute(),))
+    pool.release(host, read)
+    again = pool.acquire(4096)
+    assert again.data_ptr() == host.data_ptr()
+    backend.copy_d2h(again, torch.zeros(4096, dtype=torch.uint8), (backend.record_compute(),)).synchronize()
+
+
+def test_the_pool_prefers_a_buffer_whose_last_copy_is_done() -> None:
+    class Pending:
+        def query(self) -> bool:
+            return False
+
+        def synchronize(self) -> None:
+            raise AssertionError("the pool waited for a copy still in flight while an idle buffer was free")
+
+    class Done:
+        def query(self) -> bool:
+            return True
+
+        def synchronize(self) -> None:
+            pass
+
+    pool = HostPool(CpuBackend(check_order=False))
+    idle, busy = pool.acquire(100), pool.acquire(100)
+    pool.release(idle, Done())
+    pool.release(busy, Pending())  # LIFO would hand this one out next
+    assert pool.acquire(100).data_ptr() == idle.data_ptr()
+
+
+def test_an_allocation_over_memory_another_threads_compute_still_uses_is_caught(backend: CpuBackend) -> None:
+    backend.record_compute()  # the main thread issues device work: the checker watches it
+
+    def use_on_another_thread(victim: torch.Tensor) -> None:
+        def work() -> None:
+            backend.record_compute()  # this thread issues device work too
+            victim.add_(1)  # queued on that thread's compute stream, never waited for
+
+        worker = threading.Thread(target=work)
+        worker.start()
+        worker.join()
+
+    with pytest.raises(StreamOrderError, match=r"use after free: aten::empty .* aten::add_ on compute\[Thread"):
+        # Until the CPU allocator hands a freed block straight back (it does within a few tries).
+        for _ in range(50):
+            victim = torch.zeros(1024)
+            use_on_another_thread(victim)
+            del victim
+            torch.empty(1024)
+
+
+def test_the_checker_is_off_unless_asked() -> None:
+    b = CpuBackend(check_order=False)
+    b.copy_h2d(b.device_buffer(8), b.host_buffer(8), ()).synchronize()
+    assert not b.check_order
+
+
+def test_a_backend_that_forgets_the_compute_wait_raises_at_once() -> None:
+    class ForgetfulBackend(CpuBackend):
+        def wait_compute(self, event) -> None:  # the bug: do not wait for the copy
+            return None
+
+    backend = ForgetfulBackend(check_order=True)
+    model = GPT("nano")
+    ooc.wrap(model, Plan.uniform("swap", 4), backend=backend)
+    try:
+        with pytest.raises(StreamOrderError, match="H2D copy"):
+            model(*gpt_batch())[1].backward()
+    finally:
+        ooc.unwrap(model)
+        backend.close()
+
+
+# the races it found ------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("policy", ["keep", "swap"])
+def test_weight_streaming_orders_its_copies(policy: str) -> None:
+    """Race (a): the stream-in copies waited on nothing, though their buffers were allocated on compute
+    (on a GPU: the block just released, its kernels still queued); the gradient went back with a
+    blocking copy the checker could not see. Streamed training must still equal plain PyTorch."""
+    torch.manual_seed(0)
+    plain = GPT("nano")
+    model = copy.deepcopy(plain)
+    backend = CpuBackend(chaos=ChaosConfig(seed=4, max_delay_s=0.001), check_order=True)
+    ooc.wrap(model, Plan.uniform(policy, 4).streaming([1, 2, 3]), backend=backend)
+    try:
+        for m in (plain, model):
+            opt = torch.optim.SGD(m.parameters(), lr=0.1)
+            for step in range(2):
+                torch.manual_seed(step)  # same dropout masks for both
+                m(*gpt_batch(seed=step))[1].backward()
+                opt.step()
+                opt.zero_grad()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    finally:
+        ooc.unwrap(model)
+        backend.close()
+
+
+class _ConvNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Sequential(nn.Conv2d(4, 4, 3, padding=1), nn.ReLU()) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+def _pipelined_steps(model: nn.Module, opt: HostAdamW, batch, steps: int = 3) -> None:  # noqa: ANN001
+    for _ in range(steps):
+        model(batch).backward() if not isinstance(batch, tuple) else model(*batch)[1].backward()
+        opt.step()
+        opt.zero_grad()
+    opt.synchronize()
+
+
+@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
+def test_delayed_update_copies_weights_in_after_the_backward_read_them() -> None:
+    """Race (b): with delayed_update the new weights' H2D copies are issued from the grad hook with no
+    event, while the GPU may still run the backward that reads the old weights."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend, delayed_update=True)
+    try:
+        _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+        backend.close()
+
+
+@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
+def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None:
+    """Race (d): the pipeline's compute event was recorded before ``.contiguous()`` built the copy's
+    source; a channels_last conv weight's gradient is not contiguous, so the copy read unfinished work."""
+    torch.manual_seed(0)
+    model = _ConvNet().to(memory_format=torch.channels_last)
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 2), blocks=list(model.blocks), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend)
+    x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
+    assert not next(model.parameters()).is_contiguous()
+    try:
+        _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, x))
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+        backend.close()
+
+
+@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
+def test_the_reduced_gradient_leaves_the_device_after_the_collective(tmp_path) -> None:  # noqa: ANN001
+    """Race (c): with ``reduce_on="device"`` the D2H copy of the all-reduced gradient waited on nothing,
+    though the collective ran on the exchange thread's compute stream (and the gather before it ran
+    after the compute event the exchange waited for). One gloo rank in this process drives it."""
+    import torch.distributed as dist
+
+    from ooc.distributed import DataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
+    opt = None
+    try:
+        opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend,
+                        data_parallel=DataParallel(reduce_on="device", check=False))
+        _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
+    finally:
+        if opt is not None:
+            opt.close()
+        ooc.unwrap(model)
+        backend.close()
+        dist.destroy_process_group()
+
+
+def _run_and_unwrap_cause(fn) -> None:  # noqa: ANN001
+    """Run ``fn``; a checker error raised on a pipeline thread comes back as the PipelineError's cause."""
+    try:
+        fn()
+    except ooc.OocError as exc:
+        cause = exc
+        while cause is not None and not isinstance(cause, StreamOrderError):
+            cause = cause.__cause__
+        raise (cause or exc) from None
