@@ -4,8 +4,7 @@ First the rules, each on a bare backend: a copy into a compute-allocated buffer 
 the allocation; a copy of a tensor written after its event reads unfinished work; a host read of a
 D2H destination needs the copy's event; a pooled host buffer is not rewritten before its last copy;
 an allocation may not take memory another thread's compute still uses. Then the races it found in
-ooc, each a test that failed before its fix (the optimizer pipeline's are fixed on another branch:
-``xfail(strict=True)`` here until that lands).
+ooc, each a test that failed before its fix.
 """
 
 from __future__ import annotations
@@ -205,7 +204,6 @@ def _pipelined_steps(model: nn.Module, opt: HostAdamW, batch, steps: int = 3) ->
     opt.synchronize()
 
 
-@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
 def test_delayed_update_copies_weights_in_after_the_backward_read_them() -> None:
     """Race (b): with delayed_update the new weights' H2D copies are issued from the grad hook with no
     event, while the GPU may still run the backward that reads the old weights."""
@@ -213,7 +211,7 @@ def test_delayed_update_copies_weights_in_after_the_backward_read_them() -> None
     model = GPT("nano")
     backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=True)
     ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend, delayed_update=True)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, delayed_update=True)
     try:
         _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
     finally:
@@ -222,7 +220,6 @@ def test_delayed_update_copies_weights_in_after_the_backward_read_them() -> None
         backend.close()
 
 
-@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
 def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None:
     """Race (d): the pipeline's compute event was recorded before ``.contiguous()`` built the copy's
     source; a channels_last conv weight's gradient is not contiguous, so the copy read unfinished work."""
@@ -230,7 +227,7 @@ def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None
     model = _ConvNet().to(memory_format=torch.channels_last)
     backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=True)
     ooc.wrap(model, Plan.uniform("keep", 2), blocks=list(model.blocks), backend=backend)
-    opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend)
     x = torch.randn(2, 4, 8, 8).to(memory_format=torch.channels_last)
     assert not next(model.parameters()).is_contiguous()
     try:
@@ -241,7 +238,6 @@ def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None
         backend.close()
 
 
-@pytest.mark.xfail(strict=True, raises=StreamOrderError, reason="race fixed on the optim branch")
 def test_the_reduced_gradient_leaves_the_device_after_the_collective(tmp_path) -> None:  # noqa: ANN001
     """Race (c): with ``reduce_on="device"`` the D2H copy of the all-reduced gradient waited on nothing,
     though the collective ran on the exchange thread's compute stream (and the gather before it ran
@@ -257,7 +253,7 @@ def test_the_reduced_gradient_leaves_the_device_after_the_collective(tmp_path) -
     ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
     opt = None
     try:
-        opt = HostAdamW(model.parameters(), lr=1e-2, pipeline=model, backend=backend,
+        opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend,
                         data_parallel=DataParallel(reduce_on="device", check=False))
         _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
     finally:
