@@ -11,14 +11,16 @@ import torch
 import torch.nn as nn
 
 import ooc
+from ooc.blocks import find_blocks
+from ooc.runtime import runtime_of
 from tests.zoo.models import MODELS, train_side_by_side
 
 EXACT = [name for name in MODELS if name != "t5"]
 """T5's decoder reads the encoder output twice (test_t5.py states and tests what holds for it)."""
-MIXES = {
-    "recompute-swap-keep": (["recompute", "swap", "keep"], "chaos"),
-    "swap-keep-recompute": (["swap", "keep", "recompute"], "cpu"),
-    "recompute-input-swapped": ([ooc.BlockPlan("recompute", swap_input=True), "recompute", "swap"], "chaos"),
+MIXES = {  # policies cycled over the chain, backend, whether the chain includes the stem
+    "recompute-swap-keep": (["recompute", "swap", "keep"], "chaos", False),
+    "swap-keep-recompute": (["swap", "keep", "recompute"], "cpu", False),
+    "stem-recompute-input-swapped": ([ooc.BlockPlan("recompute", swap_input=True), "recompute", "swap"], "chaos", True),
 }
 
 
@@ -30,11 +32,11 @@ def _mix(policies: list, n: int) -> ooc.Plan:
 @pytest.mark.parametrize("model", EXACT)
 def test_mix_equals_plain(model: str, mix: str) -> None:
     zoo = MODELS[model]
-    policies, backend = MIXES[mix]
+    policies, backend, stem = MIXES[mix]
 
     def wrap(m: nn.Module) -> None:
-        n = len(ooc.blocks.find_blocks(m))
-        ooc.wrap(m, _mix(policies, n), backend=backend)
+        chain = find_blocks(m, sample=zoo.sample(zoo.batch(0)) if stem else None)
+        ooc.wrap(m, _mix(policies, len(chain)), blocks=list(chain.modules), backend=backend)
 
     train_side_by_side(zoo, wrap)
 
@@ -48,6 +50,8 @@ def test_budget_from_a_sample_equals_plain(model: str) -> None:
     def wrap(m: nn.Module) -> None:
         saved = ooc.describe(copy.deepcopy(m), sample).saved_bytes  # a copy: its forward updates BatchNorm statistics
         ooc.wrap(m, budget=3 * saved // 4, sample=sample, backend="chaos")
+        chosen = runtime_of(m).plan
+        assert len({b.label() for b in chosen.blocks}) >= 2, f"the budget should force a mix:\n{chosen}"
 
     train_side_by_side(zoo, wrap)
 
