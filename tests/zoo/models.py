@@ -146,7 +146,8 @@ MODELS: dict[str, Zoo] = {
 }
 
 
-def train_side_by_side(zoo: Zoo, wrap: Callable[[nn.Module], None]) -> None:
+def train_side_by_side(zoo: Zoo, wrap: Callable[[nn.Module], None],
+                       check: Callable[[nn.Module], None] | None = None) -> None:
     """Train a plain model and a wrapped copy; assert each step's loss and gradients and the final
     state_dict equal bit for bit."""
     torch.manual_seed(0)
@@ -173,6 +174,8 @@ def train_side_by_side(zoo: Zoo, wrap: Callable[[nn.Module], None]) -> None:
                 assert same, f"step {step}: the gradient of {name} differs"
             for opt in opts:
                 opt.step()
+        if check is not None:
+            check(wrapped)  # still wrapped, after the last step
     finally:
         ooc.unwrap(wrapped)
     theirs = wrapped.state_dict()

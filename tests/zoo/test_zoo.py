@@ -56,6 +56,25 @@ def test_budget_from_a_sample_equals_plain(model: str) -> None:
     train_side_by_side(zoo, wrap)
 
 
+@pytest.mark.parametrize("model", ["llama-eager", "gpt_neox-sdpa", "bert", "timm-resnet18", "timm-convnext"])
+def test_budget_from_the_first_step_equals_plain(model: str) -> None:
+    """``wrap(budget=...)`` without a sample: the first step runs every block recomputed and is
+    measured, the plan takes over from the second (the README's first example)."""
+    zoo = MODELS[model]
+    sample = zoo.sample(zoo.batch(0))
+
+    def wrap(m: nn.Module) -> None:
+        c = copy.deepcopy(m)
+        report = ooc.describe(c, sample, blocks=list(find_blocks(c).modules))  # the chain as found: no sample, no stem
+        ooc.wrap(m, budget=int(0.75 * report.saved_bytes * report.chosen.saved_share), backend="chaos")
+
+    def check(m: nn.Module) -> None:
+        chosen = runtime_of(m).plan
+        assert len({b.label() for b in chosen.blocks}) >= 2, f"the budget should force a mix:\n{chosen}"
+
+    train_side_by_side(zoo, wrap, check)
+
+
 @pytest.mark.parametrize("model", list(MODELS))
 def test_chain_covers_most_saved_activations(model: str) -> None:
     zoo = MODELS[model]
