@@ -149,7 +149,8 @@ def wrap(
     if include_params and plan is None and budget is not None and sample is None and profile is None:
         raise WrapError("include_params=True plans parameters from a profile: pass sample= (one input batch) or "
                         "profile=, so the first step does not have to hold every parameter on the device")
-    chain = find_blocks(model, blocks)
+    planned_from_sample = plan is None and budget is not None and profile is None and sample is not None
+    chain = find_blocks(model, blocks, sample=sample if planned_from_sample else None)
     backend_obj = resolve_backend(backend, model)
     if plan is None:
         if budget is not None and profile is not None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
 
-from ooc.blocks import Candidate, candidates, find_blocks
+from ooc.blocks import Candidate, candidates, find_blocks, with_stem
 from ooc.scheduler.units import format_bytes
 
 
@@ -102,13 +102,19 @@ def _saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tupl
 def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> ChainReport:
     """Which chains of blocks ``ooc.wrap`` would consider in ``model``, which it picks, and their
     shares of the model's parameters and (with ``sample``, one input batch as the model takes it)
-    of the bytes one forward saves for backward. ``print()`` the result for a table.
+    of the bytes one forward saves for backward. ``print()`` the result for a table. With a sample,
+    the chosen chain includes the stem that runs before it (NOTE [the stem joins the chain]), as
+    ``ooc.wrap(model, budget=..., sample=sample)`` uses it.
 
     The model's gradients are untouched (no backward runs); buffers such as BatchNorm running
     statistics are updated by the forward as by any training forward.
     """
     found = candidates(model)
     chosen = find_blocks(model, blocks)
+    if blocks is None and sample is not None and found:
+        # The chain wrap(budget=..., sample=...) uses: the best candidate with its stem.
+        found[0] = with_stem(model, found[0], sample)
+        chosen = found[0].chain
     if blocks is not None and not any(c.chain.modules == chosen.modules for c in found):
         params = {id(p): p for b in chosen.modules for p in b.parameters()}
         found.insert(0, Candidate(("blocks=",), chosen, sum(p.numel() * p.element_size() for p in params.values())))

@@ -21,11 +21,19 @@ import torch.nn as nn
 from ooc.errors import WrapError
 
 
+def _checkpointing_flag(module: nn.Module) -> object:
+    """HF's ``is_activation_checkpointing`` (transformers >= 5.23), else ``is_gradient_checkpointing``
+    (asked only where the new name is missing: reading it warns of its deprecation)."""
+    if hasattr(type(module), "is_activation_checkpointing"):
+        return module.is_activation_checkpointing
+    return getattr(module, "is_gradient_checkpointing", False)
+
+
 def check_no_hf_checkpointing(model: nn.Module) -> None:
     """Raise :class:`WrapError` if HF's gradient checkpointing is on: ooc would then see only the
     layers' inputs, and a recompute plan would run each layer three times."""
     on = [name or type(m).__name__ for name, m in model.named_modules()
-          if getattr(m, "gradient_checkpointing", False) is True or getattr(m, "is_gradient_checkpointing", False) is True]
+          if getattr(m, "gradient_checkpointing", False) is True or _checkpointing_flag(m) is True]
     if on:
         raise WrapError(
             f"Hugging Face gradient checkpointing is on ({on[0]}); ooc's plan replaces it. Call "

@@ -231,12 +231,14 @@ def test_describe_reports_each_chain_with_its_shares() -> None:
     model = Staged()
     report = ooc.describe(model, torch.randn(3, 4))
     chosen = report.chosen
-    assert chosen.containers == ("layer1", "layer2") and chosen.blocks == 3
-    assert chosen.param_share == pytest.approx(3 / 4)
+    # With a sample, the stem that runs before layer1 joins the chain (NOTE [the stem joins the chain]).
+    assert chosen.containers == ("stem", "layer1", "layer2") and chosen.blocks == 4
+    assert chosen.param_share == pytest.approx(1.0)
     # Storages saved, each (3, 4) fp32 = 48 bytes: the stem's Linear saves x, tanh its output; each
     # unit's fc saves its input (the previous output, counted where it was first saved) and relu
-    # its output. So 2 outside the chain, 3 inside.
+    # its output. So 1 outside the chain (tanh runs between the stem and layer1), 4 inside.
     assert report.saved_bytes == 48 * 5
-    assert chosen.saved_share == pytest.approx(3 / 5)
-    assert "layer1 + layer2" in str(report)
-    assert ooc.describe(model).chosen.saved_share is None
+    assert chosen.saved_share == pytest.approx(4 / 5)
+    assert "stem + layer1 + layer2" in str(report)
+    without_sample = ooc.describe(model).chosen
+    assert without_sample.containers == ("layer1", "layer2") and without_sample.saved_share is None

@@ -1,0 +1,45 @@
+"""The examples in examples/ run, and train exactly as plain PyTorch does: ``transformers.Trainer``
+and a Lightning ``LightningModule`` with ``HostAdamW`` on an ooc-wrapped model give the losses and
+final weights of the same run with ``torch.optim.AdamW(fused=True)`` on the plain model, bit for
+bit (HostAdamW's update is that kernel; the wraps keep, swap and recompute)."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(f"ooc_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _same(a: tuple[list[float], dict[str, torch.Tensor]], b: tuple[list[float], dict[str, torch.Tensor]]) -> None:
+    assert a[0] == b[0] and len(a[0]) == 4
+    assert a[1].keys() == b[1].keys()
+    differ = [k for k in a[1] if not torch.equal(a[1][k], b[1][k])]
+    assert not differ, f"weights differ: {differ[:4]}"
+
+
+def test_hf_trainer_with_host_adamw() -> None:
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # Trainer needs it
+    example = _load("hf_trainer")
+    _same(example.train(wrapped=True), example.train(wrapped=False))
+
+
+def test_lightning_with_host_adamw() -> None:
+    pytest.importorskip("lightning")
+    example = _load("lightning_hostadamw")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
+        _same(example.train(wrapped=True), example.train(wrapped=False))
