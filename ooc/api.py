@@ -125,6 +125,7 @@ def wrap(
     planner: str = DEFAULT_PLANNER,
     profile: Profile | None = None,
     include_params: bool = False,
+    check_recompute: bool = False,
 ) -> nn.Module:
     """Install ooc's runtime on ``model`` and return it; the training loop stays as it is.
 
@@ -142,6 +143,10 @@ def wrap(
     - ``blocks``: the chain (a list of submodules or a ModuleList/Sequential); found if omitted.
     - ``backend``: ``"auto"`` (CUDA if the model is there), ``"cpu"``, ``"chaos"``, ``"cuda"`` or a
       :class:`~ooc.backend.Backend`.
+
+    - ``check_recompute``: a recomputed block's re-run must save the same values as its forward,
+      bit for bit (each compared; a host copy of each is kept until the block's backward), else
+      ``RecomputeError``. Without it only the count, shapes and dtypes are checked.
 
     Every check runs before anything is installed: after an error the model is unchanged.
     """
@@ -163,7 +168,8 @@ def wrap(
             budget_bytes = parse_bytes(budget)
             hw = hardware_for(hardware, backend_obj)
             first = Plan.uniform(Policy.RECOMPUTE, len(chain), prefetch=prefetch)
-            runtime = install(model, chain, first, backend_obj, owns_backend=not isinstance(backend, Backend))
+            runtime = install(model, chain, first, backend_obj, owns_backend=not isinstance(backend, Backend),
+                              check_recompute=check_recompute)
             recorder = FirstStepRecorder(model, chain, backend_obj, first.min_swap_bytes)
             runtime.begin_deferred(recorder, lambda prof: plan_for_profile(
                 prof, budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
@@ -177,5 +183,5 @@ def wrap(
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
         raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
-    install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend))
+    install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend), check_recompute=check_recompute)
     return model

@@ -79,6 +79,13 @@ class _NoRecorder:
         pass
 
 
+def _free_all_kept(tracker: MemoryTracker, kept: list[int]) -> None:
+    for block, nbytes in enumerate(kept):
+        if nbytes:
+            tracker.free(block, nbytes)
+            kept[block] = 0
+
+
 class _Pass:
     """One forward and its backward through the chain."""
 
@@ -91,6 +98,10 @@ class _Pass:
         self.backward_started = False
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
+        # A graph dropped without a backward frees its saved tensors with it. A finalizer, not
+        # ``__del__``: it exists only once the pass is whole (torch.compile builds and drops objects
+        # whose ``__init__`` never ran, and their ``__del__`` printed "Exception ignored" tracebacks).
+        weakref.finalize(self, _free_all_kept, runtime.tracker, self.kept)
 
     def pack_hook(self, block: int, *, swap: bool, what: str) -> Callable[[torch.Tensor], object]:
         rt = self.rt
@@ -119,10 +130,6 @@ class _Pass:
             if self.kept[block]:
                 self.rt.tracker.free(block, self.kept[block])
                 self.kept[block] = 0
-
-    def __del__(self) -> None:
-        # A graph dropped without a backward frees its saved tensors with it.
-        self.free_kept(range(len(self.kept)))
 
     def _live(self, block: int) -> list[SwappedStorage]:
         return [s for s in (ref() for ref in self.swapped[block]) if s is not None]
@@ -417,7 +424,8 @@ def check_codecs(plan: Plan, cuda_capability: tuple[int, int] | None) -> None:
         )
 
 
-def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False) -> Runtime:
+def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False,
+            check_recompute: bool = False) -> Runtime:
     if len(plan) != len(chain):
         raise PlanError(
             f"the plan has {len(plan)} blocks but the model has {len(chain)} ({chain.names[0]} ... "
@@ -425,6 +433,7 @@ def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, own
         )
     check_codecs(plan, torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None)
     runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
+    runtime.check_recompute = check_recompute
     runtime.on_uninstall.append(disable_caches(model))
     runtime.install()
     _RUNTIMES[model] = runtime

@@ -121,6 +121,8 @@ class SwappedStorage:
         return self.arrived()
 
     def __del__(self) -> None:
+        if not hasattr(self, "ctx"):
+            return  # never initialised (torch.compile can build an object without running __init__)
         if self.device is not None or self.copied_back is not None:
             self.ctx.tracker.free(self.block, self.nbytes)
         # The host buffer may be reused once its last reader (the copy back, else the copy out) ends.
@@ -194,7 +196,7 @@ class CompressedStorage(SwappedStorage):
         return self.restored
 
     def __del__(self) -> None:
-        if self.restored is not None:
+        if getattr(self, "restored", None) is not None:
             self.ctx.tracker.free(self.block, self.full_nbytes)
         super().__del__()
 

@@ -228,8 +228,7 @@ def test_check_recompute_compares_values(check: bool) -> None:
     """Issue 13: ``check_recompute=True`` compares the re-run's saved values with the forward's
     bit for bit and raises, naming the block; without it only count, shape and dtype are checked."""
     model = nn.Sequential(_HostRandom(), _HostRandom())
-    ooc.wrap(model, ooc.Plan.of(["keep", "recompute"]), blocks=list(model), backend="cpu")
-    runtime_of(model).check_recompute = check
+    ooc.wrap(model, ooc.Plan.of(["keep", "recompute"]), blocks=list(model), backend="cpu", check_recompute=check)
     loss = model(torch.randn(3, 4)).sum()
     if check:
         with pytest.raises(RecomputeError, match=r"block 1: saved tensor \d+ .* other values"):
