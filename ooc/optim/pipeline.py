@@ -6,6 +6,29 @@ thread, which takes buckets in canonical order (every rank issues collectives in
 runs EXCHANGE and queues the job to the update thread, which runs UPDATE and COPY_IN. The block's
 next forward waits for the new weights (a forward pre-hook): the gate. Without a model to pipeline
 with and without ranks, every stage runs on the calling thread in ``step()`` (``inline``).
+
+NOTE [a step is a transaction]
+The updates a backward starts belong to the step that ``step()`` closes (commits). The pipeline
+tracks the backward itself: a tensor hook on the model's outputs marks its start (``begin_backward``)
+and a callback queued on that (outermost) backward its end (``end_backward``); a bucket launches when
+each of its parameters has its gradient in the ``accumulate``-th backward of the step. What happens
+off that path:
+- A backward that ends early (an exception from a hook, Ctrl-C): the next forward, or ``zero_grad()``,
+  resets the step (``discard``): the buckets already launched keep their update, the others drop
+  their gradient count, and an :class:`UncommittedStepWarning` names both. The next step then works.
+- ``backward()`` without ``step()`` (gradient inspection) followed by ``zero_grad()``: the same reset
+  and warning (every bucket took its update). A second backward instead raises (``accumulate=k``).
+- Undoing a launched update is not done: it would need a second copy of the host state of every
+  bucket updated in the backward (masters and both moments: 12 bytes per parameter, 8 for own-master
+  ones), doubling the optimizer's host memory, the scarce resource here. Build the optimizer with
+  ``pipeline=False`` to look at gradients without updating.
+- A parameter whose gradient arrives in parts (a weight tied across blocks under recompute: each
+  recomputed block runs its own backward) is updated once: a bucket holding a parameter that several
+  blocks or modules use launches at the end of the backward instead of in a gradient hook. A
+  parameter found arriving twice in one backward otherwise (a block called twice) is an error that
+  says so, and its bucket launches at the end of every later backward.
+- The forward gate still orders the weights: a forward waits for every launched update of its
+  blocks whatever the step's fate.
 """
 
 from __future__ import annotations
@@ -13,6 +36,7 @@ from __future__ import annotations
 import enum
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -26,6 +50,10 @@ _WAIT_SLICE_S = 0.05
 class PipelineError(OocError, RuntimeError):
     """A host update or gradient exchange failed (the cause is chained), or a gradient arrived after
     its bucket's update started."""
+
+
+class UncommittedStepWarning(UserWarning):
+    """Updates a backward started were never committed by ``step()`` (NOTE [a step is a transaction])."""
 
 
 @dataclass(frozen=True)
@@ -58,6 +86,8 @@ class Signal(enum.Enum):
     """``step()`` was called: every bucket of this step has been queued."""
     STOP = "stop"
     """The optimizer is closing: the thread ends."""
+    DISCARD = "discard"
+    """The step was reset without ``step()``: jobs held for clipping are dropped, not applied."""
 
 
 Message = Job | Signal
@@ -65,8 +95,13 @@ Message = Job | Signal
 
 @dataclass
 class _BucketState:
-    hits: int = 0
+    arrived: set[int] = field(default_factory=set)
+    """Ids of the bucket's parameters whose gradient arrived in this backward."""
     launched: bool = False
+    launched_in: int = -1
+    """The serial number of the backward that launched the bucket (-1: ``step()``)."""
+    at_end: bool = False
+    """Launch at the end of the backward (a parameter's gradient arrives in parts), not in a hook."""
     done: threading.Event = field(default_factory=threading.Event)
     gate: list[Event] = field(default_factory=list)
     """H2D copies the bucket's next forward waits for."""
@@ -81,14 +116,20 @@ class UpdatePipeline:
     """Runs the host AdamW updates of a :class:`~ooc.optim.HostAdamW`, bucket by bucket."""
 
     def __init__(self, stages: Stages, config: PipelineConfig,
-                 listeners: Callable[[], Sequence[StageListener]] = tuple) -> None:
+                 listeners: Callable[[], Sequence[StageListener]] = tuple, shared: Sequence[int] = ()) -> None:
         """``listeners``: returns the callables to call with (bucket, stage) as each stage ends (NOTE
-        [stage listeners] in ooc.optim.stages), looked up at each call."""
+        [stage listeners] in ooc.optim.stages), looked up at each call. ``shared``: buckets holding a
+        parameter that several blocks or modules use (launched at the end of the backward)."""
         self.stages = stages
         self.config = config
         self.buckets = stages.layout.buckets
         self.listeners = listeners
-        self.status = [_BucketState() for _ in self.buckets]
+        self.status = [_BucketState(at_end=i in shared) for i in range(len(self.buckets))]
+        self.in_backward = False
+        """A backward of the model's outputs began and has not ended (cleared by ``end_backward``)."""
+        self.backwards = 0
+        """Backward passes ended since the last ``step()``."""
+        self._serial = 0
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
         self.inline = config.inline and stages.comm is None
@@ -108,24 +149,96 @@ class UpdatePipeline:
 
     # training thread ---------------------------------------------------------------------------
 
-    def on_grad(self, bucket: int) -> None:
-        """A parameter of ``bucket`` has its gradient for this backward (post-accumulate-grad hook)."""
+    def begin_backward(self) -> bool:
+        """A backward through the model's outputs starts (a tensor hook on them). Returns whether it
+        is a new one (the caller then queues ``end_backward`` on it)."""
+        if self.in_backward:
+            return False
+        self.in_backward = True
+        self._serial += 1
+        return True
+
+    def end_backward(self) -> None:
+        """The backward ended (a callback queued on it): buckets waiting for its end launch."""
+        self.in_backward = False
+        self.backwards += 1
+        for i, status in enumerate(self.status):
+            if status.arrived and not status.launched and status.at_end and self._last_backward():
+                self.launch(i)
+            status.arrived = set()
+
+    def _last_backward(self) -> bool:
+        """The backward under way (or just ended) is the step's last (``accumulate``)."""
+        return self.backwards + (1 if self.in_backward else 0) >= self.config.accumulate
+
+    def on_grad(self, bucket: int, p: object) -> None:
+        """``p`` of ``bucket`` has its gradient for this backward (post-accumulate-grad hook)."""
         self.raise_error()
         status = self.status[bucket]
+        name = self.buckets[bucket].name
+        if id(p) in status.arrived:
+            # The same backward delivers this parameter's gradient twice: it is used in several
+            # places whose backward runs separately (a block called twice under recompute).
+            at_end, status.at_end = status.at_end, True
+            if status.launched and not at_end:
+                raise PipelineError(
+                    f"a parameter of {name} received a second gradient in the same backward, after its bucket's "
+                    "host update had started: the parameter is used more than once (a block called twice, or a "
+                    "weight shared with another module) and its gradient arrives in parts. This step updated it "
+                    f"with a partial gradient; from now on {name} is updated at the end of each backward."
+                )
+            return
         if status.launched:
+            if self.in_backward and status.launched_in == self._serial:
+                raise PipelineError(
+                    f"a gradient of {name} arrived after its host update started, in the same backward: a parameter "
+                    "is shared with another bucket's module and its gradient arrives in parts."
+                )
             raise PipelineError(
-                f"a gradient of {self.buckets[bucket].name} arrived after its host update started. For gradient "
-                "accumulation over k backward passes per step, build HostAdamW with accumulate=k."
+                f"a gradient of {name} arrived after its host update started: a second backward without step() in "
+                "between. For gradient accumulation over k backward passes per step, build HostAdamW with "
+                "accumulate=k."
             )
-        status.hits += 1
-        if status.hits == len(self.buckets[bucket].params) * self.config.accumulate:
+        status.arrived.add(id(p))
+        if not status.at_end and len(status.arrived) == len(self.buckets[bucket].params) and self._last_backward():
             self.launch(bucket)
+
+    def open_step(self) -> bool:
+        """Some bucket launched, or a backward started, since the last ``step()``."""
+        return self.in_backward or any(s.launched or s.arrived for s in self.status)
+
+    def discard(self, why: str) -> None:
+        """Reset a step that no ``step()`` will commit (NOTE [a step is a transaction]); warn about
+        the updates already launched, which stay applied."""
+        launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
+        if self.stages.comm is not None and (launched or self.in_backward):
+            raise PipelineError(
+                f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
+            )
+        if launched:
+            others = [self.buckets[i].name for i, s in enumerate(self.status) if not s.launched]
+            warnings.warn(
+                f"{why}: the host updates of {', '.join(launched)} had started and are applied (pipeline=True "
+                f"updates weights during the backward); {', '.join(others) or 'no other bucket'} took no update. "
+                "The step is reset; call zero_grad() before the next backward. To inspect gradients without "
+                "updating, build HostAdamW with pipeline=False.", UncommittedStepWarning, stacklevel=3)
+        if self.config.max_grad_norm is not None and launched:
+            self._to_exchange(Signal.DISCARD)
+        self._reset()
+
+    def _reset(self) -> None:
+        self.in_backward = False
+        self.backwards = 0
+        for status in self.status:
+            status.arrived = set()
+            status.launched = False
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
         status = self.status[index]
         job = self.stages.job(index)
         status.launched = True
+        status.launched_in = self._serial if self.in_backward else -1
         if not job.grads:
             if self.stages.comm is not None:
                 self._to_exchange(job)  # holds the bucket's place in the canonical order
@@ -150,7 +263,7 @@ class UpdatePipeline:
             self._exchange_q.put(item)
             return
         self.raise_error()
-        self._guard(lambda: self._on_update_item(item) if item is Signal.END_OF_STEP else self._exchange(item))
+        self._guard(lambda: self._on_update_item(item) if isinstance(item, Signal) else self._exchange(item))
         self.raise_error()
 
     def _to_update(self, job: Job) -> None:
@@ -166,9 +279,7 @@ class UpdatePipeline:
             if not status.launched:
                 self.launch(i)
         self._to_exchange(Signal.END_OF_STEP)
-        for status in self.status:
-            status.hits = 0
-            status.launched = False
+        self._reset()
 
     def after_load(self) -> None:
         """After ``load_state_dict`` with ``delayed_update``: the loaded masters are the update the
@@ -231,6 +342,9 @@ class UpdatePipeline:
             if item is Signal.STOP:
                 self._update_q.put(Signal.STOP)
                 return
+            if item is Signal.DISCARD:
+                self._update_q.put(item)  # nothing is held: only without data parallelism
+                continue
             if item is Signal.END_OF_STEP:
                 for index in sorted(held):  # only without data parallelism: nothing is held there
                     self._exchange(held.pop(index))
@@ -259,6 +373,11 @@ class UpdatePipeline:
             self._on_update_item(item)
 
     def _on_update_item(self, item: Message) -> None:
+        if item is Signal.DISCARD:
+            for job in self._step_jobs:
+                self.status[job.bucket].done.set()
+            self._step_jobs = []
+            return
         if item is Signal.END_OF_STEP:
             if self.config.max_grad_norm is not None:
                 self.stages.clip(self._step_jobs)

@@ -1,0 +1,165 @@
+"""HostAdamW's state machine off the happy path (issue 12): each misuse is either correct or a clear
+error or warning, never a silently wrong or stuck optimizer (NOTE [a step is a transaction] in
+ooc.optim.pipeline)."""
+
+from __future__ import annotations
+
+import copy
+import gc
+
+import pytest
+import torch
+
+import ooc
+from ooc.errors import OocError
+from ooc.models import GPT
+from ooc.optim import HostAdamW
+from ooc.optim.pipeline import PipelineError, UncommittedStepWarning
+from tests.helpers import gpt_batch
+
+
+def _model() -> GPT:
+    torch.manual_seed(0)
+    return GPT("nano")  # 4 blocks
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int = 0) -> None:
+    torch.manual_seed(seed)  # dropout
+    model(*gpt_batch(seed=seed))[1].backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _fail_once_in_backward(module: torch.nn.Module) -> None:
+    """The next backward raises when it reaches ``module``'s output (as a failing hook or Ctrl-C)."""
+    def forward_hook(_m, _args, out):  # noqa: ANN001, ANN202
+        handle.remove()
+
+        def boom(_grad: torch.Tensor) -> None:
+            raise RuntimeError("interrupted")
+
+        out.register_hook(boom)
+
+    handle = module.register_forward_hook(forward_hook)
+
+
+@pytest.mark.parametrize("reset_by", ["zero_grad", "forward"])
+def test_an_interrupted_backward_resets_with_a_warning_and_the_next_step_works(reset_by: str) -> None:
+    model = _model()
+    before = copy.deepcopy(model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        _fail_once_in_backward(model.blocks[2])
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model(*gpt_batch())[1].backward()
+        with pytest.warns(UncommittedStepWarning, match=r"blocks\.3.*blocks\.0"):
+            if reset_by == "zero_grad":
+                opt.zero_grad()
+            else:
+                model(*gpt_batch(seed=1))
+        opt.synchronize()
+        # What the warning says: the bucket launched before the interruption took its update, the
+        # blocks below it did not.
+        assert not torch.equal(model.blocks[3].mlp.fc.weight, before.blocks[3].mlp.fc.weight)
+        assert torch.equal(model.blocks[0].mlp.fc.weight, before.blocks[0].mlp.fc.weight)
+        opt.zero_grad()
+        for seed in range(2):
+            _step(model, opt, seed)  # the retry works, step after step
+        opt.synchronize()
+        assert not torch.equal(model.blocks[0].mlp.fc.weight, before.blocks[0].mlp.fc.weight)
+    finally:
+        opt.close()
+
+
+def test_step_after_an_interrupted_backward_is_a_clear_error() -> None:
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        _fail_once_in_backward(model.blocks[2])
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model(*gpt_batch())[1].backward()
+        with pytest.raises(PipelineError, match="did not finish"):
+            opt.step()
+    finally:
+        opt.close()
+
+
+def test_backward_without_step_is_reported_at_zero_grad() -> None:
+    """Gradient inspection: the pipelined updates ran in the backward; zero_grad says so plainly."""
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        model(*gpt_batch())[1].backward()
+        with pytest.warns(UncommittedStepWarning, match="pipeline=False"):
+            opt.zero_grad()
+        _step(model, opt)  # and the optimizer goes on
+    finally:
+        opt.close()
+
+
+def test_a_weight_tied_across_recomputed_blocks_is_updated_once() -> None:
+    """Each recomputed block runs its own backward, so the tied weight's gradient arrives in two parts;
+    its bucket must wait for both (bit for bit against fused AdamW on the same tied model)."""
+    plain = _model()
+    plain.blocks[3].mlp.fc.weight = plain.blocks[1].mlp.fc.weight
+    model = copy.deepcopy(plain)
+    assert model.blocks[3].mlp.fc.weight is model.blocks[1].mlp.fc.weight
+    ooc.wrap(model, ooc.scheduler.Plan.of(["recompute"] * 4))
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model)
+    ref = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        for seed in range(3):
+            _step(model, opt, seed)
+            _step(plain, ref, seed)
+        opt.synchronize()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
+def test_add_param_group_is_refused() -> None:
+    model = _model()
+    opt = HostAdamW(list(model.blocks.parameters()), lr=1e-2, model=model)
+    try:
+        with pytest.raises(OocError, match="add_param_group"):
+            opt.add_param_group({"params": list(model.lm_head.parameters())})
+        assert len(opt.param_groups) == 1
+    finally:
+        opt.close()
+
+
+def test_a_second_optimizer_on_the_same_model_is_refused_until_the_first_is_gone() -> None:
+    model = _model()
+    first = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    with pytest.raises(OocError, match="already"):
+        HostAdamW(model.parameters(), lr=1e-2, model=model)
+    first.close()
+    second = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    del second
+    gc.collect()
+    third = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    third.close()
+
+
+@pytest.mark.parametrize("change", ["dtype", "delayed_update", "accumulate"])
+def test_loading_a_checkpoint_made_with_other_options_is_refused_up_front(change: str) -> None:
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    _step(model, opt)
+    saved = opt.state_dict()
+    opt.close()
+    other = _model()
+    kwargs: dict = {}
+    if change == "dtype":
+        other.to(torch.bfloat16)
+    elif change == "delayed_update":
+        kwargs["delayed_update"] = True
+    else:
+        kwargs["accumulate"] = 2
+    opt2 = HostAdamW(other.parameters(), lr=1e-2, model=other, **kwargs)
+    try:
+        with pytest.raises(OocError, match=change):
+            opt2.load_state_dict(saved)
+    finally:
+        opt2.close()
