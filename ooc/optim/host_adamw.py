@@ -252,15 +252,9 @@ class HostAdamW(torch.optim.Optimizer):
             if bucket.block is not None and chain is not None:
                 # The block's forward reads its parameters: they must hold this step's update.
                 handles.append(chain.modules[bucket.block].register_forward_pre_hook(
-                    lambda _m, _args, i=bucket.index: pipe.gate((i,))))
+                    lambda _m, _args, i=bucket.index: pipe.before_block_forward(i)))
         outside = tuple(b.index for b in self._buckets if b.block is None)
-
-        def before_forward(_m: nn.Module, _args: Any) -> None:
-            if pipe.in_backward:
-                pipe.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
-            pipe.gate(outside)
-
-        handles.append(model.register_forward_pre_hook(before_forward))
+        handles.append(model.register_forward_pre_hook(lambda _m, _args: pipe.before_forward(outside)))
         if on_grad:
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))

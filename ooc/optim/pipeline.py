@@ -25,8 +25,11 @@ off that path:
 - A parameter whose gradient arrives in parts (a weight tied across blocks under recompute: each
   recomputed block runs its own backward) is updated once: a bucket holding a parameter that several
   blocks or modules use launches at the end of the backward instead of in a gradient hook. A
-  parameter found arriving twice in one backward otherwise (a block called twice) is an error that
-  says so, and its bucket launches at the end of every later backward.
+  block called twice in one forward is seen by its forward pre-hook and treated alike. A parameter
+  found arriving twice in one backward otherwise is an error that says so, and its bucket launches at
+  the end of every later backward.
+- With ``max_grad_norm`` no update runs before ``step()``, so the reset drops them all: a real
+  rollback, without a warning.
 - The forward gate still orders the weights: a forward waits for every launched update of its
   blocks whatever the step's fate.
 """
@@ -100,6 +103,8 @@ class _BucketState:
     launched: bool = False
     launched_in: int = -1
     """The serial number of the backward that launched the bucket (-1: ``step()``)."""
+    forwards: int = 0
+    """Forwards of the bucket's block in the model's current forward (recompute not counted)."""
     at_end: bool = False
     """Launch at the end of the backward (a parameter's gradient arrives in parts), not in a hook."""
     done: threading.Event = field(default_factory=threading.Event)
@@ -203,6 +208,26 @@ class UpdatePipeline:
         if not status.at_end and len(status.arrived) == len(self.buckets[bucket].params) and self._last_backward():
             self.launch(bucket)
 
+    def before_block_forward(self, index: int) -> None:
+        """A block's forward (not a recompute inside the backward) is about to run: a block called
+        twice in one forward gets its gradient in parts, so its bucket launches at the end of the
+        backward. Then its weights must be this step's (the gate)."""
+        status = self.status[index]
+        if not self.in_backward:
+            status.forwards += 1
+            if status.forwards > 1:
+                status.at_end = True
+        self.gate((index,))
+
+    def before_forward(self, outside: Sequence[int]) -> None:
+        """The model's forward is about to run: a backward that never ended resets the step (NOTE [a
+        step is a transaction]); the modules outside the chain get their new weights (the gate)."""
+        if self.in_backward:
+            self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
+        for status in self.status:
+            status.forwards = 0
+        self.gate(outside)
+
     def open_step(self) -> bool:
         """Some bucket launched, or a backward started, since the last ``step()``."""
         return self.in_backward or any(s.launched or s.arrived for s in self.status)
@@ -215,15 +240,18 @@ class UpdatePipeline:
             raise PipelineError(
                 f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
             )
-        if launched:
+        if self.config.max_grad_norm is not None:
+            # Clipping holds every update until step() (NOTE [clipping stalls the pipeline]): none ran,
+            # so dropping them undoes the step whole, as zero_grad() does for torch's optimizers.
+            if launched:
+                self._to_exchange(Signal.DISCARD)
+        elif launched:
             others = [self.buckets[i].name for i, s in enumerate(self.status) if not s.launched]
             warnings.warn(
                 f"{why}: the host updates of {', '.join(launched)} had started and are applied (pipeline=True "
                 f"updates weights during the backward); {', '.join(others) or 'no other bucket'} took no update. "
                 "The step is reset; call zero_grad() before the next backward. To inspect gradients without "
                 "updating, build HostAdamW with pipeline=False.", UncommittedStepWarning, stacklevel=3)
-        if self.config.max_grad_norm is not None and launched:
-            self._to_exchange(Signal.DISCARD)
         self._reset()
 
     def _reset(self) -> None:
