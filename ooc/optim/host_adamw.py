@@ -76,7 +76,11 @@ class HostAdamW(torch.optim.Optimizer):
       outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
       ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
       cores idle during the backward (training on a GPU); where compute keeps every core busy (the
-      CPU backend) the update thread only competes with it.
+      CPU backend) the update thread only competes with it. The updates a backward starts are
+      applied then: a backward without ``step()`` (one that raised, or gradient inspection) is
+      reported by an :class:`~ooc.optim.pipeline.UncommittedStepWarning` at the next forward or
+      ``zero_grad()``, which resets the step (NOTE [a step is a transaction] in ooc.optim.pipeline);
+      use ``pipeline=False`` to look at gradients without updating. One live HostAdamW per model.
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
@@ -94,7 +98,9 @@ class HostAdamW(torch.optim.Optimizer):
     Host memory needed (8 bytes per parameter for the moments, 4 more for a master copy where the
     parameter is not itself a host fp32 tensor, plus transfer buffers and, for bf16/fp16 parameters,
     fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
-    allocated. Tensor shapes are the parameters' own; nothing is reshaped.
+    allocated. Tensor shapes are the parameters' own; nothing is reshaped. ``add_param_group`` is
+    refused after construction, and ``load_state_dict`` refuses a state saved with other parameter
+    dtypes, ``delayed_update``, ``accumulate`` or data-parallel layout (``state_dict()["ooc"]``).
     """
 
     def __init__(
@@ -472,8 +478,7 @@ def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
 def _watch_backward(pipe: UpdatePipeline, out: Any) -> None:
     """Hook the model's outputs so that a backward through them tells the pipeline it began and,
     by a callback queued on that (outermost) backward, that it ended."""
-    tensors = [t for t in (out if isinstance(out, (tuple, list)) else (out,))
-               if isinstance(t, torch.Tensor) and t.requires_grad]
+    tensors = [t for t in _tensors_in(out) if t.requires_grad]
 
     def began(grad: torch.Tensor) -> None:
         if pipe.begin_backward():
@@ -481,6 +486,17 @@ def _watch_backward(pipe: UpdatePipeline, out: Any) -> None:
 
     for t in tensors:
         t.register_hook(began)
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors_in(item)]
+    return []
 
 
 def _shared_buckets(model: nn.Module | None, chain: Chain | None, buckets: tuple[Bucket, ...]) -> list[int]:

@@ -173,7 +173,11 @@ class UpdatePipeline:
             status.arrived = set()
 
     def _last_backward(self) -> bool:
-        """The backward under way (or just ended) is the step's last (``accumulate``)."""
+        """The backward under way (or just ended) is the step's last (``accumulate``). Where no
+        backward was ever seen to start (outputs the hook could not reach), only ``accumulate=1``
+        can tell: the rest launch at ``step()``."""
+        if self._serial == 0:
+            return self.config.accumulate == 1
         return self.backwards + (1 if self.in_backward else 0) >= self.config.accumulate
 
     def on_grad(self, bucket: int, p: object) -> None:

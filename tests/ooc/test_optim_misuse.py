@@ -235,3 +235,24 @@ def test_a_gradient_arriving_in_parts_unforeseen_is_an_error_that_says_so(monkey
         assert opt._pipeline.status[next(b.index for b in opt.buckets if b.name == "blocks.1")].at_end
     finally:
         opt.close()
+
+
+def test_updates_start_in_the_backward_whatever_the_output_container() -> None:
+    """The backward is watched through the model's outputs: a dict of them works too."""
+    class DictOut(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.inner = _BlockTwice()
+
+        def forward(self, x: torch.Tensor) -> dict:
+            return {"loss": self.inner(x), "extra": [x]}
+
+    model = DictOut()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        model(torch.randn(4, 8))["loss"].backward()
+        assert opt._pipeline.backwards == 1
+        assert any(s.launched for s in opt._pipeline.status)
+        opt.step()
+    finally:
+        opt.close()
