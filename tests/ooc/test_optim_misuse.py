@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import ooc
+from ooc.backend import ChaosConfig, CpuBackend
 from ooc.errors import OocError
 from ooc.models import GPT
 from ooc.optim import HostAdamW
@@ -256,3 +257,33 @@ def test_updates_start_in_the_backward_whatever_the_output_container() -> None:
         opt.step()
     finally:
         opt.close()
+
+
+def _interrupted_then_trained(backend: CpuBackend) -> list[torch.Tensor]:
+    model = _model()
+    ooc.wrap(model, ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"]), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend)
+    try:
+        _fail_once_in_backward(model.blocks[1])
+        with pytest.raises(RuntimeError, match="interrupted"):
+            model(*gpt_batch())[1].backward()
+        with pytest.warns(UncommittedStepWarning):
+            opt.zero_grad()
+        for seed in range(3):
+            _step(model, opt, seed)
+        opt.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
+def test_after_a_reset_the_forward_gate_still_orders_the_weights() -> None:
+    """The chaos backend delays copies and poisons their destinations first: a forward that read
+    weights before the half step's copies landed would differ from the plain CPU run."""
+    chaos = CpuBackend(chaos=ChaosConfig(seed=5, max_delay_s=0.002))
+    try:
+        assert all(torch.equal(a, b) for a, b in zip(_interrupted_then_trained(CpuBackend()),
+                                                     _interrupted_then_trained(chaos)))
+    finally:
+        chaos.close()
