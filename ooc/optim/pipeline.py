@@ -17,7 +17,8 @@ off that path:
   resets the step (``discard``): the buckets already launched keep their update, the others drop
   their gradient count, and an :class:`UncommittedStepWarning` names both. The next step then works.
 - ``backward()`` without ``step()`` (gradient inspection) followed by ``zero_grad()``: the same reset
-  and warning (every bucket took its update). A second backward instead raises (``accumulate=k``).
+  and warning (every bucket took its update). A forward before ``step()`` warns that it reads the new
+  weights; a second backward then raises (``accumulate=k``).
 - Undoing a launched update is not done: it would need a second copy of the host state of every
   bucket updated in the backward (masters and both moments: 12 bytes per parameter, 8 for own-master
   ones), doubling the optimizer's host memory, the scarce resource here. Build the optimizer with
@@ -228,6 +229,12 @@ class UpdatePipeline:
         step is a transaction]); the modules outside the chain get their new weights (the gate)."""
         if self.in_backward:
             self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
+        launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
+        if launched:
+            warnings.warn(
+                f"a forward between the backward and step(): the host updates of {', '.join(launched)} started in "
+                "the backward (pipeline=True), so this forward reads their new weights. Call step() first, or build "
+                "HostAdamW with pipeline=False.", UncommittedStepWarning, stacklevel=3)
         for status in self.status:
             status.forwards = 0
         self.gate(outside)

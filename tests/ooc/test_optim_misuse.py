@@ -287,3 +287,17 @@ def test_after_a_reset_the_forward_gate_still_orders_the_weights() -> None:
                                                      _interrupted_then_trained(chaos)))
     finally:
         chaos.close()
+
+
+def test_a_forward_between_backward_and_step_warns_that_it_reads_the_new_weights() -> None:
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        model(*gpt_batch())[1].backward()
+        with pytest.warns(UncommittedStepWarning, match="reads their new weights"), torch.no_grad():
+            model(*gpt_batch(seed=1))
+        opt.step()
+        opt.zero_grad()
+        _step(model, opt, 1)  # no warning on the ordinary path: the step committed
+    finally:
+        opt.close()
