@@ -90,6 +90,10 @@ class HostAdamW(torch.optim.Optimizer):
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
       needs every gradient, so updates wait for ``step()``; only the copies and the data-parallel
       exchange still overlap the backward.
+    - ``rollback``: keep each bucket's host state from before its update (masters and moments: 12
+      more bytes of host memory per parameter) until ``step()`` commits the step, so that a step
+      no ``step()`` commits (an interrupted backward, gradient inspection) is undone at the next
+      forward or ``zero_grad()`` instead of being reported (NOTE [a step is a transaction]).
     - ``device_params_below``: parameters with fewer elements stay on their device with their state
       (norm scales, biases), updated in ``step()`` by torch's AdamW there.
     - ``data_parallel``: a :class:`ooc.distributed.DataParallel`; gradients are averaged across the
@@ -117,6 +121,7 @@ class HostAdamW(torch.optim.Optimizer):
         delayed_update: bool = False,
         accumulate: int = 1,
         max_grad_norm: float | None = None,
+        rollback: bool = False,
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
     ) -> None:
@@ -125,7 +130,7 @@ class HostAdamW(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                                inline=model is None or not pipeline)
+                                rollback=rollback, inline=model is None or not pipeline)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
         if model is not None and not isinstance(model, nn.Module):
@@ -182,7 +187,8 @@ class HostAdamW(torch.optim.Optimizer):
 
             mine = [p for p in host_params if is_mine(p)]
             needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None) \
-                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None)
+                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None) \
+                + (sum(12 * p.numel() + 4 for p in mine) if rollback else 0)
             available = available_host_bytes()
             if needed > available:
                 raise HostMemoryError(needed, available)

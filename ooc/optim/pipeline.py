@@ -19,9 +19,14 @@ off that path:
 - ``backward()`` without ``step()`` (gradient inspection) followed by ``zero_grad()``: the same reset
   and warning (every bucket took its update). A forward before ``step()`` warns that it reads the new
   weights; a second backward then raises (``accumulate=k``).
-- Undoing a launched update is not done: it would need a second copy of the host state of every
-  bucket updated in the backward (masters and both moments: 12 bytes per parameter, 8 for own-master
-  ones), doubling the optimizer's host memory, the scarce resource here. Build the optimizer with
+- Undoing a launched update needs a second copy of the host state of every bucket updated in the
+  backward (the fp32 weights and both moments: 12 bytes per parameter), doubling the optimizer's
+  host memory, the scarce resource here; so it is opt-in: with ``rollback`` each update first
+  copies its parameters' state aside (``_save``, update thread), and the reset puts it back and
+  re-copies the weights (``_restore``), without a warning: the step is undone whole, as
+  ``zero_grad()`` undoes it for torch's optimizers. Not with ``delayed_update``, whose launch copies
+  the previous update into the parameters (undoing that needs a second backup). ``step()`` commits simply by launching the next
+  step's updates, which overwrite the copies. Without it, build the optimizer with
   ``pipeline=False`` to look at gradients without updating.
 - A parameter whose gradient arrives in parts (a weight tied across blocks under recompute: each
   recomputed block runs its own backward) is updated once: a bucket holding a parameter that several
@@ -43,6 +48,8 @@ import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from ooc.backend import Event
 from ooc.errors import OocError
@@ -67,6 +74,8 @@ class PipelineConfig:
     - ``delayed_update``: a bucket's new weights are copied in at its launch in the next step.
     - ``accumulate``: backward passes per step; a bucket launches after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm; the updates then wait for ``step()``.
+    - ``rollback``: keep each bucket's host state from before its update until ``step()`` commits it,
+      so that a step no ``step()`` commits is undone (NOTE [a step is a transaction]).
     - ``inline``: run every stage on the calling thread at ``step()`` (no overlap to gain: no model
       to pipeline with, no ranks to exchange with), which saves two thread hand-offs.
     """
@@ -74,6 +83,7 @@ class PipelineConfig:
     delayed_update: bool = False
     accumulate: int = 1
     max_grad_norm: float | None = None
+    rollback: bool = False
     inline: bool = False
 
     def __post_init__(self) -> None:
@@ -81,6 +91,11 @@ class PipelineConfig:
             raise ValueError(f"accumulate must be an int >= 1 (backward passes per step), got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.rollback and self.delayed_update:
+            # The launch copies the previous update into the parameters inside the backward; undoing
+            # that would need the weights from before it too (a second backup).
+            raise ValueError("rollback=True cannot be combined with delayed_update=True: a step's launch already "
+                             "copies the previous update into the parameters. Choose one.")
 
 
 class Signal(enum.Enum):
@@ -113,6 +128,9 @@ class _BucketState:
     """H2D copies the bucket's next forward waits for."""
     pending_h2d: bool = False
     """delayed_update: the staging buffer holds weights not yet copied to the parameters."""
+    backed_up: bool = False
+    """``rollback``: the backup holds the state from before this step's update (set on the update
+    thread; cleared at launch)."""
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -136,6 +154,16 @@ class UpdatePipeline:
         self.backwards = 0
         """Backward passes ended since the last ``step()``."""
         self._serial = 0
+        self._backup: dict[int, dict[str, torch.Tensor]] = {}
+        """``rollback``: per parameter id, a copy of its host state from before the bucket's last update."""
+        if config.rollback:
+            layout = stages.layout
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if layout.mine(p):
+                        self._backup[id(p)] = {name: torch.empty(p.shape, dtype=torch.float32)
+                                               for name in ("target", "exp_avg", "exp_avg_sq")}
+                        self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
         self.inline = config.inline and stages.comm is None
@@ -251,19 +279,67 @@ class UpdatePipeline:
             raise PipelineError(
                 f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
             )
-        if self.config.max_grad_norm is not None:
+        if self.config.rollback and self.config.max_grad_norm is None:
+            for i, status in enumerate(self.status):
+                if status.launched:
+                    self._wait_done(i)
+                    self._restore(i)
+        elif self.config.max_grad_norm is not None:
             # Clipping holds every update until step() (NOTE [clipping stalls the pipeline]): none ran,
             # so dropping them undoes the step whole, as zero_grad() does for torch's optimizers.
             if launched:
                 self._to_exchange(Signal.DISCARD)
-        elif launched:
+        elif launched and not self.config.rollback:
             others = [self.buckets[i].name for i, s in enumerate(self.status) if not s.launched]
             warnings.warn(
                 f"{why}: the host updates of {', '.join(launched)} had started and are applied (pipeline=True "
                 f"updates weights during the backward); {', '.join(others) or 'no other bucket'} took no update. "
                 "The step is reset; call zero_grad() before the next backward. To inspect gradients without "
-                "updating, build HostAdamW with pipeline=False.", UncommittedStepWarning, stacklevel=3)
+                "updating, build HostAdamW with pipeline=False (or rollback=True to undo such steps).",
+                UncommittedStepWarning, stacklevel=3)
         self._reset()
+
+    def _restore(self, index: int) -> None:
+        """``rollback``: put back the bucket's host state from before this step's update, and its
+        weights (the update thread is idle for this bucket: its job is done)."""
+        status = self.status[index]
+        if not status.backed_up:
+            return  # launched without gradients: nothing was updated
+        layout, state_of = self.stages.layout, self.stages.state.state_of
+        restored = []
+        with torch.no_grad():
+            for p in self.buckets[index].params:
+                backup = self._backup.get(id(p))
+                if backup is None:
+                    continue
+                state = state_of(p)
+                state.get("master", layout.home[id(p)]).copy_(backup["target"])
+                for name in ("exp_avg", "exp_avg_sq", "step"):
+                    state[name].copy_(backup[name])
+                restored.append(id(p))
+        status.backed_up = False
+        if self.config.delayed_update:
+            status.pending_h2d = False  # the parameters hold the restored weights already (copied at launch)
+            return
+        self.stages.stage_weights(index, restored)
+        # The update's own copies into the parameters were issued; these follow them on the copy
+        # stream, and the bucket's next forward waits for them (the gate).
+        status.gate = self.stages.copy_in(index)
+
+    def _save(self, job: Job) -> None:
+        """``rollback``: the host state of the job's parameters, before the update changes it."""
+        layout, state_of = self.stages.layout, self.stages.state.state_of
+        with torch.no_grad():
+            for pid in job.grads:
+                backup = self._backup.get(pid)
+                if backup is None:
+                    continue
+                p = layout.params[pid]
+                state = state_of(p)
+                backup["target"].copy_(state.get("master", layout.home[pid]))
+                for name in ("exp_avg", "exp_avg_sq", "step"):
+                    backup[name].copy_(state[name])
+        self.status[job.bucket].backed_up = True
 
     def _reset(self) -> None:
         self.in_backward = False
@@ -276,8 +352,11 @@ class UpdatePipeline:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
         status = self.status[index]
         job = self.stages.job(index)
+        if self.config.rollback:
+            self._wait_done(index)  # the previous step's update has set its backed_up flag
         status.launched = True
         status.launched_in = self._serial if self.in_backward else -1
+        status.backed_up = False
         if not job.grads:
             if self.stages.comm is not None:
                 self._to_exchange(job)  # holds the bucket's place in the canonical order
@@ -435,6 +514,8 @@ class UpdatePipeline:
 
     def _update(self, job: Job) -> None:
         status = self.status[job.bucket]
+        if self.config.rollback:
+            self._save(job)
         self.stages.update(job)
         self._ended(job.bucket, Stage.UPDATE)
         self.stages.stage_weights(job.bucket, list(job.grads))

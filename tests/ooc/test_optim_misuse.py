@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import gc
+import warnings
 
 import pytest
 import torch
@@ -301,3 +302,51 @@ def test_a_forward_between_backward_and_step_warns_that_it_reads_the_new_weights
         _step(model, opt, 1)  # no warning on the ordinary path: the step committed
     finally:
         opt.close()
+
+
+def _run(backend_name: str, seeds: range, *, rollback: bool = False, uncommitted: str | None = None) -> list[torch.Tensor]:
+    """Steps on ``seeds``; with ``uncommitted``, first a step that no step() commits."""
+    model = _model()
+    backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.002)) if backend_name == "chaos" else CpuBackend()
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend, rollback=rollback)
+    try:
+        for i, seed in enumerate(seeds):
+            if i == 1 and uncommitted is not None:
+                if uncommitted == "interrupted":
+                    _fail_once_in_backward(model.blocks[1])
+                    with pytest.raises(RuntimeError, match="interrupted"):
+                        model(*gpt_batch(seed=99))[1].backward()
+                else:
+                    model(*gpt_batch(seed=99))[1].backward()  # gradient inspection
+                opt.zero_grad()
+            _step(model, opt, seed)
+        opt.synchronize()
+        return [p.detach().clone() for p in model.parameters()]
+    finally:
+        opt.close()
+        backend.close()
+
+
+@pytest.mark.parametrize("uncommitted", ["interrupted", "inspected"])
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+def test_rollback_undoes_an_uncommitted_step_whole(backend: str, uncommitted: str) -> None:
+    """With rollback=True the step no step() committed leaves no trace: the run equals one without it,
+    bit for bit (on the CPU the parameters are their own masters; under chaos the weights are copied)."""
+    expected = _run(backend, range(3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UncommittedStepWarning)  # undone: nothing to warn about
+        got = _run(backend, range(3), rollback=True, uncommitted=uncommitted)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_without_rollback_the_uncommitted_step_stays() -> None:
+    """The test above can fail: without rollback the uncommitted update remains."""
+    with pytest.warns(UncommittedStepWarning):
+        got = _run("cpu", range(3), uncommitted="inspected")
+    assert not all(torch.equal(a, b) for a, b in zip(got, _run("cpu", range(3))))
+
+
+def test_rollback_with_delayed_update_is_refused() -> None:
+    model = _model()
+    with pytest.raises(ValueError, match="rollback=True cannot be combined with delayed_update"):
+        HostAdamW(model.parameters(), model=model, rollback=True, delayed_update=True)
