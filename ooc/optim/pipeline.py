@@ -272,8 +272,9 @@ class UpdatePipeline:
         return self.in_backward or any(s.launched or s.arrived for s in self.status)
 
     def discard(self, why: str) -> None:
-        """Reset a step that no ``step()`` will commit (NOTE [a step is a transaction]); warn about
-        the updates already launched, which stay applied."""
+        """Reset a step that no ``step()`` will commit (NOTE [a step is a transaction]): with
+        ``rollback`` (or clipping) the launched updates are undone, else a warning names them (they
+        stay applied)."""
         launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
         if self.stages.comm is not None and (launched or self.in_backward):
             raise PipelineError(
