@@ -1,6 +1,7 @@
 """Optimizers whose state lives on the host."""
 
 from ooc.optim.host_adamw import HostAdamW, HostMemoryError
+from ooc.optim.pipeline import UncommittedStepWarning
 from ooc.optim.stages import Stage
 
-__all__ = ["HostAdamW", "HostMemoryError", "Stage"]
+__all__ = ["HostAdamW", "HostMemoryError", "Stage", "UncommittedStepWarning"]

@@ -28,7 +28,7 @@ from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_fa
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
 from ooc.optim.layout import grad32_elements, make_layout
-from ooc.optim.pipeline import PipelineConfig, UpdatePipeline
+from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
 from ooc.optim.stages import Hyper, StageListener, Stages
 from ooc.runtime import is_wrapped, runtime_of, weight_streamer
 from ooc.scheduler.units import format_bytes
@@ -76,7 +76,11 @@ class HostAdamW(torch.optim.Optimizer):
       outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
       ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
       cores idle during the backward (training on a GPU); where compute keeps every core busy (the
-      CPU backend) the update thread only competes with it.
+      CPU backend) the update thread only competes with it. The updates a backward starts are
+      applied then: a backward without ``step()`` (one that raised, or gradient inspection) is
+      reported by an :class:`~ooc.optim.pipeline.UncommittedStepWarning` at the next forward or
+      ``zero_grad()``, which resets the step (NOTE [a step is a transaction] in ooc.optim.pipeline);
+      use ``pipeline=False`` to look at gradients without updating. One live HostAdamW per model.
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
@@ -86,6 +90,10 @@ class HostAdamW(torch.optim.Optimizer):
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
       needs every gradient, so updates wait for ``step()``; only the copies and the data-parallel
       exchange still overlap the backward.
+    - ``rollback``: keep each bucket's host state from before its update (masters and moments: 12
+      more bytes of host memory per parameter) until ``step()`` commits the step, so that a step
+      no ``step()`` commits (an interrupted backward, gradient inspection) is undone at the next
+      forward or ``zero_grad()`` instead of being reported (NOTE [a step is a transaction]).
     - ``device_params_below``: parameters with fewer elements stay on their device with their state
       (norm scales, biases), updated in ``step()`` by torch's AdamW there.
     - ``data_parallel``: a :class:`ooc.distributed.DataParallel`; gradients are averaged across the
@@ -94,7 +102,9 @@ class HostAdamW(torch.optim.Optimizer):
     Host memory needed (8 bytes per parameter for the moments, 4 more for a master copy where the
     parameter is not itself a host fp32 tensor, plus transfer buffers and, for bf16/fp16 parameters,
     fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
-    allocated. Tensor shapes are the parameters' own; nothing is reshaped.
+    allocated. Tensor shapes are the parameters' own; nothing is reshaped. ``add_param_group`` is
+    refused after construction, and ``load_state_dict`` refuses a state saved with other parameter
+    dtypes, ``delayed_update``, ``accumulate`` or data-parallel layout (``state_dict()["ooc"]``).
     """
 
     def __init__(
@@ -111,6 +121,7 @@ class HostAdamW(torch.optim.Optimizer):
         delayed_update: bool = False,
         accumulate: int = 1,
         max_grad_norm: float | None = None,
+        rollback: bool = False,
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
     ) -> None:
@@ -119,7 +130,7 @@ class HostAdamW(torch.optim.Optimizer):
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
         config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                                inline=model is None or not pipeline)
+                                rollback=rollback, inline=model is None or not pipeline)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
         if model is not None and not isinstance(model, nn.Module):
@@ -127,12 +138,17 @@ class HostAdamW(torch.optim.Optimizer):
         if not isinstance(pipeline, bool):
             raise TypeError(f"pipeline is True or False (pass the module being trained as model=...), got "
                             f"{type(pipeline).__name__}")
+        if model is not None:
+            _claim(model)
+        self._building = True
         super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+        self._building = False
         tensors = [p for group in self.param_groups for p in group["params"]]
         for p in tensors:
             if not p.is_floating_point():
                 raise TypeError(f"HostAdamW optimizes floating-point parameters, got {p.dtype}")
         self.delayed_update = delayed_update
+        self._accumulate = accumulate
         self.stage_listeners: list[StageListener] = []
         """Called with (bucket index, :class:`~ooc.optim.stages.Stage`) as each stage of a bucket's
         update ends, on the thread that ran it (NOTE [stage listeners] in ooc.optim.stages)."""
@@ -171,7 +187,8 @@ class HostAdamW(torch.optim.Optimizer):
 
             mine = [p for p in host_params if is_mine(p)]
             needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None) \
-                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None)
+                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None) \
+                + (sum(12 * p.numel() + 4 for p in mine) if rollback else 0)
             available = available_host_bytes()
             if needed > available:
                 raise HostMemoryError(needed, available)
@@ -193,7 +210,8 @@ class HostAdamW(torch.optim.Optimizer):
             state_view = _StateView(self)
             stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
                             reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
-            self._pipeline = UpdatePipeline(stages, config, state_view.listeners)
+            self._pipeline = UpdatePipeline(stages, config, state_view.listeners,
+                                            shared=_shared_buckets(model, chain, self._buckets))
         except BaseException:
             if comm is not None:
                 comm.close()
@@ -208,6 +226,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
                                            backend_obj if self._owns_backend else None)
         self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
+        if model is not None:
+            _OWNER[model] = weakref.ref(self)
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -240,13 +260,15 @@ class HostAdamW(torch.optim.Optimizer):
         for bucket in self._buckets:
             for p in bucket.params:
                 if on_grad and p.requires_grad:
-                    handles.append(p.register_post_accumulate_grad_hook(lambda _p, i=bucket.index: pipe.on_grad(i)))
+                    handles.append(p.register_post_accumulate_grad_hook(lambda q, i=bucket.index: pipe.on_grad(i, q)))
             if bucket.block is not None and chain is not None:
                 # The block's forward reads its parameters: they must hold this step's update.
                 handles.append(chain.modules[bucket.block].register_forward_pre_hook(
-                    lambda _m, _args, i=bucket.index: pipe.gate((i,))))
+                    lambda _m, _args, i=bucket.index: pipe.before_block_forward(i)))
         outside = tuple(b.index for b in self._buckets if b.block is None)
-        handles.append(model.register_forward_pre_hook(lambda _m, _args: pipe.gate(outside)))
+        handles.append(model.register_forward_pre_hook(lambda _m, _args: pipe.before_forward(outside)))
+        if on_grad:
+            handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
         return handles
 
@@ -258,6 +280,11 @@ class HostAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._pipeline.in_backward:
+            raise PipelineError(
+                "step() after a backward that did not finish (it raised or was interrupted): its gradients are "
+                "partial. Call zero_grad() and run the forward and backward again."
+            )
         self._pipeline.finish_step()
         self._step_device_params()
         if not self._pipelined:
@@ -290,13 +317,57 @@ class HostAdamW(torch.optim.Optimizer):
         self._pipeline.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
+        (NOTE [a step is a transaction] in ooc.optim.pipeline: a warning names the updates applied)."""
+        if self._pipeline.open_step():
+            self._pipeline.discard("zero_grad() without step() after a backward")
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
         super().zero_grad(set_to_none=set_to_none)
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Refused after construction: every parameter's buckets, buffers and hooks are laid out
+        once, so a group added later would never be trained."""
+        if getattr(self, "_building", True):
+            super().add_param_group(param_group)
+            return
+        raise OocError(
+            "HostAdamW does not support add_param_group after construction: its host buffers, buckets and "
+            "gradient hooks are laid out once, so the new parameters would never be trained. Build a new "
+            "HostAdamW with every parameter group (close() the old one first)."
+        )
+
+    def _depends_on(self) -> dict[str, Any]:
+        """What the host state's layout depends on, checked by ``load_state_dict``."""
+        comm = self._comm
+        return {
+            "dtypes": [str(p.dtype) for group in self.param_groups for p in group["params"]],
+            "delayed_update": self.delayed_update,
+            "accumulate": self._accumulate,
+            "world": comm.world if comm is not None else 1,
+            "sharded": bool(comm is not None and comm.sharded),
+        }
+
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
-        return super().state_dict()
+        return {**super().state_dict(), "ooc": self._depends_on()}
+
+    def _check_compatible(self, saved: dict[str, Any] | None) -> None:
+        if saved is None:
+            return  # a checkpoint from before these were recorded, or from another optimizer
+        now = self._depends_on()
+        wrong = [f"{key}: saved {saved[key]!r}, now {now[key]!r}" for key in now
+                 if key in saved and saved[key] != now[key] and key != "dtypes"]
+        if "dtypes" in saved and saved["dtypes"] != now["dtypes"]:
+            diffs = [(i, a, b) for i, (a, b) in enumerate(zip(saved["dtypes"], now["dtypes"])) if a != b]
+            first = f"parameter {diffs[0][0]} was {diffs[0][1]}, now {diffs[0][2]}" if diffs else "a different count"
+            wrong.insert(0, f"dtypes: {first}")
+        if wrong:
+            raise OocError(
+                "this HostAdamW checkpoint was saved with other options than this optimizer's ("
+                + "; ".join(wrong) + "). Its host state would not fit them: build the optimizer (and the model's "
+                "parameter dtypes) as they were when it was saved, or start the optimizer state afresh."
+            )
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``Optimizer.load_state_dict``, but each state tensor is copied exactly: the host state
@@ -306,6 +377,8 @@ class HostAdamW(torch.optim.Optimizer):
         The state of parameters kept on their device (``device_params_below``) goes there, as the
         base class puts it, with ``step`` on the device too (the fused kernel's rule)."""
         self.synchronize()
+        self._check_compatible(state_dict.get("ooc"))
+        state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
         saved = state_dict["state"]
         # The base class checks the groups and maps saved ids to parameters; given no state
         # tensors, it casts none.
@@ -325,6 +398,21 @@ class HostAdamW(torch.optim.Optimizer):
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+_OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HostAdamW]] = weakref.WeakKeyDictionary()
+"""The live HostAdamW of each model: two would both update it."""
+
+
+def _claim(model: nn.Module) -> None:
+    """Refuse a second live optimizer on ``model`` (a closed or collected one no longer counts)."""
+    ref = _OWNER.get(model)
+    other = ref() if ref is not None else None
+    if other is not None and other._finalizer.alive:
+        raise OocError(
+            f"{type(model).__name__} already has a live HostAdamW: two would both update it (a double update). "
+            "close() the first optimizer (or drop every reference to it) before building another."
+        )
 
 
 def _shutdown(pipeline: UpdatePipeline, handles: list[Any], comm: GroupCommunicator | None,
@@ -391,6 +479,43 @@ def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
     if on_device:
         return value.detach().to(p.device, p.dtype, copy=True)
     return HostAdamW._host_zeros_like(p).copy_(value.detach())
+
+
+def _watch_backward(pipe: UpdatePipeline, out: Any) -> None:
+    """Hook the model's outputs so that a backward through them tells the pipeline it began and,
+    by a callback queued on that (outermost) backward, that it ended."""
+    tensors = [t for t in _tensors_in(out) if t.requires_grad]
+
+    def began(grad: torch.Tensor) -> None:
+        if pipe.begin_backward():
+            torch.autograd.Variable._execution_engine.queue_callback(pipe.end_backward)
+
+    for t in tensors:
+        t.register_hook(began)
+
+
+def _tensors_in(out: Any) -> list[torch.Tensor]:
+    """The tensors of a forward's output: a tensor, or tuples, lists and dicts of them."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        out = list(out.values())
+    if isinstance(out, (tuple, list)):
+        return [t for item in out for t in _tensors_in(item)]
+    return []
+
+
+def _shared_buckets(model: nn.Module | None, chain: Chain | None, buckets: tuple[Bucket, ...]) -> list[int]:
+    """Buckets holding a parameter that more than one block or top-level module uses (tied weights):
+    its gradient may arrive in parts, so the bucket launches at the end of the backward."""
+    if model is None:
+        return []
+    blocks = tuple(chain.names) if chain is not None else ()
+    users: dict[int, set[str]] = {}
+    for qualified, p in model.named_parameters(remove_duplicate=False):
+        user = next((n for n in blocks if qualified.startswith(n + ".")), qualified.split(".")[0])
+        users.setdefault(id(p), set()).add(user)
+    return [b.index for b in buckets if any(len(users.get(id(p), ())) > 1 for p in b.params)]
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:

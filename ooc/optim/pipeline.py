@@ -6,6 +6,38 @@ thread, which takes buckets in canonical order (every rank issues collectives in
 runs EXCHANGE and queues the job to the update thread, which runs UPDATE and COPY_IN. The block's
 next forward waits for the new weights (a forward pre-hook): the gate. Without a model to pipeline
 with and without ranks, every stage runs on the calling thread in ``step()`` (``inline``).
+
+NOTE [a step is a transaction]
+The updates a backward starts belong to the step that ``step()`` closes (commits). The pipeline
+tracks the backward itself: a tensor hook on the model's outputs marks its start (``begin_backward``)
+and a callback queued on that (outermost) backward its end (``end_backward``); a bucket launches when
+each of its parameters has its gradient in the ``accumulate``-th backward of the step. What happens
+off that path:
+- A backward that ends early (an exception from a hook, Ctrl-C): the next forward, or ``zero_grad()``,
+  resets the step (``discard``): the buckets already launched keep their update, the others drop
+  their gradient count, and an :class:`UncommittedStepWarning` names both. The next step then works.
+- ``backward()`` without ``step()`` (gradient inspection) followed by ``zero_grad()``: the same reset
+  and warning (every bucket took its update). A forward before ``step()`` warns that it reads the new
+  weights; a second backward then raises (``accumulate=k``).
+- Undoing a launched update needs a second copy of the host state of every bucket updated in the
+  backward (the fp32 weights and both moments: 12 bytes per parameter), doubling the optimizer's
+  host memory, the scarce resource here; so it is opt-in: with ``rollback`` each update first
+  copies its parameters' state aside (``_save``, update thread), and the reset puts it back and
+  re-copies the weights (``_restore``), without a warning: the step is undone whole, as
+  ``zero_grad()`` undoes it for torch's optimizers. Not with ``delayed_update``, whose launch copies
+  the previous update into the parameters (undoing that needs a second backup). ``step()`` commits simply by launching the next
+  step's updates, which overwrite the copies. Without it, build the optimizer with
+  ``pipeline=False`` to look at gradients without updating.
+- A parameter whose gradient arrives in parts (a weight tied across blocks under recompute: each
+  recomputed block runs its own backward) is updated once: a bucket holding a parameter that several
+  blocks or modules use launches at the end of the backward instead of in a gradient hook. A
+  block called twice in one forward is seen by its forward pre-hook and treated alike. A parameter
+  found arriving twice in one backward otherwise is an error that says so, and its bucket launches at
+  the end of every later backward.
+- With ``max_grad_norm`` no update runs before ``step()``, so the reset drops them all: a real
+  rollback, without a warning.
+- The forward gate still orders the weights: a forward waits for every launched update of its
+  blocks whatever the step's fate.
 """
 
 from __future__ import annotations
@@ -13,8 +45,11 @@ from __future__ import annotations
 import enum
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+
+import torch
 
 from ooc.backend import Event
 from ooc.errors import OocError
@@ -28,6 +63,10 @@ class PipelineError(OocError, RuntimeError):
     its bucket's update started."""
 
 
+class UncommittedStepWarning(UserWarning):
+    """Updates a backward started were never committed by ``step()`` (NOTE [a step is a transaction])."""
+
+
 @dataclass(frozen=True)
 class PipelineConfig:
     """How the host updates are scheduled (the :class:`~ooc.optim.HostAdamW` options of the same names).
@@ -35,6 +74,8 @@ class PipelineConfig:
     - ``delayed_update``: a bucket's new weights are copied in at its launch in the next step.
     - ``accumulate``: backward passes per step; a bucket launches after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm; the updates then wait for ``step()``.
+    - ``rollback``: keep each bucket's host state from before its update until ``step()`` commits it,
+      so that a step no ``step()`` commits is undone (NOTE [a step is a transaction]).
     - ``inline``: run every stage on the calling thread at ``step()`` (no overlap to gain: no model
       to pipeline with, no ranks to exchange with), which saves two thread hand-offs.
     """
@@ -42,6 +83,7 @@ class PipelineConfig:
     delayed_update: bool = False
     accumulate: int = 1
     max_grad_norm: float | None = None
+    rollback: bool = False
     inline: bool = False
 
     def __post_init__(self) -> None:
@@ -49,6 +91,11 @@ class PipelineConfig:
             raise ValueError(f"accumulate must be an int >= 1 (backward passes per step), got {self.accumulate!r}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ValueError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        if self.rollback and self.delayed_update:
+            # The launch copies the previous update into the parameters inside the backward; undoing
+            # that would need the weights from before it too (a second backup).
+            raise ValueError("rollback=True cannot be combined with delayed_update=True: a step's launch already "
+                             "copies the previous update into the parameters. Choose one.")
 
 
 class Signal(enum.Enum):
@@ -58,6 +105,8 @@ class Signal(enum.Enum):
     """``step()`` was called: every bucket of this step has been queued."""
     STOP = "stop"
     """The optimizer is closing: the thread ends."""
+    DISCARD = "discard"
+    """The step was reset without ``step()``: jobs held for clipping are dropped, not applied."""
 
 
 Message = Job | Signal
@@ -65,13 +114,23 @@ Message = Job | Signal
 
 @dataclass
 class _BucketState:
-    hits: int = 0
+    arrived: set[int] = field(default_factory=set)
+    """Ids of the bucket's parameters whose gradient arrived in this backward."""
     launched: bool = False
+    launched_in: int = -1
+    """The serial number of the backward that launched the bucket (-1: ``step()``)."""
+    forwards: int = 0
+    """Forwards of the bucket's block in the model's current forward (recompute not counted)."""
+    at_end: bool = False
+    """Launch at the end of the backward (a parameter's gradient arrives in parts), not in a hook."""
     done: threading.Event = field(default_factory=threading.Event)
     gate: list[Event] = field(default_factory=list)
     """H2D copies the bucket's next forward waits for."""
     pending_h2d: bool = False
     """delayed_update: the staging buffer holds weights not yet copied to the parameters."""
+    backed_up: bool = False
+    """``rollback``: the backup holds the state from before this step's update (set on the update
+    thread; cleared at launch)."""
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -81,14 +140,30 @@ class UpdatePipeline:
     """Runs the host AdamW updates of a :class:`~ooc.optim.HostAdamW`, bucket by bucket."""
 
     def __init__(self, stages: Stages, config: PipelineConfig,
-                 listeners: Callable[[], Sequence[StageListener]] = tuple) -> None:
+                 listeners: Callable[[], Sequence[StageListener]] = tuple, shared: Sequence[int] = ()) -> None:
         """``listeners``: returns the callables to call with (bucket, stage) as each stage ends (NOTE
-        [stage listeners] in ooc.optim.stages), looked up at each call."""
+        [stage listeners] in ooc.optim.stages), looked up at each call. ``shared``: buckets holding a
+        parameter that several blocks or modules use (launched at the end of the backward)."""
         self.stages = stages
         self.config = config
         self.buckets = stages.layout.buckets
         self.listeners = listeners
-        self.status = [_BucketState() for _ in self.buckets]
+        self.status = [_BucketState(at_end=i in shared) for i in range(len(self.buckets))]
+        self.in_backward = False
+        """A backward of the model's outputs began and has not ended (cleared by ``end_backward``)."""
+        self.backwards = 0
+        """Backward passes ended since the last ``step()``."""
+        self._serial = 0
+        self._backup: dict[int, dict[str, torch.Tensor]] = {}
+        """``rollback``: per parameter id, a copy of its host state from before the bucket's last update."""
+        if config.rollback:
+            layout = stages.layout
+            for bucket in self.buckets:
+                for p in bucket.params:
+                    if layout.mine(p):
+                        self._backup[id(p)] = {name: torch.empty(p.shape, dtype=torch.float32)
+                                               for name in ("target", "exp_avg", "exp_avg_sq")}
+                        self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
         self.inline = config.inline and stages.comm is None
@@ -108,24 +183,181 @@ class UpdatePipeline:
 
     # training thread ---------------------------------------------------------------------------
 
-    def on_grad(self, bucket: int) -> None:
-        """A parameter of ``bucket`` has its gradient for this backward (post-accumulate-grad hook)."""
+    def begin_backward(self) -> bool:
+        """A backward through the model's outputs starts (a tensor hook on them). Returns whether it
+        is a new one (the caller then queues ``end_backward`` on it)."""
+        if self.in_backward:
+            return False
+        self.in_backward = True
+        self._serial += 1
+        return True
+
+    def end_backward(self) -> None:
+        """The backward ended (a callback queued on it): buckets waiting for its end launch."""
+        self.in_backward = False
+        self.backwards += 1
+        for i, status in enumerate(self.status):
+            if status.arrived and not status.launched and status.at_end and self._last_backward():
+                self.launch(i)
+            status.arrived = set()
+
+    def _last_backward(self) -> bool:
+        """The backward under way (or just ended) is the step's last (``accumulate``). Where no
+        backward was ever seen to start (outputs the hook could not reach), only ``accumulate=1``
+        can tell: the rest launch at ``step()``."""
+        if self._serial == 0:
+            return self.config.accumulate == 1
+        return self.backwards + (1 if self.in_backward else 0) >= self.config.accumulate
+
+    def on_grad(self, bucket: int, p: object) -> None:
+        """``p`` of ``bucket`` has its gradient for this backward (post-accumulate-grad hook)."""
         self.raise_error()
         status = self.status[bucket]
+        name = self.buckets[bucket].name
+        if id(p) in status.arrived:
+            # The same backward delivers this parameter's gradient twice: it is used in several
+            # places whose backward runs separately (a block called twice under recompute).
+            at_end, status.at_end = status.at_end, True
+            if status.launched and not at_end:
+                raise PipelineError(
+                    f"a parameter of {name} received a second gradient in the same backward, after its bucket's "
+                    "host update had started: the parameter is used more than once (a block called twice, or a "
+                    "weight shared with another module) and its gradient arrives in parts. This step updated it "
+                    f"with a partial gradient; from now on {name} is updated at the end of each backward."
+                )
+            return
         if status.launched:
+            if self.in_backward and status.launched_in == self._serial:
+                raise PipelineError(
+                    f"a gradient of {name} arrived after its host update started, in the same backward: a parameter "
+                    "is shared with another bucket's module and its gradient arrives in parts."
+                )
             raise PipelineError(
-                f"a gradient of {self.buckets[bucket].name} arrived after its host update started. For gradient "
-                "accumulation over k backward passes per step, build HostAdamW with accumulate=k."
+                f"a gradient of {name} arrived after its host update started: a second backward without step() in "
+                "between. For gradient accumulation over k backward passes per step, build HostAdamW with "
+                "accumulate=k."
             )
-        status.hits += 1
-        if status.hits == len(self.buckets[bucket].params) * self.config.accumulate:
+        status.arrived.add(id(p))
+        if not status.at_end and len(status.arrived) == len(self.buckets[bucket].params) and self._last_backward():
             self.launch(bucket)
+
+    def before_block_forward(self, index: int) -> None:
+        """A block's forward (not a recompute inside the backward) is about to run: a block called
+        twice in one forward gets its gradient in parts, so its bucket launches at the end of the
+        backward. Then its weights must be this step's (the gate)."""
+        status = self.status[index]
+        if not self.in_backward:
+            status.forwards += 1
+            if status.forwards > 1:
+                status.at_end = True
+        self.gate((index,))
+
+    def before_forward(self, outside: Sequence[int]) -> None:
+        """The model's forward is about to run: a backward that never ended resets the step (NOTE [a
+        step is a transaction]); the modules outside the chain get their new weights (the gate)."""
+        if self.in_backward:
+            self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
+        launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
+        if launched:
+            warnings.warn(
+                f"a forward between the backward and step(): the host updates of {', '.join(launched)} started in "
+                "the backward (pipeline=True), so this forward reads their new weights. Call step() first, or build "
+                "HostAdamW with pipeline=False.", UncommittedStepWarning, stacklevel=3)
+        for status in self.status:
+            status.forwards = 0
+        self.gate(outside)
+
+    def open_step(self) -> bool:
+        """Some bucket launched, or a backward started, since the last ``step()``."""
+        return self.in_backward or any(s.launched or s.arrived for s in self.status)
+
+    def discard(self, why: str) -> None:
+        """Reset a step that no ``step()`` will commit (NOTE [a step is a transaction]): with
+        ``rollback`` (or clipping) the launched updates are undone, else a warning names them (they
+        stay applied)."""
+        launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
+        if self.stages.comm is not None and (launched or self.in_backward):
+            raise PipelineError(
+                f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
+            )
+        if self.config.rollback and self.config.max_grad_norm is None:
+            for i, status in enumerate(self.status):
+                if status.launched:
+                    self._wait_done(i)
+                    self._restore(i)
+        elif self.config.max_grad_norm is not None:
+            # Clipping holds every update until step() (NOTE [clipping stalls the pipeline]): none ran,
+            # so dropping them undoes the step whole, as zero_grad() does for torch's optimizers.
+            if launched:
+                self._to_exchange(Signal.DISCARD)
+        elif launched and not self.config.rollback:
+            others = [self.buckets[i].name for i, s in enumerate(self.status) if not s.launched]
+            warnings.warn(
+                f"{why}: the host updates of {', '.join(launched)} had started and are applied (pipeline=True "
+                f"updates weights during the backward); {', '.join(others) or 'no other bucket'} took no update. "
+                "The step is reset; call zero_grad() before the next backward. To inspect gradients without "
+                "updating, build HostAdamW with pipeline=False (or rollback=True to undo such steps).",
+                UncommittedStepWarning, stacklevel=3)
+        self._reset()
+
+    def _restore(self, index: int) -> None:
+        """``rollback``: put back the bucket's host state from before this step's update, and its
+        weights (the update thread is idle for this bucket: its job is done)."""
+        status = self.status[index]
+        if not status.backed_up:
+            return  # launched without gradients: nothing was updated
+        layout, state_of = self.stages.layout, self.stages.state.state_of
+        restored = []
+        with torch.no_grad():
+            for p in self.buckets[index].params:
+                backup = self._backup.get(id(p))
+                if backup is None:
+                    continue
+                state = state_of(p)
+                state.get("master", layout.home[id(p)]).copy_(backup["target"])
+                for name in ("exp_avg", "exp_avg_sq", "step"):
+                    state[name].copy_(backup[name])
+                restored.append(id(p))
+        status.backed_up = False
+        if self.config.delayed_update:
+            status.pending_h2d = False  # the parameters hold the restored weights already (copied at launch)
+            return
+        self.stages.stage_weights(index, restored)
+        # The update's own copies into the parameters were issued; these follow them on the copy
+        # stream, and the bucket's next forward waits for them (the gate).
+        status.gate = self.stages.copy_in(index)
+
+    def _save(self, job: Job) -> None:
+        """``rollback``: the host state of the job's parameters, before the update changes it."""
+        layout, state_of = self.stages.layout, self.stages.state.state_of
+        with torch.no_grad():
+            for pid in job.grads:
+                backup = self._backup.get(pid)
+                if backup is None:
+                    continue
+                p = layout.params[pid]
+                state = state_of(p)
+                backup["target"].copy_(state.get("master", layout.home[pid]))
+                for name in ("exp_avg", "exp_avg_sq", "step"):
+                    backup[name].copy_(state[name])
+        self.status[job.bucket].backed_up = True
+
+    def _reset(self) -> None:
+        self.in_backward = False
+        self.backwards = 0
+        for status in self.status:
+            status.arrived = set()
+            status.launched = False
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
         status = self.status[index]
         job = self.stages.job(index)
+        if self.config.rollback:
+            self._wait_done(index)  # the previous step's update has set its backed_up flag
         status.launched = True
+        status.launched_in = self._serial if self.in_backward else -1
+        status.backed_up = False
         if not job.grads:
             if self.stages.comm is not None:
                 self._to_exchange(job)  # holds the bucket's place in the canonical order
@@ -150,7 +382,7 @@ class UpdatePipeline:
             self._exchange_q.put(item)
             return
         self.raise_error()
-        self._guard(lambda: self._on_update_item(item) if item is Signal.END_OF_STEP else self._exchange(item))
+        self._guard(lambda: self._on_update_item(item) if isinstance(item, Signal) else self._exchange(item))
         self.raise_error()
 
     def _to_update(self, job: Job) -> None:
@@ -166,9 +398,7 @@ class UpdatePipeline:
             if not status.launched:
                 self.launch(i)
         self._to_exchange(Signal.END_OF_STEP)
-        for status in self.status:
-            status.hits = 0
-            status.launched = False
+        self._reset()
 
     def after_load(self) -> None:
         """After ``load_state_dict`` with ``delayed_update``: the loaded masters are the update the
@@ -231,6 +461,9 @@ class UpdatePipeline:
             if item is Signal.STOP:
                 self._update_q.put(Signal.STOP)
                 return
+            if item is Signal.DISCARD:
+                self._update_q.put(item)  # nothing is held: only without data parallelism
+                continue
             if item is Signal.END_OF_STEP:
                 for index in sorted(held):  # only without data parallelism: nothing is held there
                     self._exchange(held.pop(index))
@@ -259,6 +492,11 @@ class UpdatePipeline:
             self._on_update_item(item)
 
     def _on_update_item(self, item: Message) -> None:
+        if item is Signal.DISCARD:
+            for job in self._step_jobs:
+                self.status[job.bucket].done.set()
+            self._step_jobs = []
+            return
         if item is Signal.END_OF_STEP:
             if self.config.max_grad_norm is not None:
                 self.stages.clip(self._step_jobs)
@@ -277,6 +515,8 @@ class UpdatePipeline:
 
     def _update(self, job: Job) -> None:
         status = self.status[job.bucket]
+        if self.config.rollback:
+            self._save(job)
         self.stages.update(job)
         self._ended(job.bucket, Stage.UPDATE)
         self.stages.stage_weights(job.bucket, list(job.grads))

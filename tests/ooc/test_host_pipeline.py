@@ -17,7 +17,7 @@ import ooc
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
 from ooc.optim import HostAdamW, Stage
-from ooc.optim.pipeline import PipelineError
+from ooc.optim.pipeline import PipelineError, UncommittedStepWarning
 from tests.helpers import gpt_batch
 
 STEPS = 4
@@ -133,8 +133,10 @@ def test_a_second_backward_without_accumulate_is_an_error() -> None:
     model = _model()
     opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
     model(*gpt_batch())[1].backward()
+    with pytest.warns(UncommittedStepWarning, match="between the backward and step"):
+        loss = model(*gpt_batch(seed=1))[1]
     with pytest.raises(PipelineError, match="accumulate=k"):
-        model(*gpt_batch(seed=1))[1].backward()
+        loss.backward()
     opt.close()
 
 
