@@ -343,7 +343,6 @@ class HostAdamW(torch.optim.Optimizer):
         return {
             "dtypes": [str(p.dtype) for group in self.param_groups for p in group["params"]],
             "delayed_update": self.delayed_update,
-            "accumulate": self._accumulate,
             "world": comm.world if comm is not None else 1,
             "sharded": bool(comm is not None and comm.sharded),
         }
