@@ -3,13 +3,7 @@
 from __future__ import annotations
 
 import errno
-import json
-import os
 import random
-import signal
-import subprocess
-import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
