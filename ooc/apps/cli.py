@@ -1,4 +1,5 @@
-"""The ``ooc`` command line (also ``python -m ooc``): demo, train, profile, plan, simulate, calibrate."""
+"""The ``ooc`` command line (also ``python -m ooc``): demo, train, checkpoints, profile, plan,
+simulate, calibrate, doctor."""
 
 from __future__ import annotations
 
