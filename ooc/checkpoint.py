@@ -23,10 +23,20 @@ In a loop of your own::
         ckpt.save(step, loss=loss.item())   # returns once the state is copied; written in the background
     ckpt.wait()
 
-``save`` copies the state (after ``optimizer.synchronize()``) and returns; a thread serializes and
-writes it. A second ``save`` waits until the previous version is committed (one write in flight at
-most, so at most one extra copy of the state in host memory). An error of the writer is raised by
-the next ``save`` or ``wait``.
+``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
+serializes and writes it. A second ``save`` waits until the previous version is committed (one write
+in flight at most, so at most one extra copy of the state in host memory). An error of the writer is
+raised by the next ``save`` or ``wait``.
+
+NOTE [lazy snapshots]
+With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
+DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept on their device,
+scheduler, RNG) and keeps references to each bucket's live parameters, masters and moments. A
+bucket's host state does not change between the end of its update and its next UPDATE (NOTE [stage
+listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
+before that UPDATE starts. So the writer thread copies the buckets aside one by one, and a stage
+listener on EXCHANGE copies a bucket itself, before its next update may change it, only if the
+writer has not reached it yet. The training thread never waits for the copy of the buckets.
 """
 
 from __future__ import annotations
@@ -50,6 +60,7 @@ import torch
 from torch import nn
 
 from ooc.errors import OocError
+from ooc.optim.stages import Stage
 
 FORMAT = 1
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
@@ -137,6 +148,33 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
+class _Snapshot:
+    """Slots (container, key) holding live tensors, per bucket, copied aside at most once: by the
+    writer thread, or by the optimizer's thread before the bucket's next update (NOTE [lazy snapshots])."""
+
+    def __init__(self, slots: dict[int, list[tuple[Any, Any]]]) -> None:
+        self._slots = slots
+        self._lock = threading.Lock()
+        self.copied_by_listener = 0
+
+    def materialize(self, bucket: int, *, by_listener: bool = False) -> None:
+        with self._lock:
+            slots = self._slots.pop(bucket, None)
+            if slots is None:
+                return
+            for container, key in slots:
+                container[key] = container[key].detach().to("cpu", copy=True)
+            self.copied_by_listener += by_listener
+
+    def materialize_all(self) -> None:
+        for bucket in list(self._slots):
+            self.materialize(bucket)
+
+    def pending(self) -> list[int]:
+        with self._lock:
+            return list(self._slots)
+
+
 class Checkpointer:
     """Saves and restores ``model``, ``optimizer``, ``scheduler``, the RNG states and ``extra`` (a
     dict of your own, e.g. the data position: saved with torch.save, so tensors, numbers, strings,
@@ -151,7 +189,8 @@ class Checkpointer:
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
-                 rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None) -> None:
+                 rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
+                 lazy: bool = True) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 (or None to keep every version), got {keep}")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -166,6 +205,15 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._hook: Callable[[str], None] = lambda point: None
         """Test hook: called with the name of each point of the commit sequence."""
+        self._snapshot: _Snapshot | None = None
+        self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
+            and hasattr(optimizer, "buckets") and not getattr(optimizer, "delayed_update", True)
+        """Lazy snapshots (NOTE [lazy snapshots]): HostAdamW without delayed_update only."""
+        self.copied_by_listener = 0
+        """Buckets the optimizer's thread had to copy aside because their next update came before the
+        writer reached them (over every save so far)."""
+        if self.lazy:
+            optimizer.stage_listeners.append(self._on_stage)
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._clean()
@@ -186,10 +234,13 @@ class Checkpointer:
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
         files: dict[str, Any] = {}
-        if self.rank == 0:
-            files[MODEL_FILE] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
-        if self.optimizer is not None:
-            files[f"optimizer-rank{self.rank}.pt"] = {"optimizer": _clone(self.optimizer.state_dict())}
+        if self.lazy:
+            files.update(self._lazy_payloads())
+        else:
+            if self.rank == 0:
+                files[MODEL_FILE] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
+            if self.optimizer is not None:
+                files[f"optimizer-rank{self.rank}.pt"] = {"optimizer": _clone(self.optimizer.state_dict())}
         files[f"state-rank{self.rank}.pt"] = {
             "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "rng": _clone(rng_state()),
@@ -198,6 +249,53 @@ class Checkpointer:
         self._thread = threading.Thread(target=self._write, args=(step, files, metadata), name=f"ooc-checkpoint-{step}",
                                         daemon=True)
         self._thread.start()
+
+    def _lazy_payloads(self) -> dict[str, Any]:
+        """The model and optimizer payloads with each bucket's tensors left live (registered in a
+        :class:`_Snapshot`) and everything else copied now (NOTE [lazy snapshots])."""
+        opt = self.optimizer
+        bucket_of = {id(p): b.index for b in opt.buckets for p in b.params}
+        slots: dict[int, list[tuple[Any, Any]]] = {}
+
+        def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None) -> None:
+            bucket = bucket_of.get(id(owner)) if owner is not None else None
+            if bucket is None:
+                container[key] = value.detach().to("cpu", copy=True)
+            else:
+                container[key] = value.detach()
+                slots.setdefault(bucket, []).append((container, key))
+
+        files: dict[str, Any] = {}
+        if self.rank == 0:
+            params = dict(self.model.named_parameters(remove_duplicate=False))
+            weights: dict[str, torch.Tensor] = {}
+            for name, value in self.model.state_dict(keep_vars=True).items():
+                place(weights, name, value, params.get(name))
+            files[MODEL_FILE] = weights
+        saved = opt.state_dict()
+        order = [p for group in opt.param_groups for p in group["params"]]
+        state: dict[Any, dict[str, Any]] = {}
+        for index, entry in saved["state"].items():
+            owner = order[index] if isinstance(index, int) and index < len(order) else None
+            state[index] = {}  # a new dict: the optimizer's own (which state_dict returns) stays untouched
+            for name, value in entry.items():
+                if isinstance(value, torch.Tensor):
+                    place(state[index], name, value, owner)
+                else:
+                    state[index][name] = _clone(value)
+        files[f"optimizer-rank{self.rank}.pt"] = {"optimizer": {"state": state,
+                                                                "param_groups": _clone(saved["param_groups"])}}
+        self._snapshot = _Snapshot(slots)
+        return files
+
+    def _on_stage(self, bucket: int, stage: Stage) -> None:
+        """Stage listener: the bucket's UPDATE comes next, on this thread; copy it aside first if
+        the writer has not yet (NOTE [lazy snapshots])."""
+        snapshot = self._snapshot
+        if stage is Stage.EXCHANGE and snapshot is not None:
+            before = snapshot.copied_by_listener
+            snapshot.materialize(bucket, by_listener=True)
+            self.copied_by_listener += snapshot.copied_by_listener - before
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error, if it failed."""
@@ -211,8 +309,14 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, Any], metadata: dict[str, Any]) -> None:
         folder = self.directory / _name(step)
         try:
+            snapshot = self._snapshot
+            if snapshot is not None:
+                self._hook("snapshot")
+                snapshot.materialize_all()
+                self._snapshot = None  # every bucket copied: the listener has nothing more to do
             self._write_version(folder, step, files, metadata)
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
+            self._snapshot = None
             self._remove_partial(folder, files)
             if isinstance(exc, CheckpointError):
                 self._error = exc
@@ -229,7 +333,8 @@ class Checkpointer:
         folder.mkdir(exist_ok=True)
         records: dict[str, dict[str, Any]] = {}
         for name, payload in files.items():
-            data = safetensors.torch.save(payload) if name == MODEL_FILE else _torch_bytes(payload)
+            data = safetensors.torch.save({k: v.contiguous() for k, v in payload.items()}) if name == MODEL_FILE \
+                else _torch_bytes(payload)
             self._hook(f"write:{name}")
             _write_file(folder / name, data)
             records[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
@@ -379,8 +484,12 @@ class Checkpointer:
         return out
 
     def close(self) -> None:
-        """Wait for the last save (raising its error)."""
-        self.wait()
+        """Wait for the last save (raising its error) and remove the stage listener."""
+        try:
+            self.wait()
+        finally:
+            if self.lazy and self._on_stage in self.optimizer.stage_listeners:
+                self.optimizer.stage_listeners.remove(self._on_stage)
 
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:

@@ -190,7 +190,7 @@ def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, n
     opt.close()
 
 
-FAIL_POINTS = ["write:model.safetensors", "write:optimizer-rank0.pt", "write:state-rank0.pt", "files-written",
+FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:optimizer-rank0.pt", "write:state-rank0.pt", "files-written",
                "manifest-written", "renamed", "committed"]
 
 
@@ -264,4 +264,44 @@ def test_layout_mismatch_is_refused(tmp_path: Path) -> None:
     other = Checkpointer(tmp_path, model, opt, layout={"shard": True})
     with pytest.raises(CheckpointError, match="same number of ranks"):
         other.restore()
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The writer is held back while training goes on: each bucket's update must copy its state
+    aside first, so the version still holds the state at save() (NOTE [lazy snapshots])."""
+    import threading
+
+    model, opt, sched = _setup(dtype)
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    assert ckpt.lazy
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt.save(2)
+    _train(model, opt, sched, range(2, 4))  # two more updates of every bucket while the writer waits
+    release.set()
+    ckpt.wait()
+    model2, opt2, _ = _setup(dtype, seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(2)
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    assert ckpt.copied_by_listener == len(opt.buckets)
+    ckpt.close()
+    assert ckpt._on_stage not in opt.stage_listeners
+    opt.close()
+    opt2.close()
+
+
+def test_lazy_snapshot_without_conflict_copies_on_the_writer(tmp_path: Path) -> None:
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    for step in range(3):
+        _train(model, opt, sched, range(step, step + 1))
+        ckpt.save(step + 1)
+        ckpt.wait()  # the writer is done before the next update: it copied every bucket itself
+    assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
+    ckpt.close()
     opt.close()
