@@ -2,7 +2,8 @@
 serialization, checksums and fsyncs run on a thread.
 
 Measured on a GPT trained with the pipelined HostAdamW on the CPU backend:
-- blocking time of one ``save()`` vs a synchronous ``torch.save`` of the same state (+ fsync);
+- blocking time of one ``save()`` (lazy snapshot, and ``lazy=False``: everything copied in ``save``) vs
+  a synchronous ``torch.save`` of the same state (+ fsync);
 - median step time with no checkpoints, a save every 10 steps and a save every step;
 - extra host memory: the bytes of the snapshot one ``save`` holds until its write is committed.
 
@@ -61,14 +62,16 @@ def main() -> None:
                          f"batch {args.batch}x{args.seq}, HostAdamW pipelined, CPU backend"))
 
     with tempfile.TemporaryDirectory() as root:
-        # Blocking time of save() vs a synchronous torch.save (+ fsync) of the same state.
+        # Blocking time of save() (lazy and eager snapshot) vs a synchronous torch.save (+ fsync).
         ckpt = Checkpointer(Path(root) / "async", model, opt, keep=2)
-        blocking, sync = [], []
+        eager = Checkpointer(Path(root) / "eager", model, opt, keep=2, lazy=False)
+        blocking, blocking_eager, sync = [], [], []
         for i in range(5):
-            started = time.perf_counter()
-            ckpt.save(i)
-            blocking.append(time.perf_counter() - started)
-            ckpt.wait()
+            for saver, into in ((ckpt, blocking), (eager, blocking_eager)):
+                started = time.perf_counter()
+                saver.save(i)
+                into.append(time.perf_counter() - started)
+                saver.wait()
             started = time.perf_counter()
             path = Path(root) / "sync.pt"
             with open(path, "wb") as f:
@@ -77,9 +80,12 @@ def main() -> None:
                 os.fsync(f.fileno())
             sync.append(time.perf_counter() - started)
         snapshot = sum(f["bytes"] for f in ckpt.latest().files.values())
+        ckpt.close()
+        eager.close()
 
         # Step time with saves every k steps (each save waits for the previous write).
         times: dict[str, float] = {}
+        copied: dict[str, int] = {}
         for label, every in (("no checkpoints", 0), ("save every 10 steps", 10), ("save every step", 1)):
             saver = Checkpointer(Path(root) / f"every{every}", model, opt, keep=2) if every else None
             seconds = []
@@ -90,18 +96,21 @@ def main() -> None:
                     saver.save(i + 1)
                 seconds.append(time.perf_counter() - started)
             if saver is not None:
-                saver.wait()
+                saver.close()
             opt.synchronize()
             times[label] = statistics.mean(seconds)
+            if saver is not None:
+                copied[label] = saver.copied_by_listener
 
     ms = lambda s: f"{s * 1e3:.1f} ms"  # noqa: E731
     print(table([["what", "median", "min"],
-                 ["save() blocking", ms(statistics.median(blocking)), ms(min(blocking))],
+                 ["save() blocking, lazy snapshot", ms(statistics.median(blocking)), ms(min(blocking))],
+                 ["save() blocking, eager copy (lazy=False)", ms(statistics.median(blocking_eager)), ms(min(blocking_eager))],
                  ["torch.save + fsync (synchronous)", ms(statistics.median(sync)), ms(min(sync))]]))
     print()
     base = times["no checkpoints"]
-    print(table([["checkpoints", "mean step", "overhead"]]
-                + [[k, ms(v), f"{(v / base - 1) * 100:+.1f}%"] for k, v in times.items()]))
+    print(table([["checkpoints", "mean step", "overhead", "buckets copied by the update thread"]]
+                + [[k, ms(v), f"{(v / base - 1) * 100:+.1f}%", str(copied.get(k, "-"))] for k, v in times.items()]))
     print(f"\nextra host memory while a write is in flight: one snapshot, {format_bytes(snapshot)} "
           f"(model {format_bytes(sum(p.numel() * p.element_size() for p in model.parameters()))} + optimizer state)")
     opt.close()

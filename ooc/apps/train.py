@@ -254,7 +254,7 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     if found[-1].layout != wanted:
         raise ValueError(f"--resume {directory}: saved by {found[-1].layout}, resumed as {wanted}; the optimizer "
                          "state is split by rank, so resume with the same number of ranks and --shard setting")
-    loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg))
+    loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
     version = loader.restore()
     if rank == 0:
         show(f"resumed from {version.path} (step {version.step})")
