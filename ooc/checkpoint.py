@@ -231,6 +231,10 @@ class Checkpointer:
         except TypeError as exc:
             raise ValueError(f"save metadata must be JSON-able: {exc}") from None
         self.wait()
+        if self.rank == 0 and self.world > 1:
+            # Rank 0's retention after its commit sees only the versions every rank had committed
+            # by then; by now the others have finished more (they save at the same steps).
+            self._retain()
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
         files: dict[str, Any] = {}
@@ -366,7 +370,9 @@ class Checkpointer:
 
     def _retain(self) -> None:
         """Delete all but the newest ``keep`` complete versions, and incomplete folders older than
-        the newest complete one (left by a crash)."""
+        the newest complete one (left by a crash). With several ranks, one version more than
+        ``keep`` may remain until the next save (rank 0 deletes only behind a version every rank
+        has committed)."""
         complete = self.versions()
         if not complete:
             return
