@@ -1,4 +1,5 @@
-"""The ``ooc`` command line (also ``python -m ooc``): demo, train, profile, plan, simulate, calibrate."""
+"""The ``ooc`` command line (also ``python -m ooc``): demo, train, checkpoints, profile, plan,
+simulate, calibrate, doctor."""
 
 from __future__ import annotations
 
@@ -39,10 +40,27 @@ def _train(args: argparse.Namespace) -> int:
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq=args.seq, lr=args.lr,
         weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype, dropout=args.dropout, plan=args.plan, shard=args.shard,
         reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
-        max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save, resume=args.resume,
+        max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save,
+        save_every=args.save_every, keep=args.keep, resume=args.resume,
         progress=not args.no_progress,
     )
     return train_main(cfg)
+
+
+def _checkpoints(args: argparse.Namespace) -> int:
+    import datetime
+
+    from ooc.checkpoint import list_versions
+
+    found = list_versions(args.directory)
+    if not found:
+        print(f"no complete checkpoint in {args.directory}")
+        return 1
+    for v in found:
+        when = datetime.datetime.fromtimestamp(v.created).isoformat(timespec="seconds")
+        size = sum(f["bytes"] for f in v.files.values())
+        print(f"step {v.step:>9d}  {when}  {size:>12d} B  {v.path.name}  {json.dumps(v.metadata, sort_keys=True)}")
+    return 0
 
 
 def reference_model(spec: str, batch: int, seq: int):
@@ -265,10 +283,19 @@ def build_parser() -> argparse.ArgumentParser:
                     help="update in step() after the backward (faster where compute already uses every core)")
     tr.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a peer")
     tr.add_argument("--out", help="write losses and step times as JSON (rank 0)")
-    tr.add_argument("--save", help="write a checkpoint directory at the end")
-    tr.add_argument("--resume", help="continue from a checkpoint directory")
+    tr.add_argument("--save", help="checkpoint directory: a version at the end (and every --save-every steps)")
+    tr.add_argument("--save-every", type=int, default=0, help="also save a version every N steps (0: only at the end)")
+    tr.add_argument("--keep", type=int, default=3, help="versions kept in --save's directory")
+    tr.add_argument("--resume", help="continue from a checkpoint directory's newest complete version; auto: "
+                    "from --save's, or a fresh start if it has none")
     tr.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
     tr.set_defaults(run=_train)
+
+    ck = sub.add_parser("checkpoints", help="list a checkpoint directory's complete versions with their metadata")
+    ck_sub = ck.add_subparsers(dest="action", required=True)
+    ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, folder, metadata")
+    ck_list.add_argument("directory")
+    ck_list.set_defaults(run=_checkpoints)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
     cal.add_argument("--backend", default="auto")

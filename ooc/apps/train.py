@@ -24,6 +24,7 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
+from ooc.checkpoint import Checkpointer, list_versions
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
@@ -64,7 +65,13 @@ class TrainConfig:
     timeout_s: float = 60.0
     out: str | None = None
     save: str | None = None
+    """Checkpoint directory (``ooc.checkpoint.Checkpointer``): a version at the end of the run."""
+    save_every: int = 0
+    """Also a version every this many steps (0: only at the end)."""
+    keep: int = 3
+    """Versions kept in ``save``."""
     resume: str | None = None
+    """A checkpoint directory (its newest complete version), or ``auto``: ``save``'s newest, or a fresh start."""
     progress: bool = True
 
     def __post_init__(self) -> None:
@@ -75,6 +82,10 @@ class TrainConfig:
         for name in ("steps", "batch_size", "seq", "accumulate"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.save_every < 0 or self.keep < 1:
+            raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
+        if self.resume == "auto" and not self.save:
+            raise ValueError("--resume auto continues from --save's directory: give --save DIR too")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
         check_reduce_on(self.reduce_on, extra=("model",))  # model: the performance model chooses (rank 0)
@@ -173,9 +184,9 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         device_params_below=cfg.device_params_below,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
     )
-    start_step = 0
-    if cfg.resume:
-        start_step = _load(Path(cfg.resume), model, opt, rank, _layout(cfg, world))
+    start_step = _resume(cfg, model, opt, rank, world, show)
+    saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
+        if cfg.save else None
     if rank == 0:
         show(f"ooc train: GPT {cfg.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {cfg.dtype}) "
              f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
@@ -204,10 +215,13 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         if rank == 0 and not cfg.progress:
             show(f"step {step:5d}  loss {losses[-1]:.4f}")
             sys.stdout.flush()
+        done = step + 1  # a version's step: the steps done, so the step a resumed run starts at
+        if saver is not None and (done == start_step + cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
+            saver.save(done, loss=losses[-1])
     bar.close()
     opt.synchronize()
-    if cfg.save:
-        _save(Path(cfg.save), model, opt, rank, start_step + cfg.steps, _layout(cfg, world))
+    if saver is not None:
+        saver.close()
     if rank == 0:
         median = statistics.median(times[1:] if len(times) > 1 else times)
         report = ooc.memory_report(model)
@@ -221,42 +235,30 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     return result
 
 
-def _layout(cfg: TrainConfig, world: int) -> dict[str, object]:
-    """What a checkpoint's optimizer files depend on: who holds which share of the state."""
-    return {"world": world, "shard": cfg.shard}
+def _layout(cfg: TrainConfig) -> dict[str, object]:
+    """What a checkpoint's optimizer files depend on besides the world size: who holds which share."""
+    return {"shard": cfg.shard}
 
 
-def _save(directory: Path, model: GPT, opt: HostAdamW, rank: int, step: int, layout: dict[str, object]) -> None:
-    """Model from rank 0; optimizer state from every rank (sharded, each holds only its share).
-    Each file is written to a temporary name and renamed, so a crash leaves no half-written file."""
-    directory.mkdir(parents=True, exist_ok=True)
-    files = {f"optimizer-rank{rank}.pt": {"optimizer": opt.state_dict(), "step": step, "layout": layout}}
-    if rank == 0:
-        files["model.pt"] = {"model": model.state_dict(), "step": step}
-    for name, payload in files.items():
-        tmp = directory / f".{name}.tmp"
-        torch.save(payload, tmp)
-        os.replace(tmp, directory / name)
-
-
-def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int, layout: dict[str, object]) -> int:
-    model_file, opt_file = directory / "model.pt", directory / f"optimizer-rank{rank}.pt"
-    for path in (model_file, opt_file):
-        if not path.is_file():
-            raise ValueError(f"--resume {directory}: no {path.name}; resume with the world size that saved it")
-    optimizer = torch.load(opt_file, weights_only=True)
-    if optimizer.get("layout") != layout:
-        raise ValueError(f"--resume {directory}: saved by {optimizer.get('layout')}, resumed as {layout}; the optimizer "
+def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int, show) -> int:  # noqa: ANN001
+    """Load ``--resume``'s version; return its step (0 for a fresh start)."""
+    if not cfg.resume:
+        return 0
+    directory = Path(cfg.save if cfg.resume == "auto" else cfg.resume)
+    found = list_versions(directory)
+    if not found:
+        if cfg.resume == "auto":
+            return 0
+        raise ValueError(f"--resume {directory}: no complete checkpoint there")
+    wanted = {"world": world, **_layout(cfg)}
+    if found[-1].layout != wanted:
+        raise ValueError(f"--resume {directory}: saved by {found[-1].layout}, resumed as {wanted}; the optimizer "
                          "state is split by rank, so resume with the same number of ranks and --shard setting")
-    saved = torch.load(model_file, weights_only=True)
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(optimizer["optimizer"])
-    if not opt.delayed_update:  # delayed: the parameters stay one update behind, as saved
-        for p, state in opt.state.items():
-            if "master" in state:
-                with torch.no_grad():
-                    p.copy_(state["master"])  # the working copy from the master, as after a step
-    return int(saved["step"])
+    loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
+    version = loader.restore()
+    if rank == 0:
+        show(f"resumed from {version.path} (step {version.step})")
+    return version.step
 
 
 def main(cfg: TrainConfig) -> int:

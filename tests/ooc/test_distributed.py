@@ -79,8 +79,17 @@ def _single(args: list[str], cwd: Path) -> str:
     return done.stdout
 
 
+def _version(directory: Path) -> Path:
+    """The newest complete version's folder in an ``ooc train --save`` directory."""
+    from ooc.checkpoint import list_versions
+
+    return list_versions(directory)[-1].path
+
+
 def _weights(directory: Path) -> dict[str, torch.Tensor]:
-    return torch.load(directory / "model.pt", weights_only=True)["model"]
+    import safetensors.torch
+
+    return safetensors.torch.load_file(_version(directory) / "model.safetensors")
 
 
 def _losses(path: Path) -> list[float]:
@@ -168,9 +177,9 @@ def test_accumulation_on_each_rank(runs: Path) -> None:
 
 
 def test_sharded_state_is_split_across_ranks(runs: Path) -> None:
-    states = [torch.load(runs / "sharded" / f"optimizer-rank{r}.pt", weights_only=True)["optimizer"]["state"]
+    states = [torch.load(_version(runs / "sharded") / f"optimizer-rank{r}.pt", weights_only=True)["optimizer"]["state"]
               for r in range(2)]
-    full = torch.load(runs / "two" / "optimizer-rank0.pt", weights_only=True)["optimizer"]["state"]
+    full = torch.load(_version(runs / "two") / "optimizer-rank0.pt", weights_only=True)["optimizer"]["state"]
     numel = lambda state: sum(s["exp_avg"].numel() for s in state.values())  # noqa: E731
     assert set(states[0]).isdisjoint(states[1]) and set(states[0]) | set(states[1]) == set(full)
     assert max(numel(s) for s in states) < 0.6 * numel(full)  # each rank holds about half

@@ -1,0 +1,307 @@
+"""ooc.checkpoint: never-torn versions, checked files, exact resume, safetensors weights, the CLI."""
+
+from __future__ import annotations
+
+import errno
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+
+import ooc.checkpoint as ckpt_mod
+from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+from ooc.models.gpt import GPT, GPT_PRESETS
+from ooc.optim import HostAdamW
+
+CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)  # dropout: a resume must restore the RNG
+
+
+def _setup(dtype: torch.dtype = torch.float32, *, pipeline: bool = True, seed: int = 0):
+    torch.manual_seed(seed)
+    model = GPT(CFG).to(dtype)
+    opt = HostAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, pipeline=pipeline)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    return model, opt, sched
+
+
+def _batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(1000 + step)
+    x = torch.randint(0, CFG.vocab_size, (2, 16), generator=gen)
+    return x, torch.roll(x, -1, dims=1)
+
+
+def _train(model, opt, sched, steps: range, ckpt: Checkpointer | None = None) -> list[float]:  # noqa: ANN001
+    losses = []
+    for step in steps:
+        x, y = _batch(step)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        losses.append(float(loss))
+        if ckpt is not None:
+            ckpt.save(step + 1, loss=losses[-1])
+    opt.synchronize()
+    return losses
+
+
+def _weights(model) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) and a[k].dtype == b[k].dtype for k in a)
+
+
+def _opt_state(opt) -> dict:  # noqa: ANN001
+    return {i: {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+            for i, s in opt.state_dict()["state"].items()}
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in a)
+
+
+def test_three_line_loop_docstring_example(tmp_path: Path) -> None:
+    """The module docstring's loop, as written: a fresh start, then a resume from the newest version."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=3)
+    start = ckpt.restore().step + 1 if ckpt.latest() else 0
+    assert start == 0
+    for step in range(start, 3):
+        x, y = _batch(step)
+        _, loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step, loss=float(loss.detach()))
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [0, 1, 2]
+    assert ckpt.latest().metadata["loss"] == float(loss.detach())
+    opt.close()
+    model2, opt2, _ = _setup(seed=1)
+    ckpt2 = Checkpointer(tmp_path, model2, opt2, keep=3)
+    start = ckpt2.restore().step + 1 if ckpt2.latest() else 0
+    assert start == 3
+    assert _same(_weights(model2), _weights(model))
+    opt2.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "in-step"])
+def test_resume_continues_bit_identically(tmp_path: Path, dtype: torch.dtype, pipeline: bool) -> None:
+    model, opt, sched = _setup(dtype, pipeline=pipeline)
+    straight = _train(model, opt, sched, range(6))
+    final, final_state = _weights(model), _opt_state(opt)
+    opt.close()
+
+    model, opt, sched = _setup(dtype, pipeline=pipeline)
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, keep=2)
+    _train(model, opt, sched, range(3), ckpt)
+    _train(model, opt, sched, range(3, 5))  # steps after the version, lost in the "crash"
+    ckpt.wait()
+    opt.close()
+
+    model, opt, sched = _setup(dtype, pipeline=pipeline, seed=7)  # other initial weights: all must be loaded
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, keep=2)
+    v = ckpt.restore()
+    assert v.step == 3 and v.metadata["loss"] == straight[2]
+    assert sched.last_epoch == 3
+    resumed = _train(model, opt, sched, range(3, 6))
+    assert resumed == straight[3:]
+    assert _same(_weights(model), final)
+    assert _same_state(_opt_state(opt), final_state)  # fp32 masters and moments included
+    opt.close()
+
+
+def test_rng_and_extra_round_trip(tmp_path: Path) -> None:
+    model, opt, _ = _setup()
+    extra = {"position": 41, "epoch": 2}
+    ckpt = Checkpointer(tmp_path, model, opt, extra=extra)
+    torch.manual_seed(5)
+    random.seed(5)
+    ckpt.save(1)
+    ckpt.wait()
+    expected = (torch.rand(4), random.random())
+    extra["position"] = 0
+    torch.manual_seed(99)
+    ckpt.restore()
+    assert extra == {"position": 41, "epoch": 2}
+    assert torch.equal(torch.rand(4), expected[0]) and random.random() == expected[1]
+    opt.close()
+
+
+def test_retention_keeps_the_newest(tmp_path: Path) -> None:
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=2)
+    for step in range(5):
+        ckpt.save(step)
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [3, 4]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003", "step-000000004"]
+    opt.close()
+
+
+def test_safetensors_weights_load_without_ooc(tmp_path: Path) -> None:
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    ckpt = Checkpointer(tmp_path / "ck", model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    fresh = GPT(CFG)
+    fresh.load_state_dict(safetensors.torch.load_file(ckpt.latest().path / "model.safetensors"))
+    assert _same(_weights(fresh), _weights(model))
+    out = ckpt.export(2, tmp_path / "weights.safetensors")
+    other = GPT(CFG)
+    other.load_state_dict(safetensors.torch.load_file(out))
+    assert _same(_weights(other), _weights(model))
+    opt.close()
+
+
+def _two_versions(tmp_path: Path):
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, keep=3)
+    _train(model, opt, sched, range(2), ckpt)
+    ckpt.wait()
+    return model, opt, sched, ckpt
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.pt", "state-rank0.pt"])
+@pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
+def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, name: str, damage: str) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    path = ckpt.latest().path / name
+    data = bytearray(path.read_bytes())
+    if damage == "flip":
+        data[len(data) // 2] ^= 0x40
+    elif damage == "truncate":
+        data = data[: len(data) // 2]
+    else:
+        data = bytearray()
+    path.write_bytes(bytes(data))
+    with pytest.raises(CorruptCheckpointError, match=name):
+        ckpt.restore()
+    assert ckpt.restore(fallback=True).step == 1
+    opt.close()
+
+
+FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:optimizer-rank0.pt", "write:state-rank0.pt", "files-written",
+               "manifest-written", "renamed", "committed"]
+
+
+@pytest.mark.parametrize("point", FAIL_POINTS)
+def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Path, point: str) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    previous = ckpt.latest()
+
+    def hook(at: str) -> None:
+        if at == point:
+            raise RuntimeError(f"injected at {at}")
+
+    ckpt._hook = hook
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match=f"injected at {point}"):
+        ckpt.wait()
+    latest = ckpt.latest()
+    if point in ("renamed", "committed"):  # the rename is the commit: the version exists (what failed came after)
+        assert latest.step == 3
+    else:
+        assert latest.step == previous.step
+        assert not (tmp_path / "step-000000003").exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert ckpt.restore().step == latest.step
+    opt.close()
+
+
+def test_crash_leftovers_are_ignored_and_cleaned(tmp_path: Path) -> None:
+    """A writer killed at any point leaves a folder without a commit record, or a temp record."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    partial = tmp_path / "step-000000003"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    (partial / ".manifest-rank0.json.tmp").write_text("{")
+    (ckpt.latest().path / ".manifest-rank0.json.tmp").write_text("{")
+    assert ckpt.latest().step == 2
+    Checkpointer(tmp_path, model, opt)
+    assert not partial.exists() and not list(tmp_path.rglob("*.tmp"))
+    assert [v.step for v in list_versions(tmp_path)] == [1, 2]
+    opt.close()
+
+
+def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    real = ckpt_mod._write_file
+    written = []
+
+    def full(path: Path, data: bytes) -> None:
+        if written:  # the second file finds the disk full, half written
+            path.write_bytes(data[: len(data) // 2])
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        written.append(path)
+        real(path, data)
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", full)
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match="No space left"):
+        ckpt.wait()
+    assert not (tmp_path / "step-000000003").exists()
+    assert not list(tmp_path.rglob("*.tmp"))
+    assert ckpt.restore().step == 2
+    monkeypatch.setattr(ckpt_mod, "_write_file", real)
+    ckpt.save(3)  # the next save, with room again, works
+    ckpt.wait()
+    assert ckpt.latest().step == 3
+    opt.close()
+
+
+def test_layout_mismatch_is_refused(tmp_path: Path) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    other = Checkpointer(tmp_path, model, opt, layout={"shard": True})
+    with pytest.raises(CheckpointError, match="same number of ranks"):
+        other.restore()
+    opt.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype) -> None:
+    """The writer is held back while training goes on: each bucket's update must copy its state
+    aside first, so the version still holds the state at save() (NOTE [lazy snapshots])."""
+    import threading
+
+    model, opt, sched = _setup(dtype)
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    assert ckpt.lazy
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt.save(2)
+    _train(model, opt, sched, range(2, 4))  # two more updates of every bucket while the writer waits
+    release.set()
+    ckpt.wait()
+    model2, opt2, _ = _setup(dtype, seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(2)
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    assert ckpt.copied_by_listener == len(opt.buckets)
+    ckpt.close()
+    assert ckpt._on_stage not in opt.stage_listeners
+    opt.close()
+    opt2.close()
+
+
+def test_lazy_snapshot_without_conflict_copies_on_the_writer(tmp_path: Path) -> None:
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    for step in range(3):
+        _train(model, opt, sched, range(step, step + 1))
+        ckpt.save(step + 1)
+        ckpt.wait()  # the writer is done before the next update: it copied every bucket itself
+    assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
+    ckpt.close()
+    opt.close()
