@@ -40,7 +40,7 @@ def _train(args: argparse.Namespace) -> int:
         weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype, dropout=args.dropout, plan=args.plan, shard=args.shard,
         reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
         max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save, resume=args.resume,
-        progress=not args.no_progress,
+        progress=not args.no_progress, device=args.device,
     )
     return train_main(cfg)
 
@@ -268,6 +268,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--save", help="write a checkpoint directory at the end")
     tr.add_argument("--resume", help="continue from a checkpoint directory")
     tr.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
+    tr.add_argument("--device", default="auto",
+                    help="auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cuda (cuda:LOCAL_RANK), cuda:N or cpu")
     tr.set_defaults(run=_train)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
