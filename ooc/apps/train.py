@@ -276,11 +276,11 @@ def _load(directory: Path, model: GPT, opt: HostAdamW, rank: int, layout: dict[s
     for path in (model_file, opt_file):
         if not path.is_file():
             raise ValueError(f"--resume {directory}: no {path.name}; resume with the world size that saved it")
-    optimizer = torch.load(opt_file, weights_only=True)
+    optimizer = torch.load(opt_file, map_location="cpu", weights_only=True)
     if optimizer.get("layout") != layout:
         raise ValueError(f"--resume {directory}: saved by {optimizer.get('layout')}, resumed as {layout}; the optimizer "
                          "state is split by rank, so resume with the same number of ranks and --shard setting")
-    saved = torch.load(model_file, weights_only=True)
+    saved = torch.load(model_file, map_location="cpu", weights_only=True)  # rank 0 saved from its GPU: not every rank's
     model.load_state_dict(saved["model"])
     opt.load_state_dict(optimizer["optimizer"])
     if not opt.delayed_update:  # delayed: the parameters stay one update behind, as saved
