@@ -221,3 +221,20 @@ def test_the_allocator_peak_is_reset_at_each_step_on_cuda_only(monkeypatch) -> N
     assert resets == []
     MemoryTracker(2, CUDA1).start_step()
     assert resets == [CUDA1]
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8_e5m2"])
+def test_quantize_writes_scales_then_codes_into_out(codec: str) -> None:
+    from ooc.kernels.quant import encoded_nbytes, quantize
+
+    x = torch.randn(1000) * 3
+    plain = quantize(x, codec=codec, group_size=64)
+    out = torch.full((encoded_nbytes(x, codec=codec, group_size=64),), 0xAB, dtype=torch.uint8)
+    q = quantize(x, codec=codec, group_size=64, out=out)
+    scale_bytes = plain.scales.numel() * 4
+    assert out.numel() == scale_bytes + plain.codes.numel() * plain.codes.element_size()
+    assert torch.equal(out[:scale_bytes], plain.scales.reshape(-1).view(torch.uint8))
+    assert torch.equal(out[scale_bytes:], plain.codes.reshape(-1).view(torch.uint8))
+    assert q.codes.data_ptr() == out.data_ptr() + scale_bytes and q.scales.data_ptr() == out.data_ptr()
+    with pytest.raises(ValueError, match="bytes on cpu"):
+        quantize(x, codec=codec, group_size=64, out=out[1:])
