@@ -30,7 +30,6 @@ from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
 from ooc.scheduler.dataparallel import choose_reduce_on
-from ooc.scheduler.hardware import preset
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.units import format_bytes
 
@@ -147,7 +146,7 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
             finally:
                 backend.close()
             budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
-            chosen[0] = plan_for_profile(prof, budget, hardware=preset("cpu")).to_json()
+            chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
         else:
             path = Path(cfg.plan)
             if not path.is_file():
