@@ -66,7 +66,7 @@ def resolve_backend(spec: str | Backend, model: torch.nn.Module) -> Backend:
         check_backend_device(torch.device("cpu"), device)
         return CpuBackend() if spec == "cpu" else CpuBackend(chaos=ChaosConfig())
     if spec == "cuda":
-        if device is not None and device.type != "cuda":
+        if device is not None and device.type != "cuda" and torch.cuda.is_available():  # else CudaBackend says so
             check_backend_device(torch.device("cuda"), device)
         from ooc.backend.cuda import CudaBackend
 

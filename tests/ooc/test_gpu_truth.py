@@ -72,7 +72,8 @@ def test_cuda_and_auto_resolve_to_the_models_own_gpu(monkeypatch) -> None:
             resolve_backend(spec, nn.Module())
 
 
-def test_cuda_for_a_cpu_model_is_refused() -> None:
+def test_cuda_for_a_cpu_model_is_refused(monkeypatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(BackendDeviceError, match="model.to"):
         resolve_backend("cuda", nn.Linear(2, 2))
 
