@@ -159,7 +159,8 @@ def _check_group_size(group_size: int) -> None:
 
 
 def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic: bool = False, seed: int | None = None,
-             codec: str | None = None, check_finite: bool = True, nonfinite_flag: torch.Tensor | None = None) -> Quantized:
+             codec: str | None = None, check_finite: bool = True, nonfinite_flag: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> Quantized:
     """Quantize ``x`` (any shape; fp32, fp16 or bf16) per group of ``group_size`` values along its last
     dimension. ``bits`` 8 or 4, or ``codec`` one of ``int8``, ``int4``, ``fp8_e4m3``, ``fp8_e5m2``.
     ``stochastic=True`` rounds up with probability equal to the remainder (unbiased), reproducibly
@@ -171,6 +172,10 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     quantizes many tensors per step passes ``check_finite=False`` and ``nonfinite_flag``, a 1-element
     int32/int64 tensor on ``x``'s device to which the count of non-finite groups is added on the device,
     and reads it once per step (a group holding NaN or Inf gets a NaN scale).
+
+    ``out``: a contiguous 1-D ``uint8`` tensor of :func:`encoded_nbytes` bytes on ``x``'s device; the
+    scales (fp32, first) and then the codes are written into it, and the result's ``scales`` and
+    ``codes`` are views of it (on GPUs the kernel writes there directly: no second copy of the codes).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -192,11 +197,14 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     seed = int(seed or 0) & 0xFFFFFFFF
     if x.numel() == 0:
         raise ValueError("quantize got an empty tensor")
+    views = None if out is None else _out_views(out, x, codec, group_size)
     if use_triton(x):
         _check_device_runs(codec, x.device)
-        q = _quantize_triton(x, codec, group_size, stochastic, seed)
+        q = _quantize_triton(x, codec, group_size, stochastic, seed, views)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
+        if views is not None:
+            q = Quantized(views[0].copy_(q.codes), views[1].copy_(q.scales), q.shape, q.dtype, q.codec, q.group_size)
     if nonfinite_flag is not None:
         nonfinite_flag.add_(nonfinite_groups(q))
     if not check_finite:
@@ -209,25 +217,59 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     return q
 
 
+def _layout(x: torch.Tensor, codec: str, group_size: int) -> tuple[tuple[int, int], torch.dtype, tuple[int, int]]:
+    """Shape and dtype of the codes, and shape of the scales, that quantizing ``x`` gives."""
+    cols = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // cols
+    groups = -(-cols // group_size)
+    if codec in FP8:
+        return (rows, cols), FP8[codec][0], (rows, groups)
+    if codec == "int4":
+        return (rows, (cols + 1) // 2), torch.uint8, (rows, groups)
+    return (rows, cols), torch.int8, (rows, groups)
+
+
+def encoded_nbytes(x: torch.Tensor, *, codec: str, group_size: int) -> int:
+    """Bytes of the scales and codes of ``x`` quantized with ``codec``: the size of ``quantize``'s ``out``."""
+    codes_shape, codes_dtype, scales_shape = _layout(x, codec, group_size)
+    itemsize = torch.empty(0, dtype=codes_dtype).element_size()
+    return 4 * scales_shape[0] * scales_shape[1] + itemsize * codes_shape[0] * codes_shape[1]
+
+
+def _out_views(out: torch.Tensor, x: torch.Tensor, codec: str, group_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, scales) as views of ``out``: scales first, codes after them."""
+    nbytes = encoded_nbytes(x, codec=codec, group_size=group_size)
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() != nbytes or out.device != x.device:
+        raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, got "
+                         f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    codes_shape, codes_dtype, scales_shape = _layout(x, codec, group_size)
+    scale_bytes = 4 * scales_shape[0] * scales_shape[1]
+    return out[scale_bytes:].view(codes_dtype).view(codes_shape), out[:scale_bytes].view(torch.float32).view(scales_shape)
+
+
 def nonfinite_groups(q: Quantized) -> torch.Tensor:
     """How many groups of the quantized input held NaN or Inf: a 0-dim int64 tensor on the scales'
     device, computed without a host sync."""
     return torch.isnan(q.scales).sum()
 
 
-def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: bool, seed: int) -> Quantized:
+def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: bool, seed: int,
+                     views: tuple[torch.Tensor, torch.Tensor] | None = None) -> Quantized:
     x2 = as_rows(x)
     rows, cols = x2.shape
     groups = -(-cols // group_size)
-    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device)
+    scales = torch.empty(rows, groups, dtype=torch.float32, device=x.device) if views is None else views[1]
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
-        codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device)
+        codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device) if views is None else views[0]
         _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
     else:
         pack4 = codec == "int4"
-        codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
+        if views is None:
+            codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
+        else:
+            codes = views[0]
         _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
                                    GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)

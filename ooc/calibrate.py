@@ -101,6 +101,14 @@ def _copy_issue_seconds(backend: Backend, reps: int) -> float:
     return max(0.0, (with_copies - alone) / ops)
 
 
+def calibration_device(spec: str) -> str:
+    """Where ``ooc calibrate --backend spec`` measures: ``"auto"`` is the GPU when there is one
+    (a GPU host is calibrated for its GPU, not its CPU); ``"cuda"`` the GPU; anything else the CPU."""
+    if spec == "cuda" or (spec == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
 def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps: int = 5) -> Hardware:
     """Measure copy bandwidths (each direction alone and both at once), copy latency, device-to-device
     bandwidth, the host AdamW rate, the compute slowdown under copies, the compute cost of issuing
@@ -110,7 +118,7 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
     FLOP/s) come from the nearest preset.
     """
     if isinstance(backend, str):
-        backend = resolve_backend(backend, torch.nn.Linear(1, 1, device="cuda" if backend == "cuda" else "cpu"))
+        backend = resolve_backend(backend, torch.nn.Linear(1, 1, device=calibration_device(backend)))
     host = backend.host_buffer(nbytes)
     host2 = backend.host_buffer(nbytes)
     device = backend.device_buffer(nbytes)

@@ -549,7 +549,7 @@ def _load_file(path: Path, record: dict[str, Any]) -> Any:
     try:
         if path.name == MODEL_FILE:
             return safetensors.torch.load(data)
-        return torch.load(io.BytesIO(data), weights_only=True)
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # host state: never staged on a GPU
     except Exception as exc:  # noqa: BLE001 - any parse failure of a checked file is corruption
         raise CorruptCheckpointError(path, f"cannot be parsed ({exc})") from None
 

@@ -75,9 +75,19 @@ class DataParallel:
         return "device" if dist.get_backend() == "nccl" else "host"
 
 
+def backend_for(tensor: torch.Tensor, default: str) -> str:
+    """The process-group backend a collective on ``tensor`` needs: a host tensor goes over gloo
+    (NCCL carries device memory only; a host tensor there fails as if a peer were lost), a device
+    tensor over the default group's backend (``default``, NCCL on GPUs)."""
+    return "gloo" if tensor.device.type == "cpu" else default
+
+
 class GroupCommunicator:
-    """Collectives on two process groups of all ranks: one for the exchange thread (sums), one for
-    the update thread (broadcasts of updated shards, the clipping norms)."""
+    """Collectives on process groups of all ranks: the exchange thread's (sums) and the update
+    thread's (broadcasts of updated shards, the clipping norms). Each collective goes to its
+    thread's group of the backend its tensor needs (:func:`backend_for`): the update thread carries
+    host tensors only (staging and flat buffers, the norms), so its group is gloo; the exchange
+    thread's is gloo for ``reduce_on="host"``, else the default backend (NCCL: device buffers)."""
 
     def __init__(self, config: DataParallel) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -89,31 +99,45 @@ class GroupCommunicator:
         self.rank = dist.get_rank()
         self.sharded = config.shard
         self.reduce_on = config.resolved_reduce_on()
+        self.default_backend = str(dist.get_backend())
         ranks = list(range(self.world))
-        # new_group is collective: every rank creates the same groups in the same order.
-        exchange_backend = "gloo" if self.reduce_on == "host" else None
         timeout = datetime.timedelta(seconds=config.timeout_s)
-        self._exchange = dist.new_group(ranks, backend=exchange_backend, timeout=timeout)
-        self._update = dist.new_group(ranks, backend=exchange_backend, timeout=timeout)
+        exchange_backend = "gloo" if self.reduce_on == "host" else self.default_backend
+        # new_group is collective: every rank creates the same groups in the same order.
+        self._groups: dict[tuple[str, str], Any] = {
+            ("exchange", exchange_backend): dist.new_group(ranks, backend=exchange_backend, timeout=timeout),
+            ("update", "gloo"): dist.new_group(ranks, backend="gloo", timeout=timeout),
+        }
+
+    def group_for(self, thread: str, tensor: torch.Tensor) -> Any:
+        """The process group of ``thread`` (``"exchange"`` or ``"update"``) for a collective on ``tensor``."""
+        backend = backend_for(tensor, self.default_backend)
+        try:
+            return self._groups[(thread, backend)]
+        except KeyError:
+            raise WorldError(
+                f"internal error: the {thread} thread has no {backend} process group for a tensor on {tensor.device} "
+                f"(it has {sorted(b for t, b in self._groups if t == thread)}); please report this"
+            ) from None
 
     def all_reduce(self, tensor: torch.Tensor) -> None:
         with peer_failures():
-            dist.all_reduce(tensor, group=self._exchange)
+            dist.all_reduce(tensor, group=self.group_for("exchange", tensor))
 
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
         with peer_failures():
-            dist.reduce(tensor, dst=dst, group=self._exchange)
+            dist.reduce(tensor, dst=dst, group=self.group_for("exchange", tensor))
 
     def broadcast(self, tensor: torch.Tensor, src: int) -> None:
         with peer_failures():
-            dist.broadcast(tensor, src=src, group=self._update)
+            dist.broadcast(tensor, src=src, group=self.group_for("update", tensor))
 
     def sum_vector(self, tensor: torch.Tensor) -> None:
         with peer_failures():
-            dist.all_reduce(tensor, group=self._update)
+            dist.all_reduce(tensor, group=self.group_for("update", tensor))
 
     def close(self) -> None:
-        for group in (self._exchange, self._update):
+        for group in self._groups.values():
             dist.destroy_process_group(group)
 
 
@@ -188,7 +212,7 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
     try:
         if config.check:
             check_world(fingerprint(model, params, options_of(config, **options), plan_json))
-        broadcast_parameters(params)
+        broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:
         comm.close()
@@ -196,28 +220,39 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
     return comm, owner
 
 
-def broadcast_parameters(params: Sequence[torch.Tensor]) -> None:
-    """Every rank starts from rank 0's weights (as DistributedDataParallel does)."""
+def broadcast_parameters(params: Sequence[torch.Tensor], comm: GroupCommunicator) -> None:
+    """Every rank starts from rank 0's weights (as DistributedDataParallel does): device parameters
+    over the default group, host ones (streamed parameters) over ``comm``'s gloo group."""
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=0)
+            if backend_for(p.data, comm.default_backend) == comm.default_backend:
+                dist.broadcast(p.data, src=0)
+            else:
+                # Not yet running: the update thread's group is free for the start-up broadcast.
+                dist.broadcast(p.data, src=0, group=comm.group_for("update", p.data))
 
 
 def options_of(config: DataParallel, **options: Any) -> dict[str, Any]:
     return {**asdict(config), **options}
 
 
-def init_from_env(timeout_s: float, backend: str | None = None) -> bool:
+def init_from_env(timeout_s: float, backend: str | None = None, *, device: torch.device | None = None) -> bool:
     """Join the process group that ``torchrun`` (or RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT) describes.
 
     Returns ``False`` (and does nothing) for a single process without those variables. ``timeout_s``
-    bounds every collective: a rank that dies or hangs makes the others fail within it.
+    bounds every collective: a rank that dies or hangs makes the others fail within it. ``device``:
+    where this rank trains; a CUDA device becomes the current one before the group is made (NCCL
+    binds each rank to the current device) and picks NCCL, the CPU picks gloo (``None``: NCCL
+    whenever CUDA exists).
     """
     if "WORLD_SIZE" not in os.environ or int(os.environ["WORLD_SIZE"]) <= 1:
         return False
     if dist.is_initialized():
         return True
+    on_gpu = device.type == "cuda" if device is not None else torch.cuda.is_available()
+    if device is not None and device.type == "cuda":
+        torch.cuda.set_device(device)
     if backend is None:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        backend = "nccl" if on_gpu else "gloo"
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout_s))
     return True

@@ -23,7 +23,7 @@ from ooc.blocks import find_blocks
 from ooc.errors import WrapError
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
-from ooc.scheduler.plan import Plan, Policy
+from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
 
 
@@ -191,7 +191,7 @@ def profile(
     reps: int = 3,
     loss_fn: Callable[[Any], torch.Tensor] = default_loss,
     backend: str | Backend = "auto",
-    min_swap_bytes: int = 4096,
+    min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
     name: str | None = None,
 ) -> Profile:
     """Measure per-block forward/backward time (median of ``reps``) and saved/input/output/param bytes.

@@ -157,6 +157,9 @@ class _Pass:
         streamer.attach(block)
         if not self.backward_started:
             self.backward_started = True
+            # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
+            # counts per step (the check the quantize kernel would otherwise sync for per storage).
+            self.rt.swap_ctx.check_finite()
             # Runs once the whole backward is done, whichever block it ends in.
             torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
             for j in schedule.releases_before_backward:
@@ -262,7 +265,7 @@ class Runtime:
         self.plan = plan
         self.backend = backend
         self.schedule: Schedule = build_schedule(plan)
-        self.tracker = MemoryTracker(len(chain))
+        self.tracker = MemoryTracker(len(chain), backend.device)
         self.pool = HostPool(backend)
         self.swap_ctx = SwapContext(backend, self.pool, self.tracker, list(chain.names))
         self.streamer = self._make_streamer(plan)
@@ -309,6 +312,7 @@ class Runtime:
             current = _Pass(self)
             self._current = weakref.ref(current)
             self.tracker.start_step()
+            self.swap_ctx.reset_finite()  # a previous forward whose backward never ran
         current.last_forward = block
         return current
 

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ooc import nvtx
+from ooc.errors import OocError
 from ooc.scheduler.codecs import SWAP_GROUP_SIZE, codec_spec
 from ooc.scheduler.plan import Codec
 
@@ -37,16 +38,56 @@ def storage_bytes(tensor: torch.Tensor) -> torch.Tensor:
     return torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(tensor.untyped_storage())
 
 
-class SwapContext:
-    """What a swapped storage needs to move itself: backend, host pool, tracker, range names."""
+class NonFiniteActivationError(OocError, ValueError):
+    """A saved activation to be compressed held NaN or Inf."""
 
-    __slots__ = ("backend", "pool", "tracker", "names")
+
+class SwapContext:
+    """What a swapped storage needs to move itself: backend, host pool, tracker, range names, and
+    the per-block counts of non-finite groups met while compressing (``nonfinite_flag``)."""
+
+    __slots__ = ("backend", "pool", "tracker", "names", "_nonfinite", "_pending")
 
     def __init__(self, backend: Backend, pool: HostPool, tracker: MemoryTracker, names: list[str]) -> None:
         self.backend = backend
         self.pool = pool
         self.tracker = tracker
         self.names = names
+        self._nonfinite: torch.Tensor | None = None
+        """Per block, NaN/Inf groups counted on the device by the quantize kernels this step."""
+        self._pending = False
+        """Whether anything was compressed since the last ``check_finite``."""
+
+    def nonfinite_flag(self, block: int, device: torch.device) -> torch.Tensor:
+        """The 1-element device counter that compressing a storage of ``block`` adds its NaN/Inf
+        groups to (read once per step by ``check_finite``, not once per storage)."""
+        if self._nonfinite is None or self._nonfinite.device != device:
+            self._nonfinite = torch.zeros(len(self.names), dtype=torch.int64, device=device)
+        self._pending = True
+        return self._nonfinite[block:block + 1]
+
+    def check_finite(self) -> None:
+        """Raise :class:`NonFiniteActivationError` naming the blocks whose compressed activations
+        held NaN or Inf since the last check, and start counting afresh. One host sync, and only
+        if anything was compressed."""
+        if not self._pending:
+            return
+        self._pending = False
+        # Host sync (once per step): the counts are added on the compute stream, which this read follows.
+        counts = self._nonfinite.tolist()
+        if not any(counts):
+            return
+        self._nonfinite.zero_()
+        bad = ", ".join(f"{self.names[b]} ({n} group(s))" for b, n in enumerate(counts) if n)
+        raise NonFiniteActivationError(
+            f"quantize: saved activations of block(s) {bad} hold NaN or Inf; a swapped activation must be finite "
+            "(check the loss scale, or keep these blocks' tensors uncompressed: codec 'none')")
+
+    def reset_finite(self) -> None:
+        """Forget the counts of a step whose backward never ran (no host sync)."""
+        if self._pending:
+            self._nonfinite.zero_()
+            self._pending = False
 
 
 class SwappedStorage:
@@ -158,13 +199,14 @@ class CompressedStorage(SwappedStorage):
 
         spec = codec_spec(self.codec)
         flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(tensor.untyped_storage(), 0, (self.elements,), (1,))
-        with self.ctx.backend.encode_context(flat):
-            q = quantize(flat, codec=spec.kernel, group_size=SWAP_GROUP_SIZE)
-            scale_bytes = q.scales.numel() * 4
-            self._layout = (scale_bytes, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
-            codes = torch.empty(spec.encoded_nbytes(self.elements), dtype=torch.uint8, device=tensor.device)
-            codes[:scale_bytes].copy_(q.scales.reshape(-1).view(torch.uint8))
-            codes[scale_bytes:].copy_(q.codes.reshape(-1).view(torch.uint8))
+        # On the compute stream, where the input was produced and where the buffer is allocated: the
+        # kernel writes scales and codes straight into the one buffer the copy out then reads, and
+        # the copy waits for a compute event recorded after it. NaN/Inf groups are counted into the
+        # block's device flag, read once per step (SwapContext.check_finite), not synced here.
+        codes = self.ctx.backend.device_buffer(spec.encoded_nbytes(self.elements))
+        q = quantize(flat, codec=spec.kernel, group_size=SWAP_GROUP_SIZE, check_finite=False,
+                     nonfinite_flag=self.ctx.nonfinite_flag(self.block, tensor.device), out=codes)
+        self._layout = (q.scales.numel() * 4, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
         return codes
 
     def prefetch(self) -> None:

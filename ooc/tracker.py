@@ -9,10 +9,18 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class MemoryReport:
-    """Device-resident saved-activation bytes over the last step (``peak_bytes``) and since wrap."""
+    """Device-resident saved-activation bytes over the last step (``peak_bytes``) and since wrap.
+
+    ``cuda_max_allocated`` (CUDA only, else ``None``): the caching allocator's peak of allocated
+    bytes over the same step as ``peak_bytes`` (its peak statistics are reset when the step's
+    forward starts), counting everything the allocator holds (parameters, gradients, transients),
+    not the process-lifetime maximum.
+    """
 
     current_bytes: int
     peak_bytes: int
@@ -40,7 +48,9 @@ class MemoryReport:
 
 
 class MemoryTracker:
-    def __init__(self, num_blocks: int) -> None:
+    def __init__(self, num_blocks: int, device: torch.device | None = None) -> None:
+        self._device = device
+        """A CUDA device: the allocator's peak statistics follow the tracker's steps."""
         self._lock = threading.Lock()
         self._block = [0] * num_blocks
         self._block_peak = [0] * num_blocks
@@ -96,6 +106,9 @@ class MemoryTracker:
             self._block_peak = list(self._block)
             self.swapped_out = 0
             self.swapped_in = 0
+        if self._device is not None and self._device.type == "cuda":
+            # The allocator's peak over this step, as peak_bytes (no device sync: host-side counters).
+            torch.cuda.reset_peak_memory_stats(self._device)
 
     def report(self, host_pool_bytes: int, cuda_max_allocated: int | None) -> MemoryReport:
         with self._lock:

@@ -11,6 +11,7 @@ from typing import Any
 from ooc.scheduler import checks
 from ooc.scheduler.codecs import nominal_ratio
 from ooc.scheduler.errors import ProfileError
+from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES
 
 PROFILE_FORMAT_VERSION = 1
 _FIX = "profile the model again (ooc profile) or correct the profile JSON"
@@ -95,7 +96,7 @@ class Profile:
     """Per-block costs of a chain plus the time spent outside the chain (embeddings, head, loss)."""
 
     blocks: tuple[BlockProfile, ...]
-    min_swap_bytes: int = 4096
+    min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES
     outside_forward_s: float = 0.0
     outside_backward_s: float = 0.0
     outside_param_bytes: int = 0

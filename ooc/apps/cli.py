@@ -42,7 +42,7 @@ def _train(args: argparse.Namespace) -> int:
         reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
         max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save,
         save_every=args.save_every, keep=args.keep, resume=args.resume,
-        progress=not args.no_progress,
+        progress=not args.no_progress, device=args.device,
     )
     return train_main(cfg)
 
@@ -289,6 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--resume", help="continue from a checkpoint directory's newest complete version; auto: "
                     "from --save's, or a fresh start if it has none")
     tr.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")
+    tr.add_argument("--device", default="auto",
+                    help="auto (cuda:LOCAL_RANK when CUDA exists, else cpu), cuda (cuda:LOCAL_RANK), cuda:N or cpu")
     tr.set_defaults(run=_train)
 
     ck = sub.add_parser("checkpoints", help="list a checkpoint directory's complete versions with their metadata")

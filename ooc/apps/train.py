@@ -13,6 +13,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -30,7 +31,6 @@ from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
 from ooc.scheduler.dataparallel import choose_reduce_on
-from ooc.scheduler.hardware import preset
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.units import format_bytes
 
@@ -73,6 +73,9 @@ class TrainConfig:
     resume: str | None = None
     """A checkpoint directory (its newest complete version), or ``auto``: ``save``'s newest, or a fresh start."""
     progress: bool = True
+    device: str = "auto"
+    """Where the model trains: ``auto`` (``cuda:LOCAL_RANK`` when CUDA exists, else ``cpu``), ``cuda``
+    (``cuda:LOCAL_RANK``), ``cuda:N`` or ``cpu``."""
 
     def __post_init__(self) -> None:
         if self.preset not in GPT_PRESETS:
@@ -88,6 +91,8 @@ class TrainConfig:
             raise ValueError("--resume auto continues from --save's directory: give --save DIR too")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
+            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         check_reduce_on(self.reduce_on, extra=("model",))  # model: the performance model chooses (rank 0)
         if self.plan.startswith("budget:"):
             fraction = self.plan.partition(":")[2]
@@ -97,6 +102,21 @@ class TrainConfig:
                 ok = False
             if not ok:
                 raise ValueError(f"--plan budget:<fraction> needs a fraction of the keep-all peak in (0, 1], got {fraction!r}")
+
+
+def train_device(spec: str, env: Mapping[str, str], cuda_available: bool) -> torch.device:
+    """The device ``ooc train --device spec`` trains on, in a process with environment ``env``:
+    ``auto`` is ``cuda:LOCAL_RANK`` (each rank ``torchrun`` starts on its own GPU) when CUDA is
+    available, else the CPU; ``cuda`` is ``cuda:LOCAL_RANK``; ``cuda:N`` and ``cpu`` are themselves."""
+    if spec == "auto":
+        spec = "cuda" if cuda_available else "cpu"
+    if spec == "cpu":
+        return torch.device("cpu")
+    if not cuda_available:
+        raise ValueError(f"--device {spec} needs CUDA, which this process does not have; pass --device cpu")
+    if spec == "cuda":
+        return torch.device("cuda", int(env.get("LOCAL_RANK", "0")))
+    return torch.device(spec)
 
 
 @dataclass(frozen=True)
@@ -131,9 +151,13 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
     if not dist.is_initialized() or dist.get_rank() == 0:
         if cfg.plan.startswith("budget:"):
             fraction = float(cfg.plan.partition(":")[2])
-            prof = ooc.profile(model, sample, backend="cpu")
+            backend = resolve_backend("auto", model)  # the model's own device: a CPU profile of a GPU model counts nothing
+            try:
+                prof = ooc.profile(model, sample, backend=backend)
+            finally:
+                backend.close()
             budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
-            chosen[0] = plan_for_profile(prof, budget, hardware=preset("cpu")).to_json()
+            chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
         else:
             path = Path(cfg.plan)
             if not path.is_file():
@@ -167,16 +191,23 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     """Run ``cfg`` on this process (one rank of the default process group, if there is one)."""
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
+    device = train_device(cfg.device, os.environ, torch.cuda.is_available())
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # the default device of this rank's kernels, streams and NCCL calls
     torch.manual_seed(cfg.seed)
     data = CharData.from_text(load_text())
     gpt_cfg = replace(GPT_PRESETS[cfg.preset], vocab_size=len(data.chars))
     if cfg.dropout is not None:
         gpt_cfg = replace(gpt_cfg, dropout=cfg.dropout)
-    model = GPT(gpt_cfg).to(DTYPES[cfg.dtype])
+    model = GPT(gpt_cfg).to(device=device, dtype=DTYPES[cfg.dtype])
     seq = min(cfg.seq, gpt_cfg.block_size)
-    plan = _resolve_plan(cfg, model, _micro_batch(data, cfg, 0, 0, 1, seq), world)
-    reduce_on = _resolve_reduce_on(cfg, model, _micro_batch(data, cfg, 0, 0, 1, seq), plan, world, show) \
-        if world > 1 else "auto"
+
+    def batch(step: int, index: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
+        x, y = _micro_batch(data, cfg, step, index, micro_batches, seq)
+        return x.to(device), y.to(device)
+
+    plan = _resolve_plan(cfg, model, batch(0, 0, 1), world)
+    reduce_on = _resolve_reduce_on(cfg, model, batch(0, 0, 1), plan, world, show) if world > 1 else "auto"
     ooc.wrap(model, plan, backend="auto")
     opt = HostAdamW(
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, model=model, pipeline=cfg.pipeline,
@@ -196,10 +227,10 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
                disable=None if cfg.progress and rank == 0 else True)
     for step in bar:
         started = time.perf_counter()
-        total = torch.zeros(())
+        total = torch.zeros((), device=device)
         for micro in range(cfg.accumulate):
             index = rank * cfg.accumulate + micro
-            x, y = _micro_batch(data, cfg, step, index, world * cfg.accumulate, seq)
+            x, y = batch(step, index, world * cfg.accumulate)
             torch.manual_seed(cfg.seed * 7919 + step * 4096 + index)  # dropout masks follow the micro-batch
             _, loss = model(x, y)
             (loss / cfg.accumulate).backward()
@@ -265,7 +296,8 @@ def main(cfg: TrainConfig) -> int:
     """Join the process group (if launched by torchrun), train, and exit non-zero on any failure,
     never hanging: a dead or stuck rank fails every collective within ``timeout_s``."""
     try:
-        distributed = init_from_env(cfg.timeout_s)
+        device = train_device(cfg.device, os.environ, torch.cuda.is_available())
+        distributed = init_from_env(cfg.timeout_s, device=device)
     except (RuntimeError, ValueError) as exc:
         print(f"ooc train: could not join the process group: {exc}", file=sys.stderr)
         return 1

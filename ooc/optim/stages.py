@@ -86,7 +86,8 @@ class Communicator(Protocol):
 
     ``all_reduce`` and ``reduce`` run on the exchange thread, ``broadcast`` and ``sum_vector`` on
     the update thread: each thread has its own process group, so their collectives never interleave
-    differently on two ranks.
+    differently on two ranks. The update thread's tensors (staging and flat buffers, the norms) are
+    host tensors: its group must carry host memory (gloo, even when the exchange runs on NCCL).
     """
 
     world: int

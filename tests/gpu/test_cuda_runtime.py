@@ -93,7 +93,7 @@ def test_cnn_with_batchnorm_under_cuda_chaos(code: str) -> None:
 
 @pytest.mark.parametrize("codec", ["int8", "int4", "fp8"])
 def test_compressed_swap_under_chaos_gives_the_same_bits_as_without(codec: str) -> None:
-    """The quantize kernel runs on the D2H stream (encode_context): quantization is deterministic,
+    """The quantize kernel runs on the compute stream before the copy out: quantization is deterministic,
     so a chaos run that differs from a calm one has a missing wait."""
     if codec == "fp8" and torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("fp8 e4m3 needs sm_89 or newer")
