@@ -167,7 +167,7 @@ def with_stem(model: nn.Module, candidate: Candidate, sample: Any) -> Candidate:
     """``candidate`` with the siblings declared before its first container that one trial forward
     of ``sample`` shows to run once each, in order, before its first block (NOTE [the stem joins
     the chain])."""
-    from ooc.profiler import _ModelState, call_model
+    from ooc.profiler import ModelState, call_model
 
     parents = {c.rpartition(".")[0] for c in candidate.containers}
     if len(parents) != 1:
@@ -183,7 +183,7 @@ def with_stem(model: nn.Module, candidate: Candidate, sample: Any) -> Candidate:
     handles = [m.register_forward_pre_hook(lambda _m, _a, i=i: calls.append(i)) for i, (_, m) in enumerate(before)]
     handles.append(candidate.chain.modules[0].register_forward_pre_hook(lambda _m, _a: calls.append(len(before))))
     device = next((p.device for p in model.parameters()), torch.device("cpu"))
-    state = _ModelState(model, device)
+    state = ModelState(model, device)
     try:
         with torch.no_grad():
             call_model(model, sample)

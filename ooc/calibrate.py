@@ -123,21 +123,24 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
     host2 = backend.host_buffer(nbytes)
     device = backend.device_buffer(nbytes)
     device2 = backend.device_buffer(nbytes)
+    tiny_h, tiny_d = backend.host_buffer(4), backend.device_buffer(4)
     host.fill_(1)
     device.fill_(2)
+    # Every copy below touches buffers allocated and filled on the compute stream: it must start
+    # after that work (the copies' own order is their stream's; each is synchronized before the next).
+    ready = (backend.record_compute(),)
 
-    h2d_s = median_seconds(lambda: backend.copy_h2d(device, host, ()).synchronize(), reps)
-    d2h_s = median_seconds(lambda: backend.copy_d2h(host, device, ()).synchronize(), reps)
+    h2d_s = median_seconds(lambda: backend.copy_h2d(device, host, ready).synchronize(), reps)
+    d2h_s = median_seconds(lambda: backend.copy_d2h(host, device, ready).synchronize(), reps)
 
     def both() -> None:
-        a = backend.copy_h2d(device2, host2, ())
-        b = backend.copy_d2h(host, device, ())
+        a = backend.copy_h2d(device2, host2, ready)
+        b = backend.copy_d2h(host, device, ready)
         a.synchronize()
         b.synchronize()
 
     duplex_s = median_seconds(both, reps)
-    tiny_h, tiny_d = backend.host_buffer(4), backend.device_buffer(4)
-    latency_s = median_seconds(lambda: backend.copy_h2d(tiny_d, tiny_h, ()).synchronize(), reps * 4)
+    latency_s = median_seconds(lambda: backend.copy_h2d(tiny_d, tiny_h, ready).synchronize(), reps * 4)
 
     def d2d() -> None:
         device2.copy_(device)

@@ -46,7 +46,7 @@ def call_model(model: nn.Module, sample: Any) -> Any:
     return model(sample)
 
 
-class _ModelState:
+class ModelState:
     """Gradients, buffers and RNG state, so profiling leaves the model as it found it."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
@@ -207,7 +207,7 @@ def profile(
     check_trainable(model)
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
-    state = _ModelState(model, backend_obj.device)
+    state = ModelState(model, backend_obj.device)
     outputs = [0] * len(chain)
     handles = [
         m.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, _bytes(out)))
