@@ -191,7 +191,9 @@ class RecomputeFrame:
                     "that argument (its value before the block is gone); plan this block as keep or swap, "
                     "or make the operation out of place"
                 )
-        self.versions = [(self.leaves[k], self.leaves[k]._version) if self.leaves[k] is leaves[k] else None
+        # A kept argument is held as itself or as a detached view (same version counter); a swapped
+        # one is a copy, which nothing can modify.
+        self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None
                          for k in self.tensor_slots]
 
     def pack_forward(self, tensor: torch.Tensor) -> _Holder:

@@ -266,6 +266,11 @@ def unpack(packed: object) -> torch.Tensor:
     return packed.unpack()  # type: ignore[attr-defined]
 
 
+def _kept(tensor: torch.Tensor) -> torch.Tensor:
+    """A kept tensor as the pack hook returns it (NOTE [kept tensors are detached])."""
+    return tensor if tensor.grad_fn is None else tensor.detach()
+
+
 def make_pack_hook(
     *,
     block: int,
@@ -294,6 +299,8 @@ def make_pack_hook(
     (a forward that raised, a validation forward without ``no_grad``) would keep its activations for
     ever. ``detach()`` is the same storage, version counter and layout without the ``grad_fn``;
     unpacking rebuilds the autograd edges from the saved variable, as it does for the tensor itself.
+    A tensor without a ``grad_fn`` (a leaf, or one made without grad) closes no cycle and is returned
+    as itself, so a backward sees the caller's own object, as in plain PyTorch.
     With a ``codec``, floating-point storages are compressed before their copy out.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers). ``param_view``: for a
     block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
@@ -309,19 +316,19 @@ def make_pack_hook(
 
     def pack(tensor: torch.Tensor) -> object:
         if tensor.device != device:
-            return tensor.detach()  # NOTE [kept tensors are detached]
+            return _kept(tensor)
         if param_view is not None and (ref := param_view(tensor)) is not None:
             return ref
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
         if ptr in skip_ptrs:
-            return tensor.detach()
+            return _kept(tensor)
         nbytes = storage.nbytes()
         if not swap or nbytes < min_swap_bytes:
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
                 on_kept(block, nbytes, what, tensor.dtype)
-            return tensor.detach()
+            return _kept(tensor)
         record = ledger.get(ptr)
         if record is None:
             if spec is not None and spec.compresses(nbytes, tensor.dtype):
