@@ -535,6 +535,10 @@ def _run_child(spec: StepSpec, out: Path, timeout: float) -> StepResult:
                       reason=f"the step's process exited {code} without a result: {output[-1500:]}")
 
 
+MIN_STEP_S = 15.0
+"""A step is started only with at least this many seconds of the budget left."""
+
+
 def run_doctor(out: Path, *, budget_s: float = DEFAULT_BUDGET_S, only: tuple[str, ...] = ()) -> dict[str, Any]:
     """Run every step (or ``only`` these) within ``budget_s``; write DIR/doctor.json and DIR/doctor.md."""
     out.mkdir(parents=True, exist_ok=True)
@@ -552,7 +556,7 @@ def run_doctor(out: Path, *, budget_s: float = DEFAULT_BUDGET_S, only: tuple[str
             skip = f"needs the source checkout (pyproject.toml and tests/ beside the ooc package); {ROOT} has none"
         elif only and spec.name not in only:
             skip = f"not selected (--only {','.join(only)})"
-        elif remaining < 15:
+        elif remaining < MIN_STEP_S:
             skip = f"the doctor's time budget ({budget_s:.0f} s) ran out before this step"
         if skip:
             results.append(StepResult(spec.name, spec.title, status="skip", reason=skip, cap_s=spec.cap_s))

@@ -63,11 +63,31 @@ def test_unknown_step_is_refused(tmp_path: Path) -> None:
         doctor.main(["--out", str(tmp_path), "--only", "gpt3"])
 
 
-def test_a_step_past_its_cap_is_stopped_and_fails(tmp_path: Path) -> None:
+def test_a_step_past_its_cap_is_stopped_and_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The budget caps a step: its process (and the pytest it started) is killed, the step fails
     with the reason, the other steps still report, and the exit code is 1."""
-    assert doctor.main(["--out", str(tmp_path), "--only", "compile-lane", "--budget-s", "16"]) == 1
+    # 2 s: less than the compile lane's start-up alone (importing torch and Triton, then pytest).
+    monkeypatch.setattr(doctor, "MIN_STEP_S", 1.0)
+    assert doctor.main(["--out", str(tmp_path), "--only", "compile-lane", "--budget-s", "2"]) == 1
     report = json.loads((tmp_path / "doctor.json").read_text())
     step = next(s for s in report["steps"] if s["name"] == "compile-lane")
-    assert step["status"] == "fail" and step["reason"].startswith("timed out after 16 s")
+    assert step["status"] == "fail" and step["reason"].startswith("timed out after 2 s")
     assert not report["ok"] and report["counts"]["fail"] == 1
+
+
+def test_run_capped_stops_the_command_and_what_it_started() -> None:
+    """The cap kills the whole session: a child that outlives its parent's kill would keep a GPU busy."""
+    import sys
+    import time
+
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              "print(p.pid, flush=True); time.sleep(60)")
+    started = time.monotonic()
+    code, output = doctor.run_capped([sys.executable, "-c", script], 3, session=True)
+    assert code is None and time.monotonic() - started < 30
+    child = int(output.split()[0])
+    time.sleep(0.5)
+    stat = Path(f"/proc/{child}/stat")
+    # Gone, or a zombie waiting for a container's init to reap it: either way no longer running.
+    assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
