@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
 from common import interleaved_medians, machine_header, table  # noqa: E402
-from ooc.demo import CharData, demo_config, load_text  # noqa: E402
+from ooc.apps.demo import CharData, demo_config, load_text  # noqa: E402
 from ooc.models.gpt import GPT  # noqa: E402
 from ooc.runtime import runtime_of  # noqa: E402
 from ooc.saved import unpack  # noqa: E402
