@@ -46,6 +46,6 @@ def _deterministic_threads():
     yield
     torch.set_num_threads(threads)
     # Imported here, not at the top: ooc must load after TRITON_INTERPRET is set above.
-    from ooc.backend.order import unwatch_thread
+    from ooc.backend import order
 
-    unwatch_thread()  # the next test's thread starts unwatched (the checker's mode costs per op)
+    order.reset()  # the next test's thread starts unwatched (the checker's mode costs per op)

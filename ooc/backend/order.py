@@ -470,6 +470,17 @@ def checker() -> OrderChecker:
 
 
 def unwatch_thread() -> None:
-    """Stop watching the calling thread's ops (tests call it after each test)."""
+    """Stop watching the calling thread's ops."""
     if _CHECKER is not None:
         _CHECKER.unwatch()
+
+
+def reset() -> None:
+    """Stop watching the calling thread and forget every stream and buffer seen so far (tests call it
+    after each test: a thread that ended with unordered work must not make the next test's
+    allocations at the same address look like a use after free)."""
+    global _CHECKER
+    with _CHECKER_LOCK:
+        if _CHECKER is not None:
+            _CHECKER.unwatch()
+        _CHECKER = None
