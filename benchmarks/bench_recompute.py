@@ -57,6 +57,8 @@ def use_old_recompute(model: torch.nn.Module, old: types.ModuleType) -> None:
         def call(*args: Any, i: int = i, original: Any = original, **kwargs: Any) -> Any:
             if not torch.is_grad_enabled():
                 return original(*args, **kwargs)
+            if rt.first_calls is not None:  # the runtime's first-forward check of the chain
+                rt.first_calls.append(i)
             step = rt.pass_for(i)
             with saved_tensors_hooks(step.pack_hook(i, swap=False, what="save"), unpack):
                 out = old.run_recomputed(
