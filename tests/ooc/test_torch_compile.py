@@ -6,8 +6,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
-
 SCRIPT = textwrap.dedent("""
     import torch, ooc
     from ooc.models import GPT, GPTConfig
@@ -24,7 +22,6 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow
 def test_compiled_wrapped_model_trains_without_exception_noise() -> None:
     """Before the fix, half-built runtime objects dropped by the compiler printed 32 "Exception
     ignored in __del__" tracebacks per run."""
