@@ -28,8 +28,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
-from common import interleaved_medians, machine_header, table  # noqa: E402
-from ooc.apps.demo import CharData, demo_config, load_text  # noqa: E402
+from common import demo_gpt, interleaved_medians, machine_header, table  # noqa: E402
 from ooc.models.gpt import GPT  # noqa: E402
 from ooc.runtime import runtime_of  # noqa: E402
 from ooc.saved import unpack  # noqa: E402
@@ -88,11 +87,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_header("bench_recompute: recompute-all step time, ooc (hooks) vs ooc (old Function) vs torch checkpoint"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    data = CharData.from_text(load_text())
-    cfg = demo_config(data)
-    base = GPT(cfg).to(device)
-    batch = data.batch(16, 64, torch.Generator().manual_seed(0), device)
+    cfg, base, batch = demo_gpt(device)
     n = cfg.n_layer
 
     models = {"plain": copy.deepcopy(base), "ooc recompute-all": ooc.wrap(copy.deepcopy(base), ooc.Plan.uniform("recompute", n))}

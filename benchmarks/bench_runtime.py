@@ -18,9 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
-from common import interleaved_medians, machine_header, table  # noqa: E402
-from ooc.apps.demo import CharData, demo_config, load_text  # noqa: E402
-from ooc.models.gpt import GPT  # noqa: E402
+from common import demo_gpt, interleaved_medians, machine_header, table  # noqa: E402
 from ooc.scheduler.units import format_bytes  # noqa: E402
 
 
@@ -30,11 +28,7 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_header("bench_runtime: ooc.wrap overhead and policy costs on the demo GPT"))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    torch.manual_seed(0)
-    data = CharData.from_text(load_text())
-    cfg = demo_config(data)
-    base = GPT(cfg).to(device)
-    batch = data.batch(16, 64, torch.Generator().manual_seed(0), device)
+    cfg, base, batch = demo_gpt(device)
     prof = ooc.profile(base, batch)
     saved = sum(b.saved_bytes for b in prof.blocks)
 

@@ -51,3 +51,14 @@ def table(rows: list[list[str]]) -> str:
     lines = ["  ".join(cell.rjust(w) if c else cell.ljust(w) for c, (cell, w) in enumerate(zip(row, widths))) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
+
+
+def demo_gpt(device: torch.device):  # noqa: ANN201
+    """The demo GPT on the sonnets, seeded, and one 16 x 64 batch: ``(config, model, batch)``."""
+    from ooc.apps.demo import CharData, demo_config, load_text
+    from ooc.models.gpt import GPT
+
+    torch.manual_seed(0)
+    data = CharData.from_text(load_text())
+    cfg = demo_config(data)
+    return cfg, GPT(cfg).to(device), data.batch(16, 64, torch.Generator().manual_seed(0), device)
