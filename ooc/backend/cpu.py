@@ -83,6 +83,7 @@ class _CopyEngine:
                 job()
             except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the next submit
                 self.error = exc
+            del job  # unbound now, not when the next job arrives: a failed job may still hold its buffers
 
     def close(self) -> None:
         if not self.closed:
@@ -172,7 +173,9 @@ class CpuBackend(Backend):
             raise ValueError("the CPU copy engine moves contiguous buffers only")
         dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
 
-        def job(buffers: tuple[torch.Tensor, torch.Tensor] = (dst, src)) -> None:  # holds both until the copy ran
+        held = [dst, src]  # both live until the copy ran: the stand-in for CudaBackend._copy's record_stream
+
+        def job() -> None:
             if chaos:
                 # Poison the destination first: a reader that did not wait sees NaN bytes.
                 ctypes.memset(dst_ptr, 0xFF, nbytes)
@@ -191,6 +194,9 @@ class CpuBackend(Backend):
                 ctypes.memmove(dst_ptr + half, src_ptr + half, nbytes - half)
             else:
                 ctypes.memmove(dst_ptr, src_ptr, nbytes)
+            # Let go before signalling: whoever waits on `done` may then free the buffers, and an
+            # activation must not outlive its graph inside a finished job.
+            held.clear()
             done.set()
 
         engine.submit(job)
