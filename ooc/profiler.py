@@ -20,10 +20,11 @@ from torch.utils._pytree import tree_leaves
 
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
+from ooc.codec_error import measure_codec_errors
 from ooc.errors import WrapError
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
-from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
+from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Codec, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile, machine_header
 
 
@@ -193,6 +194,7 @@ def profile(
     backend: str | Backend = "auto",
     min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
     name: str | None = None,
+    codec_errors: bool = True,
 ) -> Profile:
     """Measure per-block forward/backward time (median of ``reps``) and saved/input/output/param bytes.
 
@@ -200,6 +202,9 @@ def profile(
     Bytes come from a pass with every block recomputed (the least memory any plan needs). Times come
     from a pass with every block kept, when that fits (always on CPU): a kept block's backward reads
     activations made long before, as in training, where a recomputed one finds them in cache.
+    ``codec_errors``: also measure how far each lossy codec moves each block's gradients (one more
+    step, then each block differentiated once per codec; NOTE [codec error] in ``ooc.codec_error``),
+    which the planner reads to keep a codec off the blocks it would harm.
     The model's gradients, buffers and RNG state are restored afterwards.
     """
     if reps < 1:
@@ -228,6 +233,7 @@ def profile(
             if all(kmed["backward"]):
                 forward_s, backward_s = kmed["forward"], kmed["backward"]
                 outside = statistics.median(ktotals) - sum(forward_s) - sum(backward_s)
+        errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
     finally:
         for h in handles:
             h.remove()
@@ -241,7 +247,25 @@ def profile(
         machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
         outside_param_bytes=outside_param_bytes(model, chain),
+        codec_errors=errors,
     )
+
+
+def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[Codec, float]]:  # noqa: ANN001
+    """Per block, each codec's gradient error (NOTE [codec error]), from one step under ``plan``."""
+    def capture_step() -> None:
+        install(model, chain, plan, backend)
+        try:
+            model.zero_grad(set_to_none=True)
+            loss_fn(call_model(model, sample)).backward()
+        finally:
+            if is_wrapped(model):
+                unwrap(model)
+
+    capability = torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None
+    codecs = [c for c, spec in CODECS.items() if spec.supported(capability)]
+    state = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
+    return measure_codec_errors(list(chain.modules), capture_step, codecs, skip_ptrs=state, min_swap_bytes=plan.min_swap_bytes)
 
 
 def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
@@ -253,6 +277,7 @@ def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
 def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
+    codec_errors: list[dict[Codec, float]] | None = None,
 ) -> Profile:
     """A profile from the tracker's log of an all-recompute step (bytes) and measured times."""
     n = len(chain)
@@ -279,6 +304,7 @@ def block_profiles_to_profile(
                     (c, saved_compressed[0][i][c], inputs_compressed[0][i][c], saved_compressed[1][i][c], inputs_compressed[1][i][c])
                     for c in saved_compressed[0][i]
                 ),
+                codec_error=() if codec_errors is None else tuple((c.value, e) for c, e in codec_errors[i].items()),
             )
         )
     return Profile(

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ooc.scheduler.codecs import CODECS
+from ooc.scheduler.codecs import CODEC_ERROR_BOUND, CODECS
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
@@ -63,6 +63,12 @@ class Options:
     """Backward-phase compute of the block under each option (backward + recomputation)."""
     next_forward_s: np.ndarray
     """(n,): compute the copy out of block i hides under (block i+1's forward; the rest of the model for the last)."""
+    allowed: np.ndarray | None = None
+    """(n, m) bool: False where an option's codec moves the block's gradients by more than the
+    bound (the profile's ``codec_error``); ``None``: every option is allowed."""
+
+    def allows(self, i: int, k: int) -> bool:
+        return self.allowed is None or bool(self.allowed[i, k])
 
     @property
     def backward_extra(self) -> np.ndarray:
@@ -86,13 +92,21 @@ class Options:
         return [index[(b.policy, b.codec, b.swap_input)] for b in plan.blocks]
 
 
-def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan, ...] = BASE_OPTIONS) -> Options:
+def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
+                  max_codec_error: float = CODEC_ERROR_BOUND) -> Options:
+    """Every block's bytes and times under each of ``choices``. A codec whose measured gradient error
+    on a block exceeds ``max_codec_error`` is not allowed there (NOTE [codec error] in
+    ``ooc.codec_error``); a codec the profile did not measure is allowed."""
     n, m = len(profile), len(choices)
+    allowed = np.ones((n, m), dtype=bool)
     A, X, Rc, D, T = (np.zeros((n, m), dtype=np.int64) for _ in range(5))
     rec, t_out, t_in, comp = (np.zeros((n, m)) for _ in range(4))
     for i, b in enumerate(profile.blocks):
         for k, c in enumerate(choices):
             bytes_ = block_bytes(c, b)
+            if c.codec is not Codec.NONE:
+                error = b.codec_error_of(c.codec.value)
+                allowed[i, k] = error is None or error <= max_codec_error
             A[i, k], X[i, k], Rc[i, k], D[i, k] = bytes_.forward_alloc, bytes_.swapped, bytes_.recompute_alloc, bytes_.decoded
             T[i, k] = bytes_.decode_transient
             rec[i, k] = b.forward_s if c.policy is Policy.RECOMPUTE else 0.0
@@ -104,7 +118,7 @@ def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan
                 t_out[i, k] = hardware.copy_latency_s + X[i, k] / hardware.d2h
                 t_in[i, k] = hardware.copy_latency_s + X[i, k] / hardware.h2d
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
-    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt)
+    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)
 
 
 def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:

@@ -65,7 +65,8 @@ def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float
             matrix[r, col] = value
         lower[r], upper[r] = lo, hi
     integrality = np.concatenate([np.ones(nx), np.zeros(n)])
-    bounds = Bounds(np.zeros(nvar), np.concatenate([np.ones(nx), np.full(n, np.inf)]))
+    allowed = np.ones(nx) if opts.allowed is None else opts.allowed.reshape(nx).astype(float)
+    bounds = Bounds(np.zeros(nvar), np.concatenate([allowed, np.full(n, np.inf)]))  # a too-lossy codec: fixed at 0
     result = milp(
         objective,
         constraints=LinearConstraint(matrix.tocsr(), lower, upper),

@@ -17,6 +17,7 @@ import time
 
 import numpy as np
 
+from ooc.scheduler.codecs import CODEC_ERROR_BOUND
 from ooc.scheduler.costmodel import BASE_OPTIONS, Options, build_options, model_peak
 from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
@@ -47,6 +48,8 @@ def _step_tables(opts: Options, i: int, prefetch: int, digits: np.ndarray, budge
     f_room = budget - xlag[:, :1] - opts.X[i][None, :]
     m_room = budget - window_x[:, None] - opts.X[i][None, :] - opts.backward_extra[i][None, :]
     add = np.broadcast_to(opts.recompute_s[i] + np.maximum(0.0, opts.t_out[i] - opts.next_forward_s[i]), (M, opts.m)).copy()
+    if opts.allowed is not None:
+        add[:, ~opts.allowed[i]] = _INF  # a codec too lossy for this block (NOTE [codec error] in ooc.codec_error)
     if prefetch == 0:
         add += opts.t_in[i][None, :]  # copied back on demand, when its own backward starts
     elif i - prefetch >= 0:
@@ -206,15 +209,15 @@ def _repair(opts: Options, feasible: list[int], cheaper: list[int], budget: int,
     return picks
 
 
-def _polish(plan: Plan, profile: Profile, hardware: Hardware, budget: int, choices: tuple[BlockPlan, ...], deadline: float) -> Plan:
+def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, budget: int, deadline: float) -> Plan:
     """First-improvement local search over single-block changes, judged by the simulator."""
     best_time = predict(plan, profile, hardware).step_time_s
     improved = True
     while improved and time.perf_counter() < deadline:
         improved = False
         for i in range(len(plan)):
-            for choice in choices:
-                if choice == plan.blocks[i] or time.perf_counter() >= deadline:
+            for k, choice in enumerate(opts.choices):
+                if choice == plan.blocks[i] or not opts.allows(i, k) or time.perf_counter() >= deadline:
                     continue
                 trial = plan.with_(blocks=plan.blocks[:i] + (choice,) + plan.blocks[i + 1 :])
                 if build_schedule(trial, profile).peak_bytes > budget:
@@ -254,15 +257,18 @@ def optimal(
     polish_blocks: int = 48,
     polish_seconds: float = 2.0,
     exact_blocks: int = 200,
+    max_codec_error: float = CODEC_ERROR_BOUND,
 ) -> Plan:
     """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
-    ``choices`` (keep, swap, recompute, recompute + swap input); ``PLANNERS["optimal"]``.
+    ``choices`` (keep, swap, recompute, recompute + swap input; with ``CODEC_OPTIONS``, compressed
+    swaps too, but never a codec whose measured gradient error on the block exceeds
+    ``max_codec_error``); ``PLANNERS["optimal"]``.
 
     Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
     against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. Raises
     :class:`InfeasibleBudget` when no plan fits."""
     check_budget(budget)
-    opts = build_options(profile, hardware, choices)
+    opts = build_options(profile, hardware, choices, max_codec_error)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
     if budget is None:
         return opts.plan([0] * opts.n, **kw)
@@ -271,7 +277,7 @@ def optimal(
         raise InfeasibleBudget(budget, minimum_peak(opts, prefetch, exact_blocks))
     plan = opts.plan(picks, **kw)
     if opts.n <= polish_blocks:
-        plan = _polish(plan, profile, hardware, budget, choices, time.perf_counter() + polish_seconds)
+        plan = _polish(plan, opts, profile, hardware, budget, time.perf_counter() + polish_seconds)
     return plan
 
 

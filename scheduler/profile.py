@@ -13,7 +13,7 @@ from ooc.scheduler.codecs import nominal_ratio
 from ooc.scheduler.errors import ProfileError
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES
 
-PROFILE_FORMAT_VERSION = 1
+PROFILE_FORMAT_VERSION = 2
 _FIX = "profile the model again (ooc profile) or correct the profile JSON"
 
 
@@ -49,9 +49,14 @@ class BlockProfile:
     """Per codec: (codec, bytes of the swappable saved storages once compressed, of the swappable
     inputs, the largest single saved storage's codes, the largest input's); a codec missing here is
     counted at its nominal ratio."""
+    codec_error: tuple[tuple[str, float], ...] = ()
+    """Per codec: the relative L2 error of the block's gradients (of its inputs and parameters) when
+    its saved tensors go through the codec, measured by the profiler (NOTE [codec error] in
+    ``ooc.codec_error``); a codec missing here was not measured."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
+        object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
         checks.text(self.name, "a block's name", ProfileError, hint=_FIX)
         where = f"block {self.name!r}: "
         for f in fields(self):
@@ -66,6 +71,20 @@ class BlockProfile:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
             raise ProfileError(f"block {self.name!r}: input_swappable_bytes exceeds input_bytes")
+
+    def _codec_error_entry(self, entry: object) -> tuple[str, float]:
+        where = f"block {self.name!r}: "
+        if not isinstance(entry, (tuple, list)) or len(entry) != 2:
+            raise ProfileError(f"{where}each codec_error entry must be [codec, error], got {entry!r}; {_FIX}")
+        name = checks.text(entry[0], "a codec_error's codec", ProfileError, where=where, hint=_FIX)
+        return name, checks.number(entry[1], f"codec_error of {name}", ProfileError, where=where, hint=_FIX)
+
+    def codec_error_of(self, codec: str) -> float | None:
+        """The measured gradient error of ``codec`` on this block, or ``None`` if not measured."""
+        for name, error in self.codec_error:
+            if name == codec:
+                return error
+        return None
 
     def compressed_bytes(self, codec: str, *, inputs: bool) -> tuple[int, int]:
         """Swappable bytes of the saved tensors (or inputs) once compressed with ``codec``, and the

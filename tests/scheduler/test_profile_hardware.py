@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ooc.scheduler import BlockProfile, Hardware, HardwareError, Profile, ProfileError, preset
+from ooc.scheduler.profile import PROFILE_FORMAT_VERSION
 
 
 def _profile() -> Profile:
@@ -22,7 +23,7 @@ def test_profile_round_trip(tmp_path) -> None:
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.update(version=2), "newer than this ooc"),
+        (lambda d: d.update(version=PROFILE_FORMAT_VERSION + 1), "newer than this ooc"),
         (lambda d: d.update(format="x"), "not an ooc profile"),
         (lambda d: d["blocks"][0].pop("saved_bytes"), "corrupt"),
         (lambda d: d["blocks"][0].update(saved_bytes=-1), "must be >= 0"),

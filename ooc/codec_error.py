@@ -1,0 +1,156 @@
+"""How far each lossy codec moves each block's gradients: measured on the block's own saved tensors.
+
+NOTE [codec error]
+A codec's error on a saved tensor says little about the gradient it gives: BatchNorm over a map with
+two values per channel normalises the quantisation error of ``x - mean`` up to the size of the signal,
+and a tensor reconstructed to 1% moves the block's gradients by 280% (ResNet-18 at 32x32, layer4,
+int8). So the profiler measures the gradients themselves. One step of the model, under the leanest
+plan, records each block's inputs and the gradient that reaches its outputs; then, block by block, a
+single forward of the block is differentiated twice from the recorded output gradient: once with its
+saved tensors as they are, once with each one put through the codec (quantized and dequantized by the
+kernels the runtime uses, under the runtime's own rule of which storages it compresses). The error is
+the relative L2 distance of the two gradients of the block's inputs and parameters, stacked. Both
+differentiations use one forward, so dropout masks and every other random draw are the same; the
+model's buffers and RNG state are restored by the profiler.
+
+``CODEC_ERROR_BOUND`` (scheduler) is the largest error the planner accepts for a block; a block above
+it is never given that codec.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from ooc.scheduler.codecs import CODECS, SWAP_GROUP_SIZE
+from ooc.scheduler.plan import Codec
+
+_LOST = 1e9
+"""The error recorded when a codec's gradient is not finite: the gradient is lost."""
+
+
+class _Capture:
+    """Each block's first call of a step: its inputs (detached) and the gradients of its outputs."""
+
+    def __init__(self, modules: list[nn.Module]) -> None:
+        n = len(modules)
+        self.inputs: list[tuple[tuple, dict] | None] = [None] * n
+        self.grads: list[list[torch.Tensor | None]] = [[] for _ in range(n)]
+        self.outputs: list[list[bool]] = [[] for _ in range(n)]
+        self._handles = []
+        for i, module in enumerate(modules):
+            self._handles.append(module.register_forward_pre_hook(self._pre(i), with_kwargs=True))
+            self._handles.append(module.register_forward_hook(self._post(i)))
+
+    def _pre(self, i: int) -> Callable:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if self.inputs[i] is None and torch.is_grad_enabled():
+                detach = lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                self.inputs[i] = (tree_map(detach, args), tree_map(detach, kwargs))
+        return hook
+
+    def _post(self, i: int) -> Callable:
+        def hook(_module: nn.Module, _args: tuple, output: Any) -> None:
+            if self.outputs[i] or not torch.is_grad_enabled():
+                return  # a re-run (recompute) of the block: its outputs are not the ones the loss reads
+            leaves, _ = tree_flatten(output)
+            tensors = [t for t in leaves if isinstance(t, torch.Tensor) and t.requires_grad]
+            self.outputs[i] = [True] * len(tensors)
+            self.grads[i] = [None] * len(tensors)
+            for k, t in enumerate(tensors):
+                t.register_hook(lambda g, k=k: self.grads[i].__setitem__(k, g.detach()))
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_swap_bytes: int) -> Iterator[None]:
+    """Saved-tensor hooks that, while ``active[0]`` names a codec, unpack each tensor the runtime
+    would compress as it would come back: quantized and dequantized."""
+    from ooc.kernels.quant import dequantize, quantize
+
+    def unpack(tensor: torch.Tensor) -> torch.Tensor:
+        codec = active[0]
+        if codec is None or not tensor.is_floating_point():
+            return tensor
+        storage = tensor.untyped_storage()
+        nbytes = storage.nbytes()
+        if storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
+            return tensor
+        flat = tensor.detach().contiguous().reshape(-1)
+        q = quantize(flat, codec=CODECS[codec].kernel, group_size=SWAP_GROUP_SIZE, check_finite=False)
+        return dequantize(q).reshape(tensor.shape)
+
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
+        yield
+
+
+def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
+    diff = sum(float((g.double() - w.double()).pow(2).sum()) for g, w in zip(got, want, strict=True))
+    norm = sum(float(w.double().pow(2).sum()) for w in want)
+    if norm == 0.0:
+        return 0.0 if diff == 0.0 else _LOST
+    error = (diff / norm) ** 0.5
+    return error if error == error and error < _LOST else _LOST
+
+
+def block_codec_errors(
+    module: nn.Module, inputs: tuple[tuple, dict], grads: list[torch.Tensor | None], codecs: list[Codec],
+    *, skip_ptrs: frozenset[int], min_swap_bytes: int,
+) -> dict[Codec, float]:
+    """The relative L2 error, per codec, of the gradients of ``module``'s floating inputs and
+    parameters when its saved tensors go through the codec (NOTE [codec error]). ``inputs``: the
+    block's ``(args, kwargs)``; ``grads``: the gradient of each of its outputs that requires grad, in
+    ``tree_flatten`` order (``None`` where the loss did not reach it)."""
+    args, kwargs = inputs
+    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    wrt = leaves + [p for p in module.parameters() if p.requires_grad]
+    active: list[Codec | None] = [None]
+    with _through_codec(active, skip_ptrs, min_swap_bytes):
+        output = module(*args, **kwargs)
+    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+    pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if g is not None]
+    if not pairs or not wrt:
+        return dict.fromkeys(codecs, 0.0)
+
+    def gradients() -> list[torch.Tensor]:
+        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], retain_graph=True, allow_unused=True)
+        return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
+
+    exact = gradients()
+    errors = {}
+    for codec in codecs:
+        active[0] = codec
+        errors[codec] = _relative_error(gradients(), exact)
+    return errors
+
+
+def measure_codec_errors(
+    modules: list[nn.Module], capture_step: Callable[[], None], codecs: list[Codec], *,
+    skip_ptrs: frozenset[int], min_swap_bytes: int,
+) -> list[dict[Codec, float]]:
+    """Per block, the error of each codec (NOTE [codec error]). ``capture_step`` runs one training
+    step of the model (forward and backward) during which the blocks' inputs and output gradients are
+    recorded; the blocks are then differentiated one at a time."""
+    capture = _Capture(modules)
+    try:
+        capture_step()
+    finally:
+        capture.remove()
+    errors = []
+    for i, module in enumerate(modules):
+        if capture.inputs[i] is None:
+            errors.append(dict.fromkeys(codecs, 0.0))
+            continue
+        errors.append(block_codec_errors(module, capture.inputs[i], capture.grads[i], codecs,
+                                         skip_ptrs=skip_ptrs, min_swap_bytes=min_swap_bytes))
+        capture.inputs[i] = None  # one block's inputs at a time beyond the step's own
+    return errors
