@@ -1,5 +1,6 @@
 """Claim: ``optimal`` is within 1% of the MILP where the MILP solves, beats the single techniques at
-tight budgets, and plans 1,000 blocks in <= 0.5 s and 10,000 in <= 5 s.
+tight budgets, and plans 1,000 blocks in <= 0.5 s and 10,000 in <= 5 s; every planner of the table
+plans 1,000 blocks in <= 1 s.
 
 Analytic profiles (roofline on the H100 and V100 presets) of GPT-2 XL (seq 1024, micro-batch 8), a
 7B decoder (seq 4096, micro-batch 1), WRN-28-10 (batch 512) and ResNet-1001 (batch 256), at budgets
@@ -79,7 +80,7 @@ def planner_table(quick: bool) -> None:
 def scaling(quick: bool) -> None:
     rng = random.Random(0)
     hw = preset("v100-16gb")
-    rows = [["blocks", "plan seconds", "peak/budget"]]
+    rows = [["blocks", *(f"{name} s" for name in PLANNERS), "optimal peak/budget"]]
     for n in (100, 300, 1000, 3000) + (() if quick else (10000,)):
         blocks = []
         for i in range(n):
@@ -88,12 +89,20 @@ def scaling(quick: bool) -> None:
             blocks.append(BlockProfile(f"b{i}", rng.uniform(1e-3, 5e-3), rng.uniform(2e-3, 1e-2), saved, saved, inp, inp, inp, 0, 0))
         prof = Profile(tuple(blocks), outside_forward_s=2e-3)
         budget = int(build_schedule(Plan.uniform("keep", n), prof).peak_bytes * 0.3)
-        start = time.perf_counter()
-        plan = PLANNERS["optimal"](prof, hw, budget, prefetch=2)
-        seconds = time.perf_counter() - start
-        rows.append([str(n), f"{seconds:.3f}", f"{build_schedule(plan, prof).peak_bytes / budget:.3f}"])
+        seconds = {}
+        for name, planner in PLANNERS.items():
+            if n > 3000 and name != "optimal":
+                continue  # the baselines' table stops at 3,000 blocks; optimal's claim goes to 10,000
+            start = time.perf_counter()
+            plan = planner(prof, hw, budget, prefetch=2)
+            seconds[name] = time.perf_counter() - start
+            if name == "optimal":
+                fit = build_schedule(plan, prof).peak_bytes / budget
+        rows.append([str(n), *(f"{seconds[k]:.3f}" if k in seconds else "-" for k in PLANNERS), f"{fit:.3f}"])
     print(table(rows))
-    print("targets: <= 0.5 s at 1,000 blocks, <= 5 s at 10,000 (budget 30% of keep-all)")
+    print("targets: optimal <= 0.5 s at 1,000 blocks and <= 5 s at 10,000; every planner <= 1 s at 1,000 "
+          "(budget 30% of keep-all). greedy judged each candidate by building its schedule until "
+          "2026-11-23: 26 s at 333 blocks, 234 s at 1,000 on this machine")
 
 
 def main() -> None:

@@ -92,9 +92,10 @@ class Options:
         return [index[(b.policy, b.codec, b.swap_input)] for b in plan.blocks]
 
 
-def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
+def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
                   max_codec_error: float = CODEC_ERROR_BOUND) -> Options:
-    """Every block's bytes and times under each of ``choices``. A codec whose measured gradient error
+    """Every block's bytes and times under each of ``choices`` (bytes only, copy times zero, with
+    ``hardware=None``: enough for ``model_peak``). A codec whose measured gradient error
     on a block exceeds ``max_codec_error`` is not allowed there (NOTE [codec error] in
     ``ooc.codec_error``); a codec the profile did not measure is allowed."""
     n, m = len(profile), len(choices)
@@ -111,7 +112,7 @@ def build_options(profile: Profile, hardware: Hardware, choices: tuple[BlockPlan
             T[i, k] = bytes_.decode_transient
             rec[i, k] = b.forward_s if c.policy is Policy.RECOMPUTE else 0.0
             comp[i, k] = b.backward_s + rec[i, k]
-            if X[i, k]:
+            if X[i, k] and hardware is not None:
                 rec[i, k] += 2 * bytes_.copies * hardware.copy_issue_s  # issued in the forward, again in the backward
                 if c.codec is not Codec.NONE:
                     rec[i, k] += 2 * (X[i, k] + D[i, k]) / hardware.d2d  # encode + decode read/write the full tensor

@@ -9,7 +9,7 @@ from ooc.scheduler.costmodel import build_options, model_peak
 from ooc.scheduler.errors import InfeasibleBudget
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.optimal import optimal
-from ooc.scheduler.plan import BlockPlan, Plan, Policy
+from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.units import check_budget
@@ -61,21 +61,20 @@ def greedy(profile: Profile, hardware: Hardware | None = None, budget: int | Non
     check_budget(budget)
     n = len(profile)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="greedy")
-    candidates = [Plan.uniform(Policy.KEEP, n, **kw)]
-    for k in range(1, n + 1):
-        candidates.append(Plan.of([Policy.SWAP] * k + [Policy.KEEP] * (n - k), **kw))
-    for k in range(1, n + 1):
-        candidates.append(Plan.of([Policy.RECOMPUTE] * k + [Policy.SWAP] * (n - k), **kw))
-    for k in range(1, n + 1):
-        blocks = [BlockPlan(Policy.RECOMPUTE, swap_input=True)] * k + [BlockPlan(Policy.RECOMPUTE)] * (n - k)
-        candidates.append(Plan(blocks=tuple(blocks), **kw))
+    opts = build_options(profile, None)  # peaks only: model_peak is the schedule's peak, in O(n) numpy
+    KEEP, SWAP, RECOMPUTE, RECOMPUTE_SWAP_INPUT = range(4)
+    candidates = [[KEEP] * n]
+    for first, rest in ((SWAP, KEEP), (RECOMPUTE, SWAP), (RECOMPUTE_SWAP_INPUT, RECOMPUTE)):
+        candidates += [[first] * k + [rest] * (n - k) for k in range(1, n + 1)]
     if budget is None:
-        return candidates[0]
-    peaks = [build_schedule(p, profile).peak_bytes for p in candidates]
-    for plan, peak in zip(candidates, peaks):
+        return opts.plan(candidates[0], **kw)
+    least = None
+    for picks in candidates:
+        peak = model_peak(opts, picks, prefetch)
         if peak <= budget:
-            return plan
-    raise InfeasibleBudget(budget, min(peaks))
+            return opts.plan(picks, **kw)
+        least = peak if least is None else min(least, peak)
+    raise InfeasibleBudget(budget, least)
 
 
 def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2) -> Plan:
