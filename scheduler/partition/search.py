@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ooc.scheduler.errors import OocError
+from ooc.scheduler.errors import OocError, PlanError
 from ooc.scheduler.partition.baselines import contiguous, heft, mincut
 from ooc.scheduler.partition.devices import Devices, Placement
 from ooc.scheduler.partition.graph import OpGraph
@@ -35,7 +35,8 @@ class InfeasiblePartition(OocError, ValueError):
         asked = ", ".join(format_bytes(c) for c in devices.capacities)
         need = ", ".join(format_bytes(c) for c in minimum.capacities)
         super().__init__(f"no placement over {devices.k} devices fits their memory ({asked}); the method "
-                         f"{method!r} fits with {need} (pass --capacity {minimum.capacities[0]} or more devices)")
+                         f"{method!r} fits with {need} (pass --capacity {-(-minimum.capacities[0] // 2**20)}MiB or more "
+                         "devices)")
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,7 +58,7 @@ def run_methods(graph: OpGraph, devices: Devices, methods: Sequence[str] = tuple
     out = []
     for name in methods:
         if name not in METHODS:
-            raise OocError(f"no partitioning method {name!r}; choose from {sorted(METHODS)}")
+            raise PlanError(f"no partitioning method {name!r}; choose from {sorted(METHODS)}")
         t0 = time.perf_counter()
         placement = METHODS[name](graph, devices)
         seconds = time.perf_counter() - t0
