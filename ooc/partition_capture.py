@@ -7,9 +7,11 @@ on the real values, ``repeats`` times, and its median time and its output's byte
 an edge carries its producer's output bytes.
 
 # NOTE [views hold no bytes]
-An op whose output shares storage with one of its inputs (a view, ``t``, ``getitem`` of a tuple
-...) holds no new memory: its node holds 0 bytes, though an edge out of it still carries the
-tensor's bytes when it crosses devices.
+A node holds the bytes of the storages its op creates: an op whose output shares storage with an
+input (a view, ``t``, ``getitem`` of a tuple, an in-place op) holds nothing new, though an edge out
+of it still carries the tensor's bytes when it crosses devices. The storage stays alive while any
+view of it is used, so the node that created a storage gets a 0-byte edge to every op that reads
+the storage through a view: the simulator then holds it until that op ends.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,12 +77,19 @@ def _tensors(sample: Any) -> tuple[list[torch.Tensor], Callable[[tuple], Any]]:
     return [flat[i] for i in where], rebuild
 
 
-def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
-            repeats: int = 3) -> OpGraph:
-    """The op graph of one training step (see module docstring). ``loss_fn`` maps the model's
-    output to a scalar (default: :func:`ooc.profiler.default_loss`). Times are each op's median over
-    ``repeats`` runs after the run that gives the values (an in-place op is re-run on its own
-    output: its time stands, its values are not used again); the model is left as it was."""
+@dataclass(frozen=True, eq=False)
+class CapturedStep:
+    """A traced step, the values of its placeholders, and its op graph: node ``i`` of ``graph`` is
+    the ``i``-th node of ``gm.graph`` (its output node left out)."""
+
+    gm: torch.fx.GraphModule
+    args: tuple[torch.Tensor, ...]
+    graph: OpGraph
+
+
+def capture_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                 repeats: int = 3) -> CapturedStep:
+    """:func:`capture`, keeping the traced module and its arguments (to run under a placement)."""
     gm = trace_step(model, sample, loss_fn)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     leaves, _ = _tensors(sample)
@@ -88,7 +98,27 @@ def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor
     values = [p.detach() for _, p in params] + [b.clone() for _, b in model.named_buffers()] + leaves
     labels = ([f"param.{n}" for n, _ in params] + [f"buffer.{n}" for n, _ in model.named_buffers()]
               + [f"input.{i}" for i in range(len(leaves))])
-    return graph_of(gm, values, repeats=repeats, labels=labels)
+    return CapturedStep(gm, tuple(values), graph_of(gm, values, repeats=repeats, labels=labels))
+
+
+def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+            repeats: int = 3) -> OpGraph:
+    """The op graph of one training step (see module docstring). ``loss_fn`` maps the model's
+    output to a scalar (default: :func:`ooc.profiler.default_loss`). Times are each op's median over
+    ``repeats`` runs after the run that gives the values (an in-place op is re-run on its own
+    output: its time stands, its values are not used again); the model is left as it was."""
+    return capture_step(model, sample, loss_fn, repeats=repeats).graph
+
+
+def storages(value: Any) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of the non-empty storages under the tensors in ``value``."""
+    out = {}
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.nbytes() > 0:
+                out[st.data_ptr()] = st.nbytes()
+    return out
 
 
 def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int = 3,
@@ -99,6 +129,7 @@ def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int
     names, times, held, edges, carried = [], [], [], [], []
     index: dict[torch.fx.Node, int] = {}
     nbytes: dict[torch.fx.Node, int] = {}
+    owner: dict[int, int] = {}   # storage -> the node that created it
     placeholders = iter(args)
     label = iter(labels or [])
     for node in gm.graph.nodes:
@@ -122,19 +153,21 @@ def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int
                 samples.append(time.perf_counter() - t0)
             seconds = statistics.median(samples)
         value[node] = out
-        size = sum(t.nbytes for t in tree_leaves(out)
-                   if isinstance(t, torch.Tensor))
-        inputs = node.all_input_nodes
-        storages = {t.untyped_storage().data_ptr() for i in inputs for t in tree_leaves(value[i])
-                    if isinstance(t, torch.Tensor)}
-        aliases = any(isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() in storages
-                      for t in tree_leaves(out))
-        index[node] = len(names)
-        nbytes[node] = size
+        me = len(names)
+        index[node] = me
+        nbytes[node] = sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        created = {p: b for p, b in storages(out).items() if p not in owner}
+        owner.update(dict.fromkeys(created, me))
         names.append(next(label, node.name) if node.op == "placeholder" else node.name)
         times.append(seconds)
-        held.append(0 if aliases else size)   # NOTE [views hold no bytes]
-        for i in dict.fromkeys(inputs):
-            edges.append((index[i], index[node]))
+        held.append(sum(created.values()))   # NOTE [views hold no bytes]
+        inputs = list(dict.fromkeys(node.all_input_nodes))
+        direct = {index[i] for i in inputs}
+        for i in inputs:
+            edges.append((index[i], me))
             carried.append(nbytes[i])
+        read = {owner[p] for i in inputs for p in storages(value[i])}
+        for r in sorted(read - direct - {me}):
+            edges.append((r, me))
+            carried.append(0)
     return OpGraph.build(names, times, held, edges, carried)
