@@ -116,8 +116,7 @@ def _map_clusters(graph: OpGraph, devices: Devices, clusters: list[np.ndarray], 
     device = np.full(n, -1, dtype=np.int64)
     work = np.fromiter((time[c].sum() for c in clusters), dtype=float, count=len(clusters))
     primary_work = PRIMARY_SHARE * graph.total_time() / k
-    pptr, pnode, pedge = graph.pred
-    sptr, snode, sedge = graph.succ
+    ptr, nbr, cst = _neighbours(graph, comm)
     for ci in np.argsort(-work, kind="stable").tolist():
         c = clusters[ci]
         b, t = bin_of[c], time[c]
@@ -125,24 +124,24 @@ def _map_clusters(graph: OpGraph, devices: Devices, clusters: list[np.ndarray], 
         delay = (np.maximum(before + t - width, 0) - np.maximum(before - width, 0)).sum(axis=1)
         cost = delay + 1e-9 * load.sum(axis=1)
         if work[ci] < primary_work or COMM_FOR_PRIMARY:
-            cost = cost + _comm_cost(c, device, k, pptr, pnode, pedge, sptr, snode, sedge, comm)
+            cost = cost + _comm_cost(c, device, k, ptr, nbr, cst)
         d = int(np.argmin(cost))
         device[c] = d
         np.add.at(load[d], b, t)
     return device
 
 
-def _comm_cost(c, device, k, pptr, pnode, pedge, sptr, snode, sedge, comm) -> np.ndarray:
+def _comm_cost(c: np.ndarray, device: np.ndarray, k: int, ptr: np.ndarray, nbr: np.ndarray,
+               cst: np.ndarray) -> np.ndarray:
     """``(K,)`` seconds of transfers placing cluster ``c`` on each device adds with its placed
-    neighbours."""
-    idx = np.concatenate([_ranges(pptr, c), _ranges(sptr, c)])
-    if idx.size == 0:
+    neighbours (``ptr``/``nbr``/``cst``: the undirected CSR of :func:`_neighbours`)."""
+    at = _ranges(ptr, c)
+    if at.size == 0:
         return np.zeros(k)
-    nb = np.concatenate([pnode[_ranges(pptr, c)], snode[_ranges(sptr, c)]])
-    eid = np.concatenate([pedge[_ranges(pptr, c)], sedge[_ranges(sptr, c)]])
-    placed = device[nb] >= 0
-    cost = comm[eid[placed]]
-    return cost.sum() - np.bincount(device[nb[placed]], weights=cost, minlength=k)
+    where = device[nbr[at]]
+    placed = where >= 0
+    cost = cst[at][placed]
+    return cost.sum() - np.bincount(where[placed], weights=cost, minlength=k)
 
 
 def _ranges(ptr: np.ndarray, nodes: np.ndarray) -> np.ndarray:
@@ -231,8 +230,8 @@ def repair_memory(graph: OpGraph, devices: Devices, device: np.ndarray) -> tuple
                 for u in mine.tolist():
                     if profile[d, peak_bin] <= target[d]:
                         break
-                    room = np.array([target[q] - profile[q, lo[u]:hi[u] + 1].max() if q != d else -np.inf
-                                     for q in range(k)])
+                    room = target - profile[:, lo[u]:hi[u] + 1].max(axis=1)
+                    room[d] = -np.inf
                     ok = room >= held[u]
                     if not ok.any():
                         continue
