@@ -5,6 +5,8 @@ simulator says whether it does."""
 
 from __future__ import annotations
 
+import heapq
+
 import numpy as np
 
 from ooc.scheduler.partition.devices import Devices, Placement
@@ -99,13 +101,16 @@ def heft(graph: OpGraph, devices: Devices) -> Placement:
     return Placement.of("heft", device, k, n)
 
 
-def mincut(graph: OpGraph, devices: Devices, *, imbalance: float = 0.05, passes: int = 8) -> Placement:
+def mincut(graph: OpGraph, devices: Devices, *, imbalance: float = 0.05, passes: int = 8,
+           patience: int = 200) -> Placement:
     """A balanced min-cut of the bytes crossing devices, each device's time within ``imbalance`` of
-    an even share. Neither pymetis nor kahip is installed here, so: the contiguous stages refined
-    by a greedy k-way pass of the Fiduccia-Mattheyses family: every op
-    with a positive gain (bytes of cut edges it would uncut) moves to its best device, largest gain
-    first, if that device stays within the time balance and its capacity; an op whose neighbour
-    moved waits for the next pass, whose gains are fresh."""
+    an even share (plus one op). Neither pymetis nor kahip is installed here, so: the contiguous
+    stages, refined first by greedy passes (every op with a positive gain, the bytes of cut edges it
+    would uncut, moves to its best device, largest gain first, if that device keeps the balance
+    and its capacity; an op whose neighbour moved waits for the next pass), then by k-way
+    Fiduccia-Mattheyses passes, which also make losing moves (best gain first, ties towards the
+    lighter device, each op once a pass) and keep the best prefix, so they climb out of the local minima the greedy passes stop
+    in; a pass ends ``patience`` moves after its last improvement."""
     n, k = graph.n, devices.k
     weight = graph.edge_bytes + devices.latency_s * devices.bandwidth_Bps
     if k == 1 or n == 0:
@@ -151,4 +156,69 @@ def mincut(graph: OpGraph, devices: Devices, *, imbalance: float = 0.05, passes:
             moved += 1
         if moved == 0:
             break
-    return Placement.of("mincut", device, k, n)
+    w_l = w_all[np.argsort(u_all, kind="stable")].tolist()
+    dev, ld, us = device.tolist(), load.tolist(), used.tolist()
+    for _ in range(passes):
+        if _fm_pass(dev, ld, us, k, ptr_l, nbr, w_l, time.tolist(), held.tolist(), caps.tolist(), limit,
+                    patience) <= 0:
+            break
+    return Placement.of("mincut", dev, k, n)
+
+
+def _fm_pass(device: list[int], load: list[float], used: list[float], k: int, ptr: list[int], nbr: list[int],
+             weight: list[float], time: list[float], held: list[float], caps: list[float], limit: float,
+             patience: int) -> float:
+    """One k-way FM pass over lists it updates in place; returns the cut bytes it saved (>= 0)."""
+    n = len(device)
+
+    def best(u: int) -> tuple[float, int]:
+        conn = [0.0] * k
+        for i in range(ptr[u], ptr[u + 1]):
+            conn[device[nbr[i]]] += weight[i]
+        d = device[u]
+        q = max((x for x in range(k) if x != d), key=conn.__getitem__)
+        return conn[q] - conn[d], q
+
+    heap = []
+    for u in range(n):
+        if ptr[u] < ptr[u + 1]:
+            g, q = best(u)
+            heap.append((-g, load[q] - load[device[u]], u, q))
+    heapq.heapify(heap)
+    locked = [False] * n
+    moves: list[tuple[int, int, int]] = []
+    total = best_total = 0.0
+    best_len = 0
+    while heap and len(moves) - best_len < patience:
+        neg, _, u, q = heapq.heappop(heap)
+        if locked[u]:
+            continue
+        g, q_now = best(u)
+        if g != -neg or q_now != q:   # stale: a neighbour moved since this entry was pushed
+            heapq.heappush(heap, (-g, load[q_now] - load[device[u]], u, q_now))
+            continue
+        locked[u] = True
+        d = device[u]
+        if load[q] + time[u] > limit or used[q] + held[u] > max(caps[q], used[d] - held[u]):
+            continue
+        device[u] = q
+        load[d] -= time[u]
+        load[q] += time[u]
+        used[d] -= held[u]
+        used[q] += held[u]
+        moves.append((u, d, q))
+        total += g
+        if total > best_total + 1e-9:
+            best_total, best_len = total, len(moves)
+        for i in range(ptr[u], ptr[u + 1]):
+            v = nbr[i]
+            if not locked[v]:
+                gv, qv = best(v)
+                heapq.heappush(heap, (-gv, load[qv] - load[device[v]], v, qv))
+    for u, d, q in reversed(moves[best_len:]):
+        device[u] = d
+        load[q] -= time[u]
+        load[d] += time[u]
+        used[q] -= held[u]
+        used[d] += held[u]
+    return best_total

@@ -181,3 +181,51 @@ def test_infeasible_names_a_capacity_that_fits() -> None:
 def test_unknown_method() -> None:
     with pytest.raises(OocError, match="choose from"):
         run_methods(_held_until_the_end(), Devices.uniform(2, MB), ["metis"])
+
+
+# --- what each method is for, on graphs small enough to know the answer ------------------------
+
+
+def _chain(n: int, held, time=None) -> OpGraph:
+    return OpGraph.build([f"n{i}" for i in range(n)], time or [1.0] * n, held, [(i, i + 1) for i in range(n - 1)])
+
+
+def test_contiguous_balances_time_then_respects_bytes() -> None:
+    from ooc.scheduler.partition import contiguous
+
+    assert contiguous(_chain(6, [1] * 6), Devices.uniform(3, 100)).device.tolist() == [0, 0, 1, 1, 2, 2]
+    # 4 + 4 does not fit 5 bytes, so the first stage holds one op and the rest shift right
+    assert contiguous(_chain(6, [4, 4, 1, 1, 1, 1]), Devices.uniform(3, 5)).device.tolist() == [0, 1, 1, 2, 2, 2]
+
+
+def _two_chains(length: int = 6, edge_bytes: float = 1e6) -> OpGraph:
+    """Two independent chains a0->a1->... and b0->b1->..., interleaved in program order."""
+    names = [f"{c}{i}" for i in range(length) for c in "ab"]
+    edges = [(f"{c}{i}", f"{c}{i + 1}") for c in "ab" for i in range(length - 1)]
+    return OpGraph.build(names, [1.0] * len(names), [1] * len(names), edges, [edge_bytes] * len(edges))
+
+
+def test_mincut_separates_independent_chains() -> None:
+    """The contiguous start cuts both chains; no single move lowers the cut (each gains 0), so only
+    FM's sequences of moves, ties going to the lighter device to keep the balance, reach a cut of 0."""
+    from ooc.scheduler.partition import mincut
+
+    g = _two_chains()
+    d = mincut(g, Devices.uniform(2, 100)).device
+    assert (d[g.src] != d[g.dst]).sum() == 0 and set(d.tolist()) == {0, 1}
+
+
+def test_heft_and_pardnn_run_independent_chains_in_parallel() -> None:
+    from ooc.scheduler.partition import heft, pardnn
+
+    g = _two_chains(edge_bytes=1.0)
+    devices = Devices((100, 100), bandwidth_Bps=1e9, latency_s=1e-3)
+    for method in (heft, pardnn):
+        assert simulate(g, method(g, devices), devices).makespan == 6.0, method.__name__
+
+
+def test_pardnn_keeps_a_chain_whole_when_copies_cost_more_than_they_save() -> None:
+    from ooc.scheduler.partition import pardnn
+
+    g = _chain(8, [1] * 8)
+    assert set(pardnn(g, Devices((100, 100), bandwidth_Bps=1.0, latency_s=1.0)).device.tolist()) == {0}
