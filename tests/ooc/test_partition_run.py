@@ -14,7 +14,7 @@ from ooc.partition_run import run_placed
 from ooc.scheduler.errors import PlanError
 from ooc.scheduler.partition import Devices, Placement, run_methods
 
-CFG = GPTConfig(vocab_size=65, block_size=32, n_layer=2, n_head=2, n_embd=32, dropout=0.0)
+CFG = GPTConfig(vocab_size=65, block_size=32, n_layer=1, n_head=2, n_embd=16, dropout=0.0)
 
 
 @pytest.fixture(scope="module")
