@@ -200,22 +200,26 @@ def repair_memory(graph: OpGraph, devices: Devices, device: np.ndarray) -> tuple
     """ParDNN's memory step: simulate; while a device's peak exceeds its capacity, take the ops it
     holds at its fullest bin, largest first, and move each to a device whose fullest bin over the
     op's lifetime has room for it, the one its neighbours' transfers favour most, until the bin fits.
-    Lifetimes come from the last simulation and are held in time bins (an op counts in every bin
-    it touches, so the binned profile bounds the true one from above); each round re-simulates."""
+    Lifetimes are taken in program order (an op is held from its position to its last consumer's),
+    which no move changes (lifetimes in simulated time did: moved ops wait for copies, and the
+    repair chased its own tail), in bins (an op counts in every bin it touches); each round
+    re-simulates, with a margin 2% wider."""
     k = devices.k
     caps = np.asarray(devices.capacities, dtype=float)
     ptr, nbr, cst = _neighbours(graph, edge_seconds(graph, devices))
+    position = np.empty(graph.n, dtype=np.int64)
+    position[graph.order] = np.arange(graph.n)
+    last = position.copy()
+    np.maximum.at(last, graph.src, position[graph.dst])
+    bins = min(BINS, graph.n)
+    lo, hi = position * bins // graph.n, last * bins // graph.n
+    held = graph.held_bytes
     device = device.copy()
     sim = simulate(graph, Placement.of("pardnn", device, k, graph.n), devices)
     for round_ in range(REPAIR_ROUNDS):
         if sim.fits(devices):
             break
         target = caps * (1.0 - 0.02 * round_)
-        span = max(sim.makespan, 1e-30)
-        bins = BINS
-        lo = np.minimum((sim.start / span * bins).astype(np.int64), bins - 1)
-        hi = np.minimum((sim.release / span * bins).astype(np.int64), bins - 1)
-        held = graph.held_bytes
         profile = _profile(device, lo, hi, held, k, bins)
         moved = False
         alive_order = np.argsort(-held, kind="stable")
