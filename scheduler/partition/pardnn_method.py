@@ -1,12 +1,13 @@
 """ParDNN's method (Qararyah, Wahib, Unat et al., Parallel Computing 2021), in O(m log n):
 
 1. slice the graph into linear clusters along critical paths (longest paths, every edge cut);
-2. map the primary clusters (the long ones) to devices by level-aware load balancing;
-3. place the secondary clusters where they add the least delay plus communication
-   (memory is not looked at before step 5, as in ParDNN);
-4. refine: an op whose neighbours mostly sit on another device joins them if that device has time;
-5. repair memory: while a device's simulated peak exceeds its capacity, move the ops alive at the
-   peak (largest first) to the device with the most room over their lifetime.
+2. map the clusters to devices, primary (longest) ones first, each by level-aware load balancing:
+   to the device where it adds the least delay (overflow of its levels) plus transfer time with the
+   clusters already placed (memory is not looked at before step 4, as in ParDNN);
+3. refine: an op whose neighbours mostly sit on another device joins them if that saves more
+   transfer time than the delay it adds there;
+4. repair memory: while a device's simulated peak exceeds its capacity, move the ops alive at its
+   fullest point (largest first) to a device with room over their lifetime.
 
 "Levels" are time bins of each op's top level: two ops in one bin would run at about the same time
 on an ideal machine, so a device whose bin is already full delays what else lands there.
@@ -25,10 +26,7 @@ from ooc.scheduler.partition.simulate import Simulation, simulate
 
 BINS = 4096
 """Time bins of the level-aware balance and of the memory repair's lifetime profile."""
-PRIMARY_SHARE = 0.25
-"""A cluster is primary when its work is at least this share of an even device's work."""
 REPAIR_ROUNDS = 12
-COMM_FOR_PRIMARY = True
 
 
 def pardnn(graph: OpGraph, devices: Devices) -> Placement:
@@ -115,16 +113,13 @@ def _map_clusters(graph: OpGraph, devices: Devices, clusters: list[np.ndarray], 
     load = np.zeros((k, int(bin_of.max()) + 1))
     device = np.full(n, -1, dtype=np.int64)
     work = np.fromiter((time[c].sum() for c in clusters), dtype=float, count=len(clusters))
-    primary_work = PRIMARY_SHARE * graph.total_time() / k
     ptr, nbr, cst = _neighbours(graph, comm)
     for ci in np.argsort(-work, kind="stable").tolist():
         c = clusters[ci]
         b, t = bin_of[c], time[c]
         before = load[:, b]
         delay = (np.maximum(before + t - width, 0) - np.maximum(before - width, 0)).sum(axis=1)
-        cost = delay + 1e-9 * load.sum(axis=1)
-        if work[ci] < primary_work or COMM_FOR_PRIMARY:
-            cost = cost + _comm_cost(c, device, k, ptr, nbr, cst)
+        cost = delay + 1e-9 * load.sum(axis=1) + _comm_cost(c, device, k, ptr, nbr, cst)
         d = int(np.argmin(cost))
         device[c] = d
         np.add.at(load[d], b, t)
