@@ -129,7 +129,7 @@ def mincut(graph: OpGraph, devices: Devices, *, imbalance: float = 0.05, passes:
     nbr = v_all[np.argsort(u_all, kind="stable")].tolist()
     ptr_l = ptr.tolist()
     for _ in range(passes):
-        conn = np.bincount(u_all * k + device[v_all], weights=w_all, minlength=n * k).reshape(n, k)
+        conn = np.bincount(u_all * k + device[v_all], weights=w_all, minlength=n * k).astype(float).reshape(n, k)
         own = conn[np.arange(n), device]
         conn[np.arange(n), device] = -np.inf
         target = conn.argmax(axis=1)

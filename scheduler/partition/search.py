@@ -7,8 +7,6 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
 from ooc.scheduler.errors import OocError, PlanError
 from ooc.scheduler.partition.baselines import contiguous, heft, mincut
 from ooc.scheduler.partition.devices import Devices, Placement
@@ -84,8 +82,9 @@ def minimum_capacity(graph: OpGraph, devices: Devices, methods: Sequence[str] = 
     ``tolerance``) on which one of ``methods`` fits, found by bisection over the factor, and that
     method. A method that fits at one factor need not fit at every larger one, so the answer is a
     capacity that was seen to fit, not a proven minimum."""
-    caps = np.asarray(devices.capacities, dtype=float)
-    floor_ = max(float(caps.min()), 1.0)
+    # A device of 0 bytes scales from 1 byte, so that every device grows with the factor.
+    devices = Devices(tuple(max(int(c), 1) for c in devices.capacities), devices.bandwidth_Bps, devices.latency_s)
+    floor_ = float(min(devices.capacities))
     # Every op on the largest device, holding all it ever holds at once, fits when that device's
     # capacity is the sum of all bytes: the contiguous stages then find a cut.
     hi = max(graph.total_bytes() / floor_, 1.0) * (1 + tolerance)

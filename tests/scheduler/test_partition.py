@@ -229,3 +229,15 @@ def test_pardnn_keeps_a_chain_whole_when_copies_cost_more_than_they_save() -> No
 
     g = _chain(8, [1] * 8)
     assert set(pardnn(g, Devices((100, 100), bandwidth_Bps=1.0, latency_s=1.0)).device.tolist()) == {0}
+
+
+def test_degenerate_graphs() -> None:
+    for g in (OpGraph.build(["a"], [1], [5], []),                                   # one op
+              OpGraph.build(["a", "b"], [1, 1], [0, 0], []),                        # no edges
+              OpGraph.build(["a", "b", "c"], [0, 0, 0], [1, 1, 1], [(0, 1), (1, 2)])):  # no time
+        for k in (1, 3):
+            for outcome in run_methods(g, Devices.uniform(k, 10)):
+                assert outcome.fits and outcome.placement.device.shape == (g.n,), outcome.method
+    with pytest.raises(InfeasiblePartition, match="fits with 5 B") as info:
+        partition(OpGraph.build(["a"], [1], [5], []), Devices.uniform(2, 0))
+    assert info.value.minimum.capacities == (5, 5)
