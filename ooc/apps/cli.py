@@ -1,5 +1,5 @@
 """The ``ooc`` command line (also ``python -m ooc``): demo, train, checkpoints, profile, plan,
-simulate, calibrate, doctor."""
+simulate, partition, calibrate, doctor."""
 
 from __future__ import annotations
 
@@ -200,6 +200,16 @@ def _simulate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _partition(args: argparse.Namespace) -> int:
+    from ooc.apps.partition import PartitionConfig, run_partition
+
+    methods = tuple(args.method) if args.method else PartitionConfig.methods
+    return run_partition(PartitionConfig(
+        graph=args.graph, devices=args.devices, capacity=args.capacity, methods=methods,
+        bandwidth_GBps=args.bandwidth, latency_us=args.latency, batch=args.batch, seq=args.seq,
+        export_pardnn=args.export_pardnn, gantt=args.gantt, placement=args.placement))
+
+
 def _calibrate(args: argparse.Namespace) -> int:
     from ooc.calibrate import calibrate
 
@@ -298,6 +308,22 @@ def build_parser() -> argparse.ArgumentParser:
     ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, folder, metadata")
     ck_list.add_argument("directory")
     ck_list.set_defaults(run=_checkpoints)
+
+    part = sub.add_parser("partition", help="place a training op graph on K devices under memory limits (ParDNN and baselines)")
+    part.add_argument("--graph", default="lstm:1000",
+                      help="lstm:N, transformer:N, cnn3d:N (analytic, about N ops), gpt:<preset>, cnn, mlp "
+                      "(captured here) or a folder in ParDNN's format")
+    part.add_argument("--devices", type=int, default=2, help="K")
+    part.add_argument("--capacity", help="bytes per device, e.g. 2GiB (default: all the graph holds)")
+    part.add_argument("--method", action="append", help="pardnn, contiguous, heft or mincut (repeat; default all)")
+    part.add_argument("--bandwidth", type=float, default=50.0, help="link GB/s per direction")
+    part.add_argument("--latency", type=float, default=10.0, help="link latency per copy, us")
+    part.add_argument("--batch", type=int, default=8, help="batch of a captured reference model")
+    part.add_argument("--seq", type=int, default=64, help="sequence length of a captured GPT")
+    part.add_argument("--export-pardnn", metavar="DIR", help="write the graph in ParDNN's format (with settings.json)")
+    part.add_argument("--gantt", metavar="PNG", help="draw the best placement: ops per device, copies per link, memory")
+    part.add_argument("--placement", metavar="FILE", help="write the best placement as ParDNN's `name device` lines")
+    part.set_defaults(run=_partition)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
     cal.add_argument("--backend", default="auto")

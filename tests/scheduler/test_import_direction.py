@@ -14,7 +14,7 @@ LOCAL_IMPORTS_ALLOWED = {("profile.py", "machine_header")}
 
 
 def _modules() -> list[Path]:
-    return sorted(SCHEDULER.glob("*.py"))
+    return sorted(SCHEDULER.rglob("*.py"))
 
 
 def _imported(node: ast.AST) -> list[str]:

@@ -1,0 +1,173 @@
+"""Capture a training step's joint forward+backward op graph for ``ooc.scheduler.partition``.
+
+``make_fx`` traces a function that runs the model functionally and calls ``torch.autograd.grad``:
+the trace holds every aten op of the forward and of the backward (the joint graph AOT autograd
+partitions), with the parameters, buffers and inputs as placeholders. Each op is then run alone
+on the real values, ``repeats`` times, and its median time and its output's bytes become the node;
+an edge carries its producer's output bytes.
+
+# NOTE [views hold no bytes]
+A node holds the bytes of the storages its op creates: an op whose output shares storage with an
+input (a view, ``t``, ``getitem`` of a tuple, an in-place op) holds nothing new, though an edge out
+of it still carries the tensor's bytes when it crosses devices. The storage stays alive while any
+view of it is used, so the node that created a storage gets a 0-byte edge to every op that reads
+the storage through a view: the simulator then holds it until that op ends.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.fx
+import torch.nn as nn
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from ooc.errors import WrapError
+from ooc.profiler import default_loss
+from ooc.scheduler.partition.graph import OpGraph
+
+
+def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.fx.GraphModule:
+    """The joint forward+backward aten graph of one step of ``model`` on ``sample``: placeholders
+    (parameters, buffers, the sample's tensors), then the forward, the loss and the backward ops;
+    outputs the loss and one gradient per parameter that needs one."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if not params:
+        raise WrapError("the model has no parameter that requires a gradient; there is no backward to capture")
+    # Tracing runs the step for real: clones keep a BatchNorm's running statistics as they were.
+    buffers = {n: b.clone() for n, b in model.named_buffers()}
+    leaves, rebuild = _tensors(sample)
+    loss_of = loss_fn or default_loss
+
+    def step(p: dict, b: dict, *xs: torch.Tensor):
+        out = _call(model, {**p, **b}, rebuild(xs))
+        loss = loss_of(out)
+        grads = torch.autograd.grad(loss, list(p.values()))
+        return (loss, *grads)
+
+    return make_fx(step)(params, buffers, *leaves)
+
+
+def _call(model: nn.Module, state: dict, sample: Any) -> Any:
+    """``ooc.profiler.call_model`` with the parameters and buffers in ``state``."""
+    if isinstance(sample, dict):
+        return torch.func.functional_call(model, state, (), sample)
+    if isinstance(sample, (tuple, list)):
+        return torch.func.functional_call(model, state, tuple(sample))
+    return torch.func.functional_call(model, state, (sample,))
+
+
+def _tensors(sample: Any) -> tuple[list[torch.Tensor], Callable[[tuple], Any]]:
+    """The tensors in ``sample``, and how to rebuild ``sample`` with others in their place."""
+    flat, spec = tree_flatten(sample)
+    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+
+    def rebuild(xs: tuple) -> Any:
+        out = list(flat)
+        for i, x in zip(where, xs):
+            out[i] = x
+        return tree_unflatten(out, spec)
+
+    return [flat[i] for i in where], rebuild
+
+
+@dataclass(frozen=True, eq=False)
+class CapturedStep:
+    """A traced step, the values of its placeholders, and its op graph: node ``i`` of ``graph`` is
+    the ``i``-th node of ``gm.graph`` (its output node left out)."""
+
+    gm: torch.fx.GraphModule
+    args: tuple[torch.Tensor, ...]
+    graph: OpGraph
+
+
+def capture_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+                 repeats: int = 3) -> CapturedStep:
+    """:func:`capture`, keeping the traced module and its arguments (to run under a placement)."""
+    gm = trace_step(model, sample, loss_fn)
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    leaves, _ = _tensors(sample)
+    # Buffers are cloned: a BatchNorm's running statistics are updated in place by the step, and
+    # each op runs 1 + repeats times here.
+    values = [p.detach() for _, p in params] + [b.clone() for _, b in model.named_buffers()] + leaves
+    labels = ([f"param.{n}" for n, _ in params] + [f"buffer.{n}" for n, _ in model.named_buffers()]
+              + [f"input.{i}" for i in range(len(leaves))])
+    return CapturedStep(gm, tuple(values), graph_of(gm, values, repeats=repeats, labels=labels))
+
+
+def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
+            repeats: int = 3) -> OpGraph:
+    """The op graph of one training step (see module docstring). ``loss_fn`` maps the model's
+    output to a scalar (default: :func:`ooc.profiler.default_loss`). Times are each op's median over
+    ``repeats`` runs after the run that gives the values (an in-place op is re-run on its own
+    output: its time stands, its values are not used again); the model is left as it was."""
+    return capture_step(model, sample, loss_fn, repeats=repeats).graph
+
+
+def storages(value: Any) -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of the non-empty storages under the tensors in ``value``."""
+    out = {}
+    for t in tree_leaves(value):
+        if isinstance(t, torch.Tensor):
+            st = t.untyped_storage()
+            if st.nbytes() > 0:
+                out[st.data_ptr()] = st.nbytes()
+    return out
+
+
+def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int = 3,
+             labels: list[str] | None = None) -> OpGraph:
+    """Run ``gm`` on ``args`` op by op, timing each, and return its :class:`OpGraph`: one node per
+    placeholder (named by ``labels`` when given) and per op, named as in the fx graph."""
+    value: dict[torch.fx.Node, Any] = {}
+    names, times, held, edges, carried = [], [], [], [], []
+    index: dict[torch.fx.Node, int] = {}
+    nbytes: dict[torch.fx.Node, int] = {}
+    owner: dict[int, int] = {}   # storage -> the node that created it
+    placeholders = iter(args)
+    label = iter(labels or [])
+    for node in gm.graph.nodes:
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            out = next(placeholders)
+            seconds = 0.0
+        elif node.op == "get_attr":
+            out = getattr(gm, node.target)
+            seconds = 0.0
+        else:
+            a = torch.fx.node.map_arg(node.args, value.__getitem__)
+            kw = torch.fx.node.map_arg(node.kwargs, value.__getitem__)
+            fn = node.target if node.op == "call_function" else getattr(gm, node.target)
+            out = fn(*a, **kw)
+            samples = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                fn(*a, **kw)
+                samples.append(time.perf_counter() - t0)
+            seconds = statistics.median(samples)
+        value[node] = out
+        me = len(names)
+        index[node] = me
+        nbytes[node] = sum(t.nbytes for t in tree_leaves(out) if isinstance(t, torch.Tensor))
+        created = {p: b for p, b in storages(out).items() if p not in owner}
+        owner.update(dict.fromkeys(created, me))
+        names.append(next(label, node.name) if node.op == "placeholder" else node.name)
+        times.append(seconds)
+        held.append(sum(created.values()))   # NOTE [views hold no bytes]
+        inputs = list(dict.fromkeys(node.all_input_nodes))
+        direct = {index[i] for i in inputs}
+        for i in inputs:
+            edges.append((index[i], me))
+            carried.append(nbytes[i])
+        read = {owner[p] for i in inputs for p in storages(value[i])}
+        for r in sorted(read - direct - {me}):
+            edges.append((r, me))
+            carried.append(0)
+    return OpGraph.build(names, times, held, edges, carried)

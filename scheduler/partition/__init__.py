@@ -1,0 +1,46 @@
+"""Partition a training step's op graph over K devices under memory limits (after ParDNN).
+
+Pure functions, like the rest of ``ooc.scheduler``: an :class:`OpGraph` (ops with their time and
+the bytes they hold, tensors with the bytes they carry) and :class:`Devices` (capacities, link
+bandwidth and latency) in, a :class:`Placement` (a device per op) out; :func:`simulate` gives a
+placement's makespan and per-device peak. Capturing a model's graph runs it, so that lives in the
+runtime (``ooc.partition_capture``).
+"""
+
+from __future__ import annotations
+
+from ooc.scheduler.partition.baselines import contiguous, heft, mincut
+from ooc.scheduler.partition.devices import Devices, Placement
+from ooc.scheduler.partition.graph import GraphError, OpGraph, read_pardnn, read_pardnn_placement, write_pardnn
+from ooc.scheduler.partition.pardnn_method import pardnn
+from ooc.scheduler.partition.search import (
+    METHODS,
+    InfeasiblePartition,
+    Outcome,
+    minimum_capacity,
+    partition,
+    run_methods,
+)
+from ooc.scheduler.partition.simulate import Simulation, simulate
+
+__all__ = [
+    "METHODS",
+    "Devices",
+    "GraphError",
+    "InfeasiblePartition",
+    "OpGraph",
+    "Outcome",
+    "Placement",
+    "Simulation",
+    "contiguous",
+    "heft",
+    "minimum_capacity",
+    "mincut",
+    "pardnn",
+    "partition",
+    "read_pardnn",
+    "read_pardnn_placement",
+    "run_methods",
+    "simulate",
+    "write_pardnn",
+]

@@ -1,0 +1,128 @@
+"""The makespan and per-device peak memory of a placement.
+
+# NOTE [the event model of a placed graph]
+Ops are issued in one program order (the graph's topological order), like the step schedule's ops
+on its resources: each device runs its ops in that order, one at a time; an op starts when its
+device is free and each of its inputs has arrived. An input made on the same device arrives when
+its producer finishes. A tensor that crosses to another device is sent once per destination
+device, when its producer finishes, on the directed link ``(source, destination)``; each link sends
+one tensor at a time, in program order, for ``latency + bytes / bandwidth``.
+
+Memory: an op's output occupies ``held_bytes`` on its device from the op's start until its last
+consumer (on any device) has finished and its last outgoing copy is done. As in ParDNN, a tensor is
+charged to its producer's device only: the buffer a copy lands in is not counted (an executor that
+receives just in time, or a ring of receive buffers, keeps that small; it is a known gap of this
+model). At one instant frees come before allocations, so an op may reuse what its finished inputs
+held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ooc.scheduler.partition.devices import Devices, Placement
+from ooc.scheduler.partition.graph import OpGraph
+
+
+@dataclass(frozen=True, eq=False)
+class Simulation:
+    """``start``/``finish``/``release``: ``(n,)`` seconds each op starts, ends, and frees its output
+    on its own device; ``transfers``: ``(t, 6)`` rows ``(node, source, destination, start, end,
+    bytes)``; ``peak_bytes``: ``(K,)``; ``peak_time``: ``(K,)`` when each peak is first reached."""
+
+    makespan: float
+    start: np.ndarray
+    finish: np.ndarray
+    release: np.ndarray
+    transfers: np.ndarray
+    peak_bytes: np.ndarray
+    peak_time: np.ndarray
+
+    def fits(self, devices: Devices) -> bool:
+        return bool(np.all(self.peak_bytes <= np.asarray(devices.capacities, dtype=float)))
+
+    def overflow(self, devices: Devices) -> np.ndarray:
+        """``(K,)`` bytes by which each device's peak exceeds its capacity (0 where it fits)."""
+        return np.maximum(self.peak_bytes - np.asarray(devices.capacities, dtype=float), 0.0)
+
+
+def simulate(graph: OpGraph, placement: Placement, devices: Devices) -> Simulation:
+    """Run the event model of NOTE [the event model of a placed graph] over ``placement``."""
+    n, k = graph.n, devices.k
+    dev = placement.device.tolist()
+    time = graph.time_s.tolist()
+    pptr, pnode, pedge = (a.tolist() for a in graph.pred)
+    sptr, snode, sedge = (a.tolist() for a in graph.succ)
+    ebytes = graph.edge_bytes.tolist()
+    lat, bw = devices.latency_s, devices.bandwidth_Bps
+    dev_free = [0.0] * k
+    link_free = [[0.0] * k for _ in range(k)]
+    start, finish = [0.0] * n, [0.0] * n
+    arrival: dict[int, float] = {}   # node * k + destination -> when its copy has arrived there
+    rows: list[list[float]] = []
+    for u in graph.order.tolist():
+        d = dev[u]
+        ready = dev_free[d]
+        for i in range(pptr[u], pptr[u + 1]):
+            p = pnode[i]
+            t = finish[p] if dev[p] == d else arrival[p * k + d]
+            if t > ready:
+                ready = t
+        start[u] = ready
+        end = ready + time[u]
+        finish[u] = end
+        dev_free[d] = end
+        a, b = sptr[u], sptr[u + 1]
+        if a == b:
+            continue
+        sizes: dict[int, float] = {}
+        for i in range(a, b):
+            c = dev[snode[i]]
+            if c != d:
+                size = ebytes[sedge[i]]
+                if size > sizes.get(c, -1.0):
+                    sizes[c] = size
+        for c in sorted(sizes):
+            s = max(end, link_free[d][c])
+            e = s + lat + sizes[c] / bw
+            link_free[d][c] = e
+            arrival[u * k + c] = e
+            rows.append([u, d, c, s, e, sizes[c]])
+    start_a, finish_a = np.asarray(start), np.asarray(finish)
+    transfers = np.asarray(rows, dtype=float).reshape(-1, 6)
+    release = finish_a.copy()
+    np.maximum.at(release, graph.src, finish_a[graph.dst])
+    if transfers.shape[0]:
+        np.maximum.at(release, transfers[:, 0].astype(np.int64), transfers[:, 4])
+    peak, when = _peaks(placement.device, start_a, release, graph.held_bytes, k)
+    makespan = float(finish_a.max()) if n else 0.0
+    return Simulation(makespan, start_a, finish_a, release, transfers, peak, when)
+
+
+def _peaks(device: np.ndarray, start: np.ndarray, release: np.ndarray, held: np.ndarray,
+           k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Sweep allocation/free events per device; at one instant frees of intervals with positive
+    length come first, then allocations, then frees of zero-length intervals (an op that holds
+    its output only for the instant it runs still needs the room)."""
+    where, lo, hi, size = device, start, release, held
+    keep = size > 0
+    where, lo, hi, size = where[keep], lo[keep], hi[keep], size[keep]
+    ev_dev = np.concatenate([where, where])
+    ev_t = np.concatenate([lo, hi])
+    ev_kind = np.concatenate([np.ones(lo.size), np.where(hi > lo, 0, 2)])
+    ev_sz = np.concatenate([size, -size])
+    order = np.lexsort((ev_kind, ev_t, ev_dev))
+    ev_dev, ev_t, ev_sz = ev_dev[order], ev_t[order], ev_sz[order]
+    peak = np.zeros(k)
+    when = np.zeros(k)
+    bounds = np.searchsorted(ev_dev, np.arange(k + 1))
+    for d in range(k):
+        a, b = bounds[d], bounds[d + 1]
+        if a == b:
+            continue
+        level = np.cumsum(ev_sz[a:b])
+        i = int(np.argmax(level))
+        peak[d], when[d] = level[i], ev_t[a + i]
+    return peak, when

@@ -1,0 +1,42 @@
+"""``ooc partition``: the table, the picture, ParDNN's files, a captured model, clear errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from ooc.apps.cli import main
+from ooc.scheduler.partition import read_pardnn
+
+
+def test_partition_table_picture_and_pardnn_files(tmp_path, capsys) -> None:
+    png, folder, place = tmp_path / "g.png", tmp_path / "pardnn", tmp_path / "p.place"
+    assert main(["partition", "--graph", "cnn3d:300", "--devices", "3", "--capacity", "64GiB", "--gantt", str(png),
+                 "--export-pardnn", str(folder), "--placement", str(place)]) == 0
+    out = capsys.readouterr().out
+    for method in ("pardnn", "contiguous", "heft", "mincut"):
+        assert f"\n{method} " in out
+    assert "best: " in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    graph = read_pardnn(folder)
+    lines = place.read_text().splitlines()
+    assert len(lines) == graph.n and {int(x.split()[1]) for x in lines} <= {0, 1, 2}
+    # the exported folder is itself a graph the command reads
+    assert main(["partition", "--graph", str(folder), "--method", "pardnn", "--method", "heft"]) == 0
+    assert f"{graph.n} ops" in capsys.readouterr().out
+
+
+@pytest.mark.slow  # ~12 s on 2 cores: make_fx's first trace; tests/ooc/test_partition_capture.py covers capture
+def test_captured_reference_model(capsys) -> None:
+    assert main(["partition", "--graph", "mlp", "--batch", "4", "--method", "pardnn"]) == 0
+    assert "best: pardnn" in capsys.readouterr().out
+
+
+def test_errors_are_one_line_with_exit_code_2(capsys) -> None:
+    assert main(["partition", "--graph", "lstm:300", "--capacity", "1KiB"]) == 2
+    err = capsys.readouterr().err
+    assert "fits with" in err and "--capacity" in err and err.count("\n") == 1
+    assert main(["partition", "--graph", "lstm"]) == 2
+    assert "lstm:10000" in capsys.readouterr().err
+    assert main(["partition", "--graph", "nothing-here"]) == 2
+    assert main(["partition", "--graph", "lstm:300", "--method", "metis"]) == 2
+    assert "choose from" in capsys.readouterr().err
