@@ -1,5 +1,6 @@
-"""HostAdamW on CUDA (pinned masters, gradient copies on the D2H stream, new weights back on the H2D
-stream, CUDA events between them) against torch.optim.AdamW.
+"""HostAdamW on CUDA (pageable masters, pinned transfer buffers from the host arena, gradient copies
+on the D2H stream, new weights back on the H2D stream, CUDA events between them) against
+torch.optim.AdamW.
 
 What is compared, bit for bit: the reference runs the same model copy on the same GPU, copies each
 gradient to the host itself (``p.grad.cpu()``), steps ``torch.optim.AdamW(fused=True)`` on fp32
