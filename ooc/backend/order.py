@@ -43,8 +43,8 @@ The model:
   slice over memory that a copy engine used, where the host has not seen that copy complete, is a
   reuse of a pinned buffer in flight (rule 4), reported at the carve.
 
-Limits: accesses are tracked per storage (per arena slice), not per byte range (two copies into halves of one buffer
-are one buffer); compute streams of two threads are not checked against each other (ooc orders
+Limits: accesses are tracked per storage (per arena slice), not per byte range (two copies into
+halves of one buffer are one buffer); compute streams of two threads are not checked against each other (ooc orders
 them by host hand-offs, e.g. own-master weights written by the update thread); a thread whose
 dispatch stack already holds another mode is not watched; host-to-host copies by torch (``.to``
 on the CPU) are invisible. The checker costs a Python call per torch op on watched threads.
@@ -175,9 +175,9 @@ class OrderChecker:
         self.host = self._new_stream("host", exempt=False)
         self._bufs: dict[int, _Buf] = {}
         self._ops: dict[Any, _OpInfo] = {}
-        self._slices: dict[int, tuple[tuple[int, ...], tuple[int, ...]]] = {}
-        """Per arena chunk (its storage's address): the (starts, ends) of the slices carved from it,
-        sorted; replaced whole on each carve, so readers need no lock."""
+        self._slices: dict[int, tuple[weakref.ref, tuple[int, ...], tuple[int, ...]]] = {}
+        """Per arena chunk (its storage's address): the chunk's storage, and the (starts, ends) of
+        the slices carved from it, sorted; replaced whole on each carve, so readers need no lock."""
         self._tls = threading.local()
         """Per thread: ``mode`` (its dispatch mode, once watched) and ``compute`` (its compute stream,
         once it issues device work: records or waits on compute, allocates a device buffer, runs a
@@ -190,9 +190,9 @@ class OrderChecker:
         if key is None:
             return None
         slices = self._slices.get(key[0])
-        if slices is None:
-            return key
-        starts, ends = slices
+        if slices is None or slices[0]() is not key[2]:
+            return key  # not a chunk (any more: its memory went to another storage)
+        _, starts, ends = slices
         address = t.data_ptr()
         i = bisect.bisect_right(starts, address) - 1
         if i >= 0 and address < ends[i]:
@@ -361,11 +361,12 @@ class OrderChecker:
         start, end = piece.data_ptr(), piece.data_ptr() + piece.numel()
         label = f"{what} at {_caller()}"
         with self._lock:
-            starts, ends = self._slices.get(key[0], ((), ()))
-            kept = [(s, e) for s, e in zip(starts, ends) if e <= start or s >= end]
+            known = self._slices.get(key[0])
+            starts, ends = known[1:] if known is not None and known[0]() is key[2] else ((), ())
+            kept, covered = [], []
             for s, e in zip(starts, ends):
-                if (s, e) in kept:
-                    continue
+                (kept if e <= start or s >= end else covered).append((s, e))
+            for s, _ in covered:
                 old = self._bufs.pop(s, None)
                 if old is None or old.ref() is not key[2]:
                     continue
@@ -378,7 +379,7 @@ class OrderChecker:
                         )
             kept.append((start, end))
             kept.sort()
-            self._slices[key[0]] = (tuple(s for s, _ in kept), tuple(e for _, e in kept))
+            self._slices[key[0]] = (weakref.ref(key[2]), tuple(s for s, _ in kept), tuple(e for _, e in kept))
             self._clock[self.host] += 1
             self._bufs[start] = _Buf(start, end - start, "host", _Access(self.host, self._clock[self.host], label), key[2])
 
