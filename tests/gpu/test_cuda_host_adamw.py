@@ -112,7 +112,7 @@ def test_host_adamw_on_cuda_equals_the_host_reference(variant: str, wrap: str | 
     model = copy.deepcopy(plain)
     backend = CudaBackend(chaos=CudaChaosConfig(seed=4) if wrap == "chaos" else None)
     if wrap is not None:
-        ooc.wrap(model, ooc.Plan.of(MIXED), backend=backend)
+        ooc.wrap(model, ooc.Plan.of(MIXED, min_swap_bytes=4096), backend=backend)
     if options.pop("pipeline", False):
         options["pipeline"] = model
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, **options)

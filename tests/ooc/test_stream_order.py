@@ -152,7 +152,7 @@ def test_a_backend_that_forgets_the_compute_wait_raises_at_once() -> None:
 
     backend = ForgetfulBackend(check_order=True)
     model = GPT("nano")
-    ooc.wrap(model, Plan.uniform("swap", 4), backend=backend)
+    ooc.wrap(model, Plan.uniform("swap", 4, min_swap_bytes=4096), backend=backend)
     try:
         with pytest.raises(StreamOrderError, match="H2D copy"):
             model(*gpt_batch())[1].backward()
@@ -172,7 +172,7 @@ def test_weight_streaming_orders_its_copies(policy: str) -> None:
     plain = GPT("nano")
     model = copy.deepcopy(plain)
     backend = CpuBackend(chaos=ChaosConfig(seed=4, max_delay_s=0.001), check_order=True)
-    ooc.wrap(model, Plan.uniform(policy, 4).streaming([1, 2, 3]), backend=backend)
+    ooc.wrap(model, Plan.uniform(policy, 4, min_swap_bytes=4096).streaming([1, 2, 3]), backend=backend)
     try:
         for m in (plain, model):
             opt = torch.optim.SGD(m.parameters(), lr=0.1)
