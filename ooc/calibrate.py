@@ -47,6 +47,7 @@ def _slowdown_beside(backend: Backend, background: Callable[[], None], reps: int
     stop = threading.Event()
 
     def forever() -> None:
+        backend.bind_thread()  # this thread's current device is the backend's (a new thread starts on cuda:0)
         while not stop.is_set():
             background()
 

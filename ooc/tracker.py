@@ -29,6 +29,8 @@ class MemoryReport:
     swapped_out_bytes: int
     swapped_in_bytes: int
     host_pool_bytes: int
+    """Host bytes of the backend's arena (page-locked on CUDA), in use or free: the swap buffers and
+    the host optimizer's transfer buffers (NOTE [host arena] in ooc.backend.arena)."""
     cuda_max_allocated: int | None
     param_bytes: int = 0
     """Parameter bytes on the device now (resident ones, and streamed ones while in use)."""
@@ -42,7 +44,7 @@ class MemoryReport:
         return (
             f"peak {format_bytes(self.peak_bytes)} of saved activations on device "
             f"(now {format_bytes(self.current_bytes)}); moved out {format_bytes(self.swapped_out_bytes)}, "
-            f"in {format_bytes(self.swapped_in_bytes)}; host pool {format_bytes(self.host_pool_bytes)}; "
+            f"in {format_bytes(self.swapped_in_bytes)}; host arena {format_bytes(self.host_pool_bytes)}; "
             f"parameters on device: peak {format_bytes(self.param_peak_bytes)}{cuda}"
         )
 

@@ -5,9 +5,14 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import threading
 from typing import Protocol
 
 import torch
+
+from ooc.backend.arena import HostArena, aligned_chunk
+
+_ARENA_LOCK = threading.Lock()
 
 
 class Event(Protocol):
@@ -34,7 +39,28 @@ class Backend(abc.ABC):
 
     @abc.abstractmethod
     def host_buffer(self, nbytes: int) -> torch.Tensor:
-        """A fresh ``uint8`` host buffer of ``nbytes`` (pinned where that exists)."""
+        """A fresh ``uint8`` host buffer of ``nbytes`` (pinned where that exists), outside the
+        arena: for one-off buffers (calibration). Buffers the runtime reuses come from :attr:`arena`."""
+
+    def host_chunk(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of ``uint8`` host memory for the arena, at an ``ALIGN``-aligned address
+        (pinned where that exists)."""
+        return aligned_chunk(nbytes)
+
+    def on_carve(self, piece: torch.Tensor) -> None:  # noqa: B027 - optional: the CPU checker overrides it
+        """The arena carved ``piece`` (a new DMA buffer over memory earlier slices may have used)."""
+
+    @property
+    def arena(self) -> HostArena:
+        """This backend's host arena (NOTE [host arena] in ``ooc.backend.arena``): every DMA
+        buffer the runtime and the host optimizer reuse is a slice of it."""
+        arena = self.__dict__.get("_arena")
+        if arena is None:
+            with _ARENA_LOCK:
+                arena = self.__dict__.get("_arena")
+                if arena is None:
+                    arena = self.__dict__["_arena"] = HostArena(self.host_chunk, on_carve=self.on_carve)
+        return arena
 
     @abc.abstractmethod
     def device_buffer(self, nbytes: int) -> torch.Tensor:
@@ -62,6 +88,11 @@ class Backend(abc.ABC):
         """Where a swapped tensor is compressed before its copy out: the D2H stream on CUDA (after
         compute has produced ``source``), the host thread on CPU."""
         return contextlib.nullcontext()
+
+    def bind_thread(self) -> None:  # noqa: B027 - optional: only CUDA has a per-thread current device
+        """Make this backend's device the calling thread's current device. A thread ooc starts calls
+        it first: CUDA's current device is per thread and starts at ``cuda:0``, so on rank 1 a
+        thread that did not would make its events and collectives on another GPU's context."""
 
     def close(self) -> None:  # noqa: B027 - optional: only backends with threads override it
         """Stop worker threads, if any."""

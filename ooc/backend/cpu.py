@@ -116,6 +116,8 @@ class CpuBackend(Backend):
         self._d2h = _CopyEngine("ooc-d2h")
         self._h2d = _CopyEngine("ooc-h2d")
         self._last: list[CpuEvent] = []
+        self.bound_threads: list[tuple[str, torch.device]] = []
+        """(thread name, device) of each :meth:`bind_thread` call."""
 
     def __repr__(self) -> str:
         return f"CpuBackend(chaos={self.chaos}, check_order={self.check_order})"
@@ -131,6 +133,14 @@ class CpuBackend(Backend):
         if self._checker is not None:
             self._checker.allocated(buffer, "host_buffer", host=True)
         return buffer
+
+    def bind_thread(self) -> None:
+        # No current device on the CPU; the call is recorded so tests can see which threads bind.
+        self.bound_threads.append((threading.current_thread().name, self.device))
+
+    def on_carve(self, piece: torch.Tensor) -> None:
+        if self._checker is not None:
+            self._checker.carved(piece, "HostArena.alloc")
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         buffer = torch.empty(nbytes, dtype=torch.uint8)

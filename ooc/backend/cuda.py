@@ -1,4 +1,4 @@
-"""The CUDA backend: one side stream per copy direction, events between streams, pinned host memory.
+"""The CUDA backend: one side stream per copy direction, events between streams, a pinned host arena.
 
 Its chaos mode (:class:`CudaChaosConfig`) makes the copy streams late on purpose: before each copy
 the copy stream spins for a random number of GPU cycles (``torch.cuda._sleep``), poisons a device
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ooc.backend.arena import aligned_chunk
 from ooc.backend.base import Backend, Event
 
 
@@ -70,6 +71,11 @@ class CudaBackend(Backend):
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def host_chunk(self, nbytes: int) -> torch.Tensor:
+        # One pinned block per arena chunk (NOTE [host arena]): the arena asks for powers of two,
+        # which torch's pinned allocator does not round up further.
+        return aligned_chunk(nbytes, pin_memory=True)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         # Allocated on the compute stream so the caching allocator orders its reuse after compute.
@@ -137,6 +143,11 @@ class CudaBackend(Backend):
         source.record_stream(self._d2h)
         with torch.cuda.stream(self._d2h):
             yield
+
+    def bind_thread(self) -> None:
+        # The current device is per thread and a new thread starts on cuda:0: events, streams and
+        # collectives made there on rank >= 1 would belong to another GPU.
+        torch.cuda.set_device(self.device)
 
     def wait_compute(self, event: Event) -> None:
         # GPU-side wait: the host keeps queueing kernels; compute will not pass this point before the copy.

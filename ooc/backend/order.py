@@ -37,8 +37,14 @@ The model:
   holds them until it ran, its stand-in), so copy engines are exempt; accesses from other threads'
   compute streams are not.
 
-Limits: accesses are tracked per storage, not per byte range (two copies into halves of one buffer
-are one buffer); compute streams of two threads are not checked against each other (ooc orders
+- Arena slices (NOTE [host arena] in ``ooc.backend.arena``): the host arena carves many DMA
+  buffers out of one chunk, i.e. one storage. Each carved slice is a host buffer of its own
+  (``carved``): an access to the chunk is stamped on the slice its first byte lies in. Carving a
+  slice over memory that a copy engine used, where the host has not seen that copy complete, is a
+  reuse of a pinned buffer in flight (rule 4), reported at the carve.
+
+Limits: accesses are tracked per storage (per arena slice), not per byte range (two copies into
+halves of one buffer are one buffer); compute streams of two threads are not checked against each other (ooc orders
 them by host hand-offs, e.g. own-master weights written by the update thread); a thread whose
 dispatch stack already holds another mode is not watched; host-to-host copies by torch (``.to``
 on the CPU) are invisible. The checker costs a Python call per torch op on watched threads.
@@ -46,6 +52,7 @@ on the CPU) are invisible. The checker costs a Python call per torch op on watch
 
 from __future__ import annotations
 
+import bisect
 import sys
 import threading
 import weakref
@@ -168,11 +175,29 @@ class OrderChecker:
         self.host = self._new_stream("host", exempt=False)
         self._bufs: dict[int, _Buf] = {}
         self._ops: dict[Any, _OpInfo] = {}
+        self._slices: dict[int, tuple[weakref.ref, tuple[int, ...], tuple[int, ...]]] = {}
+        """Per arena chunk (its storage's address): the chunk's storage, and the (starts, ends) of
+        the slices carved from it, sorted; replaced whole on each carve, so readers need no lock."""
         self._tls = threading.local()
         """Per thread: ``mode`` (its dispatch mode, once watched) and ``compute`` (its compute stream,
         once it issues device work: records or waits on compute, allocates a device buffer, runs a
         collective; until then its ops are host work). Thread-local, so a new thread that reuses a
         dead one's id starts afresh."""
+
+    def _key(self, t: torch.Tensor) -> _Key | None:
+        """The buffer ``t`` accesses: its storage, or the arena slice its first byte lies in."""
+        key = _storage_key(t)
+        if key is None:
+            return None
+        slices = self._slices.get(key[0])
+        if slices is None or slices[0]() is not key[2]:
+            return key  # not a chunk (any more: its memory went to another storage)
+        _, starts, ends = slices
+        address = t.data_ptr()
+        i = bisect.bisect_right(starts, address) - 1
+        if i >= 0 and address < ends[i]:
+            return (starts[i], ends[i] - starts[i], key[2])
+        return (address, t.numel() * t.element_size(), key[2])
 
     # streams and events --------------------------------------------------------------------
 
@@ -325,6 +350,39 @@ class OrderChecker:
             self._allocated(key, stream, _Access(stream, self._clock[stream], f"{what} at {_caller()}"),
                             "host" if host else "device")
 
+    def carved(self, piece: torch.Tensor, what: str) -> None:
+        """The host arena carved ``piece`` out of a chunk: from now on a buffer of its own. Raises
+        :class:`StreamOrderError` if a copy used any of its bytes and the host has not seen that
+        copy complete."""
+        self.watch()
+        key = _storage_key(piece)
+        if key is None:
+            return
+        start, end = piece.data_ptr(), piece.data_ptr() + piece.numel()
+        label = f"{what} at {_caller()}"
+        with self._lock:
+            known = self._slices.get(key[0])
+            starts, ends = known[1:] if known is not None and known[0]() is key[2] else ((), ())
+            kept, covered = [], []
+            for s, e in zip(starts, ends):
+                (kept if e <= start or s >= end else covered).append((s, e))
+            for s, _ in covered:
+                old = self._bufs.pop(s, None)
+                if old is None or old.ref() is not key[2]:
+                    continue
+                for prev in (old.writer, *old.readers.values()):
+                    if prev.stream != self.host and not self._covered(self.host, prev):
+                        raise StreamOrderError(
+                            f"reuse of a pinned buffer in flight: {label} handed out bytes of {self._describe(old)}, "
+                            f"which {prev.what} on {self._names[prev.stream]} (tick {prev.clock}) may still use. "
+                            "Free an arena slice with the events of its last copies (HostArena.free(piece, ready))."
+                        )
+            kept.append((start, end))
+            kept.sort()
+            self._slices[key[0]] = (weakref.ref(key[2]), tuple(s for s, _ in kept), tuple(e for _, e in kept))
+            self._clock[self.host] += 1
+            self._bufs[start] = _Buf(start, end - start, "host", _Access(self.host, self._clock[self.host], label), key[2])
+
     def copy(self, stream: int, dst: torch.Tensor, src: torch.Tensor, after: tuple[object, ...], what: str) -> dict[int, int]:
         """A copy issued now on ``stream`` after ``after``: checked, stamped; returns its event's knowledge."""
         self.watch()
@@ -334,7 +392,7 @@ class OrderChecker:
             for event in after:
                 if isinstance(event, CheckedEvent):
                     self._join(self._knows[stream], event.vec)
-            src_key, dst_key = _storage_key(src), _storage_key(dst)
+            src_key, dst_key = self._key(src), self._key(dst)
             src_buf = self._buf(src_key) if src_key else None
             dst_buf = self._buf(dst_key) if dst_key else None
             if src_buf is not None:
@@ -359,14 +417,14 @@ class OrderChecker:
         reads: list[_Key] = []
         writes: list[_Key] = []
         for i, arg in enumerate(args):
-            _collect(arg, writes if i in info.written_pos else reads)
+            self._collect(arg, writes if i in info.written_pos else reads)
         for name, arg in kwargs.items():
-            _collect(arg, writes if name in info.written_names else reads)
+            self._collect(arg, writes if name in info.written_names else reads)
         fresh: list[_Key] = []
         outs = out if isinstance(out, (tuple, list)) else (out,)
         for is_fresh, o in zip(info.fresh_outputs, outs):
             if is_fresh:
-                _collect(o, fresh)
+                self._collect(o, fresh)
         if fresh and (reads or writes):
             # Some ops return their (in-place) inputs without saying so in the schema (c10d's).
             inputs = {key[0] for key in (*reads, *writes)}
@@ -406,6 +464,18 @@ class OrderChecker:
                 self._issued_by_host(compute)
                 self._join(self._knows[self.host], self._snapshot(compute))
 
+    def _collect(self, arg: object, into: list[_Key]) -> None:
+        if isinstance(arg, torch.Tensor):
+            key = self._key(arg)
+            if key is not None:
+                into.append(key)
+        elif isinstance(arg, (list, tuple)):
+            for a in arg:
+                if isinstance(a, torch.Tensor):
+                    key = self._key(a)
+                    if key is not None:
+                        into.append(key)
+
     # threads -----------------------------------------------------------------------------------
 
     def watch(self) -> None:
@@ -427,19 +497,6 @@ class OrderChecker:
         stack_len = torch._C._len_torch_dispatch_stack()
         if stack_len and torch._C._get_dispatch_stack_at(stack_len - 1) is mode:
             _pop_mode()
-
-
-def _collect(arg: object, into: list[_Key]) -> None:
-    if isinstance(arg, torch.Tensor):
-        key = _storage_key(arg)
-        if key is not None:
-            into.append(key)
-    elif isinstance(arg, (list, tuple)):
-        for a in arg:
-            if isinstance(a, torch.Tensor):
-                key = _storage_key(a)
-                if key is not None:
-                    into.append(key)
 
 
 class _Watch(TorchDispatchMode):

@@ -176,6 +176,20 @@ def make_layout(
     return layout
 
 
+def release_buffers(layout: Layout, backend: Backend) -> None:
+    """Give the layout's DMA buffers back to the backend's arena (the optimizer is closing and no
+    thread of it runs any more). The host waits for every copy issued on the backend first: the
+    last copies into or out of these buffers may still run."""
+    backend.synchronize()
+    for per_bucket in layout.segments:
+        for seg in per_bucket:
+            for name in ("host_grad", "staging", "flat"):
+                buffer = getattr(seg, name)
+                if buffer is not None:
+                    backend.arena.free(buffer)
+                    setattr(seg, name, None)
+
+
 def _segments(bucket: Bucket, backend: Backend, own: dict[int, bool], owner: dict[int, int], exchange: bool,
               reduce_on_device: bool) -> list[Segment]:
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -188,13 +202,14 @@ def _segments(bucket: Bucket, backend: Backend, own: dict[int, bool], owner: dic
         total = sum(p.numel() for p in params)
         seg = Segment(params, offsets, dtype, [owner[id(p)] for p in params])
         nbytes = total * torch.empty((), dtype=dtype).element_size()
-        # The gradient and staging buffers are DMA buffers (pinned on CUDA): the copy engines read
-        # and write them.
+        # The gradient and staging buffers are DMA buffers, so slices of the backend's arena (pinned
+        # on CUDA, NOTE [host arena]): the copy engines read and write them. (Own-master segments,
+        # hence ``flat``, exist only on the plain CPU backend, whose arena is pageable.)
         if not all(own[id(p)] for p in params):
-            seg.host_grad = backend.host_buffer(nbytes).view(dtype)
-            seg.staging = backend.host_buffer(nbytes).view(dtype)
+            seg.host_grad = backend.arena.alloc(nbytes).view(dtype)
+            seg.staging = backend.arena.alloc(nbytes).view(dtype)
         elif exchange:
-            seg.flat = backend.host_buffer(nbytes).view(dtype)
+            seg.flat = backend.arena.alloc(nbytes).view(dtype)
         if reduce_on_device:
             seg.device_flat = backend.device_buffer(nbytes).view(dtype)
         segments.append(seg)

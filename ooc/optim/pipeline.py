@@ -53,6 +53,7 @@ import torch
 
 from ooc.backend import Event
 from ooc.errors import OocError
+from ooc.optim.layout import release_buffers
 from ooc.optim.stages import Job, Stage, StageListener, Stages
 
 _WAIT_SLICE_S = 0.05
@@ -441,11 +442,16 @@ class UpdatePipeline:
             self._exchange_q.put(Signal.STOP)
             for thread in self._threads:
                 thread.join(timeout=5)
+            if not any(thread.is_alive() for thread in self._threads):
+                # A thread still running may still use the buffers: they stay carved (a leak, not a race).
+                release_buffers(self.stages.layout, self.stages.backend)
 
     # worker threads ----------------------------------------------------------------------------
 
     def _guard(self, loop: Callable[[], None]) -> None:
         try:
+            # Before any CUDA call of this thread: its current device is the model's, not cuda:0.
+            self.stages.backend.bind_thread()
             loop()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self.error = exc

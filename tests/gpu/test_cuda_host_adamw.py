@@ -1,5 +1,6 @@
-"""HostAdamW on CUDA (pinned masters, gradient copies on the D2H stream, new weights back on the H2D
-stream, CUDA events between them) against torch.optim.AdamW.
+"""HostAdamW on CUDA (pageable masters, pinned transfer buffers from the host arena, gradient copies
+on the D2H stream, new weights back on the H2D stream, CUDA events between them) against
+torch.optim.AdamW.
 
 What is compared, bit for bit: the reference runs the same model copy on the same GPU, copies each
 gradient to the host itself (``p.grad.cpu()``), steps ``torch.optim.AdamW(fused=True)`` on fp32
@@ -111,7 +112,7 @@ def test_host_adamw_on_cuda_equals_the_host_reference(variant: str, wrap: str | 
     model = copy.deepcopy(plain)
     backend = CudaBackend(chaos=CudaChaosConfig(seed=4) if wrap == "chaos" else None)
     if wrap is not None:
-        ooc.wrap(model, ooc.Plan.of(MIXED), backend=backend)
+        ooc.wrap(model, ooc.Plan.of(MIXED, min_swap_bytes=4096), backend=backend)
     if options.pop("pipeline", False):
         options["pipeline"] = model
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, **options)

@@ -47,7 +47,7 @@ def gpt_on_cuda():
     batch = (x.cuda(), torch.roll(x, -1, dims=1).cuda())
     from ooc.backend.cuda import CudaBackend
 
-    return model, batch, ooc.profile(model, batch, backend=CudaBackend())
+    return model, batch, ooc.profile(model, batch, backend=CudaBackend(), min_swap_bytes=4096)
 
 
 def _untracked_bound(model: GPT, prof) -> int:  # noqa: ANN001
@@ -87,7 +87,7 @@ def _step(model: GPT, batch, plan: ooc.Plan) -> tuple[int, int, int | None]:  # 
 @pytest.mark.parametrize("code", CODES)
 def test_tracker_peak_is_within_the_allocators(gpt_on_cuda, code: str) -> None:
     model, batch, prof = gpt_on_cuda
-    tracked, delta, cuda_max = _step(model, batch, ooc.Plan.of(_blocks(code)))
+    tracked, delta, cuda_max = _step(model, batch, ooc.Plan.of(_blocks(code), min_swap_bytes=4096))
     assert cuda_max is not None and cuda_max >= delta
     assert tracked <= delta, f"tracker counts {tracked} B, the allocator's peak rose by only {delta} B"
     assert delta <= tracked + _untracked_bound(model, prof), (
@@ -98,8 +98,8 @@ def test_tracker_peak_is_within_the_allocators(gpt_on_cuda, code: str) -> None:
 def test_swapping_lowers_the_allocators_peak(gpt_on_cuda) -> None:
     """What the tracker says swapping saves, the allocator saves too (to within one block's set)."""
     model, batch, prof = gpt_on_cuda
-    keep_tracked, keep_delta, _ = _step(model, batch, ooc.Plan.of(_blocks("KKKKKK")))
-    swap_tracked, swap_delta, _ = _step(model, batch, ooc.Plan.of(_blocks("SSSSSS")))
+    keep_tracked, keep_delta, _ = _step(model, batch, ooc.Plan.of(_blocks("KKKKKK"), min_swap_bytes=4096))
+    swap_tracked, swap_delta, _ = _step(model, batch, ooc.Plan.of(_blocks("SSSSSS"), min_swap_bytes=4096))
     largest = max(b.saved_bytes for b in prof.blocks)
     assert keep_delta - swap_delta >= (keep_tracked - swap_tracked) - 2 * largest
 
@@ -110,7 +110,7 @@ def test_tracker_equals_the_schedule_on_cuda(gpt_on_cuda, prefetch: int) -> None
     model, batch, prof = gpt_on_cuda
     mismatches = []
     for code in ("".join(p) for p in itertools.product("KSR", repeat=2)):
-        plan = ooc.Plan.of(_blocks(code * 3), prefetch=prefetch)
+        plan = ooc.Plan.of(_blocks(code * 3), prefetch=prefetch, min_swap_bytes=4096)
         predicted = build_schedule(plan, prof).peak_bytes
         tracked, _, _ = _step(model, batch, plan)
         if abs(tracked - predicted) > 0.01 * predicted + MiB:

@@ -145,7 +145,7 @@ def test_weight_streaming_on_cuda(policies: str, streamed: tuple[int, ...], chao
     model = GPT(NANO).cuda()
     model.load_state_dict(plain.state_dict())
     backend = cuda_backend(chaos_seed=7 if chaos else None)
-    ooc.wrap(model, ooc.Plan.of(STREAM_POLICIES[policies]).streaming(streamed), backend=backend)
+    ooc.wrap(model, ooc.Plan.of(STREAM_POLICIES[policies], min_swap_bytes=4096).streaming(streamed), backend=backend)
     opts = [HostAdamW(m.parameters(), lr=1e-2, weight_decay=0.1, backend=backend) for m in (plain, model)]
     try:
         for step, batch in enumerate(_batches()):

@@ -109,7 +109,7 @@ def test_int8_training_matches_uncompressed_within_two_percent() -> None:
     finals = {}
     for codec in ("none", "int8"):
         model, _ = demo_model_and_batch(torch.device("cpu"))
-        ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 6), backend="cpu")
+        ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 6, min_swap_bytes=4096), backend="cpu")
         finals[codec] = statistics.mean(train_losses(model, 200)[-20:])
         ooc.unwrap(model)
     print(f"final loss (mean of last 20 steps): {finals}")

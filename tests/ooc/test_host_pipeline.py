@@ -21,7 +21,7 @@ from ooc.optim.pipeline import PipelineError, UncommittedStepWarning
 from tests.helpers import gpt_batch
 
 STEPS = 4
-MIXED = ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"])
+MIXED = ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"], min_swap_bytes=4096)
 
 
 def _model() -> GPT:

@@ -268,7 +268,7 @@ def test_updates_start_in_the_backward_whatever_the_output_container() -> None:
 
 def _interrupted_then_trained(backend: CpuBackend) -> list[torch.Tensor]:
     model = _model()
-    ooc.wrap(model, ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"]), backend=backend)
+    ooc.wrap(model, ooc.scheduler.Plan.of(["swap", "recompute", "keep", "swap"], min_swap_bytes=4096), backend=backend)
     opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend)
     try:
         _fail_once_in_backward(model.blocks[1])

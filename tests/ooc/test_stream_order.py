@@ -18,6 +18,7 @@ import torch.nn as nn
 
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
+from ooc.backend.arena import MIN_CHUNK
 from ooc.backend.order import StreamOrderError
 from ooc.models import GPT
 from ooc.optim import HostAdamW
@@ -85,13 +86,14 @@ def test_a_host_buffer_is_not_rewritten_before_its_last_copy(backend: CpuBackend
 
 def test_the_pool_waits_for_the_last_copy_before_reuse(backend: CpuBackend) -> None:
     pool = HostPool(backend)
-    host = pool.acquire(4096)
-    dev = backend.device_buffer(4096)
+    host = pool.acquire(MIN_CHUNK)  # fills the arena's chunk: the next buffer must reuse these bytes
+    dev = backend.device_buffer(MIN_CHUNK)
     read = backend.copy_h2d(dev, host, (backend.record_compute(),))
     pool.release(host, read)
-    again = pool.acquire(4096)
+    again = pool.acquire(MIN_CHUNK)
     assert again.data_ptr() == host.data_ptr()
-    backend.copy_d2h(again, torch.zeros(4096, dtype=torch.uint8), (backend.record_compute(),)).synchronize()
+    assert pool.allocated_bytes == MIN_CHUNK
+    backend.copy_d2h(again, torch.zeros(MIN_CHUNK, dtype=torch.uint8), (backend.record_compute(),)).synchronize()
 
 
 def test_the_pool_prefers_a_buffer_whose_last_copy_is_done() -> None:
@@ -150,7 +152,7 @@ def test_a_backend_that_forgets_the_compute_wait_raises_at_once() -> None:
 
     backend = ForgetfulBackend(check_order=True)
     model = GPT("nano")
-    ooc.wrap(model, Plan.uniform("swap", 4), backend=backend)
+    ooc.wrap(model, Plan.uniform("swap", 4, min_swap_bytes=4096), backend=backend)
     try:
         with pytest.raises(StreamOrderError, match="H2D copy"):
             model(*gpt_batch())[1].backward()
@@ -170,7 +172,7 @@ def test_weight_streaming_orders_its_copies(policy: str) -> None:
     plain = GPT("nano")
     model = copy.deepcopy(plain)
     backend = CpuBackend(chaos=ChaosConfig(seed=4, max_delay_s=0.001), check_order=True)
-    ooc.wrap(model, Plan.uniform(policy, 4).streaming([1, 2, 3]), backend=backend)
+    ooc.wrap(model, Plan.uniform(policy, 4, min_swap_bytes=4096).streaming([1, 2, 3]), backend=backend)
     try:
         for m in (plain, model):
             opt = torch.optim.SGD(m.parameters(), lr=0.1)

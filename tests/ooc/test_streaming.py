@@ -49,7 +49,7 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int) -> li
 def test_streamed_training_equals_plain_pytorch(policies: str, streamed: tuple[int, ...]) -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    ooc.wrap(model, Plan.of(POLICIES[policies]).streaming(streamed), backend="chaos")
+    ooc.wrap(model, Plan.of(POLICIES[policies], min_swap_bytes=4096).streaming(streamed), backend="chaos")
     expected = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, fused=True), 3)
     assert _train(model, torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True), 3) == expected
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
@@ -73,8 +73,8 @@ def test_between_steps_streamed_parameters_live_on_the_host_copies() -> None:
 @pytest.mark.parametrize("policies", POLICIES, ids=list(POLICIES))
 def test_device_parameter_bytes_equal_the_prediction(streamed: tuple[int, ...], policies: str) -> None:
     model = _model()
-    prof = ooc.profile(model, gpt_batch())
-    plan = Plan.of(POLICIES[policies]).streaming(streamed)
+    prof = ooc.profile(model, gpt_batch(), min_swap_bytes=4096)
+    plan = Plan.of(POLICIES[policies], min_swap_bytes=4096).streaming(streamed)
     ooc.wrap(model, plan, backend="chaos")
     for step in range(2):
         model(*gpt_batch(seed=step))[1].backward()
@@ -90,7 +90,7 @@ def test_device_parameter_bytes_equal_the_prediction(streamed: tuple[int, ...], 
 def test_streamed_with_the_pipelined_host_optimizer() -> None:
     plain = _model()
     model = copy.deepcopy(plain)
-    ooc.wrap(model, Plan.of(POLICIES["mixed"]).streaming([0, 1, 2, 3]), backend="chaos")
+    ooc.wrap(model, Plan.of(POLICIES["mixed"], min_swap_bytes=4096).streaming([0, 1, 2, 3]), backend="chaos")
     opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model)
     expected = _train(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 4)
     assert _train(model, opt, 4) == expected

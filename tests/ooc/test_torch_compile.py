@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent("""
     from ooc.models import GPT, GPTConfig
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=65, block_size=16, n_layer=2, n_head=2, n_embd=16, dropout=0.0))
-    ooc.wrap(model, ooc.Plan.of(["swap", "keep"]))
+    ooc.wrap(model, ooc.Plan.of(["swap", "keep"], min_swap_bytes=4096))
     compiled = torch.compile(model)
     x = torch.randint(0, 65, (2, 16))
     for _ in range(2):

@@ -43,7 +43,7 @@ def test_recompute_with_the_default_cache_equals_plain(attn: str, padded: bool) 
         mask = torch.ones_like(x)
         mask[1, :4] = 0
     with pytest.warns(UserWarning, match="use_cache"):
-        ooc.wrap(wrapped, ooc.Plan.of(["recompute", "swap", "recompute"]), backend="chaos")
+        ooc.wrap(wrapped, ooc.Plan.of(["recompute", "swap", "recompute"], min_swap_bytes=4096), backend="chaos")
     try:
         for _ in range(2):
             assert torch.equal(_step(plain, x, mask), _step(wrapped, x, mask))

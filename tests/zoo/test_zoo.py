@@ -25,7 +25,7 @@ MIXES = {  # policies cycled over the chain, backend, whether the chain includes
 
 
 def _mix(policies: list, n: int) -> ooc.Plan:
-    return ooc.Plan.of([policies[i % len(policies)] for i in range(n)])
+    return ooc.Plan.of([policies[i % len(policies)] for i in range(n)], min_swap_bytes=4096)
 
 
 @pytest.mark.parametrize("mix", list(MIXES))
