@@ -16,6 +16,7 @@ import torch
 import torch.nn as nn
 
 import ooc
+from ooc.blocks import find_blocks
 from ooc.recompute import RecomputeError
 
 LETTERS = {"R": ooc.BlockPlan("recompute"), "r": ooc.BlockPlan("recompute", swap_input=True),
@@ -278,3 +279,75 @@ def test_hf_use_cache_true_is_refused_before_anything_is_appended() -> None:
         model(input_ids=ids, labels=ids, use_cache=True)
     model(input_ids=ids, labels=ids).loss.backward()  # the default (use_cache off while wrapped) trains
     ooc.unwrap(model)
+
+
+class Counter(nn.Module):
+    """Scales by how often it ran: its forward updates a buffer, then reads it."""
+
+    def __init__(self, persistent: bool) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("count", torch.ones(()), persistent=persistent)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.count.add_(1)
+        return torch.tanh(self.fc(x) * self.count)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_forward_that_updates_and_reads_a_buffer(code: str) -> None:
+    """The re-run reads the persistent buffer's value from before the forward, and leaves it as the forward did."""
+    assert_same_as_plain(lambda: Chain([Counter(persistent=True) for _ in range(3)]), code)
+
+
+def test_forward_that_updates_a_non_persistent_buffer_is_refused() -> None:
+    """Non-persistent buffers (constants such as causal masks) are not copied: updating one is refused at the
+    forward, before the backward could read a wrong value."""
+    model = wrapped_copy(Chain([Counter(persistent=False) for _ in range(3)]), "KRK")
+    with pytest.raises(RecomputeError, match=r"block blocks\.1 modifies a non-persistent buffer"):
+        model(inputs())
+    ooc.unwrap(model)
+
+
+def _gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=97, n_embd=32, n_layer=3, n_head=4, n_positions=64, resid_pdrop=0.2, attn_pdrop=0.2,
+        bos_token_id=1, eos_token_id=2))
+
+
+def _t5() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    return transformers.T5ForConditionalGeneration(transformers.T5Config(
+        vocab_size=97, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+        decoder_start_token_id=0, dropout_rate=0.2))
+
+
+@pytest.mark.filterwarnings("ignore:ooc turned off use_cache")
+@pytest.mark.parametrize("build", [_gpt2, _t5], ids=["gpt2", "t5"])
+def test_hf_models_equal_plain_without_the_cache_bit_for_bit(build: Callable[[], nn.Module]) -> None:
+    """GPT-2 and T5 differ from a plain model called with its default ``use_cache=True`` by float
+    rounding (logits ~1e-7), under every plan, keep-all included: ooc turns the cache off, and the
+    cache's concatenation gives the keys another memory layout. Against plain PyTorch with the cache
+    off too, a recompute/swap/keep mix is exact: the loss, the logits and every gradient."""
+    torch.manual_seed(0)
+    plain = build().train()
+    for module in plain.modules():  # T5's stacks have configs of their own
+        if getattr(module, "config", None) is not None:
+            module.config.use_cache = False
+    wrapped = copy.deepcopy(plain)
+    mix = ["recompute", ooc.BlockPlan("recompute", swap_input=True), "swap"]
+    ooc.wrap(wrapped, ooc.Plan.of([mix[i % 3] for i in range(len(find_blocks(wrapped)))]), backend="cpu")
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 97, (2, 10), generator=g)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0
+    results = []
+    for model in (plain, wrapped):
+        torch.manual_seed(1)
+        out = model(input_ids=ids, attention_mask=mask, labels=ids)
+        out.loss.backward()
+        results.append([out.loss, out.logits, *(p.grad for p in model.parameters())])
+    ooc.unwrap(wrapped)
+    for a, b in zip(*results):
+        assert torch.equal(a, b)
