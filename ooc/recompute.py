@@ -21,7 +21,7 @@ What ooc adds to torch's mechanism:
 - Every tensor the re-run saves goes through the runtime's ``recompute_pack`` hook (the tracker
   counts it as "recompute", at the block's backward start, as the schedule does).
 - The re-run replays the CPU and the block device's RNG state (dropout masks repeat bit for bit) and
-  the autocast state of the first run, and restores the block's buffers afterwards, so BatchNorm
+  the autocast state of the first run, and updates a copy of the block's buffers, so BatchNorm
   running statistics are updated once per step, as without ooc (torch's checkpoint updates them twice).
 - Every re-run is checked: a different number of saved tensors, or a different shape, dtype or
   device of one, raises :class:`RecomputeError` naming the block; ``check_recompute=True`` also
