@@ -7,14 +7,18 @@ layer runs again in the backward and appends them a second time, so the re-run a
 the keys: with sdpa and no mask the gradients were silently wrong. HF's own gradient checkpointing
 turns the cache off in training for this reason; ooc does the same for as long as the model is
 wrapped (every ``config`` found on the model's modules, restored by ``ooc.unwrap``), and says so
-once. A call that asks for ``use_cache=True`` explicitly is caught by the recompute's check that
-the re-run saves what the forward saved.
+once. A call that asks for ``use_cache=True`` explicitly hands each layer the cache: a recomputed
+layer that receives one is refused at its forward (``cache_argument``), before anything is appended
+(the re-run used to attend over the doubled keys and fail on a shape, or double the cache the call
+returned).
 """
 
 from __future__ import annotations
 
+import sys
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch.nn as nn
 
@@ -64,3 +68,13 @@ def disable_caches(model: nn.Module) -> Callable[[], None]:
             config.use_cache = True
 
     return restore
+
+
+def cache_argument(values: Iterable[Any]) -> str | None:
+    """The class name of the first Hugging Face key/value cache (``transformers.cache_utils.Cache``)
+    among ``values``, else None. Looks only if transformers is already imported (no import here)."""
+    cache_utils = sys.modules.get("transformers.cache_utils")
+    cache = getattr(cache_utils, "Cache", None)
+    if cache is None:
+        return None
+    return next((type(v).__name__ for v in values if isinstance(v, cache)), None)

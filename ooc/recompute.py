@@ -21,13 +21,28 @@ What ooc adds to torch's mechanism:
 - Every tensor the re-run saves goes through the runtime's ``recompute_pack`` hook (the tracker
   counts it as "recompute", at the block's backward start, as the schedule does).
 - The re-run replays the CPU and the block device's RNG state (dropout masks repeat bit for bit) and
-  the autocast state of the first run, and restores the block's buffers afterwards, so BatchNorm
+  the autocast state of the first run, and updates a copy of the block's buffers, so BatchNorm
   running statistics are updated once per step, as without ooc (torch's checkpoint updates them twice).
 - Every re-run is checked: a different number of saved tensors, or a different shape, dtype or
   device of one, raises :class:`RecomputeError` naming the block; ``check_recompute=True`` also
   compares the values bit for bit (against host copies taken in the forward).
 - A block that modifies one of its tensor arguments in place, or whose argument is modified in place
   before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
+
+NOTE [the re-run sees the forward's state]
+Autograd checks that a saved tensor was not modified in place before backward reads it (its
+version counter), but not through saved-tensor hooks, and a re-run reads the model as it is at
+backward time. So the frame keeps what the block's forward saw (``BlockState``) and checks the rest:
+- Buffers: each re-run reads a copy of their values from before the forward, and its updates go to
+  that copy (a spectral norm's power iteration reads and updates its ``u`` buffer; a re-run from the
+  updated one gave other weights, hence wrong gradients, silently).
+- Parameters and buffers replaced between the forward and the backward (``torch.func.functional_call``
+  swaps them in for the call only) are put back for the re-run; training flags and
+  ``torch.Generator`` objects (arguments, or attributes of the block's modules) too.
+- A tensor the forward saved that is still alive (a parameter, a tensor held by the caller, the
+  block's output) and modified in place before the re-run, or a re-saved tensor modified after the
+  re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
+  inplace operation" error: the re-run would read the new values.
 """
 
 from __future__ import annotations
@@ -44,6 +59,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ooc import nvtx
 from ooc.errors import OocError
+from ooc.hf import cache_argument
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -92,8 +108,88 @@ class AutocastState:
             yield
 
 
-class _StopRecompute(Exception):
-    """Raised by the re-run's pack hook once every saved tensor the backward needs is recomputed."""
+class BlockState:
+    """The block's parameters, buffers, training flags and generators as its forward saw them
+    (NOTE [the re-run sees the forward's state]). Taken before the forward.
+
+    Persistent buffers (model state: BatchNorm statistics, a spectral norm's vectors; small) are
+    copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
+    are, and a forward that modifies one in place is refused (``check_constants``)."""
+
+    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs")
+
+    def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
+        self.tensors: list[tuple[dict, str, torch.Tensor]] = []
+        """Parameters and non-persistent buffers: put back by identity if replaced."""
+        self.buffers: list[tuple[dict, str, torch.Tensor]] = []
+        """Persistent buffers: a copy of their values before the forward."""
+        self.constants: list[tuple[torch.Tensor, int]] = []
+        """Non-persistent buffers and their versions before the forward."""
+        self.training: list[tuple[torch.nn.Module, bool]] = []
+        # ``type() is``, not ``isinstance``: the latter reads ``__class__`` through HF configs' Python
+        # ``__getattribute__`` (0.5 ms per Llama layer).
+        generators = [g for g in leaves if type(g) is torch.Generator]
+        for m in module.modules():
+            self.training.append((m, m.training))
+            self.tensors += [(m._parameters, name, t) for name, t in m._parameters.items() if t is not None]
+            for name, t in m._buffers.items():
+                if t is None:
+                    continue
+                if name in m._non_persistent_buffers_set:
+                    self.tensors.append((m._buffers, name, t))
+                    self.constants.append((t, t._version))
+                else:
+                    self.buffers.append((m._buffers, name, t.detach().clone()))
+            generators += [g for g in vars(m).values() if type(g) is torch.Generator]
+        self.generators = [(g, g.get_state()) for g in dict.fromkeys(generators)]
+        owners = [t for _, _, t in self.tensors] + [d[name] for d, name, _ in self.buffers]
+        self.ptrs = {t.untyped_storage().data_ptr(): t for t in owners if t.layout == torch.strided}
+        """Storage address -> the parameter or buffer that owns it (the block's model state)."""
+
+    def check_constants(self, name: str) -> None:
+        """After the forward: refuse a forward that modified a non-persistent buffer in place (its value
+        before the forward, which the re-run must read, was not copied)."""
+        for tensor, version in self.constants:
+            if tensor._version != version:
+                raise RecomputeError(
+                    f"block {name} modifies a non-persistent buffer {tuple(tensor.shape)} in place in its forward, so "
+                    "a re-run would read another value; register it as a persistent buffer (ooc then copies it "
+                    "before the forward), or plan this block as keep or swap"
+                )
+
+    @contextlib.contextmanager
+    def restored(self) -> Iterator[None]:
+        """Run the re-run on the forward's state; put the current one back after."""
+        current: list[tuple[dict, str, torch.Tensor | None]] = []
+        flags = [(m, m.training, training) for m, training in self.training if m.training != training]
+        generators = [(g, g.get_state()) for g, _ in self.generators]
+        try:
+            for d, name, tensor in self.tensors:
+                if (now := d.get(name)) is not tensor:
+                    current.append((d, name, now))
+                    d[name] = tensor
+            for d, name, before in self.buffers:
+                current.append((d, name, d.get(name)))
+                d[name] = before.clone()  # updated by this re-run, then dropped
+            for m, _, training in flags:
+                m.training = training
+            for g, state in self.generators:
+                g.set_state(state)
+            yield
+        finally:
+            for d, name, tensor in current:
+                d[name] = tensor
+            for m, training, _ in flags:
+                m.training = training
+            for g, state in generators:
+                g.set_state(state)
+
+
+class _StopRecompute(BaseException):
+    """Raised by the re-run's pack hook once every saved tensor the backward needs is recomputed.
+
+    A ``BaseException``: a block whose forward catches ``Exception`` (a fallback path) must not
+    swallow it and run on into tensors its forward never saved."""
 
 
 class _Holder:
@@ -104,10 +200,12 @@ class _Holder:
     ``retain_graph=True``).
     """
 
-    __slots__ = ("tensors", "__weakref__")
+    __slots__ = ("tensors", "versions", "__weakref__")
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor | None] = {}
+        self.versions: dict[int, int] = {}
+        """The version of ``tensors[gid]`` when the re-run saved it (checked when it is unpacked)."""
 
 
 _outside_backward = itertools.count(-2, -1)
@@ -160,7 +258,9 @@ class RecomputeFrame:
         self.holders: list[weakref.ref[_Holder]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
         self.values: list[torch.Tensor | None] = []
-        self._state_ptrs: frozenset[int] | None = None
+        self.state: BlockState | None = None
+        self.saved: list[tuple[Callable[[], torch.Tensor | None], int]] = []
+        """Per tensor the forward saved: how to reach it if it is still alive, and its version then."""
         self.counts: dict[int, int] = {}
         self.done: set[int] = set()
         self.forward_done = False
@@ -177,6 +277,7 @@ class RecomputeFrame:
         self.load_input = load_input
         self.tensor_slots = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         self.requires_grad = [leaves[k].requires_grad for k in self.tensor_slots]
+        self.state = BlockState(self.module, leaves)
         self.leaves = list(leaves)
         for k in self.tensor_slots:
             self.leaves[k] = save_input(leaves[k])
@@ -191,6 +292,7 @@ class RecomputeFrame:
                     "that argument (its value before the block is gone); plan this block as keep or swap, "
                     "or make the operation out of place"
                 )
+        self.state.check_constants(self.name)
         # A kept argument is held as itself or as a detached view (same version counter); a swapped
         # one is a copy, which nothing can modify.
         self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None
@@ -200,17 +302,29 @@ class RecomputeFrame:
         holder = _Holder()
         self.holders.append(weakref.ref(holder))
         self.metas.append(_meta(tensor))
+        owner = self.state.ptrs.get(tensor.untyped_storage().data_ptr()) if tensor.layout == torch.strided else None
+        # A view of a parameter (``weight.t()``) dies with the forward, but shares its owner's version
+        # counter; holding the owner costs nothing (a streamed parameter's device buffer is not held).
+        self.saved.append(((lambda: owner) if owner is not None else weakref.ref(tensor), tensor._version))
         if self.check_values:
             # Model state (BatchNorm's running statistics) legitimately differs in the re-run: not compared.
-            state = tensor.untyped_storage().data_ptr() in self.state_ptrs()
-            self.values.append(None if state else tensor.detach().to("cpu", copy=True))
+            self.values.append(None if owner is not None else tensor.detach().to("cpu", copy=True))
         return holder
 
-    def state_ptrs(self) -> frozenset[int]:
-        if self._state_ptrs is None:
-            tensors = [*self.module.parameters(), *self.module.buffers()]
-            self._state_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)
-        return self._state_ptrs
+    def _check_saved_versions(self) -> None:
+        for index, (reach, version) in enumerate(self.saved):
+            tensor = reach()
+            if tensor is not None and tensor._version != version:
+                raise RecomputeError(
+                    f"block {self.name}: tensor {index} {tuple(tensor.shape)} that its forward saved for backward was "
+                    "modified in place after the forward (plain PyTorch raises \"one of the variables needed for "
+                    "gradient computation has been modified by an inplace operation\" here); make that operation "
+                    "out of place, or run it after the backward"
+                )
+
+    def _refresh_saved_versions(self) -> None:
+        # What the re-run itself changed in place is the forward's doing again, not the caller's.
+        self.saved = [(reach, version if (t := reach()) is None else t._version) for reach, version in self.saved]
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
         gid = _graph_task_id()
@@ -226,6 +340,12 @@ class RecomputeFrame:
                 "read ctx.saved_tensors once per backward call"
             )
         holder.tensors[gid] = None
+        if tensor._version != holder.versions[gid]:
+            raise RecomputeError(
+                f"block {self.name}: a tensor {tuple(tensor.shape)} it saved for backward is modified in place later "
+                "in its forward (plain PyTorch raises \"one of the variables needed for gradient computation has "
+                "been modified by an inplace operation\" here); make that operation out of place"
+            )
         return tensor
 
     # -- the re-run -----------------------------------------------------------------------------
@@ -268,6 +388,7 @@ class RecomputeFrame:
             if holder is not None:  # None: its node already ran (a backward inside the forward)
                 account(tensor)
                 holder.tensors[gid] = tensor
+                holder.versions[gid] = tensor._version
             if index + 1 == len(self.holders):
                 raise _StopRecompute
             # The re-run's own graph may be backwarded (a backward inside the block's forward).
@@ -277,10 +398,13 @@ class RecomputeFrame:
 
     def recompute(self, gid: int) -> None:
         args, kwargs = self._arguments()
-        buffers = [b.detach().clone() for b in self.module.buffers()]
+        self._check_saved_versions()
         pack = self.pack_recomputed(gid, self.recompute_pack())
         with nvtx.range(self.range_name), self.timer("recompute"):
             with (
+                # The first run already updated the buffers (BatchNorm statistics) for this step: the
+                # re-run updates a copy of their values from before it (NOTE [the re-run sees the forward's state]).
+                self.state.restored(),
                 self.rng.restored(),
                 self.autocast.restored(),
                 torch.enable_grad(),
@@ -290,10 +414,7 @@ class RecomputeFrame:
                     self.forward(*args, **kwargs)
                 except _StopRecompute:
                     pass
-        with torch.no_grad():
-            # The first run already updated the buffers (BatchNorm statistics) for this step.
-            for buffer, saved in zip(self.module.buffers(), buffers):
-                buffer.copy_(saved)
+        self._refresh_saved_versions()
         self.done.add(gid)
         self._check(gid)
 
@@ -353,8 +474,15 @@ def run_recomputed(
     (keeps a host copy of every saved tensor of the block until its backward).
     Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
-    frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     leaves, spec = tree_flatten((args, kwargs))
+    if (cache := cache_argument([*args, *kwargs.values(), *leaves])) is not None:
+        raise RecomputeError(
+            f"block {name} was passed a key/value cache ({cache}: the model was called with use_cache=True); a "
+            "recomputed layer would append its keys and values to it a second time (NOTE [caches and recompute] in "
+            "ooc.hf). Call the model with use_cache=False for training (ooc already turned the config's default "
+            "off), or plan this block as keep or swap"
+        )
+    frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     frame.hold_inputs(leaves, spec, save_input, load_input)
     before = [leaves[k]._version for k in frame.tensor_slots]
     with saved_tensors_hooks(frame.pack_forward, frame.unpack), timer("forward"):
