@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ooc.api import plan, wrap
 from ooc.describe import ChainReport, describe
-from ooc.errors import BlockError, BudgetError, OocError, PlanError, ProfileError, WrapError
+from ooc.errors import BlockError, BudgetError, OocError, PlanError, ProfileError, SavedTensorModifiedError, WrapError
 from ooc.profiler import profile
 from ooc.runtime import is_wrapped, memory_report, unwrap
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy, Residency
@@ -40,6 +40,7 @@ __all__ = [
     "Policy",
     "ProfileError",
     "Residency",
+    "SavedTensorModifiedError",
     "WrapError",
     "describe",
     "is_wrapped",

@@ -31,4 +31,10 @@ class BudgetError(OocError, ValueError):
         )
 
 
-__all__ = ["BlockError", "BudgetError", "OocError", "PlanError", "ProfileError", "WrapError"]
+class SavedTensorModifiedError(OocError, RuntimeError):
+    """A tensor a block saved for its backward was modified in place before the backward used it
+    (plain PyTorch raises "modified by an inplace operation" here; ooc's saved-tensor hooks switch
+    autograd's own check off, so the runtime makes it)."""
+
+
+__all__ = ["BlockError", "BudgetError", "OocError", "PlanError", "ProfileError", "SavedTensorModifiedError", "WrapError"]

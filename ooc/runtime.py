@@ -30,7 +30,7 @@ from torch.utils._pytree import tree_leaves
 from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward
-from ooc.errors import BlockError, WrapError
+from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_no_hf_checkpointing, disable_caches
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
@@ -79,6 +79,12 @@ class _NoRecorder:
         pass
 
 
+def _remove_all(handles: list) -> None:
+    for handle in handles:
+        handle.remove()
+    handles.clear()
+
+
 def _free_all_kept(tracker: MemoryTracker, kept: list[int]) -> None:
     for block, nbytes in enumerate(kept):
         if nbytes:
@@ -98,10 +104,18 @@ class _Pass:
         self.backward_started = False
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
+        self.saved_versions: dict[int, tuple[int, weakref.ref, int]] = {}
+        """id(packed) -> (block, the tensor whose version counter it shares, its version at pack);
+        NOTE [saved tensors modified in place]."""
         # A graph dropped without a backward frees its saved tensors with it. A finalizer, not
         # ``__del__``: it exists only once the pass is whole (torch.compile builds and drops objects
         # whose ``__init__`` never ran, and their ``__del__`` printed "Exception ignored" tracebacks).
         weakref.finalize(self, _free_all_kept, runtime.tracker, self.kept)
+        self.timing_hooks: list[torch.utils.hooks.RemovableHandle] = []
+        """Hooks that mark a block's backward end for a recorder. Those on parameters would outlive
+        the pass (and fire in every later backward, an ``autograd.grad`` included, where torch
+        refuses a multi-grad hook on a leaf): removed when the backward ends or the graph dies."""
+        weakref.finalize(self, _remove_all, self.timing_hooks)
 
     def pack_hook(self, block: int, *, swap: bool, what: str) -> Callable[[torch.Tensor], object]:
         rt = self.rt
@@ -119,6 +133,44 @@ class _Pass:
             on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
             param_view=rt.streamer.view_of if rt.plan.blocks[block].streamed else None,
         )
+
+    def versioned(self, block: int, pack: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+        """``pack`` that also records each saved tensor's version (NOTE [saved tensors modified in place]).
+
+        NOTE [saved tensors modified in place]
+        Autograd raises "modified by an inplace operation" when a saved tensor's version changed
+        between its save and its use, but not for tensors saved through saved-tensor hooks, which
+        every plan uses: an optimizer step between forward and backward (a GAN's classic mistake)
+        would then give gradients of the new weights, silently. So the pack hook records the
+        version of what it packs (for a kept tensor, the detached alias autograd holds, which shares
+        the version counter; for a swapped one, the caller's tensor, while it lives) and ``unpack``
+        compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
+        the same check themselves (NOTE [the re-run sees the forward's state] in ooc.recompute).
+        """
+        versions = self.saved_versions
+
+        def pack_versioned(tensor: torch.Tensor) -> object:
+            packed = pack(tensor)
+            watched = packed if isinstance(packed, torch.Tensor) else tensor
+            versions[id(packed)] = (block, weakref.ref(watched), watched._version)
+            return packed
+
+        return pack_versioned
+
+    def unpack(self, packed: object) -> torch.Tensor:
+        entry = self.saved_versions.get(id(packed))
+        if entry is not None:
+            block, ref, version = entry
+            watched = ref()
+            if watched is not None and watched._version != version:
+                name = self.rt.chain.names[block]
+                raise SavedTensorModifiedError(
+                    f"a tensor that block {name!r} saved for its backward (shape {tuple(watched.shape)}) was modified "
+                    f"in place after the forward (version {version} -> {watched._version}); plain PyTorch raises here "
+                    "too (\"modified by an inplace operation\"). Run the backward before changing it (e.g. before "
+                    "optimizer.step()), or change a clone"
+                )
+        return unpack(packed)
 
     def keep(self, block: int, nbytes: int, what: str, dtype: torch.dtype) -> None:
         self.kept[block] += nbytes
@@ -177,6 +229,7 @@ class _Pass:
             storage.decode()  # NOTE [compressed swap] in ooc.saved
 
     def on_backward_end(self) -> None:
+        _remove_all(self.timing_hooks)
         self.free_kept(range(len(self.kept)))
         self.rt.streamer.release_all()
         if self.bwd_range is not None:
@@ -228,8 +281,8 @@ class _BlockForward:
                     check_recompute=rt.check_recompute,
                 )
             else:
-                pack = step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save")
-                with saved_tensors_hooks(pack, unpack), rt.timer(i, "forward"):
+                pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))
+                with saved_tensors_hooks(pack, step.unpack), rt.timer(i, "forward"):
                     out = self.original(*args, **kwargs)
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
@@ -239,10 +292,10 @@ class _BlockForward:
         if rt.timer.marks_backward:
             inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
             if inputs:
-                register_multi_grad_hook(inputs, lambda _grad: rt.timer.mark(i, "backward_end"), mode="any")
+                step.timing_hooks.append(register_multi_grad_hook(inputs, lambda _grad: rt.timer.mark(i, "backward_end"), mode="any"))
             elif params := [p for p in rt.chain.modules[i].parameters() if p.requires_grad]:
                 # No input needs a gradient (raw data): the block's backward ends with its parameters'.
-                register_multi_grad_hook(params, lambda _grads: rt.timer.mark(i, "backward_end"), mode="all")
+                step.timing_hooks.append(register_multi_grad_hook(params, lambda _grads: rt.timer.mark(i, "backward_end"), mode="all"))
         if isinstance(out, torch.Tensor):
             outputs = [out] if out.requires_grad else []
         else:
