@@ -13,6 +13,7 @@ import ooc
 from ooc.errors import OocError
 from ooc.models import GPT
 from ooc.optim import HostAdamW
+from ooc.optim.pipeline import PipelineError
 from tests.helpers import NANO, gpt_batch
 
 
@@ -93,3 +94,22 @@ def test_streaming_changed_under_a_live_optimizer_is_refused_and_the_advice_work
         opt.close()
         if ooc.is_wrapped(model):
             ooc.unwrap(model)
+
+
+def test_a_failed_host_update_says_how_to_go_on(monkeypatch) -> None:
+    # Every later call raised "ooc's host optimizer stopped: <cause>" and nothing said what to do.
+    import ooc.optim.stages as stages
+
+    model = GPT(NANO)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+
+    def fails(*_args, **_kwargs) -> None:
+        raise RuntimeError("host kernel failed")
+
+    monkeypatch.setattr(stages, "adamw", fails)
+    try:
+        with pytest.raises(PipelineError, match=r"host kernel failed.*close\(\) it, restore .* checkpoint"):
+            _train(model, opt, range(1))
+            opt.synchronize()
+    finally:
+        opt.close()
