@@ -13,6 +13,7 @@ from ooc.errors import BudgetError, WrapError
 from ooc.profiler import FirstStepRecorder
 from ooc.profiler import profile as measure_profile
 from ooc.runtime import check_trainable, install
+from ooc.scheduler import checks
 from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.hardware import PRESETS, Hardware, preset
 from ooc.scheduler.optimal import minimum_peak
@@ -35,6 +36,9 @@ def hardware_for(hardware: Hardware | str | None, backend: Backend) -> Hardware:
         return hardware
     if isinstance(hardware, str):
         return preset(hardware)
+    if hardware is not None:
+        raise WrapError(f"hardware must be an ooc.scheduler.Hardware, a preset name ({', '.join(sorted(PRESETS))}) "
+                        f"or None, got {hardware!r} ({type(hardware).__name__})")
     if backend.device.type == "cpu":
         return preset("cpu")
     # Reported at ooc's own call site, so the default filter shows it once per process and entry point.
@@ -61,6 +65,7 @@ def plan_for_profile(
     their parameters streamed from the host (:func:`ooc.scheduler.param_planner.plan_with_streaming`).
     """
     budget_bytes = parse_bytes(budget)
+    _check_prefetch(prefetch)
     try:
         choose = PLANNERS[planner]
     except KeyError:
@@ -82,6 +87,12 @@ def plan_for_profile(
     return annotate(chosen, prof)
 
 
+def _check_prefetch(prefetch: object) -> None:
+    # A negative depth indexed the planners' tables from their end (an IndexError deep inside).
+    checks.count(prefetch, "prefetch", WrapError, hint="the number of blocks whose swapped tensors are copied back "
+                 "ahead of their backward (2 by default)")
+
+
 def plan(
     model: nn.Module,
     sample: Any,
@@ -98,6 +109,10 @@ def plan(
     on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``); with
     ``include_params``, of parameters and saved activations together, streaming parameters from
     the host where needed."""
+    _check_prefetch(prefetch)
+    if sample is None:
+        raise WrapError("ooc.plan profiles the model on a sample: pass one input batch as its second argument (or "
+                        "call ooc.wrap(model, budget=...) without a sample to plan from the first training step)")
     backend_obj = resolve_backend(backend, model)
     try:
         prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
@@ -151,6 +166,9 @@ def wrap(
     Every check runs before anything is installed: after an error the model is unchanged.
     """
     check_trainable(model)
+    _check_prefetch(prefetch)
+    for name, value in (("include_params", include_params), ("check_recompute", check_recompute)):
+        checks.flag(value, name, WrapError)  # the string "no" would read as True
     if include_params and plan is None and budget is not None and sample is None and profile is None:
         raise WrapError("include_params=True plans parameters from a profile: pass sample= (one input batch) or "
                         "profile=, so the first step does not have to hold every parameter on the device")

@@ -102,6 +102,8 @@ class _Pass:
         self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
+        self.backward_id = -1
+        """The graph task of the backward whose end callback is queued (``on_backward_start``)."""
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
         self.saved_versions: dict[int, tuple[int, weakref.ref, int]] = {}
@@ -207,13 +209,18 @@ class _Pass:
         for j in schedule.stream_ins_before_backward[block]:
             streamer.issue(j)
         streamer.attach(block)
+        backward = torch._C._current_graph_task_id()  # what torch's own checkpoint tells backwards apart by
+        if backward != self.backward_id:
+            # Runs once this whole backward is done, whichever block it ends in. Once per backward,
+            # not per pass: a second backward through a retained graph (or a second loss sharing it)
+            # brings streamed weights back and re-saves recomputed tensors, which its end returns.
+            self.backward_id = backward
+            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
         if not self.backward_started:
             self.backward_started = True
             # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
             # counts per step (the check the quantize kernel would otherwise sync for per storage).
             self.rt.swap_ctx.check_finite()
-            # Runs once the whole backward is done, whichever block it ends in.
-            torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
             for j in schedule.releases_before_backward:
                 self.release(j)
         if self.bwd_range is not None:
@@ -240,8 +247,20 @@ class _Pass:
             self.rt.finish_deferred()
 
 
+def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
+    """``__reduce_ex__`` of what ``wrap`` puts on a model: copying or pickling it would copy the
+    runtime (threads, locks, the host pool), or leave the copy calling into this one."""
+    raise WrapError(
+        "a model wrapped by ooc cannot be deep-copied or pickled (copy.deepcopy, torch.save(model)): its blocks "
+        "run through this model's runtime. Copy the weights instead (model.state_dict() into a new model, or "
+        "torch.save(model.state_dict())), or call ooc.unwrap(model) first and wrap again afterwards"
+    )
+
+
 class _BlockForward:
     """Stands in for ``block.forward`` while the model is wrapped."""
+
+    __reduce_ex__ = _refuse_copy
 
     def __init__(self, runtime: "Runtime", index: int, original: Callable[..., Any]) -> None:
         self.rt = runtime
@@ -309,6 +328,8 @@ class _BlockForward:
 
 class Runtime:
     """Everything ``wrap`` installs on one model."""
+
+    __reduce_ex__ = _refuse_copy  # its bound methods are the model's first-forward hooks
 
     def __init__(self, model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, owns_backend: bool = False) -> None:
         self.model = model

@@ -13,6 +13,7 @@ way (:mod:`ooc.distributed`).
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import weakref
 from collections.abc import Iterable
@@ -125,10 +126,22 @@ class HostAdamW(torch.optim.Optimizer):
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
     ) -> None:
-        if lr < 0 or eps < 0 or weight_decay < 0:
-            raise ValueError(f"lr, eps and weight_decay must be >= 0, got {lr}, {eps}, {weight_decay}")
+        for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
+            _check_number(name, value)
+        if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+            raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+        for b in betas:
+            _check_number("betas", b)
         if not all(0.0 <= b < 1.0 for b in betas):
             raise ValueError(f"betas must be in [0, 1), got {betas}")
+        for name, flag in (("delayed_update", delayed_update), ("rollback", rollback)):
+            if not isinstance(flag, bool):
+                # A string such as "no" would read as True.
+                raise TypeError(f"{name} is True or False, got {flag!r} ({type(flag).__name__})")
+        if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
+            raise TypeError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+        if isinstance(device_params_below, bool) or not isinstance(device_params_below, int):
+            raise TypeError(f"device_params_below is a number of elements (an int), got {device_params_below!r}")
         config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
                                 rollback=rollback, inline=model is None or not pipeline)
         if device_params_below < 0:
@@ -147,6 +160,16 @@ class HostAdamW(torch.optim.Optimizer):
         for p in tensors:
             if not p.is_floating_point():
                 raise TypeError(f"HostAdamW optimizes floating-point parameters, got {p.dtype}")
+        if len({id(p) for p in tensors}) != len(tensors):
+            # torch's optimizers only warn; here each copy would take its own host state and bucket slot,
+            # and the weights would end other than torch.optim.AdamW's.
+            raise ValueError("HostAdamW got the same parameter more than once (in one group or in two); pass each "
+                             "parameter once, e.g. list(model.parameters()), which leaves out tied duplicates")
+        if model is not None and tensors and not {id(p) for p in tensors} & {id(q) for q in model.parameters()}:
+            # Its forward hooks would gate nothing of these parameters: a forward could read weights
+            # while the host thread writes them.
+            raise ValueError(f"model= must be the module whose parameters this optimizer trains; none of the "
+                             f"{len(tensors)} parameters belongs to the {type(model).__name__} given")
         self.delayed_update = delayed_update
         self._accumulate = accumulate
         self.stage_listeners: list[StageListener] = []
@@ -266,7 +289,13 @@ class HostAdamW(torch.optim.Optimizer):
                 handles.append(chain.modules[bucket.block].register_forward_pre_hook(
                     lambda _m, _args, i=bucket.index: pipe.before_block_forward(i)))
         outside = tuple(b.index for b in self._buckets if b.block is None)
-        handles.append(model.register_forward_pre_hook(lambda _m, _args: pipe.before_forward(outside)))
+        streamer = weight_streamer(model)
+
+        def before_forward(_m: nn.Module, _args: Any) -> None:
+            _check_same_streamer(model, streamer)
+            pipe.before_forward(outside)
+
+        handles.append(model.register_forward_pre_hook(before_forward))
         if on_grad:
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
@@ -397,6 +426,30 @@ class HostAdamW(torch.optim.Optimizer):
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> None:
+    """Raise unless ``model`` streams its weights as it did when the optimizer was built: the buffers,
+    gates and master copies were laid out for those weights' homes (the device tensor, or the
+    streamer's host copy), and after ``ooc.wrap`` or ``ooc.unwrap`` changed them the updates would
+    go to copies the model no longer reads."""
+    if weight_streamer(model) is not streamer:
+        raise OocError(
+            "this model's weight streaming changed after its HostAdamW was built (ooc.wrap or ooc.unwrap with a plan "
+            "that streams weights): the optimizer would update copies the model no longer reads. Build the HostAdamW "
+            "after ooc.wrap: sd = opt.state_dict(); opt.close(); opt = HostAdamW(...); opt.load_state_dict(sd)"
+        )
+
+
+def _check_number(name: str, value: Any) -> None:
+    """A hyperparameter: a real number (or a one-element tensor), finite and >= 0."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
+        raise TypeError(f"{name} must be a number, got {value!r} ({type(value).__name__})")
+    if isinstance(value, torch.Tensor) and value.numel() != 1:
+        raise ValueError(f"{name} must be one number, got a tensor of shape {tuple(value.shape)}")
+    number = float(value)
+    if not math.isfinite(number) or number < 0:
+        raise ValueError(f"{name} must be a finite number >= 0, got {number}")
 
 
 _OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HostAdamW]] = weakref.WeakKeyDictionary()

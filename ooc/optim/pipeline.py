@@ -434,7 +434,10 @@ class UpdatePipeline:
 
     def raise_error(self) -> None:
         if self.error is not None:
-            raise PipelineError(f"ooc's host optimizer stopped: {self.error}") from self.error
+            raise PipelineError(
+                f"ooc's host optimizer stopped: {self.error}. It cannot go on (this step's updates may have reached "
+                "some buckets and not others): close() it, restore the model and optimizer from your last checkpoint "
+                "and build a new HostAdamW") from self.error
 
     def close(self) -> None:
         if not self.closed:

@@ -1,0 +1,115 @@
+"""HostAdamW's options and parameters off the happy path (issue 12, an adversarial pass): what
+would train other weights than ``torch.optim.AdamW`` is refused up front, with a message."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+import ooc
+from ooc.errors import OocError
+from ooc.models import GPT
+from ooc.optim import HostAdamW
+from ooc.optim.pipeline import PipelineError
+from tests.helpers import NANO, gpt_batch
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(lr=math.nan), dict(lr=math.inf), dict(eps=math.nan), dict(weight_decay=math.nan), dict(lr="1e-3"),
+    dict(betas=(0.9,)), dict(betas=(0.9, math.nan)), dict(max_grad_norm="1.0"),
+], ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()))
+def test_hyperparameters_that_are_not_finite_numbers_are_refused(kwargs: dict) -> None:
+    # lr=nan trained every weight to NaN without a word (torch.optim.AdamW refuses it); a string
+    # lr raised "'<' not supported between instances of 'str' and 'int'"; betas=(0.9,) failed later,
+    # in the host thread.
+    with pytest.raises((ValueError, TypeError), match=r"lr|eps|weight_decay|betas|max_grad_norm"):
+        HostAdamW(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [dict(delayed_update="no"), dict(rollback=1), dict(device_params_below=1.5)],
+                         ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_options_of_the_wrong_type_are_refused(kwargs: dict) -> None:
+    # delayed_update="no" read as True: the run trained with one-step-stale gradients.
+    with pytest.raises(TypeError, match=next(iter(kwargs))):
+        HostAdamW(torch.nn.Linear(2, 2).parameters(), **kwargs)
+
+
+def test_a_parameter_passed_twice_is_refused() -> None:
+    # Accepted, it trained other weights than torch.optim.AdamW given the same list (which warns).
+    model = GPT(NANO)
+    with pytest.raises(ValueError, match="same parameter more than once"):
+        HostAdamW([*model.parameters(), model.blocks[0].ln_1.weight], model=model)
+
+
+def test_a_model_that_owns_none_of_the_parameters_is_refused() -> None:
+    # The gates went on the other model's forward: this one's forward read weights while the host
+    # thread wrote them, and training drifted from torch.optim.AdamW's.
+    trained, other = GPT(NANO), GPT(NANO)
+    with pytest.raises(ValueError, match="model= must be the module"):
+        HostAdamW(trained.parameters(), model=other)
+    HostAdamW([*trained.parameters(), torch.nn.Parameter(torch.ones(()))], model=trained).close()  # an extra one is fine
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
+    for step in steps:
+        torch.manual_seed(step)  # dropout
+        model(*gpt_batch(batch=2, seq=16, seed=step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@pytest.mark.parametrize("change", ["wrap after the optimizer", "unwrap mid-run"])
+def test_streaming_changed_under_a_live_optimizer_is_refused_and_the_advice_works(change: str) -> None:
+    # The optimizer laid out its masters for the weights' homes when built; a streaming plan
+    # installed (or removed) afterwards made it update copies the model no longer read, and the
+    # weights drifted from torch.optim.AdamW's without a word.
+    torch.manual_seed(0)
+    reference = GPT(NANO)
+    model = copy.deepcopy(reference)
+    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(4))
+    streamed = ooc.Plan.uniform("keep", NANO.n_layer).streaming(range(NANO.n_layer))
+    if change == "unwrap mid-run":
+        ooc.wrap(model, streamed, backend="cpu")
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        _train(model, opt, range(2))
+        if change == "unwrap mid-run":
+            ooc.unwrap(model)
+        else:
+            ooc.wrap(model, streamed, backend="cpu")
+        with pytest.raises(OocError, match="Build the HostAdamW after ooc.wrap"):
+            model(*gpt_batch(batch=2, seq=16, seed=2))
+        state = opt.state_dict()
+        opt.close()
+        opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+        opt.load_state_dict(state)
+        _train(model, opt, range(2, 4))
+        opt.synchronize()
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), name
+    finally:
+        opt.close()
+        if ooc.is_wrapped(model):
+            ooc.unwrap(model)
+
+
+def test_a_failed_host_update_says_how_to_go_on(monkeypatch) -> None:
+    # Every later call raised "ooc's host optimizer stopped: <cause>" and nothing said what to do.
+    import ooc.optim.stages as stages
+
+    model = GPT(NANO)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+
+    def fails(*_args, **_kwargs) -> None:
+        raise RuntimeError("host kernel failed")
+
+    monkeypatch.setattr(stages, "adamw", fails)
+    try:
+        with pytest.raises(PipelineError, match=r"host kernel failed.*close\(\) it, restore .* checkpoint"):
+            _train(model, opt, range(1))
+            opt.synchronize()
+    finally:
+        opt.close()
