@@ -374,7 +374,14 @@ class Runtime:
         changes one and refreshes the set).
         """
         tensors = [*self.model.parameters(), *self.model.buffers()]
-        key = tuple(t.data_ptr() for t in tensors)
+        try:
+            key = tuple(t.data_ptr() for t in tensors)
+        except RuntimeError as exc:  # a tensor without storage: torch.func's wrappers, a fake or meta tensor
+            raise WrapError(
+                "a parameter or buffer of this wrapped model has no storage (torch.func.grad/vmap/functional_call "
+                "with transformed tensors, or a fake/meta tensor): ooc's saved-tensor hooks and copies need real "
+                "tensors. Call ooc.unwrap(model) before a torch.func transform, or use torch.autograd.grad"
+            ) from exc
         if key != self._state_key:
             self._state_key = key
             self._state_ptrs = frozenset(t.untyped_storage().data_ptr() for t in tensors)

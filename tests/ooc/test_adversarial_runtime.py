@@ -116,3 +116,21 @@ def test_plan_without_a_sample_says_so() -> None:
         ooc.plan(GPT(NANO), None, budget="1GiB", backend="cpu")
     with pytest.raises(ooc.WrapError, match="prefetch"):
         ooc.plan(GPT(NANO), gpt_batch(batch=2, seq=16), budget="1GiB", backend="cpu", prefetch=-3)
+
+
+def test_a_torch_func_transform_over_a_wrapped_model_is_a_clear_error() -> None:
+    # It failed inside the runtime with "Cannot access data pointer of Tensor that doesn't have storage".
+    model = GPT(NANO)
+    batch = gpt_batch(batch=2, seq=16)
+    ooc.wrap(model, backend="cpu")
+    try:
+        params = {k: v.detach() for k, v in model.named_parameters()}
+
+        def loss(p: dict) -> torch.Tensor:
+            return torch.func.functional_call(model, p, batch)[1]
+
+        with pytest.raises(ooc.WrapError, match="unwrap.*torch.func"):
+            torch.func.grad(loss)(params)
+        model(*batch)[1].backward()  # the model is unharmed
+    finally:
+        ooc.unwrap(model)
