@@ -9,7 +9,7 @@ import ooc
 
 EXPECTED = {
     "BlockError", "BlockPlan", "BudgetError", "ChainReport", "Codec", "MemoryReport", "OocError", "Plan", "PlanError",
-    "Policy", "ProfileError", "Residency", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap", "describe",
+    "Policy", "ProfileError", "Residency", "SavedTensorModifiedError", "WrapError", "is_wrapped", "memory_report", "plan", "profile", "unwrap", "wrap", "describe",
 }
 
 
