@@ -220,23 +220,26 @@ def profile(
     ]
     n = len(chain)
     try:
-        recompute = Plan.uniform(Policy.RECOMPUTE, n, min_swap_bytes=min_swap_bytes)
-        recorder, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
-        med, log = recorder.medians(), recorder.log
-        forward_s, backward_s = med["recompute"], med["backward"]
-        outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
-        saved_total = sum(_sums(log, "recompute", n, min_swap_bytes)[0])
-        if _keep_all_fits(backend_obj, saved_total):
-            keep = Plan.uniform(Policy.KEEP, n, min_swap_bytes=min_swap_bytes)
-            krecorder, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
-            kmed = krecorder.medians()
-            if all(kmed["backward"]):
-                forward_s, backward_s = kmed["forward"], kmed["backward"]
-                outside = statistics.median(ktotals) - sum(forward_s) - sum(backward_s)
+        try:
+            recompute = Plan.uniform(Policy.RECOMPUTE, n, min_swap_bytes=min_swap_bytes)
+            recorder, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
+            med, log = recorder.medians(), recorder.log
+            forward_s, backward_s = med["recompute"], med["backward"]
+            outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
+            saved_total = sum(_sums(log, "recompute", n, min_swap_bytes)[0])
+            if _keep_all_fits(backend_obj, saved_total):
+                keep = Plan.uniform(Policy.KEEP, n, min_swap_bytes=min_swap_bytes)
+                krecorder, ktotals = _run_steps(model, chain, keep, backend_obj, sample, loss_fn, reps)
+                kmed = krecorder.medians()
+                if all(kmed["backward"]):
+                    forward_s, backward_s = kmed["forward"], kmed["backward"]
+                    outside = statistics.median(ktotals) - sum(forward_s) - sum(backward_s)
+        finally:
+            for h in handles:
+                h.remove()
+        # After the output hooks are gone: the measurement re-runs blocks on their own.
         errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
     finally:
-        for h in handles:
-            h.remove()
         state.restore()
         if not isinstance(backend, Backend):
             backend_obj.close()

@@ -116,7 +116,7 @@ class BlockState:
     copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
     are, and a forward that modifies one in place is refused (``check_constants``)."""
 
-    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs")
+    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs")
 
     def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
         self.tensors: list[tuple[dict, str, torch.Tensor]] = []
@@ -145,6 +145,8 @@ class BlockState:
         owners = [t for _, _, t in self.tensors] + [d[name] for d, name, _ in self.buffers]
         self.ptrs = {t.untyped_storage().data_ptr(): t for t in owners if t.layout == torch.strided}
         """Storage address -> the parameter or buffer that owns it (the block's model state)."""
+        self.copy_ptrs: frozenset[int] = frozenset()
+        """Storages of the buffer copies the current re-run reads (see ``restored``)."""
 
     def check_constants(self, name: str) -> None:
         """After the forward: refuse a forward that modified a non-persistent buffer in place (its value
@@ -168,15 +170,19 @@ class BlockState:
                 if (now := d.get(name)) is not tensor:
                     current.append((d, name, now))
                     d[name] = tensor
+            copies = set()
             for d, name, before in self.buffers:
                 current.append((d, name, d.get(name)))
                 d[name] = before.clone()  # updated by this re-run, then dropped
+                copies.add(d[name].untyped_storage().data_ptr())
+            self.copy_ptrs = frozenset(copies)
             for m, _, training in flags:
                 m.training = training
             for g, state in self.generators:
                 g.set_state(state)
             yield
         finally:
+            self.copy_ptrs = frozenset()
             for d, name, tensor in current:
                 d[name] = tensor
             for m, training, _ in flags:
@@ -386,7 +392,10 @@ class RecomputeFrame:
                 )
             holder = self.holders[index]()
             if holder is not None:  # None: its node already ran (a backward inside the forward)
-                account(tensor)
+                if self.state is None or tensor.untyped_storage().data_ptr() not in self.state.copy_ptrs:
+                    # A copy of a buffer (BatchNorm saves its running statistics) is model state, as
+                    # the buffer the forward saved was: neither is counted as an activation.
+                    account(tensor)
                 holder.tensors[gid] = tensor
                 holder.versions[gid] = tensor._version
             if index + 1 == len(self.holders):
