@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -171,7 +172,7 @@ def _two_versions(tmp_path: Path):
     return model, opt, sched, ckpt
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.pt", "state-rank0.pt"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, name: str, damage: str) -> None:
     model, opt, sched, ckpt = _two_versions(tmp_path)
@@ -190,8 +191,9 @@ def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, n
     opt.close()
 
 
-FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:optimizer-rank0.pt", "write:state-rank0.pt", "files-written",
-               "manifest-written", "renamed", "committed"]
+FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:model.safetensors.index.json",
+               "write:optimizer-rank0.safetensors", "write:state-rank0.pt", "files-written", "manifest-written", "renamed",
+               "committed"]
 
 
 @pytest.mark.parametrize("point", FAIL_POINTS)
@@ -238,12 +240,13 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     real = ckpt_mod._write_file
     written = []
 
-    def full(path: Path, data: bytes) -> None:
+    def full(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
         if written:  # the second file finds the disk full, half written
+            data = b"".join(chunks)
             path.write_bytes(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         written.append(path)
-        real(path, data)
+        return real(path, chunks)
 
     monkeypatch.setattr(ckpt_mod, "_write_file", full)
     ckpt.save(3)
@@ -259,11 +262,89 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     opt.close()
 
 
-def test_layout_mismatch_is_refused(tmp_path: Path) -> None:
+def test_two_unsharded_ranks_restore_on_one_and_on_three(tmp_path: Path) -> None:
+    """Two replicas (as data-parallel ranks without sharding hold them) save into one version: rank 0
+    writes the optimizer state for both, each rank its RNG. One rank, and each of three, restores it:
+    state exact, RNG from the rank that saved it, a new rank starts with rank 0's scheduler."""
+    replicas = [_setup(torch.bfloat16) for _ in range(2)]
+    for rank, (model, opt, sched) in enumerate(replicas):
+        _train(model, opt, sched, range(3))
+        torch.manual_seed(100 + rank)
+        ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, rank=rank, world=2, layout={"shard": False})
+        ckpt.save(3)
+        ckpt.wait()
+    v = list_versions(tmp_path)[-1]
+    assert v.world == 2 and v.layout == {"world": 2, "shard": False}
+    assert "optimizer-rank1.safetensors" not in v.files  # equal replicas: written once
+    model, opt, _ = replicas[0]
+    expected, expected_state = _weights(model), _opt_state(opt)
+    for world in (1, 3):
+        for rank in range(world):
+            model2, opt2, sched2 = _setup(torch.bfloat16, seed=9)
+            torch.manual_seed(7)
+            before = torch.get_rng_state()
+            Checkpointer(tmp_path, model2, opt2, scheduler=sched2, rank=rank, world=world).restore()
+            assert _same(_weights(model2), expected)
+            assert _same_state(_opt_state(opt2), expected_state)  # fp32 masters and moments, exactly
+            assert sched2.last_epoch == 3
+            if rank < 2:  # the RNG as the rank that saved it had it
+                got = torch.rand(3)
+                torch.manual_seed(100 + rank)
+                assert torch.equal(got, torch.rand(3))
+            else:
+                assert torch.equal(torch.get_rng_state(), before)  # no saved RNG for a new rank: left alone
+            opt2.close()
+    for _, opt, _ in replicas:
+        opt.close()
+
+
+def test_optimizer_state_files_are_safetensors_with_an_index(tmp_path: Path) -> None:
+    """Every optimizer state tensor is in the rank's safetensors file under ``{param}.{field}``, and
+    the commit record gives its global shape and the slice the rank held (NOTE [resharding])."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
-    other = Checkpointer(tmp_path, model, opt, layout={"shard": True})
-    with pytest.raises(CheckpointError, match="same number of ranks"):
-        other.restore()
+    v = ckpt.latest()
+    tensors = safetensors.torch.load_file(v.path / "optimizer-rank0.safetensors")
+    state = opt.state_dict()["state"]
+    names = [n for n, _ in model.named_parameters()]
+    assert set(tensors) == {f"{names[i]}.{f}" for i, s in state.items() for f in s}
+    for i, s in state.items():
+        for f, value in s.items():
+            key = f"{names[i]}.{f}"
+            assert torch.equal(tensors[key], value)
+            (entry,) = v.tensors[key]
+            assert entry == {"file": "optimizer-rank0.safetensors", "param": names[i], "field": f, "dtype": str(value.dtype),
+                             "global_shape": list(value.shape), "offsets": [0] * value.dim(), "shape": list(value.shape)}
+    index = json.loads((v.path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict()) and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    opt.close()
+
+
+def test_a_plain_torch_optimizer_round_trips(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        x, y = _batch(step)
+        model(x, y)[1].backward()
+        opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    model2 = GPT(CFG)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    Checkpointer(tmp_path, model2, opt2).restore()
+    assert _same(_weights(model2), _weights(model))
+    assert _same_state(_opt_state(opt2), _opt_state(opt))
+
+
+def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    record = ckpt.latest().path / "manifest-rank0.json"
+    manifest = json.loads(record.read_text())
+    record.write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(CheckpointError, match="has format 1; this ooc reads format 2"):
+        ckpt.restore()
     opt.close()
 
 
