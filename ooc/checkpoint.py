@@ -571,7 +571,7 @@ class Checkpointer:
             by_param.setdefault(slices[0]["param"], []).append(key)
         host = hasattr(opt, "buckets")  # HostAdamW: the parameters it updates have state now, the others none
         wanted = [i for i, p in enumerate(order) if not host or p in opt.state]
-        needed = {sl["file"] for i in wanted for key in by_param.get(names[i], ()) for sl in v.tensors[key]}
+        needed = {sl["file"] for i in wanted for key in by_param.get(names[i], ()) for sl in _distinct(v.tensors[key])}
         loaded = {name: self._file(v, name) for name in sorted(needed)}
         state: dict[int, dict[str, Any]] = {}
         for i in wanted:
@@ -697,9 +697,21 @@ def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     return [named.get(id(p), f"param{i}") for i, p in enumerate(params)]
 
 
+def _distinct(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One of each slice several ranks held alike (state replicated on every rank, as of the
+    parameters a sharded HostAdamW keeps on their device); a whole-tensor slice alone if there is one."""
+    whole = [sl for sl in slices if sl["shape"] == sl["global_shape"]]
+    if whole:
+        return whole[:1]
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[str, Any]] = {}
+    for sl in slices:
+        seen.setdefault((tuple(sl["offsets"]), tuple(sl["shape"])), sl)
+    return list(seen.values())
+
+
 def _assemble(v: Version, key: str, loaded: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
     """Optimizer state tensor ``key`` of ``v``, from its slices in the ``loaded`` files."""
-    slices = v.tensors[key]
+    slices = _distinct(v.tensors[key])
     try:
         parts = [loaded[sl["file"]][key] for sl in slices]
     except KeyError:
