@@ -48,9 +48,11 @@ DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept 
 scheduler, RNG) and keeps references to each bucket's live parameters, masters and moments. A
 bucket's host state does not change between the end of its update and its next UPDATE (NOTE [stage
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
-before that UPDATE starts. So the writer thread copies the buckets aside one by one, and a stage
-listener on EXCHANGE copies a bucket itself, before its next update may change it, only if the
-writer has not reached it yet. The training thread never waits for the copy of the buckets.
+before that UPDATE starts. So the writer thread writes (and hashes) each tensor straight from the
+live one, and a stage listener on EXCHANGE, before the bucket's next update may change it, waits
+for the write of the bucket's tensor in progress, if any, and copies aside the bucket's tensors not
+written yet. The training thread never waits for a copy of state no update is about to change, and
+host memory holds a second copy only of the buckets updated while their write was pending.
 """
 
 from __future__ import annotations
@@ -163,11 +165,13 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
-def _safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> Iterator[bytes | memoryview]:
+def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | None = None,
+                        on_tensor: Callable[[str], None] = lambda name: None) -> Iterator[bytes | memoryview]:
     """``tensors`` in the safetensors format (an 8-byte header length, a JSON header padded to 8
     bytes, then each tensor's bytes in order), streamed tensor by tensor: the file is never whole in
-    memory (``safetensors.torch.save`` builds it as one ``bytes``)."""
-    header: dict[str, Any] = {"__metadata__": metadata or {"format": "pt"}}
+    memory (``safetensors.torch.save`` builds it as one ``bytes``). A tensor that is a live slot of
+    ``snapshot`` is held immutable while its chunk is consumed (written and hashed)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors.items():
         if t.dtype not in _DTYPES:
@@ -178,8 +182,14 @@ def _safetensors_chunks(tensors: dict[str, torch.Tensor], metadata: dict[str, st
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)
     yield struct.pack("<Q", len(encoded)) + encoded
-    for t in tensors.values():
-        yield _tensor_bytes(t)
+    for name in list(tensors):
+        t, held = snapshot.acquire(tensors, name) if snapshot is not None else (tensors[name], None)
+        try:
+            on_tensor(name)
+            yield _tensor_bytes(t)
+        finally:
+            if snapshot is not None:
+                snapshot.release(held)
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -217,30 +227,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class _Snapshot:
-    """Slots (container, key) holding live tensors, per bucket, copied aside at most once: by the
-    writer thread, or by the optimizer's thread before the bucket's next update (NOTE [lazy snapshots])."""
+    """Slots (container, key) holding live tensors, per bucket (NOTE [lazy snapshots]). The writer
+    reads a slot's live tensor between :meth:`acquire` and :meth:`release`; before a bucket's next
+    update, :meth:`before_update` waits for a read of the bucket in progress, then copies aside the
+    bucket's slots the writer has not read yet."""
 
     def __init__(self, slots: dict[int, list[tuple[Any, Any]]]) -> None:
-        self._slots = slots
-        self._lock = threading.Lock()
-        self.copied_by_listener = 0
+        self._refs = {(id(c), k): (c, k) for bucket in slots.values() for c, k in bucket}
+        self._bucket_of = {(id(c), k): b for b, bucket in slots.items() for c, k in bucket}
+        self._unread = {b: {(id(c), k) for c, k in bucket} for b, bucket in slots.items()}
+        self._reading: dict[int, int] = {}
+        """Bucket -> slots the writer is reading now."""
+        self._cond = threading.Condition()
 
-    def materialize(self, bucket: int, *, by_listener: bool = False) -> None:
-        with self._lock:
-            slots = self._slots.pop(bucket, None)
-            if slots is None:
-                return
-            for container, key in slots:
+    def acquire(self, container: Any, key: Any) -> tuple[torch.Tensor, int | None]:
+        """``container[key]`` for the writer to read, and the bucket to :meth:`release` after."""
+        slot = (id(container), key)
+        with self._cond:
+            bucket = self._bucket_of.get(slot)
+            if bucket is None or slot not in self._unread.get(bucket, ()):
+                return container[key], None  # no bucket's, or copied aside already
+            self._unread[bucket].discard(slot)
+            self._reading[bucket] = self._reading.get(bucket, 0) + 1
+            return container[key], bucket
+
+    def release(self, bucket: int | None) -> None:
+        if bucket is None:
+            return
+        with self._cond:
+            self._reading[bucket] -= 1
+            if not self._reading[bucket]:
+                del self._reading[bucket]
+                self._cond.notify_all()
+
+    def before_update(self, bucket: int) -> bool:
+        """Make the bucket's slots safe from its next update: wait while the writer reads one, copy
+        aside those it has not read. Returns whether anything was copied."""
+        with self._cond:
+            while self._reading.get(bucket):
+                self._cond.wait()
+            unread = self._unread.pop(bucket, set())
+            for slot in unread:
+                container, key = self._refs[slot]
                 container[key] = container[key].detach().to("cpu", copy=True)
-            self.copied_by_listener += by_listener
-
-    def materialize_all(self) -> None:
-        for bucket in list(self._slots):
-            self.materialize(bucket)
-
-    def pending(self) -> list[int]:
-        with self._lock:
-            return list(self._slots)
+            return bool(unread)
 
 
 class Checkpointer:
@@ -376,13 +406,12 @@ class Checkpointer:
         return files, index, slots
 
     def _on_stage(self, bucket: int, stage: Stage) -> None:
-        """Stage listener: the bucket's UPDATE comes next, on this thread; copy it aside first if
-        the writer has not yet (NOTE [lazy snapshots])."""
+        """Stage listener: the bucket's UPDATE comes next, on this thread; wait for the writer's read
+        of the bucket, if one is in progress, and copy aside what it has not read yet (NOTE [lazy
+        snapshots])."""
         snapshot = self._snapshot
-        if stage is Stage.EXCHANGE and snapshot is not None:
-            before = snapshot.copied_by_listener
-            snapshot.materialize(bucket, by_listener=True)
-            self.copied_by_listener += snapshot.copied_by_listener - before
+        if stage is Stage.EXCHANGE and snapshot is not None and snapshot.before_update(bucket):
+            self.copied_by_listener += 1
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error, if it failed."""
@@ -397,12 +426,10 @@ class Checkpointer:
                metadata: dict[str, Any]) -> None:
         folder = self.directory / _name(step)
         try:
-            snapshot = self._snapshot
-            if snapshot is not None:
+            if self._snapshot is not None:
                 self._hook("snapshot")
-                snapshot.materialize_all()
-                self._snapshot = None  # every bucket copied: the listener has nothing more to do
             self._write_version(folder, step, files, tensors, metadata)
+            self._snapshot = None  # every live slot written: the listener has nothing more to do
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._snapshot = None
             self._remove_partial(folder, files)
@@ -423,13 +450,18 @@ class Checkpointer:
         records: dict[str, dict[str, Any]] = {}
         for name, payload in files.items():
             if name.endswith(".safetensors"):
-                chunks: Iterable[bytes | memoryview] = _safetensors_chunks(payload)
+                chunks: Iterable[bytes | memoryview] = _safetensors_chunks(
+                    payload, self._snapshot, lambda key, name=name: self._hook(f"tensor:{name}:{key}"))
             elif name.endswith(".json"):
                 chunks = [json.dumps(payload, indent=1).encode()]
             else:
                 chunks = [_torch_bytes(payload)]
             self._hook(f"write:{name}")
-            size, digest = _write_file(folder / name, chunks)
+            try:
+                size, digest = _write_file(folder / name, chunks)
+            finally:
+                if isinstance(chunks, Iterator):
+                    chunks.close()  # a write that failed midway lets go of the slot it held at once
             records[name] = {"bytes": size, "sha256": digest}
         self._hook("files-written")
         manifest = {"format": FORMAT, "step": step, "rank": self.rank, "created": time.time(), "metadata": metadata,

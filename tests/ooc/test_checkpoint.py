@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import json
 import random
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,6 +17,7 @@ import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
+from ooc.optim.stages import Stage
 
 CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)  # dropout: a resume must restore the RNG
 
@@ -348,19 +350,19 @@ def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
     opt.close()
 
 
+@pytest.mark.parametrize("held_at", ["snapshot", "write:optimizer-rank0.safetensors"], ids=["before-all", "between-files"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype) -> None:
-    """The writer is held back while training goes on: each bucket's update must copy its state
-    aside first, so the version still holds the state at save() (NOTE [lazy snapshots])."""
-    import threading
-
+def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype, held_at: str) -> None:
+    """The writer is held back (before any file, or with the weights written and the optimizer
+    state not) while training goes on: each bucket's update must first copy aside what is not
+    written yet, so the version still holds the state at save() (NOTE [lazy snapshots])."""
     model, opt, sched = _setup(dtype)
     _train(model, opt, sched, range(2))
     expected, expected_state = _weights(model), _opt_state(opt)
     ckpt = Checkpointer(tmp_path, model, opt)
     assert ckpt.lazy
     release = threading.Event()
-    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt._hook = lambda at: release.wait(60) if at == held_at else None
     ckpt.save(2)
     _train(model, opt, sched, range(2, 4))  # two more updates of every bucket while the writer waits
     release.set()
@@ -376,13 +378,77 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     opt2.close()
 
 
-def test_lazy_snapshot_without_conflict_copies_on_the_writer(tmp_path: Path) -> None:
+def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path) -> None:
+    """The writer is held in the middle of writing block 0's first weight from the live tensor: block
+    0's next update must wait until that write ends, and the version holds the state at save()."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    block0 = next(b.index for b in opt.buckets if any(p is model.blocks[0].attn.qkv.weight for p in b.params))
+    writing, release, seen = threading.Event(), threading.Event(), []
+
+    def hold(at: str) -> None:
+        if at == "tensor:model.safetensors:blocks.0.attn.qkv.weight":
+            writing.set()
+            release.wait(60)
+
+    def listener(bucket: int, stage: Stage) -> None:  # runs after the checkpointer's, before the update
+        if bucket == block0 and stage is Stage.EXCHANGE:
+            seen.append(release.is_set())
+
+    ckpt._hook = hold
+    opt.stage_listeners.append(listener)
+    ckpt.save(2)
+    assert writing.wait(60)
+    threading.Timer(0.2, release.set).start()
+    _train(model, opt, sched, range(2, 4))
+    ckpt.wait()
+    assert seen == [True, True]  # the first update came after the write; the second found nothing to wait for
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(2)
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
+def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The disk fills up while the writer writes a live tensor: the bucket's next update must not
+    wait for a write that will never end."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    ckpt = Checkpointer(tmp_path, model, opt)
+
+    def fails_in_the_first_tensor(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
+        it = iter(chunks)
+        next(it), next(it)  # the header, then the first tensor's bytes: its bucket is being written
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", fails_in_the_first_tensor)
+    ckpt.save(1)
+    with pytest.raises(CheckpointError, match="No space left"):
+        ckpt.wait()
+    trainer = threading.Thread(target=_train, args=(model, opt, sched, range(1, 3)), daemon=True)
+    trainer.start()
+    trainer.join(120)
+    assert not trainer.is_alive(), "an update waits for the failed write"
+    monkeypatch.undo()
+    ckpt.save(3)
+    ckpt.wait()
+    assert ckpt.latest().step == 3
+    ckpt.close()
+    opt.close()
+
+
+def test_lazy_snapshot_without_conflict_writes_from_the_live_tensors(tmp_path: Path) -> None:
     model, opt, sched = _setup()
     ckpt = Checkpointer(tmp_path, model, opt)
     for step in range(3):
         _train(model, opt, sched, range(step, step + 1))
         ckpt.save(step + 1)
-        ckpt.wait()  # the writer is done before the next update: it copied every bucket itself
+        ckpt.wait()  # the writer is done before the next update: no bucket was copied
     assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
     ckpt.close()
     opt.close()
