@@ -6,6 +6,7 @@ import errno
 import json
 import random
 import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -415,25 +416,29 @@ def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path)
 
 
 def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """The disk fills up while the writer writes a live tensor: the bucket's next update must not
-    wait for a write that will never end."""
+    """The disk fills up while the writer writes a live tensor and the bucket's next update waits
+    for that write: the update must go on, not wait for a write that will never end."""
     model, opt, sched = _setup()
     _train(model, opt, sched, range(1))
     ckpt = Checkpointer(tmp_path, model, opt)
+    holding = threading.Event()
 
     def fails_in_the_first_tensor(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
         it = iter(chunks)
         next(it), next(it)  # the header, then the first tensor's bytes: its bucket is being written
+        holding.set()
+        time.sleep(1.0)  # meanwhile the training thread's update of that bucket comes and waits
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     monkeypatch.setattr(ckpt_mod, "_write_file", fails_in_the_first_tensor)
     ckpt.save(1)
-    with pytest.raises(CheckpointError, match="No space left"):
-        ckpt.wait()
+    assert holding.wait(60)
     trainer = threading.Thread(target=_train, args=(model, opt, sched, range(1, 3)), daemon=True)
     trainer.start()
     trainer.join(120)
     assert not trainer.is_alive(), "an update waits for the failed write"
+    with pytest.raises(CheckpointError, match="No space left"):
+        ckpt.wait()
     monkeypatch.undo()
     ckpt.save(3)
     ckpt.wait()
