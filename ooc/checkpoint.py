@@ -161,8 +161,12 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
 
 
 def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` (a CPU tensor of any shape), row-major, without a copy when contiguous."""
-    return memoryview(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+    """The bytes of ``t`` (any shape), row-major; without a copy for a contiguous host tensor. A
+    device tensor (a bucket's working copy on the GPU) is copied to the host first."""
+    # A device tensor's copy is synchronous on this thread's current stream (the default one): it
+    # reads what save()'s optimizer.synchronize() left there, which no copy changes before the
+    # bucket's next update, and the listener holds that update back until this copy has returned.
+    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
 
 
 def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | None = None,
