@@ -1,11 +1,25 @@
-"""Versioned, never-torn training checkpoints written in the background.
+"""Versioned, never-torn training checkpoints written in the background, restorable on any number of ranks.
 
 A checkpoint directory holds one folder per version, ``step-000000012/``::
 
-    model.safetensors        the model's weights (rank 0), loadable without ooc
-    optimizer-rank{r}.pt     rank r's optimizer state (torch.save; loaded with weights_only)
-    state-rank{r}.pt         rank r's LR scheduler, RNG states (CPU and every CUDA device) and user dict
-    manifest-rank{r}.json    rank r's commit record: step, metadata, layout, size and sha256 of each file
+    model.safetensors               the model's weights (rank 0), loadable without ooc
+    model.safetensors.index.json    their index (Hugging Face's sharded-checkpoint format)
+    optimizer-rank{r}.safetensors   the optimizer state tensors rank r holds (its share when sharded;
+                                    unsharded replicas are equal, so only rank 0 writes them)
+    state-rank{r}.pt                rank r's LR scheduler, RNG states (CPU and every CUDA device), user
+                                    dict and the optimizer's other state (torch.save; loaded with weights_only)
+    manifest-rank{r}.json           rank r's commit record: step, metadata, layout, size and sha256 of
+                                    each file, and the index of its optimizer tensors
+
+NOTE [resharding]
+Optimizer state tensors are named ``{parameter name}.{field}`` (``blocks.0.attn.qkv.weight.exp_avg``),
+not by rank: each commit record lists the tensors its rank wrote with their file, dtype, global shape
+and the slice the rank held (offsets and shape; ooc's sharded HostAdamW gives each parameter whole to
+one rank, so a slice is the whole tensor). A rank restoring from a version saved by any number of
+ranks reads the model file, every rank's small state file, and only the optimizer files holding a
+slice of a parameter it updates (with a sharded HostAdamW: the parameters it owns now), and
+assembles each tensor from its slices. The RNG states are restored on the ranks that existed when
+the version was saved; the scheduler and the user dict of a new rank are rank 0's.
 
 A version exists once every rank's commit record is in place. Each record is written last, after
 every file it names is complete and fsynced: to a temporary name in the same folder, fsynced,
@@ -34,9 +48,11 @@ DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept 
 scheduler, RNG) and keeps references to each bucket's live parameters, masters and moments. A
 bucket's host state does not change between the end of its update and its next UPDATE (NOTE [stage
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
-before that UPDATE starts. So the writer thread copies the buckets aside one by one, and a stage
-listener on EXCHANGE copies a bucket itself, before its next update may change it, only if the
-writer has not reached it yet. The training thread never waits for the copy of the buckets.
+before that UPDATE starts. So the writer thread writes (and hashes) each tensor straight from the
+live one, and a stage listener on EXCHANGE, before the bucket's next update may change it, waits
+for the write of the bucket's tensor in progress, if any, and copies aside the bucket's tensors not
+written yet. The training thread never waits for a copy of state no update is about to change, and
+host memory holds a second copy only of the buckets updated while their write was pending.
 """
 
 from __future__ import annotations
@@ -48,9 +64,10 @@ import os
 import random
 import re
 import shutil
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -62,9 +79,22 @@ from torch import nn
 from ooc.errors import OocError
 from ooc.optim.stages import Stage
 
-FORMAT = 1
+FORMAT = 2
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
 MODEL_FILE = "model.safetensors"
+MODEL_INDEX = "model.safetensors.index.json"
+_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+           torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
+"""torch dtype -> safetensors dtype name."""
+
+
+def _optimizer_file(rank: int) -> str:
+    return f"optimizer-rank{rank}.safetensors"
+
+
+def _state_file(rank: int) -> str:
+    return f"state-rank{rank}.pt"
 
 
 class CheckpointError(OocError, RuntimeError):
@@ -92,6 +122,15 @@ class Version:
     layout: dict[str, Any]
     files: dict[str, dict[str, Any]] = field(repr=False)
     """File name -> {"bytes": size, "sha256": hex digest}, over every rank's record."""
+    tensors: dict[str, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    """Optimizer state tensor name -> its slices over every rank's record: {"file", "param", "field",
+    "dtype", "global_shape", "offsets", "shape"} (NOTE [resharding])."""
+    format: int = FORMAT
+
+    @property
+    def world(self) -> int:
+        """The number of ranks that saved this version."""
+        return int(self.layout["world"])
 
 
 def _name(step: int) -> str:
@@ -106,12 +145,55 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (tests replace this to simulate a full disk)."""
+def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
+    """Write ``chunks`` one after another to ``path`` and fsync it; return its size and sha256
+    (tests replace this to simulate a full disk)."""
+    digest = hashlib.sha256()
+    size = 0
     with open(path, "wb") as f:
-        f.write(data)
+        for chunk in chunks:
+            f.write(chunk)
+            digest.update(chunk)
+            size += len(chunk)
         f.flush()
         os.fsync(f.fileno())
+    return size, digest.hexdigest()
+
+
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of ``t`` (any shape), row-major; without a copy for a contiguous host tensor. A
+    device tensor (a bucket's working copy on the GPU) is copied to the host first."""
+    # A device tensor's copy is synchronous on this thread's current stream (the default one): it
+    # reads what save()'s optimizer.synchronize() left there, which no copy changes before the
+    # bucket's next update, and the listener holds that update back until this copy has returned.
+    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | None = None,
+                        on_tensor: Callable[[str], None] = lambda name: None) -> Iterator[bytes | memoryview]:
+    """``tensors`` in the safetensors format (an 8-byte header length, a JSON header padded to 8
+    bytes, then each tensor's bytes in order), streamed tensor by tensor: the file is never whole in
+    memory (``safetensors.torch.save`` builds it as one ``bytes``). A tensor that is a live slot of
+    ``snapshot`` is held immutable while its chunk is consumed (written and hashed)."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for name, t in tensors.items():
+        if t.dtype not in _DTYPES:
+            raise CheckpointError(f"cannot save tensor {name!r} of dtype {t.dtype} in safetensors")
+        nbytes = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    yield struct.pack("<Q", len(encoded)) + encoded
+    for name in list(tensors):
+        t, held = snapshot.acquire(tensors, name) if snapshot is not None else (tensors[name], None)
+        try:
+            on_tensor(name)
+            yield _tensor_bytes(t)
+        finally:
+            if snapshot is not None:
+                snapshot.release(held)
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -149,30 +231,50 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class _Snapshot:
-    """Slots (container, key) holding live tensors, per bucket, copied aside at most once: by the
-    writer thread, or by the optimizer's thread before the bucket's next update (NOTE [lazy snapshots])."""
+    """Slots (container, key) holding live tensors, per bucket (NOTE [lazy snapshots]). The writer
+    reads a slot's live tensor between :meth:`acquire` and :meth:`release`; before a bucket's next
+    update, :meth:`before_update` waits for a read of the bucket in progress, then copies aside the
+    bucket's slots the writer has not read yet."""
 
     def __init__(self, slots: dict[int, list[tuple[Any, Any]]]) -> None:
-        self._slots = slots
-        self._lock = threading.Lock()
-        self.copied_by_listener = 0
+        self._refs = {(id(c), k): (c, k) for bucket in slots.values() for c, k in bucket}
+        self._bucket_of = {(id(c), k): b for b, bucket in slots.items() for c, k in bucket}
+        self._unread = {b: {(id(c), k) for c, k in bucket} for b, bucket in slots.items()}
+        self._reading: dict[int, int] = {}
+        """Bucket -> slots the writer is reading now."""
+        self._cond = threading.Condition()
 
-    def materialize(self, bucket: int, *, by_listener: bool = False) -> None:
-        with self._lock:
-            slots = self._slots.pop(bucket, None)
-            if slots is None:
-                return
-            for container, key in slots:
+    def acquire(self, container: Any, key: Any) -> tuple[torch.Tensor, int | None]:
+        """``container[key]`` for the writer to read, and the bucket to :meth:`release` after."""
+        slot = (id(container), key)
+        with self._cond:
+            bucket = self._bucket_of.get(slot)
+            if bucket is None or slot not in self._unread.get(bucket, ()):
+                return container[key], None  # no bucket's, or copied aside already
+            self._unread[bucket].discard(slot)
+            self._reading[bucket] = self._reading.get(bucket, 0) + 1
+            return container[key], bucket
+
+    def release(self, bucket: int | None) -> None:
+        if bucket is None:
+            return
+        with self._cond:
+            self._reading[bucket] -= 1
+            if not self._reading[bucket]:
+                del self._reading[bucket]
+                self._cond.notify_all()
+
+    def before_update(self, bucket: int) -> bool:
+        """Make the bucket's slots safe from its next update: wait while the writer reads one, copy
+        aside those it has not read. Returns whether anything was copied."""
+        with self._cond:
+            while self._reading.get(bucket):
+                self._cond.wait()
+            unread = self._unread.pop(bucket, set())
+            for slot in unread:
+                container, key = self._refs[slot]
                 container[key] = container[key].detach().to("cpu", copy=True)
-            self.copied_by_listener += by_listener
-
-    def materialize_all(self) -> None:
-        for bucket in list(self._slots):
-            self.materialize(bucket)
-
-    def pending(self) -> list[int]:
-        with self._lock:
-            return list(self._slots)
+            return bool(unread)
 
 
 class Checkpointer:
@@ -182,9 +284,10 @@ class Checkpointer:
     ``keep`` versions.
 
     Data-parallel: every rank makes a Checkpointer on the same (shared) directory and calls ``save``
-    at the same steps; pass ``rank`` and ``world`` (default: from torch.distributed). ``layout``
-    (JSON-able) says how the optimizer state is split; :meth:`restore` refuses a version saved with
-    another layout.
+    at the same steps; pass ``rank`` and ``world`` (default: from torch.distributed). A version
+    saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
+    ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
+    ``--shard`` setting).
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -237,28 +340,20 @@ class Checkpointer:
             self._retain()
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
-        files: dict[str, Any] = {}
-        if self.lazy:
-            files.update(self._lazy_payloads())
-        else:
-            if self.rank == 0:
-                files[MODEL_FILE] = {k: v.detach().to("cpu", copy=True).contiguous() for k, v in self.model.state_dict().items()}
-            if self.optimizer is not None:
-                files[f"optimizer-rank{self.rank}.pt"] = {"optimizer": _clone(self.optimizer.state_dict())}
-        files[f"state-rank{self.rank}.pt"] = {
-            "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
-            "rng": _clone(rng_state()),
-            "extra": _clone(self.extra) if self.extra is not None else None,
-        }
-        self._thread = threading.Thread(target=self._write, args=(step, files, metadata), name=f"ooc-checkpoint-{step}",
-                                        daemon=True)
+        files, tensors, slots = self._payloads()
+        self._snapshot = _Snapshot(slots) if self.lazy else None
+        self._thread = threading.Thread(target=self._write, args=(step, files, tensors, metadata),
+                                        name=f"ooc-checkpoint-{step}", daemon=True)
         self._thread.start()
 
-    def _lazy_payloads(self) -> dict[str, Any]:
-        """The model and optimizer payloads with each bucket's tensors left live (registered in a
-        :class:`_Snapshot`) and everything else copied now (NOTE [lazy snapshots])."""
+    def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]]]:
+        """This rank's files (name -> tensors dict for ``.safetensors``, JSON-able object for
+        ``.json``, else a torch.save payload), the index of its optimizer tensors (NOTE
+        [resharding]), and the slots of live tensors per bucket. When lazy, each bucket's tensors are
+        left live (registered in the slots) and everything else is copied now (NOTE [lazy
+        snapshots]); else everything is copied now."""
         opt = self.optimizer
-        bucket_of = {id(p): b.index for b in opt.buckets for p in b.params}
+        bucket_of = {id(p): b.index for b in opt.buckets for p in b.params} if self.lazy else {}
         slots: dict[int, list[tuple[Any, Any]]] = {}
 
         def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None) -> None:
@@ -276,30 +371,51 @@ class Checkpointer:
             for name, value in self.model.state_dict(keep_vars=True).items():
                 place(weights, name, value, params.get(name))
             files[MODEL_FILE] = weights
-        saved = opt.state_dict()
-        order = [p for group in opt.param_groups for p in group["params"]]
-        state: dict[Any, dict[str, Any]] = {}
-        for index, entry in saved["state"].items():
-            owner = order[index] if isinstance(index, int) and index < len(order) else None
-            state[index] = {}  # a new dict: the optimizer's own (which state_dict returns) stays untouched
-            for name, value in entry.items():
-                if isinstance(value, torch.Tensor):
-                    place(state[index], name, value, owner)
-                else:
-                    state[index][name] = _clone(value)
-        files[f"optimizer-rank{self.rank}.pt"] = {"optimizer": {"state": state,
-                                                                "param_groups": _clone(saved["param_groups"])}}
-        self._snapshot = _Snapshot(slots)
-        return files
+            files[MODEL_INDEX] = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
+                                  "weight_map": {name: MODEL_FILE for name in weights}}
+        index: dict[str, dict[str, Any]] = {}
+        optimizer_meta = None
+        if opt is not None:
+            saved = opt.state_dict()
+            order = [p for group in opt.param_groups for p in group["params"]]
+            names = _param_names(self.model, order)
+            info = saved.get("ooc")
+            # Unsharded replicas hold equal state (every rank applies the same averaged gradients):
+            # rank 0 writes it for all.
+            writes = self.rank == 0 or bool(isinstance(info, dict) and info.get("sharded"))
+            tensors: dict[str, torch.Tensor] = {}
+            other: dict[str, dict[str, Any]] = {}
+            for i, entry in saved["state"].items() if writes else ():
+                owner = order[i] if isinstance(i, int) and i < len(order) else None
+                pname = names[i] if isinstance(i, int) and i < len(names) else f"state{i}"
+                for fname, value in entry.items():
+                    if isinstance(value, torch.Tensor):
+                        key = f"{pname}.{fname}"
+                        place(tensors, key, value, owner)
+                        index[key] = {"file": _optimizer_file(self.rank), "param": pname, "field": fname,
+                                      "dtype": str(value.dtype), "global_shape": list(value.shape),
+                                      "offsets": [0] * value.dim(), "shape": list(value.shape)}
+                    else:
+                        other.setdefault(pname, {})[fname] = _clone(value)
+            if tensors:
+                files[_optimizer_file(self.rank)] = tensors
+            optimizer_meta = {"names": names, "param_groups": _clone(saved["param_groups"]), "other": other,
+                              "ooc": _clone(info)}
+        files[_state_file(self.rank)] = {
+            "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
+            "rng": _clone(rng_state()),
+            "extra": _clone(self.extra) if self.extra is not None else None,
+            "optimizer": optimizer_meta,
+        }
+        return files, index, slots
 
     def _on_stage(self, bucket: int, stage: Stage) -> None:
-        """Stage listener: the bucket's UPDATE comes next, on this thread; copy it aside first if
-        the writer has not yet (NOTE [lazy snapshots])."""
+        """Stage listener: the bucket's UPDATE comes next, on this thread; wait for the writer's read
+        of the bucket, if one is in progress, and copy aside what it has not read yet (NOTE [lazy
+        snapshots])."""
         snapshot = self._snapshot
-        if stage is Stage.EXCHANGE and snapshot is not None:
-            before = snapshot.copied_by_listener
-            snapshot.materialize(bucket, by_listener=True)
-            self.copied_by_listener += snapshot.copied_by_listener - before
+        if stage is Stage.EXCHANGE and snapshot is not None and snapshot.before_update(bucket):
+            self.copied_by_listener += 1
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error, if it failed."""
@@ -310,15 +426,14 @@ class Checkpointer:
             error, self._error = self._error, None
             raise error
 
-    def _write(self, step: int, files: dict[str, Any], metadata: dict[str, Any]) -> None:
+    def _write(self, step: int, files: dict[str, Any], tensors: dict[str, dict[str, Any]],
+               metadata: dict[str, Any]) -> None:
         folder = self.directory / _name(step)
         try:
-            snapshot = self._snapshot
-            if snapshot is not None:
+            if self._snapshot is not None:
                 self._hook("snapshot")
-                snapshot.materialize_all()
-                self._snapshot = None  # every bucket copied: the listener has nothing more to do
-            self._write_version(folder, step, files, metadata)
+            self._write_version(folder, step, files, tensors, metadata)
+            self._snapshot = None  # every live slot written: the listener has nothing more to do
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._snapshot = None
             self._remove_partial(folder, files)
@@ -329,7 +444,8 @@ class Checkpointer:
                 error.__cause__ = exc
                 self._error = error
 
-    def _write_version(self, folder: Path, step: int, files: dict[str, Any], metadata: dict[str, Any]) -> None:
+    def _write_version(self, folder: Path, step: int, files: dict[str, Any], tensors: dict[str, dict[str, Any]],
+                       metadata: dict[str, Any]) -> None:
         record_name = f"manifest-rank{self.rank}.json"
         if (folder / record_name).exists():
             raise CheckpointError(f"version {folder} is already committed; restore an earlier one only to "
@@ -337,16 +453,25 @@ class Checkpointer:
         folder.mkdir(exist_ok=True)
         records: dict[str, dict[str, Any]] = {}
         for name, payload in files.items():
-            data = safetensors.torch.save({k: v.contiguous() for k, v in payload.items()}) if name == MODEL_FILE \
-                else _torch_bytes(payload)
+            if name.endswith(".safetensors"):
+                chunks: Iterable[bytes | memoryview] = _safetensors_chunks(
+                    payload, self._snapshot, lambda key, name=name: self._hook(f"tensor:{name}:{key}"))
+            elif name.endswith(".json"):
+                chunks = [json.dumps(payload, indent=1).encode()]
+            else:
+                chunks = [_torch_bytes(payload)]
             self._hook(f"write:{name}")
-            _write_file(folder / name, data)
-            records[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+            try:
+                size, digest = _write_file(folder / name, chunks)
+            finally:
+                if isinstance(chunks, Iterator):
+                    chunks.close()  # a write that failed midway lets go of the slot it held at once
+            records[name] = {"bytes": size, "sha256": digest}
         self._hook("files-written")
         manifest = {"format": FORMAT, "step": step, "rank": self.rank, "created": time.time(), "metadata": metadata,
-                    "layout": self.layout, "files": records}
+                    "layout": self.layout, "files": records, "tensors": tensors}
         tmp = folder / f".{record_name}.tmp"
-        _write_file(tmp, json.dumps(manifest, indent=1).encode())
+        _write_file(tmp, [json.dumps(manifest, indent=1).encode()])
         self._hook("manifest-written")
         os.replace(tmp, folder / record_name)  # the commit
         self._hook("renamed")
@@ -444,35 +569,77 @@ class Checkpointer:
         raise CheckpointError(f"every checkpoint in {self.directory} is corrupt: " + "; ".join(map(str, errors)))
 
     def _read(self, v: Version) -> dict[str, Any]:
-        if v.layout != self.layout:
-            raise CheckpointError(f"checkpoint {v.path} was saved with layout {v.layout}, restored as {self.layout}; "
-                                  "the optimizer state is split by rank, so restore with the same number of ranks "
-                                  "and sharding")
-        wanted = [f"state-rank{self.rank}.pt"]
-        if self.optimizer is not None:
-            wanted.append(f"optimizer-rank{self.rank}.pt")
-        wanted.append(MODEL_FILE)
-        payloads = {}
-        for name in wanted:
-            if name not in v.files:
-                raise CheckpointError(f"checkpoint {v.path} has no {name}")
-            payloads[name] = _load_file(v.path / name, v.files[name])
-        return payloads
+        """Read and check every file this rank needs from ``v`` (saved by any number of ranks, NOTE
+        [resharding]); nothing is loaded yet."""
+        if v.format != FORMAT:
+            raise CheckpointError(f"checkpoint {v.path} has format {v.format}; this ooc reads format {FORMAT}. "
+                                  "Restore it with the ooc that wrote it and save it again")
+        weights = self._file(v, MODEL_FILE)
+        states = [self._file(v, _state_file(r)) for r in range(v.world)]
+        state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
+        optimizer = self._optimizer_state(v, states) if self.optimizer is not None else None
+        return {"weights": weights, "state": state, "optimizer": optimizer}
+
+    @staticmethod
+    def _file(v: Version, name: str) -> Any:
+        if name not in v.files:
+            raise CheckpointError(f"checkpoint {v.path} has no {name}")
+        return _load_file(v.path / name, v.files[name])
+
+    def _optimizer_state(self, v: Version, states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The optimizer's ``state_dict`` for this rank: the state of the parameters it updates,
+        each tensor assembled from its slices in whichever rank's file they are (NOTE [resharding])."""
+        opt = self.optimizer
+        metas = [s.get("optimizer") for s in states]
+        if metas[0] is None:
+            raise CheckpointError(f"checkpoint {v.path} holds no optimizer state; restore it without an optimizer")
+        order = [p for group in opt.param_groups for p in group["params"]]
+        names = _param_names(self.model, order)
+        if names != metas[0]["names"]:
+            raise CheckpointError(f"checkpoint {v.path} holds the state of other parameters than this optimizer's "
+                                  f"(saved {len(metas[0]['names'])}, now {len(names)}); build the model and "
+                                  "optimizer as they were saved")
+        other: dict[str, dict[str, Any]] = {}
+        for meta in metas:
+            other.update(meta["other"] if meta is not None else {})
+        by_param: dict[str, list[str]] = {}
+        for key, slices in v.tensors.items():
+            by_param.setdefault(slices[0]["param"], []).append(key)
+        host = hasattr(opt, "buckets")  # HostAdamW: the parameters it updates have state now, the others none
+        wanted = [i for i, p in enumerate(order) if not host or p in opt.state]
+        needed = {sl["file"] for i in wanted for key in by_param.get(names[i], ()) for sl in _distinct(v.tensors[key])}
+        loaded = {name: self._file(v, name) for name in sorted(needed)}
+        state: dict[int, dict[str, Any]] = {}
+        for i in wanted:
+            entry = dict(other.get(names[i], {}))
+            for key in by_param.get(names[i], ()):
+                entry[v.tensors[key][0]["field"]] = _assemble(v, key, loaded)
+            if entry:
+                state[i] = entry
+            elif host:
+                raise CheckpointError(f"checkpoint {v.path} has no optimizer state for parameter {names[i]}")
+        result = {"state": state, "param_groups": metas[0]["param_groups"]}
+        info = metas[0]["ooc"]
+        if isinstance(info, dict):
+            # Who holds which share is what restoring on other ranks changes; the rest must match.
+            result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded")}
+        return result
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
-        missing, unexpected = self.model.load_state_dict(payloads[MODEL_FILE], strict=False)
+        missing, unexpected = self.model.load_state_dict(payloads["weights"], strict=False)
         if missing or unexpected:
             raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected {unexpected}")
         if self.optimizer is not None:
-            self.optimizer.load_state_dict(payloads[f"optimizer-rank{self.rank}.pt"]["optimizer"])
+            self.optimizer.load_state_dict(payloads["optimizer"])
             _params_from_masters(self.optimizer)
-        state = payloads[f"state-rank{self.rank}.pt"]
+        state = payloads["state"]
         if self.scheduler is not None and state["scheduler"] is not None:
             self.scheduler.load_state_dict(state["scheduler"])
         if self.extra is not None and state["extra"] is not None:
             self.extra.clear()
             self.extra.update(state["extra"])
-        set_rng_state(state["rng"])
+        if state["rng"] is not None:
+            set_rng_state(state["rng"])
 
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable
@@ -485,7 +652,7 @@ class Checkpointer:
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         out = Path(path)
         tmp = out.with_name(f".{out.name}.tmp")
-        _write_file(tmp, data)
+        _write_file(tmp, [data])
         os.replace(tmp, out)
         return out
 
@@ -525,10 +692,13 @@ def _committed(path: Path, step: int) -> Version | None:
     if any(r.get("step") != step or r.get("layout") != first["layout"] for r in records):
         return None
     files: dict[str, dict[str, Any]] = {}
+    tensors: dict[str, list[dict[str, Any]]] = {}
     for r in records:
         files.update(r["files"])
+        for key, entry in r.get("tensors", {}).items():
+            tensors.setdefault(key, []).append(entry)
     return Version(step=step, path=path, metadata=first.get("metadata", {}), created=first.get("created", 0.0),
-                   layout=first["layout"], files=files)
+                   layout=first["layout"], files=files, tensors=tensors, format=int(first.get("format", 1)))
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:
@@ -547,11 +717,52 @@ def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:
 def _load_file(path: Path, record: dict[str, Any]) -> Any:
     data = _checked_bytes(path, record)
     try:
-        if path.name == MODEL_FILE:
+        if path.suffix == ".safetensors":
             return safetensors.torch.load(data)
         return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)  # host state: never staged on a GPU
     except Exception as exc:  # noqa: BLE001 - any parse failure of a checked file is corruption
         raise CorruptCheckpointError(path, f"cannot be parsed ({exc})") from None
+
+
+def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
+    """Each parameter's name in ``model`` (a tied one's first name), or ``param{i}`` (its place in
+    the optimizer) for one the model does not hold."""
+    named = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        named.setdefault(id(p), name)
+    return [named.get(id(p), f"param{i}") for i, p in enumerate(params)]
+
+
+def _distinct(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One of each slice several ranks held alike (state replicated on every rank, as of the
+    parameters a sharded HostAdamW keeps on their device); a whole-tensor slice alone if there is one."""
+    whole = [sl for sl in slices if sl["shape"] == sl["global_shape"]]
+    if whole:
+        return whole[:1]
+    seen: dict[tuple[tuple[int, ...], tuple[int, ...]], dict[str, Any]] = {}
+    for sl in slices:
+        seen.setdefault((tuple(sl["offsets"]), tuple(sl["shape"])), sl)
+    return list(seen.values())
+
+
+def _assemble(v: Version, key: str, loaded: dict[str, dict[str, torch.Tensor]]) -> torch.Tensor:
+    """Optimizer state tensor ``key`` of ``v``, from its slices in the ``loaded`` files."""
+    slices = _distinct(v.tensors[key])
+    try:
+        parts = [loaded[sl["file"]][key] for sl in slices]
+    except KeyError:
+        raise CorruptCheckpointError(v.path / slices[0]["file"], f"holds no tensor {key}, which its record lists") from None
+    first = slices[0]
+    if len(slices) == 1 and first["shape"] == first["global_shape"]:
+        return parts[0]
+    out = torch.empty(first["global_shape"], dtype=parts[0].dtype)
+    covered = 0
+    for sl, part in zip(slices, parts):
+        out[tuple(slice(o, o + n) for o, n in zip(sl["offsets"], sl["shape"]))] = part
+        covered += part.numel()
+    if covered != out.numel():
+        raise CheckpointError(f"checkpoint {v.path}: the slices of {key} cover {covered} of its {out.numel()} elements")
+    return out
 
 
 def _params_from_masters(optimizer: torch.optim.Optimizer) -> None:

@@ -59,7 +59,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
     for v in found:
         when = datetime.datetime.fromtimestamp(v.created).isoformat(timespec="seconds")
         size = sum(f["bytes"] for f in v.files.values())
-        print(f"step {v.step:>9d}  {when}  {size:>12d} B  {v.path.name}  {json.dumps(v.metadata, sort_keys=True)}")
+        print(f"step {v.step:>9d}  {when}  {size:>12d} B  {v.world} rank(s)  {v.path.name}  "
+              f"{json.dumps(v.metadata, sort_keys=True)}")
     return 0
 
 
@@ -305,7 +306,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("checkpoints", help="list a checkpoint directory's complete versions with their metadata")
     ck_sub = ck.add_subparsers(dest="action", required=True)
-    ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, folder, metadata")
+    ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, ranks, folder, metadata")
     ck_list.add_argument("directory")
     ck_list.set_defaults(run=_checkpoints)
 

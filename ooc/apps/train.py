@@ -267,12 +267,13 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
 
 
 def _layout(cfg: TrainConfig) -> dict[str, object]:
-    """What a checkpoint's optimizer files depend on besides the world size: who holds which share."""
+    """What a checkpoint records of how its optimizer state was split, besides the world size."""
     return {"shard": cfg.shard}
 
 
 def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int, show) -> int:  # noqa: ANN001
-    """Load ``--resume``'s version; return its step (0 for a fresh start)."""
+    """Load ``--resume``'s version (saved by any number of ranks, sharded or not); return its step
+    (0 for a fresh start)."""
     if not cfg.resume:
         return 0
     directory = Path(cfg.save if cfg.resume == "auto" else cfg.resume)
@@ -281,10 +282,6 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
         if cfg.resume == "auto":
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
-    wanted = {"world": world, **_layout(cfg)}
-    if found[-1].layout != wanted:
-        raise ValueError(f"--resume {directory}: saved by {found[-1].layout}, resumed as {wanted}; the optimizer "
-                         "state is split by rank, so resume with the same number of ranks and --shard setting")
     loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
     version = loader.restore()
     if rank == 0:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import json
 import random
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
+from ooc.optim.stages import Stage
 
 CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)  # dropout: a resume must restore the RNG
 
@@ -171,7 +175,7 @@ def _two_versions(tmp_path: Path):
     return model, opt, sched, ckpt
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.pt", "state-rank0.pt"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, name: str, damage: str) -> None:
     model, opt, sched, ckpt = _two_versions(tmp_path)
@@ -190,8 +194,9 @@ def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, n
     opt.close()
 
 
-FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:optimizer-rank0.pt", "write:state-rank0.pt", "files-written",
-               "manifest-written", "renamed", "committed"]
+FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:model.safetensors.index.json",
+               "write:optimizer-rank0.safetensors", "write:state-rank0.pt", "files-written", "manifest-written", "renamed",
+               "committed"]
 
 
 @pytest.mark.parametrize("point", FAIL_POINTS)
@@ -238,12 +243,13 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     real = ckpt_mod._write_file
     written = []
 
-    def full(path: Path, data: bytes) -> None:
+    def full(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
         if written:  # the second file finds the disk full, half written
+            data = b"".join(chunks)
             path.write_bytes(data[: len(data) // 2])
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         written.append(path)
-        real(path, data)
+        return real(path, chunks)
 
     monkeypatch.setattr(ckpt_mod, "_write_file", full)
     ckpt.save(3)
@@ -259,27 +265,105 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     opt.close()
 
 
-def test_layout_mismatch_is_refused(tmp_path: Path) -> None:
+def test_two_unsharded_ranks_restore_on_one_and_on_three(tmp_path: Path) -> None:
+    """Two replicas (as data-parallel ranks without sharding hold them) save into one version: rank 0
+    writes the optimizer state for both, each rank its RNG. One rank, and each of three, restores it:
+    state exact, RNG from the rank that saved it, a new rank starts with rank 0's scheduler."""
+    replicas = [_setup(torch.bfloat16) for _ in range(2)]
+    for rank, (model, opt, sched) in enumerate(replicas):
+        _train(model, opt, sched, range(3))
+        torch.manual_seed(100 + rank)
+        ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, rank=rank, world=2, layout={"shard": False})
+        ckpt.save(3)
+        ckpt.wait()
+    v = list_versions(tmp_path)[-1]
+    assert v.world == 2 and v.layout == {"world": 2, "shard": False}
+    assert "optimizer-rank1.safetensors" not in v.files  # equal replicas: written once
+    model, opt, _ = replicas[0]
+    expected, expected_state = _weights(model), _opt_state(opt)
+    for world in (1, 3):
+        for rank in range(world):
+            model2, opt2, sched2 = _setup(torch.bfloat16, seed=9)
+            torch.manual_seed(7)
+            before = torch.get_rng_state()
+            Checkpointer(tmp_path, model2, opt2, scheduler=sched2, rank=rank, world=world).restore()
+            assert _same(_weights(model2), expected)
+            assert _same_state(_opt_state(opt2), expected_state)  # fp32 masters and moments, exactly
+            assert sched2.last_epoch == 3
+            if rank < 2:  # the RNG as the rank that saved it had it
+                got = torch.rand(3)
+                torch.manual_seed(100 + rank)
+                assert torch.equal(got, torch.rand(3))
+            else:
+                assert torch.equal(torch.get_rng_state(), before)  # no saved RNG for a new rank: left alone
+            opt2.close()
+    for _, opt, _ in replicas:
+        opt.close()
+
+
+def test_optimizer_state_files_are_safetensors_with_an_index(tmp_path: Path) -> None:
+    """Every optimizer state tensor is in the rank's safetensors file under ``{param}.{field}``, and
+    the commit record gives its global shape and the slice the rank held (NOTE [resharding])."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
-    other = Checkpointer(tmp_path, model, opt, layout={"shard": True})
-    with pytest.raises(CheckpointError, match="same number of ranks"):
-        other.restore()
+    v = ckpt.latest()
+    tensors = safetensors.torch.load_file(v.path / "optimizer-rank0.safetensors")
+    state = opt.state_dict()["state"]
+    names = [n for n, _ in model.named_parameters()]
+    assert set(tensors) == {f"{names[i]}.{f}" for i, s in state.items() for f in s}
+    for i, s in state.items():
+        for f, value in s.items():
+            key = f"{names[i]}.{f}"
+            assert torch.equal(tensors[key], value)
+            (entry,) = v.tensors[key]
+            assert entry == {"file": "optimizer-rank0.safetensors", "param": names[i], "field": f, "dtype": str(value.dtype),
+                             "global_shape": list(value.shape), "offsets": [0] * value.dim(), "shape": list(value.shape)}
+    index = json.loads((v.path / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(model.state_dict()) and set(index["weight_map"].values()) == {"model.safetensors"}
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in model.state_dict().values())
     opt.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype) -> None:
-    """The writer is held back while training goes on: each bucket's update must copy its state
-    aside first, so the version still holds the state at save() (NOTE [lazy snapshots])."""
-    import threading
+def test_a_plain_torch_optimizer_round_trips(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for step in range(2):
+        x, y = _batch(step)
+        model(x, y)[1].backward()
+        opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    model2 = GPT(CFG)
+    opt2 = torch.optim.SGD(model2.parameters(), lr=0.1, momentum=0.9)
+    Checkpointer(tmp_path, model2, opt2).restore()
+    assert _same(_weights(model2), _weights(model))
+    assert _same_state(_opt_state(opt2), _opt_state(opt))
 
+
+def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    record = ckpt.latest().path / "manifest-rank0.json"
+    manifest = json.loads(record.read_text())
+    record.write_text(json.dumps({**manifest, "format": 1}))
+    with pytest.raises(CheckpointError, match="has format 1; this ooc reads format 2"):
+        ckpt.restore()
+    opt.close()
+
+
+@pytest.mark.parametrize("held_at", ["snapshot", "write:optimizer-rank0.safetensors"], ids=["before-all", "between-files"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype, held_at: str) -> None:
+    """The writer is held back (before any file, or with the weights written and the optimizer
+    state not) while training goes on: each bucket's update must first copy aside what is not
+    written yet, so the version still holds the state at save() (NOTE [lazy snapshots])."""
     model, opt, sched = _setup(dtype)
     _train(model, opt, sched, range(2))
     expected, expected_state = _weights(model), _opt_state(opt)
     ckpt = Checkpointer(tmp_path, model, opt)
     assert ckpt.lazy
     release = threading.Event()
-    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt._hook = lambda at: release.wait(60) if at == held_at else None
     ckpt.save(2)
     _train(model, opt, sched, range(2, 4))  # two more updates of every bucket while the writer waits
     release.set()
@@ -295,13 +379,81 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     opt2.close()
 
 
-def test_lazy_snapshot_without_conflict_copies_on_the_writer(tmp_path: Path) -> None:
+def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path) -> None:
+    """The writer is held in the middle of writing block 0's first weight from the live tensor: block
+    0's next update must wait until that write ends, and the version holds the state at save()."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    block0 = next(b.index for b in opt.buckets if any(p is model.blocks[0].attn.qkv.weight for p in b.params))
+    writing, release, seen = threading.Event(), threading.Event(), []
+
+    def hold(at: str) -> None:
+        if at == "tensor:model.safetensors:blocks.0.attn.qkv.weight":
+            writing.set()
+            release.wait(60)
+
+    def listener(bucket: int, stage: Stage) -> None:  # runs after the checkpointer's, before the update
+        if bucket == block0 and stage is Stage.EXCHANGE:
+            seen.append(release.is_set())
+
+    ckpt._hook = hold
+    opt.stage_listeners.append(listener)
+    ckpt.save(2)
+    assert writing.wait(60)
+    threading.Timer(0.2, release.set).start()
+    _train(model, opt, sched, range(2, 4))
+    ckpt.wait()
+    assert seen == [True, True]  # the first update came after the write; the second found nothing to wait for
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(2)
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
+def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The disk fills up while the writer writes a live tensor and the bucket's next update waits
+    for that write: the update must go on, not wait for a write that will never end."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    ckpt = Checkpointer(tmp_path, model, opt)
+    holding = threading.Event()
+
+    def fails_in_the_first_tensor(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
+        it = iter(chunks)
+        next(it), next(it)  # the header, then the first tensor's bytes: its bucket is being written
+        holding.set()
+        time.sleep(1.0)  # meanwhile the training thread's update of that bucket comes and waits
+        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+    monkeypatch.setattr(ckpt_mod, "_write_file", fails_in_the_first_tensor)
+    ckpt.save(1)
+    assert holding.wait(60)
+    trainer = threading.Thread(target=_train, args=(model, opt, sched, range(1, 3)), daemon=True)
+    trainer.start()
+    trainer.join(120)
+    assert not trainer.is_alive(), "an update waits for the failed write"
+    with pytest.raises(CheckpointError, match="No space left"):
+        ckpt.wait()
+    monkeypatch.undo()
+    ckpt.save(3)
+    ckpt.wait()
+    assert ckpt.latest().step == 3
+    ckpt.close()
+    opt.close()
+
+
+def test_lazy_snapshot_without_conflict_writes_from_the_live_tensors(tmp_path: Path) -> None:
     model, opt, sched = _setup()
     ckpt = Checkpointer(tmp_path, model, opt)
     for step in range(3):
         _train(model, opt, sched, range(step, step + 1))
         ckpt.save(step + 1)
-        ckpt.wait()  # the writer is done before the next update: it copied every bucket itself
+        ckpt.wait()  # the writer is done before the next update: no bucket was copied
     assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
     ckpt.close()
     opt.close()

@@ -1,5 +1,10 @@
 """``ooc train --save/--save-every/--resume auto`` and ``ooc checkpoints list``, including runs killed
-with SIGKILL at random moments: every resume continues exactly as the run that was never stopped."""
+with SIGKILL at random moments, on one rank and on two: every resume continues exactly as the run that
+was never stopped.
+
+Two ranks (gloo, one thread each, as in tests/ooc/test_distributed.py) train on the micro-batches one
+process accumulating two of them trains on, with the same gradients bit for bit: that process's run is
+the two-rank runs' reference."""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import os
 import random
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -30,6 +36,34 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
     done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_ranks(args: list[str], cwd: Path, world: int) -> list[subprocess.Popen]:
+    """``ooc train args`` on ``world`` ranks (one: a plain process); rank 0's stdout is piped (it
+    prints the step lines)."""
+    port = _free_port()
+    procs = []
+    for rank in range(world):
+        # The stream-order checker is off as in test_distributed (its false use after free there).
+        env = dict(os.environ) if world == 1 else {
+            **os.environ, "OMP_NUM_THREADS": "1", "OOC_CHECK_ORDER": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
+        procs.append(subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
+                                      stderr=subprocess.PIPE))
+    return procs
+
+
+def _run_ranks(args: list[str], cwd: Path, world: int) -> None:
+    procs = _start_ranks(args, cwd, world)
+    for rank, proc in enumerate(procs):
+        _, err = proc.communicate(timeout=600)
+        assert proc.returncode == 0, f"rank {rank}: {err[-3000:]}"
 
 
 def _final_weights(directory: Path) -> dict[str, torch.Tensor]:
@@ -74,29 +108,49 @@ def test_resume_auto_without_a_version_starts_fresh(tmp_path: Path, reference) -
     _check_resumed(tmp_path / "ckpt", tmp_path / "all.json", 0, reference)
 
 
-def _kill_trials(tmp_path: Path, reference, trials: int, seed: int) -> None:  # noqa: ANN001
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
+    """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""
+    root = tmp_path_factory.mktemp("ref2")
+    done = subprocess.run(_cmd("--steps", str(STEPS), "--accumulate", "2", "--save", "ckpt", "--out", "ref.json"),
+                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return root / "ckpt", json.loads((root / "ref.json").read_text())["losses"]
+
+
+def _kill_trials(tmp_path: Path, reference, trials: int, seed: int, world: int = 1) -> None:  # noqa: ANN001
+    """Each trial: a run saving every step, killed with SIGKILL after a random number of steps and a
+    random fraction of one, resumed from its newest complete version. With two ranks the victim is
+    rank 0, rank 1 or both (a lost rank makes the other exit within --timeout), and the killed and
+    the resumed runs each shard the optimizer state or not, at random (the sharded and unsharded
+    runs are equal bit for bit, test_distributed)."""
     rng = random.Random(seed)
+    save = ["--save", "ckpt", "--save-every", "1", "--keep", "2"]
     for trial in range(trials):
         root = tmp_path / f"trial{trial}"
         root.mkdir()
-        proc = subprocess.Popen(_cmd("--steps", str(STEPS), "--save", "ckpt", "--save-every", "1", "--keep", "2"),
-                                cwd=root, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        shard = ["--shard"] if world > 1 and rng.random() < 0.5 else []
+        # A short --timeout: the survivor of a lost rank exits soon (one that times out early on a busy
+        # machine only stops the doomed run sooner).
+        procs = _start_ranks(_cmd("--steps", str(STEPS), *save, *shard, "--timeout", "5"), root, world)
+        victims = [procs[0]] if world == 1 else rng.choice([[procs[0]], [procs[1]], procs])
         at_line = rng.randrange(STEPS)  # kill after this many step lines, then a random fraction of a step
         for _ in range(at_line):
-            if not proc.stdout.readline():
+            if not procs[0].stdout.readline():
                 break
         time.sleep(rng.uniform(0.0, 0.15))
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
-        proc.stdout.close()
+        for proc in victims:
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.communicate(timeout=120)  # the survivor, if any, fails its next collective and exits
         found = list_versions(root / "ckpt")
         start = found[-1].step if found else 0  # the resume checks every file of this version's checksums
         if start == STEPS:  # killed after its last save: the run is complete, its weights the reference's
             ours, theirs = _final_weights(root / "ckpt"), _final_weights(reference[0])
             assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
             continue
-        _run(_cmd("--steps", str(STEPS - start), "--save", "ckpt", "--save-every", "1", "--keep", "2",
-                  "--resume", "auto", "--out", "rest.json"), root)
+        shard = ["--shard"] if world > 1 and rng.random() < 0.5 else []
+        _run_ranks(_cmd("--steps", str(STEPS - start), *save, *shard, "--resume", "auto", "--out", "rest.json"), root, world)
         _check_resumed(root / "ckpt", root / "rest.json", start, reference)
 
 
@@ -104,6 +158,15 @@ def test_kill_9_then_resume_is_exact(tmp_path: Path, reference) -> None:  # noqa
     _kill_trials(tmp_path, reference, trials=3, seed=0)
 
 
+def test_kill_9_of_two_ranks_then_resume_is_exact(tmp_path: Path, reference_two) -> None:  # noqa: ANN001
+    _kill_trials(tmp_path, reference_two, trials=1, seed=0, world=2)
+
+
 @pytest.mark.slow
 def test_kill_9_then_resume_is_exact_many(tmp_path: Path, reference) -> None:  # noqa: ANN001
     _kill_trials(tmp_path, reference, trials=20, seed=1)
+
+
+@pytest.mark.slow
+def test_kill_9_of_two_ranks_then_resume_is_exact_many(tmp_path: Path, reference_two) -> None:  # noqa: ANN001
+    _kill_trials(tmp_path, reference_two, trials=20, seed=1, world=2)
