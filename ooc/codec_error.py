@@ -34,8 +34,14 @@ _LOST = 1e9
 """The error recorded when a codec's gradient is not finite: the gradient is lost."""
 
 
+def _to_host(tensor: torch.Tensor) -> torch.Tensor:
+    """A detached host copy: the recorded inputs and gradients of every block would otherwise double
+    the device memory of the leanest plan, the one profiling runs under."""
+    return tensor.detach().to("cpu", copy=tensor.device.type != "cpu")
+
+
 class _Capture:
-    """Each block's first call of a step: its inputs (detached) and the gradients of its outputs."""
+    """Each block's first call of a step: its inputs and the gradients of its outputs, on the host."""
 
     def __init__(self, modules: list[nn.Module]) -> None:
         n = len(modules)
@@ -50,8 +56,8 @@ class _Capture:
     def _pre(self, i: int) -> Callable:
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             if self.inputs[i] is None and torch.is_grad_enabled():
-                detach = lambda t: t.detach().requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
-                self.inputs[i] = (tree_map(detach, args), tree_map(detach, kwargs))
+                keep = lambda t: _to_host(t).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
+                self.inputs[i] = (tree_map(keep, args), tree_map(keep, kwargs))
         return hook
 
     def _post(self, i: int) -> Callable:
@@ -63,7 +69,7 @@ class _Capture:
             self.outputs[i] = [True] * len(tensors)
             self.grads[i] = [None] * len(tensors)
             for k, t in enumerate(tensors):
-                t.register_hook(lambda g, k=k: self.grads[i].__setitem__(k, g.detach()))
+                t.register_hook(lambda g, k=k: self.grads[i].__setitem__(k, _to_host(g)))
         return hook
 
     def remove(self) -> None:
@@ -135,11 +141,11 @@ def block_codec_errors(
 
 def measure_codec_errors(
     modules: list[nn.Module], capture_step: Callable[[], None], codecs: list[Codec], *,
-    skip_ptrs: frozenset[int], min_swap_bytes: int,
+    skip_ptrs: frozenset[int], min_swap_bytes: int, device: torch.device,
 ) -> list[dict[Codec, float]]:
     """Per block, the error of each codec (NOTE [codec error]). ``capture_step`` runs one training
     step of the model (forward and backward) during which the blocks' inputs and output gradients are
-    recorded; the blocks are then differentiated one at a time."""
+    recorded on the host; the blocks are then differentiated one at a time on ``device``."""
     capture = _Capture(modules)
     try:
         capture_step()
@@ -150,7 +156,9 @@ def measure_codec_errors(
         if capture.inputs[i] is None:
             errors.append(dict.fromkeys(codecs, 0.0))
             continue
-        errors.append(block_codec_errors(module, capture.inputs[i], capture.grads[i], codecs,
-                                         skip_ptrs=skip_ptrs, min_swap_bytes=min_swap_bytes))
+        back = lambda t: t.to(device).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
+        inputs = tree_map(back, capture.inputs[i])
+        grads = [None if g is None else g.to(device) for g in capture.grads[i]]
+        errors.append(block_codec_errors(module, inputs, grads, codecs, skip_ptrs=skip_ptrs, min_swap_bytes=min_swap_bytes))
         capture.inputs[i] = None  # one block's inputs at a time beyond the step's own
     return errors

@@ -268,7 +268,8 @@ def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample:
     capability = torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None
     codecs = [c for c, spec in CODECS.items() if spec.supported(capability)]
     state = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
-    return measure_codec_errors(list(chain.modules), capture_step, codecs, skip_ptrs=state, min_swap_bytes=plan.min_swap_bytes)
+    return measure_codec_errors(list(chain.modules), capture_step, codecs, skip_ptrs=state,
+                                min_swap_bytes=plan.min_swap_bytes, device=backend.device)
 
 
 def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
