@@ -145,13 +145,9 @@ def mincut(graph: OpGraph, devices: Devices, *, imbalance: float = 0.05, passes:
             if locked[u]:
                 continue
             d, q = int(device[u]), tgt[u]
-            if load[q] + time[u] > limit or used[q] + held[u] > max(caps[q], used[d] - held[u]):
+            if not _may_move(u, d, q, load, used, time, held, caps, limit):
                 continue
-            device[u] = q
-            load[d] -= time[u]
-            load[q] += time[u]
-            used[d] -= held[u]
-            used[q] += held[u]
+            _move(u, d, q, device, load, used, time, held)
             locked[nbr[ptr_l[u]:ptr_l[u + 1]]] = True
             moved += 1
         if moved == 0:
@@ -199,13 +195,9 @@ def _fm_pass(device: list[int], load: list[float], used: list[float], k: int, pt
             continue
         locked[u] = True
         d = device[u]
-        if load[q] + time[u] > limit or used[q] + held[u] > max(caps[q], used[d] - held[u]):
+        if not _may_move(u, d, q, load, used, time, held, caps, limit):
             continue
-        device[u] = q
-        load[d] -= time[u]
-        load[q] += time[u]
-        used[d] -= held[u]
-        used[q] += held[u]
+        _move(u, d, q, device, load, used, time, held)
         moves.append((u, d, q))
         total += g
         if total > best_total + 1e-9:
@@ -216,9 +208,20 @@ def _fm_pass(device: list[int], load: list[float], used: list[float], k: int, pt
                 gv, qv = best(v)
                 heapq.heappush(heap, (-gv, load[qv] - load[device[v]], v, qv))
     for u, d, q in reversed(moves[best_len:]):
-        device[u] = d
-        load[q] -= time[u]
-        load[d] += time[u]
-        used[q] -= held[u]
-        used[d] += held[u]
+        _move(u, q, d, device, load, used, time, held)
     return best_total
+
+
+def _may_move(u: int, d: int, q: int, load, used, time, held, caps, limit: float) -> bool:  # noqa: ANN001
+    """Moving op ``u`` from device ``d`` to ``q`` keeps ``q``'s time within ``limit`` and its memory
+    within its capacity, or no fuller than ``d`` is now (numpy arrays or lists alike)."""
+    return load[q] + time[u] <= limit and used[q] + held[u] <= max(caps[q], used[d] - held[u])
+
+
+def _move(u: int, d: int, q: int, device, load, used, time, held) -> None:  # noqa: ANN001
+    """Op ``u`` moves from device ``d`` to ``q``: its placement, the devices' time and memory."""
+    device[u] = q
+    load[d] -= time[u]
+    load[q] += time[u]
+    used[d] -= held[u]
+    used[q] += held[u]
