@@ -46,10 +46,10 @@ def _stage_cuts(time: np.ndarray, size: np.ndarray, caps: np.ndarray) -> np.ndar
         return np.asarray(cuts[:-1]) if at >= n else None
 
     hi = float(ct[-1])
-    if probe(hi) is None:
+    best = probe(hi)
+    if best is None:
         return None
     lo = float(time.max()) if n else 0.0
-    best = probe(hi)
     for _ in range(60):
         if hi - lo <= 1e-9 * max(hi, 1e-30):
             break
