@@ -63,7 +63,10 @@ class BlockPlan:
     """The decision for one block.
 
     ``swap_input`` applies to ``RECOMPUTE`` blocks: the one tensor such a block keeps (its input)
-    is swapped to the host as well. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
+    is swapped to the host as well. ``cached_ops`` also applies to ``RECOMPUTE`` blocks (selective
+    recompute): the indices, into the block's op-level profile, of the ops whose outputs the forward
+    keeps and the re-run reuses instead of running them again (NOTE [op-level profile] in
+    ``ooc.scheduler.profile``); empty re-runs the whole forward. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
     from its profile (``None`` for a hand-written plan); they are shown in the plan table.
     """
 
@@ -73,8 +76,15 @@ class BlockPlan:
     saved_bytes: int | None = None
     device_bytes: int | None = None
     params: Residency = Residency.RESIDENT
+    cached_ops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
+        if isinstance(self.cached_ops, (str, bytes)) or not hasattr(self.cached_ops, "__iter__"):
+            raise PlanError(f"cached_ops must be a sequence of op indices, got {self.cached_ops!r:.80}; {_FIX}")
+        object.__setattr__(self, "cached_ops", tuple(checks.count(i, "a cached op index", PlanError, hint=_FIX)
+                                                     for i in self.cached_ops))
+        if list(self.cached_ops) != sorted(set(self.cached_ops)):
+            raise PlanError(f"cached_ops must be increasing op indices without repeats, got {list(self.cached_ops)[:8]}; {_FIX}")
         object.__setattr__(self, "policy", _member(Policy, self.policy, "policy"))
         object.__setattr__(self, "codec", _member(Codec, self.codec, "codec"))
         object.__setattr__(self, "params", _member(Residency, self.params, "params"))
@@ -84,6 +94,8 @@ class BlockPlan:
                 object.__setattr__(self, name, checks.count(getattr(self, name), name, PlanError, hint=f"leave it out or {_FIX}"))
         if self.swap_input and self.policy is not Policy.RECOMPUTE:
             raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
+        if self.cached_ops and self.policy is not Policy.RECOMPUTE:
+            raise PlanError("cached_ops (selective recompute) only applies to RECOMPUTE blocks")
         if self.codec is not Codec.NONE and not self.swaps_anything:
             raise PlanError(f"codec {self.codec.value} needs a block that swaps (SWAP, or RECOMPUTE with swap_input)")
 
@@ -93,6 +105,8 @@ class BlockPlan:
 
     def label(self) -> str:
         text = self.policy.value
+        if self.cached_ops:
+            text += f"(cache {len(self.cached_ops)} ops)"
         if self.swap_input:
             text += "+swap_input"
         if self.codec is not Codec.NONE:
@@ -216,6 +230,7 @@ class Plan:
                     "saved_bytes": b.saved_bytes,
                     "device_bytes": b.device_bytes,
                     "params": b.params.value,
+                    "cached_ops": list(b.cached_ops),
                 }
                 for b in self.blocks
             ],
@@ -246,6 +261,7 @@ class Plan:
                         saved_bytes=b.get("saved_bytes"),
                         device_bytes=b.get("device_bytes"),
                         params=b.get("params", "resident"),
+                        cached_ops=b.get("cached_ops", ()),
                     )
                     for b in blocks
                 ),

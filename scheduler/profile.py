@@ -13,8 +13,46 @@ from ooc.scheduler.codecs import nominal_ratio
 from ooc.scheduler.errors import ProfileError
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES
 
-PROFILE_FORMAT_VERSION = 2
+PROFILE_FORMAT_VERSION = 3
 _FIX = "profile the model again (ooc profile) or correct the profile JSON"
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """One operator of a block's forward, in dispatch order (NOTE [op-level profile]).
+
+    NOTE [op-level profile]
+    A block's forward is the sequence of aten operators it dispatches, counted in order from 0 by a
+    ``TorchDispatchMode`` (views and in-place ops included): the ``k``-th op of the profile is the
+    ``k``-th op the runtime sees when it runs the block again on inputs of the same shapes. A
+    RECOMPUTE block with ``BlockPlan.cached_ops`` keeps the outputs of those ops from its forward and
+    its re-run takes them from that cache instead of running the ops again (selective recompute), so
+    any subset of the cacheable ops is a valid plan.
+
+    - ``forward_s``: the op's time in the forward (what caching it saves in the re-run).
+    - ``output_bytes``: bytes of the storages the op creates (0 for views and in-place ops), what
+      caching it holds on the device from the forward to the block's backward.
+    - ``saved_bytes``: the part of ``output_bytes`` that autograd saves for the block's backward (the
+      re-run re-saves those storages anyway, so caching them adds nothing at backward).
+    - ``cacheable``: ``False`` for ops whose output cannot be taken from a cache without changing the
+      re-run (random ops, which advance a generator; in-place ops; ops without tensor outputs).
+    """
+
+    name: str
+    forward_s: float
+    output_bytes: int
+    saved_bytes: int = 0
+    cacheable: bool = True
+
+    def __post_init__(self) -> None:
+        checks.text(self.name, "an op's name", ProfileError, hint=_FIX)
+        where = f"op {self.name!r}: "
+        object.__setattr__(self, "forward_s", checks.number(self.forward_s, "forward_s", ProfileError, where=where, hint=_FIX))
+        for name in ("output_bytes", "saved_bytes"):
+            object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, where=where, hint=_FIX))
+        checks.flag(self.cacheable, "cacheable", ProfileError, hint=_FIX)
+        if self.saved_bytes > self.output_bytes:
+            raise ProfileError(f"{where}saved_bytes exceeds output_bytes; {_FIX}")
 
 
 @dataclass(frozen=True)
@@ -53,8 +91,11 @@ class BlockProfile:
     """Per codec: the relative L2 error of the block's gradients (of its inputs and parameters) when
     its saved tensors go through the codec, measured by the profiler (NOTE [codec error] in
     ``ooc.codec_error``); a codec missing here was not measured."""
+    ops: tuple[OpProfile, ...] = ()
+    """The block's forward op by op (NOTE [op-level profile]); empty when not profiled at that level."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "ops", tuple(self._op_entry(op) for op in self.ops))
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
         checks.text(self.name, "a block's name", ProfileError, hint=_FIX)
@@ -71,6 +112,16 @@ class BlockProfile:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
             raise ProfileError(f"block {self.name!r}: input_swappable_bytes exceeds input_bytes")
+
+    def _op_entry(self, entry: object) -> OpProfile:
+        if isinstance(entry, OpProfile):
+            return entry
+        if not isinstance(entry, dict):
+            raise ProfileError(f"block {self.name!r}: each op must be an object, got {entry!r:.80}; {_FIX}")
+        try:
+            return OpProfile(**entry)
+        except TypeError as exc:  # a missing or unknown field
+            raise ProfileError(f"block {self.name!r}: corrupt op {entry!r:.80}: {exc}; {_FIX}") from exc
 
     def _codec_error_entry(self, entry: object) -> tuple[str, float]:
         where = f"block {self.name!r}: "
