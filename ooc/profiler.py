@@ -25,7 +25,8 @@ from ooc.errors import WrapError
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Codec, Plan, Policy
-from ooc.scheduler.profile import BlockProfile, Profile, machine_header
+from ooc.scheduler.profile import BlockProfile, Profile, SharedStorage, machine_header
+from ooc.storage_sharing import measure_shared_storages
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -237,6 +238,9 @@ def profile(
         finally:
             for h in handles:
                 h.remove()
+        state_ptrs = frozenset(t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers()))
+        shared = measure_shared_storages(list(chain.modules), lambda: call_model(model, sample), skip_ptrs=state_ptrs,
+                                         device=backend_obj.device)
         # After the output hooks are gone: the measurement re-runs blocks on their own.
         errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
     finally:
@@ -251,6 +255,7 @@ def profile(
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
         outside_param_bytes=outside_param_bytes(model, chain),
         codec_errors=errors,
+        shared=shared,
     )
 
 
@@ -281,9 +286,10 @@ def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
 def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
-    codec_errors: list[dict[Codec, float]] | None = None,
+    codec_errors: list[dict[Codec, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
 ) -> Profile:
-    """A profile from the tracker's log of an all-recompute step (bytes) and measured times."""
+    """A profile from the tracker's log of an all-recompute step (bytes) and measured times;
+    ``shared``: per block, the storages other blocks hold too (``ooc.storage_sharing``)."""
     n = len(chain)
     saved_bytes, swappable, swappable_count, saved_compressed = _sums(log, "recompute", n, min_swap_bytes)
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
@@ -309,6 +315,7 @@ def block_profiles_to_profile(
                     for c in saved_compressed[0][i]
                 ),
                 codec_error=() if codec_errors is None else tuple((c.value, e) for c, e in codec_errors[i].items()),
+                shared=() if shared is None else shared[i],
             )
         )
     return Profile(

@@ -34,7 +34,7 @@ from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_no_hf_checkpointing, disable_caches
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
-from ooc.saved import CompressedStorage, SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, make_pack_hook, unpack
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
@@ -47,7 +47,9 @@ _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDict
 class Recorder(Protocol):
     """What the runtime reports of the steps it runs while one is attached (``Runtime.record``).
 
-    The profiler's ``StepRecorder`` is one: it turns the reports into a profile.
+    The profiler's ``StepRecorder`` is one: it turns the reports into a profile. While one is
+    attached, a storage that several blocks hold is counted by each of them (a profile's bytes are per
+    block; NOTE [storages shared between blocks] in ``ooc.scheduler.sharing``).
     """
 
     marks_backward: bool
@@ -106,6 +108,11 @@ class _Pass:
         """The graph task of the backward whose end callback is queued (``on_backward_start``)."""
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
+        # While a recorder measures a profile, each block counts all it holds: a profile's bytes are
+        # per block, and the schedule applies the sharing rule itself (NOTE [storages shared between
+        # blocks] in ooc.scheduler.sharing).
+        self.device_ledger = DeviceLedger() if isinstance(runtime.timer, _NoRecorder) else None
+        """Kept storages of this pass's forward, each counted by its first keeper."""
         self.saved_versions: dict[int, tuple[int, weakref.ref, int]] = {}
         """id(packed) -> (block, the tensor whose version counter it shares, its version at pack);
         NOTE [saved tensors modified in place]."""
@@ -134,6 +141,8 @@ class _Pass:
             on_kept=self.keep,
             on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
             param_view=rt.streamer.view_of if rt.plan.blocks[block].streamed else None,
+            # The forward's keeps share one ledger; a re-run counts what it re-saves on its own.
+            shared=self.device_ledger if what == "save" else None,
         )
 
     def versioned(self, block: int, pack: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:

@@ -17,6 +17,7 @@ dropped them: a chain's backward runs every node of block ``b`` before block ``b
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -101,12 +102,16 @@ class SwappedStorage:
     instead and adds only their encoding and decoding.
     """
 
-    __slots__ = ("ctx", "block", "nbytes", "device", "host", "d2h_done", "copied_back", "h2d_done", "__weakref__")
+    __slots__ = ("ctx", "block", "nbytes", "counted", "device", "host", "d2h_done", "copied_back", "h2d_done", "__weakref__")
 
-    def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str) -> None:
+    def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str, *, counted: bool = True) -> None:
         self.ctx = ctx
         self.block = block
         self.nbytes = 0
+        self.counted = counted
+        """Whether the bytes on the device until ``release`` are this record's to count: not when an
+        earlier block keeps the same storage (NOTE [storages shared between blocks] in
+        ``ooc.scheduler.sharing``); the copy back always is."""
         self.device: torch.Tensor | None = None
         """The bytes moved, on the device until ``release``."""
         self.copied_back: torch.Tensor | None = None
@@ -117,7 +122,8 @@ class SwappedStorage:
         with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"):
             device_bytes = self.encode(tensor)
             self.nbytes = device_bytes.numel()
-            ctx.tracker.alloc(block, self.nbytes, what)
+            if counted:
+                ctx.tracker.alloc(block, self.nbytes, what)
             self.device = device_bytes
             self.host = ctx.pool.acquire(self.nbytes)
             # The copy may start only once compute has produced the bytes it reads (codes are written
@@ -136,7 +142,8 @@ class SwappedStorage:
         # Compute must not run ahead of the copy out: this bounds the device bytes in flight.
         self.ctx.backend.wait_compute(self.d2h_done)
         self.device = None
-        self.ctx.tracker.free(self.block, self.nbytes, "release")
+        if self.counted:
+            self.ctx.tracker.free(self.block, self.nbytes, "release")
 
     def prefetch(self) -> None:
         if self.copied_back is not None:
@@ -164,7 +171,7 @@ class SwappedStorage:
     def __del__(self) -> None:
         if not hasattr(self, "ctx"):
             return  # never initialised (torch.compile can build an object without running __init__)
-        if self.device is not None or self.copied_back is not None:
+        if (self.device is not None and self.counted) or self.copied_back is not None:
             self.ctx.tracker.free(self.block, self.nbytes)
         # The host buffer may be reused once its last reader (the copy back, else the copy out) ends.
         if self.host is not None:
@@ -266,6 +273,35 @@ def unpack(packed: object) -> torch.Tensor:
     return packed.unpack()  # type: ignore[attr-defined]
 
 
+class DeviceLedger:
+    """The storages that blocks of one pass keep on the device, each counted by the first block that
+    keeps it (NOTE [storages shared between blocks] in ``ooc.scheduler.sharing``).
+
+    An entry is trusted only while the tensor that keeps its storage alive (what autograd holds) is
+    alive: a storage address is never taken for another storage's while its first one lives.
+    """
+
+    def __init__(self) -> None:
+        self._held: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+
+    def counted_before(self, ptr: int, block: int) -> bool:
+        """Whether a keep of this pass counts the live storage at ``ptr`` already: an earlier block's
+        (its backward ends after this block's), or an earlier call of this block."""
+        entry = self._held.get(ptr)
+        if entry is None:
+            return False
+        first, ref = entry
+        alias = ref()
+        if alias is None or alias.untyped_storage().data_ptr() != ptr:
+            del self._held[ptr]
+            return False
+        return first <= block
+
+    def count(self, ptr: int, block: int, alias: torch.Tensor) -> None:
+        """``block`` counts the storage at ``ptr``, kept alive by ``alias``."""
+        self._held[ptr] = (block, weakref.ref(alias))
+
+
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
     """A kept tensor as the pack hook returns it (NOTE [kept tensors are detached])."""
     return tensor if tensor.grad_fn is None else tensor.detach()
@@ -284,6 +320,7 @@ def make_pack_hook(
     on_swapped: Callable[[SwappedStorage], None],
     codec: Codec = Codec.NONE,
     param_view: Callable[[torch.Tensor], object | None] | None = None,
+    shared: DeviceLedger | None = None,
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
@@ -304,6 +341,8 @@ def make_pack_hook(
     With a ``codec``, floating-point storages are compressed before their copy out.
     ``skip_ptrs``: storages never counted or moved (parameters and buffers). ``param_view``: for a
     block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
+    ``shared``: the pass's ledger of kept storages; one an earlier block counts is not counted again
+    (NOTE [storages shared between blocks] in ``ooc.scheduler.sharing``).
     """
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
     # it, never across a release (the allocator may hand the address to another tensor). The ledger
@@ -325,17 +364,23 @@ def make_pack_hook(
             return _kept(tensor)
         nbytes = storage.nbytes()
         if not swap or nbytes < min_swap_bytes:
+            kept = _kept(tensor)
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
-                on_kept(block, nbytes, what, tensor.dtype)
-            return _kept(tensor)
+                if shared is None:
+                    on_kept(block, nbytes, what, tensor.dtype)
+                elif not shared.counted_before(ptr, block):
+                    on_kept(block, nbytes, what, tensor.dtype)
+                    shared.count(ptr, block, kept)
+            return kept
         record = ledger.get(ptr)
         if record is None:
             if spec is not None and spec.compresses(nbytes, tensor.dtype):
                 record = CompressedStorage(ctx, block, tensor, what, codec)
                 held_sources.append(storage)
             else:
-                record = SwappedStorage(ctx, block, tensor, what)
+                counted = shared is None or not shared.counted_before(ptr, block)
+                record = SwappedStorage(ctx, block, tensor, what, counted=counted)
             ledger[ptr] = record
             on_swapped(record)
         return SwappedView(record, tensor)

@@ -56,6 +56,29 @@ class OpProfile:
 
 
 @dataclass(frozen=True)
+class SharedStorage:
+    """A storage that more than one block holds for its backward (NOTE [storages shared between blocks]).
+
+    ``id`` names the storage within one profile (every block that holds it lists the same ``id``);
+    ``saved``: the block's forward saves it; ``input``: it is one of the block's tensor arguments
+    (what a RECOMPUTE block keeps); ``dtype``: as the block sees it (which codecs compress it).
+    """
+
+    id: int
+    nbytes: int
+    dtype: str
+    saved: bool
+    input: bool
+
+    def __post_init__(self) -> None:
+        for name in ("id", "nbytes"):
+            object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, where="shared storage: ", hint=_FIX))
+        checks.text(self.dtype, "dtype", ProfileError, where="shared storage: ", hint=_FIX)
+        for name in ("saved", "input"):
+            checks.flag(getattr(self, name), name, ProfileError, where="shared storage: ", hint=_FIX)
+
+
+@dataclass(frozen=True)
 class BlockProfile:
     """Costs of one block for one input shape.
 
@@ -93,8 +116,12 @@ class BlockProfile:
     ``ooc.codec_error``); a codec missing here was not measured."""
     ops: tuple[OpProfile, ...] = ()
     """The block's forward op by op (NOTE [op-level profile]); empty when not profiled at that level."""
+    shared: tuple[SharedStorage, ...] = ()
+    """The storages this block holds that other blocks hold too (NOTE [storages shared between
+    blocks]); each is also counted in ``saved_bytes`` / ``input_bytes`` above."""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "shared", tuple(self._shared_entry(e) for e in self.shared))
         object.__setattr__(self, "ops", tuple(self._op_entry(op) for op in self.ops))
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
@@ -122,6 +149,16 @@ class BlockProfile:
             return OpProfile(**entry)
         except TypeError as exc:  # a missing or unknown field
             raise ProfileError(f"block {self.name!r}: corrupt op {entry!r:.80}: {exc}; {_FIX}") from exc
+
+    def _shared_entry(self, entry: object) -> SharedStorage:
+        if isinstance(entry, SharedStorage):
+            return entry
+        if not isinstance(entry, dict):
+            raise ProfileError(f"block {self.name!r}: each shared storage must be an object, got {entry!r:.80}; {_FIX}")
+        try:
+            return SharedStorage(**entry)
+        except TypeError as exc:  # a missing or unknown field
+            raise ProfileError(f"block {self.name!r}: corrupt shared storage {entry!r:.80}: {exc}; {_FIX}") from exc
 
     def _codec_error_entry(self, entry: object) -> tuple[str, float]:
         where = f"block {self.name!r}: "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.profile import BlockProfile, Profile
+from ooc.scheduler.sharing import SharedAdjustment, shared_adjustments
 
 
 class Resource(str, enum.Enum):
@@ -95,14 +96,30 @@ class BlockBytes:
     """Growth when compressed storages are decoded as the block's backward starts (full - codes)."""
     decode_transient: int = 0
     """The largest storage's codes, alive while its full-size output is written (decoded last)."""
+    shared_swapped: int = 0
+    """Swapped bytes an earlier block holds on the device (NOTE [storages shared between blocks]):
+    not in ``forward_alloc``, not freed at the release."""
+
+    @property
+    def released(self) -> int:
+        """Freed at the block's RELEASE."""
+        return self.swapped - self.shared_swapped
 
     @property
     def resident_at_backward(self) -> int:
         """Freed by the block's backward."""
-        return self.forward_alloc + self.recompute_alloc + self.decoded
+        return self.forward_alloc + self.shared_swapped + self.recompute_alloc + self.decoded
 
 
-def block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
+def block_bytes(plan_block, profile_block: BlockProfile | None, shared: SharedAdjustment = SharedAdjustment()) -> BlockBytes:
+    """What ``plan_block`` holds of a block, less what an earlier block already counts (``shared``)."""
+    full = _block_bytes(plan_block, profile_block)
+    if shared == SharedAdjustment():
+        return full
+    return replace(full, forward_alloc=full.forward_alloc - shared.kept - shared.swapped, shared_swapped=shared.swapped)
+
+
+def _block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
     if profile_block is None:
         return BlockBytes(0, 0, 0)
     p = profile_block
@@ -197,7 +214,8 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
     if profile is not None and len(profile) != n:
         raise PlanError(f"the plan has {n} blocks, the profile {len(profile)}; they must describe one model")
     prof = list(profile.blocks) if profile is not None else [None] * n
-    per_block = [block_bytes(plan.blocks[i], prof[i]) for i in range(n)]
+    shared = shared_adjustments(plan, profile) if profile is not None else [SharedAdjustment()] * n
+    per_block = [block_bytes(plan.blocks[i], prof[i], shared[i]) for i in range(n)]
     swaps = [plan.blocks[i].swaps_anything for i in range(n)]
 
     ops: list[Op] = []
@@ -242,7 +260,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         if i > 0 and swaps[i - 1]:
             # The forward of block i overlaps block i-1's copy out; the copy must end before block
             # i+1 starts, which bounds the bytes in flight to two blocks' worth.
-            add(OpKind.RELEASE, i - 1, Resource.COMPUTE, (swap_out[i - 1],), free_bytes=per_block[i - 1].swapped)
+            add(OpKind.RELEASE, i - 1, Resource.COMPUTE, (swap_out[i - 1],), free_bytes=per_block[i - 1].released)
             releases_after.append((i - 1,))
         else:
             releases_after.append(())
@@ -250,7 +268,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
 
     releases_before: tuple[int, ...] = ()
     if swaps[n - 1]:
-        add(OpKind.RELEASE, n - 1, Resource.COMPUTE, (swap_out[n - 1],), free_bytes=per_block[n - 1].swapped)
+        add(OpKind.RELEASE, n - 1, Resource.COMPUTE, (swap_out[n - 1],), free_bytes=per_block[n - 1].released)
         releases_before = (n - 1,)
 
     swap_in: dict[int, int] = {}

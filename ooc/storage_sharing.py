@@ -1,0 +1,113 @@
+"""Find the storages that more than one block of a chain holds (NOTE [storages shared between blocks]
+in ``ooc.scheduler.sharing``), for the profile."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._pytree import tree_leaves
+
+from ooc.scheduler.codecs import dtype_name
+from ooc.scheduler.profile import SharedStorage
+
+
+@dataclass
+class _Seen:
+    """One storage a block holds: its identity and in which roles."""
+
+    storage: int
+    nbytes: int
+    dtype: str
+    saved: bool = False
+    input: bool = False
+
+
+@dataclass
+class _Storages:
+    """Storages by identity: an address names a storage only while that storage lives."""
+
+    weak: dict[int, tuple[int, StorageWeakRef]] = field(default_factory=dict)
+    """Address -> (identity, weak reference to the storage first seen there)."""
+    count: int = 0
+
+    def identity(self, storage: torch.UntypedStorage) -> int:
+        ptr = storage.data_ptr()
+        entry = self.weak.get(ptr)
+        if entry is not None and not entry[1].expired():
+            return entry[0]
+        self.count += 1
+        self.weak[ptr] = (self.count, StorageWeakRef(storage))
+        return self.count
+
+
+def measure_shared_storages(
+    modules: list[nn.Module], run_forward: Callable[[], Any], *, skip_ptrs: frozenset[int], device: torch.device,
+) -> list[tuple[SharedStorage, ...]]:
+    """Per block of ``modules``, the storages it holds that another block holds too.
+
+    ``run_forward()`` runs the model's forward once, with autograd on; nothing it saves is kept (the
+    pack hook records the storage and returns nothing, and no backward runs), so the pass needs the
+    memory of a forward without saved activations. A storage counts as held by a block when the
+    block's forward saves it or when it is one of the block's tensor arguments; parameters and
+    buffers (``skip_ptrs``), storages on another device and empty ones are not counted.
+    Returns one tuple per block, in the order of ``modules``, of :class:`SharedStorage`.
+    """
+    storages = _Storages()
+    held: list[dict[int, _Seen]] = [{} for _ in modules]
+    current: list[int] = []
+
+    def note(block: int, tensor: torch.Tensor, role: str) -> None:
+        if tensor.device != device:
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() in skip_ptrs or storage.nbytes() == 0:
+            return
+        key = storages.identity(storage)
+        seen = held[block].setdefault(key, _Seen(key, storage.nbytes(), dtype_name(tensor.dtype)))
+        setattr(seen, role, True)
+
+    def pack(tensor: torch.Tensor) -> None:
+        if current:
+            note(current[-1], tensor, "saved")
+
+    def before(block: int) -> Callable[..., None]:
+        def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
+            current.append(block)
+            for leaf in tree_leaves((args, kwargs)):
+                if isinstance(leaf, torch.Tensor):
+                    note(block, leaf, "input")
+        return hook
+
+    def after(_module: nn.Module, _args: tuple, _kwargs: dict, _out: Any) -> None:
+        current.pop()
+
+    handles = []
+    try:
+        for i, module in enumerate(modules):
+            handles.append(module.register_forward_pre_hook(before(i), with_kwargs=True))
+            handles.append(module.register_forward_hook(after, with_kwargs=True))
+        with torch.enable_grad(), saved_tensors_hooks(pack, _never_unpacked):
+            run_forward()
+    finally:
+        for handle in handles:
+            handle.remove()
+    holders: dict[int, int] = {}
+    for block in held:
+        for key in block:
+            holders[key] = holders.get(key, 0) + 1
+    shared_ids = {key: n for n, key in enumerate(sorted(k for k, c in holders.items() if c > 1))}
+    return [
+        tuple(SharedStorage(shared_ids[s.storage], s.nbytes, s.dtype, s.saved, s.input)
+              for s in block.values() if s.storage in shared_ids)
+        for block in held
+    ]
+
+
+def _never_unpacked(_packed: object) -> torch.Tensor:
+    raise RuntimeError("ooc measured which storages blocks share with a forward that has no backward")
