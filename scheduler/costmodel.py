@@ -5,7 +5,7 @@ once per codec) has device bytes allocated in the forward (``A``), bytes moved t
 bytes the recomputation allocates (``Rc``) and the decoding of compressed copies adds (``D``), all
 from the schedule's ``block_bytes``, and times. The step time is modelled as the in-core time
 plus, per block:
-- ``recompute``: the block's forward again;
+- ``recompute``: the block's forward again (less its cached ops' time, for a selective recompute);
 - ``exposed_out``: the part of the copy out not hidden under the next block's forward (the runtime
   makes that copy end before the block after next starts: the RELEASE op in ``build_schedule``);
 - ``exposed_in``: the part of the copy back not hidden under the compute of the ``prefetch`` blocks
@@ -24,9 +24,10 @@ import numpy as np
 
 from ooc.scheduler.codecs import CODEC_ERROR_BOUND, CODECS
 from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.oplevel import selective_sets
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
-from ooc.scheduler.schedule import block_bytes
+from ooc.scheduler.schedule import block_bytes, cached_ops_cost
 
 BASE_OPTIONS: tuple[BlockPlan, ...] = (
     BlockPlan(Policy.KEEP),
@@ -65,7 +66,16 @@ class Options:
     """(n,): compute the copy out of block i hides under (block i+1's forward; the rest of the model for the last)."""
     allowed: np.ndarray | None = None
     """(n, m) bool: False where an option's codec moves the block's gradients by more than the
-    bound (the profile's ``codec_error``); ``None``: every option is allowed."""
+    bound (the profile's ``codec_error``), or where a block has fewer selective options than the
+    others; ``None``: every option is allowed."""
+    block_choices: tuple[tuple[BlockPlan, ...], ...] | None = None
+    """Per block, its ``m`` options, where they differ between blocks (selective recompute: each
+    block's own cached sets, NOTE [op-level options] in ``ooc.scheduler.oplevel``); ``None``:
+    ``choices`` for every block."""
+
+    def choice(self, i: int, k: int) -> BlockPlan:
+        """Option ``k`` of block ``i``."""
+        return self.choices[k] if self.block_choices is None else self.block_choices[i][k]
 
     def allows(self, i: int, k: int) -> bool:
         return self.allowed is None or bool(self.allowed[i, k])
@@ -85,25 +95,64 @@ class Options:
         return self.A.shape[1]
 
     def plan(self, picks: list[int] | np.ndarray, *, prefetch: int, min_swap_bytes: int, name: str) -> Plan:
-        return Plan(blocks=tuple(self.choices[int(c)] for c in picks), prefetch=prefetch, min_swap_bytes=min_swap_bytes, name=name)
+        return Plan(blocks=tuple(self.choice(i, int(c)) for i, c in enumerate(picks)), prefetch=prefetch,
+                    min_swap_bytes=min_swap_bytes, name=name)
 
     def picks_of(self, plan: Plan) -> list[int]:
-        index = {(c.policy, c.codec, c.swap_input): k for k, c in enumerate(self.choices)}
-        return [index[(b.policy, b.codec, b.swap_input)] for b in plan.blocks]
+        key = lambda c: (c.policy, c.codec, c.swap_input, c.cached_ops)  # noqa: E731
+        picks = []
+        for i, b in enumerate(plan.blocks):
+            index = {key(self.choice(i, k)): k for k in reversed(range(self.m)) if self.allows(i, k)}
+            picks.append(index[key(b)])
+        return picks
+
+
+def _selective_choices(profile: Profile, choices: tuple[BlockPlan, ...], selective: int,
+                       swap_input: bool) -> tuple[tuple[tuple[BlockPlan, ...], ...], np.ndarray]:
+    """Per block: ``choices`` then ``selective`` RECOMPUTE options with cached ops (and as many with
+    ``swap_input`` too), padded with plain RECOMPUTE where a block has fewer; (n, m) allowed mask."""
+    variants = (False, True) if swap_input else (False,)
+    m = len(choices) + selective * len(variants)
+    blocks, allowed = [], np.ones((len(profile), m), dtype=bool)
+    memo: dict[tuple, tuple] = {}
+    for i, b in enumerate(profile.blocks):
+        key = tuple((op.forward_s, op.output_bytes, op.cacheable) for op in b.ops)
+        if key not in memo:
+            memo[key] = tuple(s.ops for s in selective_sets(b.ops, selective))
+        sets = memo[key]
+        row = list(choices)
+        for v in variants:
+            for j in range(selective):
+                if j < len(sets):
+                    row.append(BlockPlan(Policy.RECOMPUTE, swap_input=v, cached_ops=sets[j]))
+                else:
+                    allowed[i, len(row)] = False
+                    row.append(BlockPlan(Policy.RECOMPUTE, swap_input=v))
+        blocks.append(tuple(row))
+    return tuple(blocks), allowed
 
 
 def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
-                  max_codec_error: float = CODEC_ERROR_BOUND) -> Options:
+                  max_codec_error: float = CODEC_ERROR_BOUND, *, selective: int = 0,
+                  selective_swap_input: bool = True) -> Options:
     """Every block's bytes and times under each of ``choices`` (bytes only, copy times zero, with
     ``hardware=None``: enough for ``model_peak``). A codec whose measured gradient error
     on a block exceeds ``max_codec_error`` is not allowed there (NOTE [codec error] in
-    ``ooc.codec_error``); a codec the profile did not measure is allowed."""
-    n, m = len(profile), len(choices)
-    allowed = np.ones((n, m), dtype=bool)
+    ``ooc.codec_error``); a codec the profile did not measure is allowed. ``selective > 0`` adds,
+    per block with an op-level profile, up to that many selective-recompute options (each block its
+    own cached sets, NOTE [op-level options] in ``ooc.scheduler.oplevel``), and as many again with the
+    input swapped where ``selective_swap_input``."""
+    n = len(profile)
+    block_choices = None
+    allowed = np.ones((n, len(choices)), dtype=bool)
+    if selective > 0:
+        block_choices, allowed = _selective_choices(profile, choices, selective, selective_swap_input)
+    m = allowed.shape[1]
     A, X, Rc, D, T = (np.zeros((n, m), dtype=np.int64) for _ in range(5))
     rec, t_out, t_in, comp = (np.zeros((n, m)) for _ in range(4))
     for i, b in enumerate(profile.blocks):
-        for k, c in enumerate(choices):
+        for k in range(m):
+            c = choices[k] if block_choices is None else block_choices[i][k]
             bytes_ = block_bytes(c, b)
             if c.codec is not Codec.NONE:
                 error = b.codec_error_of(c.codec.value)
@@ -111,6 +160,8 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
             A[i, k], X[i, k], Rc[i, k], D[i, k] = bytes_.forward_alloc, bytes_.swapped, bytes_.recompute_alloc, bytes_.decoded
             T[i, k] = bytes_.decode_transient
             rec[i, k] = b.forward_s if c.policy is Policy.RECOMPUTE else 0.0
+            if c.cached_ops:
+                rec[i, k] = max(0.0, b.forward_s - cached_ops_cost(c, b)[2])  # a cache lookup is free
             comp[i, k] = b.backward_s + rec[i, k]
             if X[i, k] and hardware is not None:
                 rec[i, k] += 2 * bytes_.copies * hardware.copy_issue_s  # issued in the forward, again in the backward
@@ -119,7 +170,7 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
                 t_out[i, k] = hardware.copy_latency_s + X[i, k] / hardware.d2h
                 t_in[i, k] = hardware.copy_latency_s + X[i, k] / hardware.h2d
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
-    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)
+    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed, block_choices)
 
 
 def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:
