@@ -27,7 +27,7 @@ from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.oplevel import selective_sets
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
-from ooc.scheduler.schedule import block_bytes, cached_ops_cost
+from ooc.scheduler.schedule import block_bytes
 
 BASE_OPTIONS: tuple[BlockPlan, ...] = (
     BlockPlan(Policy.KEEP),
@@ -68,17 +68,28 @@ class Options:
     """(n, m) bool: False where an option's codec moves the block's gradients by more than the
     bound (the profile's ``codec_error``), or where a block has fewer selective options than the
     others; ``None``: every option is allowed."""
-    block_choices: tuple[tuple[BlockPlan, ...], ...] | None = None
-    """Per block, its ``m`` options, where they differ between blocks (selective recompute: each
-    block's own cached sets, NOTE [op-level options] in ``ooc.scheduler.oplevel``); ``None``:
-    ``choices`` for every block."""
-
-    def choice(self, i: int, k: int) -> BlockPlan:
-        """Option ``k`` of block ``i``."""
-        return self.choices[k] if self.block_choices is None else self.block_choices[i][k]
+    selective: tuple[tuple[tuple[bool, tuple[int, ...]], ...], ...] | None = None
+    """Per block, its options after ``choices``: (swap_input, cached_ops) of a selective RECOMPUTE,
+    each block its own cached sets (NOTE [op-level options] in ``ooc.scheduler.oplevel``); ``None``:
+    ``choices`` alone, the same for every block. Kept as plain tuples, made into a
+    :class:`BlockPlan` only for the options a plan picks."""
 
     def allows(self, i: int, k: int) -> bool:
         return self.allowed is None or bool(self.allowed[i, k])
+
+    def _key(self, i: int, k: int) -> tuple:
+        if k < len(self.choices):
+            c = self.choices[k]
+            return c.policy, c.codec, c.swap_input, c.cached_ops
+        swap_input, cached = self.selective[i][k - len(self.choices)]
+        return Policy.RECOMPUTE, Codec.NONE, swap_input, cached
+
+    def choice(self, i: int, k: int) -> BlockPlan:
+        """Option ``k`` of block ``i``."""
+        if k < len(self.choices):
+            return self.choices[k]
+        swap_input, cached = self.selective[i][k - len(self.choices)]
+        return BlockPlan(Policy.RECOMPUTE, swap_input=swap_input, cached_ops=cached)
 
     @property
     def backward_extra(self) -> np.ndarray:
@@ -99,37 +110,54 @@ class Options:
                     min_swap_bytes=min_swap_bytes, name=name)
 
     def picks_of(self, plan: Plan) -> list[int]:
-        key = lambda c: (c.policy, c.codec, c.swap_input, c.cached_ops)  # noqa: E731
         picks = []
         for i, b in enumerate(plan.blocks):
-            index = {key(self.choice(i, k)): k for k in reversed(range(self.m)) if self.allows(i, k)}
-            picks.append(index[key(b)])
+            index = {self._key(i, k): k for k in reversed(range(self.m)) if self.allows(i, k)}
+            picks.append(index[(b.policy, b.codec, b.swap_input, b.cached_ops)])
         return picks
 
 
-def _selective_choices(profile: Profile, choices: tuple[BlockPlan, ...], selective: int,
-                       swap_input: bool) -> tuple[tuple[tuple[BlockPlan, ...], ...], np.ndarray]:
-    """Per block: ``choices`` then ``selective`` RECOMPUTE options with cached ops (and as many with
-    ``swap_input`` too), padded with plain RECOMPUTE where a block has fewer; (n, m) allowed mask."""
+def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool) -> Options:
+    """``base`` with, per block, up to ``count`` selective-recompute options appended, and as many
+    again with the input swapped when ``swap_input``; a block with fewer cached sets has its extra
+    slots not allowed.
+
+    A selective option's numbers are those of its plain RECOMPUTE (same ``swap_input``, taken from
+    ``base``) with the cached outputs held from the forward (``A``), the re-run allocating less by
+    the cached outputs autograd saves (``Rc``) and skipping the cached ops (``recompute_s``,
+    ``comp``): ``block_bytes`` and the RECOMPUTE op's duration of ``ooc.scheduler.schedule``, in
+    arrays, without a :class:`BlockPlan` per option (a test holds them equal)."""
     variants = (False, True) if swap_input else (False,)
-    m = len(choices) + selective * len(variants)
-    blocks, allowed = [], np.ones((len(profile), m), dtype=bool)
+    plain = {v: next(k for k, c in enumerate(base.choices) if c.policy is Policy.RECOMPUTE and c.swap_input is v
+                     and c.codec is Codec.NONE and not c.cached_ops) for v in variants}
+    ks = [plain[v] for v in variants for _ in range(count)]
+    n, extra = base.n, len(ks)
+    A, Rc, skipped = base.A[:, ks].copy(), base.Rc[:, ks].copy(), np.zeros((n, extra))
+    allowed = np.zeros((n, extra), dtype=bool)
     memo: dict[tuple, tuple] = {}
+    slots = []
     for i, b in enumerate(profile.blocks):
-        key = tuple((op.forward_s, op.output_bytes, op.cacheable) for op in b.ops)
+        key = tuple((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable) for op in b.ops)
         if key not in memo:
-            memo[key] = tuple(s.ops for s in selective_sets(b.ops, selective))
-        sets = memo[key]
-        row = list(choices)
+            memo[key] = selective_sets(b.ops, count)
+        sets, row = memo[key], []
         for v in variants:
-            for j in range(selective):
+            for j in range(count):
+                col = len(row)
                 if j < len(sets):
-                    row.append(BlockPlan(Policy.RECOMPUTE, swap_input=v, cached_ops=sets[j]))
-                else:
-                    allowed[i, len(row)] = False
-                    row.append(BlockPlan(Policy.RECOMPUTE, swap_input=v))
-        blocks.append(tuple(row))
-    return tuple(blocks), allowed
+                    allowed[i, col] = True
+                    A[i, col] += sets[j].bytes
+                    Rc[i, col] -= sets[j].autograd_bytes
+                    skipped[i, col] = min(sets[j].saved_s, b.forward_s)  # a cache lookup is free
+                row.append((v, sets[j].ops if j < len(sets) else ()))
+        slots.append(tuple(row))
+    grow = lambda arr, new: np.concatenate([arr, new], axis=1)  # noqa: E731
+    same = lambda arr: grow(arr, arr[:, ks])  # noqa: E731
+    base_allowed = base.allowed if base.allowed is not None else np.ones((n, base.m), dtype=bool)
+    return Options(base.choices, grow(base.A, A), same(base.X), grow(base.Rc, Rc), same(base.D), same(base.T),
+                   grow(base.recompute_s, base.recompute_s[:, ks] - skipped), same(base.t_out), same(base.t_in),
+                   grow(base.comp, base.comp[:, ks] - skipped), base.next_forward_s, grow(base_allowed, allowed),
+                   tuple(slots))
 
 
 def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
@@ -142,17 +170,12 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
     per block with an op-level profile, up to that many selective-recompute options (each block its
     own cached sets, NOTE [op-level options] in ``ooc.scheduler.oplevel``), and as many again with the
     input swapped where ``selective_swap_input``."""
-    n = len(profile)
-    block_choices = None
-    allowed = np.ones((n, len(choices)), dtype=bool)
-    if selective > 0:
-        block_choices, allowed = _selective_choices(profile, choices, selective, selective_swap_input)
-    m = allowed.shape[1]
+    n, m = len(profile), len(choices)
+    allowed = np.ones((n, m), dtype=bool)
     A, X, Rc, D, T = (np.zeros((n, m), dtype=np.int64) for _ in range(5))
     rec, t_out, t_in, comp = (np.zeros((n, m)) for _ in range(4))
     for i, b in enumerate(profile.blocks):
-        for k in range(m):
-            c = choices[k] if block_choices is None else block_choices[i][k]
+        for k, c in enumerate(choices):
             bytes_ = block_bytes(c, b)
             if c.codec is not Codec.NONE:
                 error = b.codec_error_of(c.codec.value)
@@ -160,8 +183,6 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
             A[i, k], X[i, k], Rc[i, k], D[i, k] = bytes_.forward_alloc, bytes_.swapped, bytes_.recompute_alloc, bytes_.decoded
             T[i, k] = bytes_.decode_transient
             rec[i, k] = b.forward_s if c.policy is Policy.RECOMPUTE else 0.0
-            if c.cached_ops:
-                rec[i, k] = max(0.0, b.forward_s - cached_ops_cost(c, b)[2])  # a cache lookup is free
             comp[i, k] = b.backward_s + rec[i, k]
             if X[i, k] and hardware is not None:
                 rec[i, k] += 2 * bytes_.copies * hardware.copy_issue_s  # issued in the forward, again in the backward
@@ -170,7 +191,8 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
                 t_out[i, k] = hardware.copy_latency_s + X[i, k] / hardware.d2h
                 t_in[i, k] = hardware.copy_latency_s + X[i, k] / hardware.h2d
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
-    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed, block_choices)
+    base = Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)
+    return _add_selective(profile, base, selective, selective_swap_input) if selective > 0 else base
 
 
 def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:

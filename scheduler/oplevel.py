@@ -33,11 +33,14 @@ class CachedSet:
     - ``ops``: increasing op indices into the block's ``ops`` (a ``BlockPlan.cached_ops``).
     - ``bytes``: device bytes the cached outputs hold from the forward to the backward.
     - ``saved_s``: seconds of the block's forward the re-run no longer spends.
+    - ``autograd_bytes``: the part of ``bytes`` autograd saves anyway (the re-run need not
+      allocate it again).
     """
 
     ops: tuple[int, ...]
     bytes: int
     saved_s: float
+    autograd_bytes: int = 0
 
 
 def pareto_frontier(ops: Sequence[OpProfile]) -> list[CachedSet]:
@@ -88,32 +91,39 @@ def upper_hull(points: Sequence[CachedSet]) -> list[CachedSet]:
     return hull
 
 
-def hull_prefixes(ops: Sequence[OpProfile]) -> list[CachedSet]:
-    """The upper concave hull of the frontier, fast: the fractional knapsack's breakpoints are the
-    prefixes of the ops sorted by seconds per byte, so those prefixes are the hull's points (the
-    vertices, and points on its edges where ops tie). ``O(k log k)`` for ``k`` ops; equal to
-    :func:`upper_hull` of :func:`pareto_frontier` up to points on edges (a test holds it)."""
+def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
+    """The free ops (cacheable, no storage, some time: every point caches them) and the other
+    cacheable ops with time and bytes, most seconds per byte first (ties: by index)."""
     free = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes == 0 and op.forward_s > 0]
     items = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes > 0 and op.forward_s > 0]
     items.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
-    chosen, nbytes, seconds = list(free), 0, sum(ops[k].forward_s for k in free)
-    points = [CachedSet(tuple(sorted(chosen)), nbytes, seconds)]
-    for k in items:
-        chosen.append(k)
-        nbytes += ops[k].output_bytes
-        seconds += ops[k].forward_s
-        points.append(CachedSet(tuple(sorted(chosen)), nbytes, seconds))
-    return points
+    return free, items
+
+
+def _prefix(ops: Sequence[OpProfile], free: list[int], items: list[int], length: int) -> CachedSet:
+    chosen = sorted(free + items[:length])
+    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), sum(ops[k].forward_s for k in chosen),
+                     sum(ops[k].saved_bytes for k in chosen))
+
+
+def hull_prefixes(ops: Sequence[OpProfile]) -> list[CachedSet]:
+    """The upper concave hull of the frontier, fast: the fractional knapsack's breakpoints are the
+    prefixes of the ops sorted by seconds per byte, so those prefixes are the hull's points (the
+    vertices, and points on its edges where ops tie). Equal to :func:`upper_hull` of
+    :func:`pareto_frontier` up to points on edges (a test holds it)."""
+    free, items = _hull_order(ops)
+    return [_prefix(ops, free, items, length) for length in range(len(items) + 1)]
 
 
 def selective_sets(ops: Sequence[OpProfile], count: int = 4) -> tuple[CachedSet, ...]:
     """Up to ``count`` non-empty cached sets for the chain planner (NOTE [op-level options]): points
-    of the frontier's upper hull, spread evenly along it (by index) when it has more. Empty when the
-    block has no op worth caching."""
+    of the frontier's upper hull (:func:`hull_prefixes`), spread evenly along it (by index) when it
+    has more. Empty when the block has no op worth caching. ``O(k log k + count * k)`` for ``k`` ops."""
     if count <= 0 or not ops:
         return ()
-    hull = [p for p in hull_prefixes(ops) if p.ops]
-    if len(hull) > count:
-        picks = np.unique(np.rint(np.linspace(0, len(hull) - 1, count)).astype(int))
-        hull = [hull[i] for i in picks]
-    return tuple(hull)
+    free, items = _hull_order(ops)
+    lengths = list(range(0 if free else 1, len(items) + 1))
+    if len(lengths) > count:
+        last = len(lengths) - 1
+        lengths = [lengths[i] for i in sorted({round(j * last / max(1, count - 1)) for j in range(count)})]
+    return tuple(_prefix(ops, free, items, length) for length in lengths)

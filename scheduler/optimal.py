@@ -151,7 +151,7 @@ def solve_lagrange(opts: Options, price: float, prefetch: int, tables: tuple[np.
         cand = cost[:, None] + adds[i] + resident[i][None, :]  # (M, m)
         grouped = cand.reshape(m, rows, m)  # [oldest, rest, c]
         best_old = np.argmin(grouped, axis=0)  # (rows, m)
-        best = np.take_along_axis(grouped, best_old[None], axis=0)[0]
+        best = grouped.min(axis=0)  # the values at best_old (cheaper than gathering them)
         cost = best.reshape(M)  # target state rest*m + c
         back[i] = best_old.reshape(M)
     s = int(np.argmin(cost + tail))

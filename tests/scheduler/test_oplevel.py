@@ -114,7 +114,7 @@ def test_a_cached_op_the_profile_does_not_allow_is_a_plan_error(cached, message)
 def test_cost_model_follows_the_schedule_for_selective_options():
     prof, hw = synthetic(12, 20, seed=3), preset("h100-sxm")
     opts = build_options(prof, hw, selective=4)
-    assert opts.m == 4 + 8 and opts.block_choices is not None
+    assert opts.m == 4 + 8 and opts.selective is not None
     r = np.random.default_rng(0)
     for _ in range(20):
         picks = [int(r.choice(np.flatnonzero(opts.allowed[i]))) for i in range(opts.n)]
