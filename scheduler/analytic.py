@@ -17,7 +17,9 @@ they add up to the block's ``forward_s`` (the block-level roofline, unchanged). 
 ``saved_bytes`` is the part of its output that autograd saves (Korthikanti's terms, each given to
 the op that produces the tensor); the block's input, which its first op saves, is not an op's
 output, so ``sum(op.saved_bytes) + input_bytes == saved_bytes`` for every analytic block. Dropouts
-(and a flash attention that applies dropout inside) draw random numbers: not cacheable.
+(and a flash attention that applies dropout inside) draw random numbers: not cacheable. Nor is the
+residual add that makes the block's output: that storage is the next block's input, so holding it
+as a cached output would count it in two blocks (and the re-run's output is discarded anyway).
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ def _transformer_ops(s: int, b: int, h: int, a: int, e: int, flash_attention: bo
         ("gelu", 0.0, 8 * e * n, 4 * e * n, 4 * e * n, True),  # saved: fc2's input
         mm("fc2", 4 * h, h, 0),
         ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, n, False),
-        ("add", 0.0, 3 * e * n, e * n, 0, True),  # the block's output
+        ("add", 0.0, 3 * e * n, e * n, 0, False),  # the block's output (NOTE [analytic ops])
     ]
     return ops
 
@@ -145,6 +147,12 @@ def _pointwise(name: str, b: int, c: int, size: int, saved: bool, *, inplace: bo
     return (name, 0.0, (reads + 1) * nbytes, nbytes, nbytes if saved else 0, True)
 
 
+def _output_add(b: int, c: int, size: int) -> _RawOp:
+    """The residual add that makes the block's output (NOTE [analytic ops]: not cacheable)."""
+    name, flops, nbytes, out, saved, _ = _pointwise("add", b, c, size, False, reads=2)
+    return name, flops, nbytes, out, saved, False
+
+
 def _conv_block(name: str, b: int, maps: list[tuple[int, int]], flops: float, params: int, hw: Hardware, in_elems: int,
                 raw: list[_RawOp]) -> BlockProfile:
     """``maps``: (channels, spatial size) of each saved fp32 feature map; ``raw``: the block's ops."""
@@ -174,7 +182,7 @@ def wide_resnet(*, depth: int = 28, width: int = 10, batch: int, hardware: Hardw
                    _pointwise("relu", b, c, out, True), _conv("conv2", b, c, c, out, out, 3, False)]
             if c_in != c:
                 raw.append(_conv("shortcut", b, c_in, c, size, out, 1, False))
-            raw.append(_pointwise("add", b, c, out, False, reads=2))
+            raw.append(_output_add(b, c, out))
             blocks.append(_conv_block(f"group{g}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw))
             c_in, size = c, out
     return Profile(tuple(blocks), outside_forward_s=blocks[0].forward_s * 0.1, model=f"wrn-{depth}-{width}",
@@ -208,7 +216,7 @@ def preact_resnet_bottleneck(*, depth: int = 1001, batch: int, hardware: Hardwar
                    _conv("conv3", b, mid, c, out, out, 1, True)]
             if c_in != c:
                 raw.append(_conv("shortcut", b, c_in, c, size, out, 1, False))
-            raw.append(_pointwise("add", b, c, out, False, reads=2))
+            raw.append(_output_add(b, c, out))
             blocks.append(_conv_block(f"stage{stage}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw))
             c_in, size = c, out
     return Profile(tuple(blocks), outside_forward_s=blocks[0].forward_s * 0.1, model=f"resnet-{depth}",

@@ -137,9 +137,9 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
     memo: dict[tuple, tuple] = {}
     slots = []
     for i, b in enumerate(profile.blocks):
-        key = tuple((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable) for op in b.ops)
+        key = (b.saved_bytes - b.input_bytes, b.forward_s, *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable) for op in b.ops))
         if key not in memo:
-            memo[key] = selective_sets(b.ops, count)
+            memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, b.forward_s))
         sets, row = memo[key], []
         for v in variants:
             for j in range(count):

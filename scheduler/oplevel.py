@@ -10,7 +10,8 @@ so the chain planner is handed a few of its exact Pareto-optimal points and pick
 (as Rockmate hands Rotor a block's options). The frontier is computed exactly by the
 Nemhauser-Ullmann sweep: add the ops one at a time, keep only the (bytes, seconds) pairs no other
 subset beats on both. The points handed on lie on the frontier's upper concave hull (the only ones
-a priced search over the chain can prefer), spread along it; the hull's points are the prefixes of
+a priced search over the chain can prefer), those where it bends most between plain RECOMPUTE and
+keeping the whole block (``selective_sets``); the hull's points are the prefixes of
 the ops sorted by seconds saved per byte (the fractional knapsack's breakpoints), which makes the
 options of a 50-op block cost microseconds, where the full frontier (hundreds of points) costs
 milliseconds: :func:`pareto_frontier` is the exact reference the tests hold the hull to.
@@ -115,15 +116,60 @@ def hull_prefixes(ops: Sequence[OpProfile]) -> list[CachedSet]:
     return [_prefix(ops, free, items, length) for length in range(len(items) + 1)]
 
 
-def selective_sets(ops: Sequence[OpProfile], count: int = 4) -> tuple[CachedSet, ...]:
+def _vertices(points: list[tuple[int, float]], keep: int) -> list[int]:
+    """Indices of the ``keep`` interior points of a concave polyline (first and last fixed) that
+    lose the least when the others are dropped: repeatedly drop the interior point nearest (in
+    seconds, vertically) to the chord of its neighbours. That distance is the most a block loses
+    by not having the point at any price of memory (at the chord's slope), so what stays are the
+    sharp bends of the frontier, wherever they are (Visvalingam's simplification, measured
+    vertically)."""
+    alive = list(range(len(points)))
+
+    def loss(a: int, j: int, c: int) -> float:
+        (wa, va), (wj, vj), (wc, vc) = points[a], points[j], points[c]
+        return vj - (va + (vc - va) * (wj - wa) / (wc - wa)) if wc > wa else 0.0
+
+    while len(alive) - 2 > keep:
+        worst = min(range(1, len(alive) - 1), key=lambda t: loss(alive[t - 1], alive[t], alive[t + 1]))
+        del alive[worst]
+    return alive[1:-1]
+
+
+def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, float] | None = None) -> tuple[CachedSet, ...]:
     """Up to ``count`` non-empty cached sets for the chain planner (NOTE [op-level options]): points
-    of the frontier's upper hull (:func:`hull_prefixes`), spread evenly along it (by index) when it
-    has more. Empty when the block has no op worth caching. ``O(k log k + count * k)`` for ``k`` ops."""
+    of the frontier's upper hull (:func:`hull_prefixes`). When it has more, the ``count`` that bend
+    it most (:func:`_vertices`) between plain RECOMPUTE (nothing cached) and ``keep``: (bytes held
+    beyond RECOMPUTE's, forward seconds) of keeping the whole block, the option the chain planner
+    has beside these (default: caching every cacheable op). Hull points that keeping the block
+    beats at every price are dropped first. Empty when the block has no op worth caching."""
     if count <= 0 or not ops:
         return ()
     free, items = _hull_order(ops)
-    lengths = list(range(0 if free else 1, len(items) + 1))
-    if len(lengths) > count:
-        last = len(lengths) - 1
-        lengths = [lengths[i] for i in sorted({round(j * last / max(1, count - 1)) for j in range(count)})]
+    first = 0 if free else 1
+    if len(items) + 1 - first <= count:
+        return tuple(_prefix(ops, free, items, length) for length in range(first, len(items) + 1))
+    total_b, total_s = 0, sum(ops[k].forward_s for k in free)
+    points = [(total_b, total_s)]  # the free ops alone, or nothing cached: plain RECOMPUTE
+    for k in items:
+        total_b += ops[k].output_bytes
+        total_s += ops[k].forward_s
+        points.append((total_b, total_s))
+    end = keep if keep is not None else points[-1]
+    # Only the points above the chord to ``end`` can be chosen at some price; the rest go first.
+    hull = [0]
+    for j in range(1, len(points)):
+        if points[j][0] < end[0]:
+            while len(hull) >= 2 and _below(points[hull[-2]], points[hull[-1]], points[j]):
+                hull.pop()
+            hull.append(j)
+    while len(hull) >= 2 and _below(points[hull[-2]], points[hull[-1]], end):
+        hull.pop()
+    room = count - (1 if free else 0)  # caching the free ops alone is always worth a slot
+    chosen = _vertices([points[j] for j in hull] + [end], room) if len(hull) - 1 > room else list(range(1, len(hull)))
+    lengths = ([0] if free else []) + [hull[t] for t in chosen]
     return tuple(_prefix(ops, free, items, length) for length in lengths)
+
+
+def _below(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> bool:
+    """``b`` lies on or under the chord from ``a`` to ``c`` (points sorted by bytes)."""
+    return (b[1] - a[1]) * (c[0] - a[0]) <= (c[1] - a[1]) * (b[0] - a[0])

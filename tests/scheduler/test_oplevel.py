@@ -179,3 +179,13 @@ def test_op_level_plans_a_thousand_blocks_of_fifty_ops():
     assert build_schedule(plan, prof).peak_bytes <= keep // 4
     assert any(b.cached_ops for b in plan.blocks)
     assert replace(plan, name="optimal").blocks != optimal(prof, hw, keep // 4).blocks
+
+
+def test_selective_sets_keep_the_frontiers_bends():
+    """Of a hull with a sharp bend after three cheap ops and a softer one after two more, two
+    options are those two bends; the last op, which keeping the block beats at every price, is none."""
+    sizes = [(1, 10.0), (1, 9.9), (1, 9.8), (10, 5.0), (10, 4.9), (10, 0.1)]
+    ops = tuple(OpProfile(f"op{k}", s, b * MiB) for k, (b, s) in enumerate(sizes))
+    sets = selective_sets(ops, 2, keep=(100 * MiB, 50.0))
+    assert [s.ops for s in sets] == [(0, 1, 2), (0, 1, 2, 3, 4)]
+    assert [s.ops for s in selective_sets(ops, 6, keep=(100 * MiB, 50.0))][-1] == (0, 1, 2, 3, 4, 5)
