@@ -288,7 +288,10 @@ def optimal(
         return opts.plan([0] * opts.n, **kw)
     picks = _solve(opts, budget, prefetch, exact_blocks)
     if picks is None:
-        raise InfeasibleBudget(budget, minimum_peak(opts, prefetch, exact_blocks))
+        # A selective option holds at least what its plain RECOMPUTE holds at every point of the
+        # step, so the least peak is the block-level options' (a smaller search).
+        least = opts if not selective else build_options(profile, hardware, choices, max_codec_error)
+        raise InfeasibleBudget(budget, minimum_peak(least, prefetch, exact_blocks))
     plan = opts.plan(picks, **kw)
     if opts.n <= polish_blocks:
         plan = _polish(plan, opts, profile, hardware, budget, time.perf_counter() + polish_seconds)

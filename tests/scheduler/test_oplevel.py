@@ -11,7 +11,7 @@ import pytest
 
 from ooc.scheduler import BlockPlan, BlockProfile, Plan, Profile, build_schedule, preset
 from ooc.scheduler.costmodel import build_options, model_cost, model_peak
-from ooc.scheduler.errors import PlanError
+from ooc.scheduler.errors import InfeasibleBudget, PlanError
 from ooc.scheduler.milp import solve_milp
 from ooc.scheduler.oplevel import hull_prefixes, pareto_frontier, selective_sets, upper_hull
 from ooc.scheduler.plan import Policy
@@ -189,3 +189,13 @@ def test_selective_sets_keep_the_frontiers_bends():
     sets = selective_sets(ops, 2, keep=(100 * MiB, 50.0))
     assert [s.ops for s in sets] == [(0, 1, 2), (0, 1, 2, 3, 4)]
     assert [s.ops for s in selective_sets(ops, 6, keep=(100 * MiB, 50.0))][-1] == (0, 1, 2, 3, 4, 5)
+
+
+def test_op_level_refuses_what_optimal_refuses_with_the_same_least_peak():
+    prof, hw = synthetic(8, 12, seed=11), preset("h100-sxm")
+    with pytest.raises(InfeasibleBudget) as block_level:
+        optimal(prof, hw, 1)
+    with pytest.raises(InfeasibleBudget) as ours:
+        op_level(prof, hw, 1)
+    assert ours.value.minimum_bytes == block_level.value.minimum_bytes
+    assert build_schedule(op_level(prof, hw, ours.value.minimum_bytes), prof).peak_bytes <= ours.value.minimum_bytes
