@@ -127,9 +127,11 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
     the cached outputs autograd saves (``Rc``) and skipping the cached ops (``recompute_s``,
     ``comp``): ``block_bytes`` and the RECOMPUTE op's duration of ``ooc.scheduler.schedule``, in
     arrays, without a :class:`BlockPlan` per option (a test holds them equal)."""
-    variants = (False, True) if swap_input else (False,)
-    plain = {v: next(k for k, c in enumerate(base.choices) if c.policy is Policy.RECOMPUTE and c.swap_input is v
-                     and c.codec is Codec.NONE and not c.cached_ops) for v in variants}
+    plain = {c.swap_input: k for k, c in reversed(list(enumerate(base.choices)))
+             if c.policy is Policy.RECOMPUTE and c.codec is Codec.NONE and not c.cached_ops}
+    variants = tuple(v for v in ((False, True) if swap_input else (False,)) if v in plain)  # a selective option varies a plain one
+    if not variants:
+        return base
     ks = [plain[v] for v in variants for _ in range(count)]
     n, extra = base.n, len(ks)
     A, Rc, skipped = base.A[:, ks].copy(), base.Rc[:, ks].copy(), np.zeros((n, extra))

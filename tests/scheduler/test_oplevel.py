@@ -199,3 +199,12 @@ def test_op_level_refuses_what_optimal_refuses_with_the_same_least_peak():
         op_level(prof, hw, 1)
     assert ours.value.minimum_bytes == block_level.value.minimum_bytes
     assert build_schedule(op_level(prof, hw, ours.value.minimum_bytes), prof).peak_bytes <= ours.value.minimum_bytes
+
+
+def test_selective_options_follow_the_plain_recomputes_offered():
+    prof, hw = synthetic(4, 10, seed=2), preset("h100-sxm")
+    only_keep = build_options(prof, hw, (BlockPlan(Policy.KEEP),), selective=4)
+    assert only_keep.m == 1 and only_keep.selective is None
+    no_swap = build_options(prof, hw, (BlockPlan(Policy.KEEP), BlockPlan(Policy.RECOMPUTE)), selective=3)
+    assert no_swap.m == 2 + 3
+    assert all(not no_swap.choice(i, k).swap_input for i in range(4) for k in range(no_swap.m) if no_swap.allows(i, k))
