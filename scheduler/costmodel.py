@@ -5,7 +5,7 @@ once per codec) has device bytes allocated in the forward (``A``), bytes moved t
 bytes the recomputation allocates (``Rc``) and the decoding of compressed copies adds (``D``), all
 from the schedule's ``block_bytes``, and times. The step time is modelled as the in-core time
 plus, per block:
-- ``recompute``: the block's forward again;
+- ``recompute``: the block's forward again (less its cached ops' time, for a selective recompute);
 - ``exposed_out``: the part of the copy out not hidden under the next block's forward (the runtime
   makes that copy end before the block after next starts: the RELEASE op in ``build_schedule``);
 - ``exposed_in``: the part of the copy back not hidden under the compute of the ``prefetch`` blocks
@@ -24,6 +24,7 @@ import numpy as np
 
 from ooc.scheduler.codecs import CODEC_ERROR_BOUND, CODECS
 from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.oplevel import selective_sets
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import block_bytes
@@ -65,10 +66,30 @@ class Options:
     """(n,): compute the copy out of block i hides under (block i+1's forward; the rest of the model for the last)."""
     allowed: np.ndarray | None = None
     """(n, m) bool: False where an option's codec moves the block's gradients by more than the
-    bound (the profile's ``codec_error``); ``None``: every option is allowed."""
+    bound (the profile's ``codec_error``), or where a block has fewer selective options than the
+    others; ``None``: every option is allowed."""
+    selective: tuple[tuple[tuple[bool, tuple[int, ...]], ...], ...] | None = None
+    """Per block, its options after ``choices``: (swap_input, cached_ops) of a selective RECOMPUTE,
+    each block its own cached sets (NOTE [op-level options] in ``ooc.scheduler.oplevel``); ``None``:
+    ``choices`` alone, the same for every block. Kept as plain tuples, made into a
+    :class:`BlockPlan` only for the options a plan picks."""
 
     def allows(self, i: int, k: int) -> bool:
         return self.allowed is None or bool(self.allowed[i, k])
+
+    def _key(self, i: int, k: int) -> tuple:
+        if k < len(self.choices):
+            c = self.choices[k]
+            return c.policy, c.codec, c.swap_input, c.cached_ops
+        swap_input, cached = self.selective[i][k - len(self.choices)]
+        return Policy.RECOMPUTE, Codec.NONE, swap_input, cached
+
+    def choice(self, i: int, k: int) -> BlockPlan:
+        """Option ``k`` of block ``i``."""
+        if k < len(self.choices):
+            return self.choices[k]
+        swap_input, cached = self.selective[i][k - len(self.choices)]
+        return BlockPlan(Policy.RECOMPUTE, swap_input=swap_input, cached_ops=cached)
 
     @property
     def backward_extra(self) -> np.ndarray:
@@ -85,19 +106,72 @@ class Options:
         return self.A.shape[1]
 
     def plan(self, picks: list[int] | np.ndarray, *, prefetch: int, min_swap_bytes: int, name: str) -> Plan:
-        return Plan(blocks=tuple(self.choices[int(c)] for c in picks), prefetch=prefetch, min_swap_bytes=min_swap_bytes, name=name)
+        return Plan(blocks=tuple(self.choice(i, int(c)) for i, c in enumerate(picks)), prefetch=prefetch,
+                    min_swap_bytes=min_swap_bytes, name=name)
 
     def picks_of(self, plan: Plan) -> list[int]:
-        index = {(c.policy, c.codec, c.swap_input): k for k, c in enumerate(self.choices)}
-        return [index[(b.policy, b.codec, b.swap_input)] for b in plan.blocks]
+        picks = []
+        for i, b in enumerate(plan.blocks):
+            index = {self._key(i, k): k for k in reversed(range(self.m)) if self.allows(i, k)}
+            picks.append(index[(b.policy, b.codec, b.swap_input, b.cached_ops)])
+        return picks
+
+
+def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool) -> Options:
+    """``base`` with, per block, up to ``count`` selective-recompute options appended, and as many
+    again with the input swapped when ``swap_input``; a block with fewer cached sets has its extra
+    slots not allowed.
+
+    A selective option's numbers are those of its plain RECOMPUTE (same ``swap_input``, taken from
+    ``base``) with the cached outputs held from the forward (``A``), the re-run allocating less by
+    the cached outputs autograd saves (``Rc``) and skipping the cached ops (``recompute_s``,
+    ``comp``): ``block_bytes`` and the RECOMPUTE op's duration of ``ooc.scheduler.schedule``, in
+    arrays, without a :class:`BlockPlan` per option (a test holds them equal)."""
+    plain = {c.swap_input: k for k, c in reversed(list(enumerate(base.choices)))
+             if c.policy is Policy.RECOMPUTE and c.codec is Codec.NONE and not c.cached_ops}
+    variants = tuple(v for v in ((False, True) if swap_input else (False,)) if v in plain)  # a selective option varies a plain one
+    if not variants:
+        return base
+    ks = [plain[v] for v in variants for _ in range(count)]
+    n, extra = base.n, len(ks)
+    A, Rc, skipped = base.A[:, ks].copy(), base.Rc[:, ks].copy(), np.zeros((n, extra))
+    allowed = np.zeros((n, extra), dtype=bool)
+    memo: dict[tuple, tuple] = {}
+    slots = []
+    for i, b in enumerate(profile.blocks):
+        key = (b.saved_bytes - b.input_bytes, b.forward_s, *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable) for op in b.ops))
+        if key not in memo:
+            memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, b.forward_s))
+        sets, row = memo[key], []
+        for v in variants:
+            for j in range(count):
+                col = len(row)
+                if j < len(sets):
+                    allowed[i, col] = True
+                    A[i, col] += sets[j].bytes
+                    Rc[i, col] -= sets[j].autograd_bytes
+                    skipped[i, col] = min(sets[j].saved_s, b.forward_s)  # a cache lookup is free
+                row.append((v, sets[j].ops if j < len(sets) else ()))
+        slots.append(tuple(row))
+    grow = lambda arr, new: np.concatenate([arr, new], axis=1)  # noqa: E731
+    same = lambda arr: grow(arr, arr[:, ks])  # noqa: E731
+    base_allowed = base.allowed if base.allowed is not None else np.ones((n, base.m), dtype=bool)
+    return Options(base.choices, grow(base.A, A), same(base.X), grow(base.Rc, Rc), same(base.D), same(base.T),
+                   grow(base.recompute_s, base.recompute_s[:, ks] - skipped), same(base.t_out), same(base.t_in),
+                   grow(base.comp, base.comp[:, ks] - skipped), base.next_forward_s, grow(base_allowed, allowed),
+                   tuple(slots))
 
 
 def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
-                  max_codec_error: float = CODEC_ERROR_BOUND) -> Options:
+                  max_codec_error: float = CODEC_ERROR_BOUND, *, selective: int = 0,
+                  selective_swap_input: bool = True) -> Options:
     """Every block's bytes and times under each of ``choices`` (bytes only, copy times zero, with
     ``hardware=None``: enough for ``model_peak``). A codec whose measured gradient error
     on a block exceeds ``max_codec_error`` is not allowed there (NOTE [codec error] in
-    ``ooc.codec_error``); a codec the profile did not measure is allowed."""
+    ``ooc.codec_error``); a codec the profile did not measure is allowed. ``selective > 0`` adds,
+    per block with an op-level profile, up to that many selective-recompute options (each block its
+    own cached sets, NOTE [op-level options] in ``ooc.scheduler.oplevel``), and as many again with the
+    input swapped where ``selective_swap_input``."""
     n, m = len(profile), len(choices)
     allowed = np.ones((n, m), dtype=bool)
     A, X, Rc, D, T = (np.zeros((n, m), dtype=np.int64) for _ in range(5))
@@ -119,7 +193,8 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
                 t_out[i, k] = hardware.copy_latency_s + X[i, k] / hardware.d2h
                 t_in[i, k] = hardware.copy_latency_s + X[i, k] / hardware.h2d
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
-    return Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)
+    base = Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)
+    return _add_selective(profile, base, selective, selective_swap_input) if selective > 0 else base
 
 
 def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:

@@ -151,7 +151,7 @@ def solve_lagrange(opts: Options, price: float, prefetch: int, tables: tuple[np.
         cand = cost[:, None] + adds[i] + resident[i][None, :]  # (M, m)
         grouped = cand.reshape(m, rows, m)  # [oldest, rest, c]
         best_old = np.argmin(grouped, axis=0)  # (rows, m)
-        best = np.take_along_axis(grouped, best_old[None], axis=0)[0]
+        best = grouped.min(axis=0)  # the values at best_old (cheaper than gathering them)
         cost = best.reshape(M)  # target state rest*m + c
         back[i] = best_old.reshape(M)
     s = int(np.argmin(cost + tail))
@@ -221,9 +221,10 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
     while improved and time.perf_counter() < deadline:
         improved = False
         for i in range(len(picks)):
-            for k, choice in enumerate(opts.choices):
+            for k in range(opts.m):
                 if k == picks[i] or not opts.allows(i, k) or time.perf_counter() >= deadline:
                     continue
+                choice = opts.choice(i, k)
                 trial_picks = picks[:i] + [k] + picks[i + 1 :]
                 if model_peak(opts, trial_picks, plan.prefetch) > budget:
                     continue
@@ -267,6 +268,8 @@ def optimal(
     polish_seconds: float = 2.0,
     exact_blocks: int = 200,
     max_codec_error: float = CODEC_ERROR_BOUND,
+    selective: int = 0,
+    name: str = "optimal",
 ) -> Plan:
     """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
     ``choices`` (keep, swap, recompute, recompute + swap input; with ``CODEC_OPTIONS``, compressed
@@ -274,16 +277,21 @@ def optimal(
     ``max_codec_error``); ``PLANNERS["optimal"]``.
 
     Chains of up to ``exact_blocks`` get the DP over discretised memory (then a local search
-    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. Raises
-    :class:`InfeasibleBudget` when no plan fits."""
+    against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. ``selective``:
+    up to that many selective-recompute options per block with an op-level profile, and as many
+    with the input swapped (``PLANNERS["op-level"]``, NOTE [op-level options] in
+    ``ooc.scheduler.oplevel``). Raises :class:`InfeasibleBudget` when no plan fits."""
     check_budget(budget)
-    opts = build_options(profile, hardware, choices, max_codec_error)
-    kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name="optimal")
+    opts = build_options(profile, hardware, choices, max_codec_error, selective=selective)
+    kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name=name)
     if budget is None:
         return opts.plan([0] * opts.n, **kw)
     picks = _solve(opts, budget, prefetch, exact_blocks)
     if picks is None:
-        raise InfeasibleBudget(budget, minimum_peak(opts, prefetch, exact_blocks))
+        # A selective option holds at least what its plain RECOMPUTE holds at every point of the
+        # step, so the least peak is the block-level options' (a smaller search).
+        least = opts if not selective else build_options(profile, hardware, choices, max_codec_error)
+        raise InfeasibleBudget(budget, minimum_peak(least, prefetch, exact_blocks))
     plan = opts.plan(picks, **kw)
     if opts.n <= polish_blocks:
         plan = _polish(plan, opts, profile, hardware, budget, time.perf_counter() + polish_seconds)

@@ -111,6 +111,22 @@ class BlockBytes:
         return self.forward_alloc + self.shared_swapped + self.recompute_alloc + self.decoded
 
 
+def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, float]:
+    """A selective RECOMPUTE's cached ops (NOTE [op-level profile] in ``ooc.scheduler.profile``):
+    the bytes their outputs hold from the forward to the backward, the part of those autograd
+    saves (the re-run need not allocate it again), and the forward seconds the re-run skips."""
+    ops = profile_block.ops
+    for k in plan_block.cached_ops:
+        if k >= len(ops):
+            raise PlanError(f"block {profile_block.name!r}: cached op {k} is not among its {len(ops)} profiled ops; "
+                            "make the plan from this profile (ooc plan) or profile the model at op level again")
+        if not ops[k].cacheable:
+            raise PlanError(f"block {profile_block.name!r}: op {k} ({ops[k].name}) cannot be cached (random or in place); "
+                            "make the plan from this profile (ooc plan)")
+    chosen = [ops[k] for k in plan_block.cached_ops]
+    return sum(op.output_bytes for op in chosen), sum(op.saved_bytes for op in chosen), sum(op.forward_s for op in chosen)
+
+
 def block_bytes(plan_block, profile_block: BlockProfile | None, shared: SharedAdjustment = SharedAdjustment()) -> BlockBytes:
     """What ``plan_block`` holds of a block, less what an earlier block already counts (``shared``)."""
     full = _block_bytes(plan_block, profile_block)
@@ -120,19 +136,26 @@ def block_bytes(plan_block, profile_block: BlockProfile | None, shared: SharedAd
 
 
 def _block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
+    """A selective RECOMPUTE (``cached_ops``) holds its cached outputs besides what RECOMPUTE
+    holds, and its re-run allocates the saved bytes less the cached outputs autograd saves: at the
+    block's backward it holds the input, the saved bytes and the cached outputs autograd does not
+    save (NOTE [op-level options] in ``ooc.scheduler.oplevel``)."""
     if profile_block is None:
         return BlockBytes(0, 0, 0)
     p = profile_block
+    cached, cached_saved = 0, 0
+    if plan_block.cached_ops:
+        cached, cached_saved, _ = cached_ops_cost(plan_block, p)
     if plan_block.policy is Policy.KEEP:
         return BlockBytes(p.saved_bytes, 0, 0)
     if plan_block.policy is Policy.SWAP:
         held, moved, full, copies, recompute = p.saved_bytes, p.swappable_bytes, p.swappable_bytes, p.swappable_storages, 0
         inputs = False
     elif plan_block.swap_input:
-        held, moved, full, copies, recompute = p.input_bytes, p.input_swappable_bytes, p.input_swappable_bytes, p.input_swappable_storages, p.saved_bytes
-        inputs = True
+        held, moved, full, copies = p.input_bytes + cached, p.input_swappable_bytes, p.input_swappable_bytes, p.input_swappable_storages
+        recompute, inputs = p.saved_bytes - cached_saved, True
     else:
-        return BlockBytes(p.input_bytes, 0, p.saved_bytes)
+        return BlockBytes(p.input_bytes + cached, 0, p.saved_bytes - cached_saved)
     transient = 0
     if plan_block.codec is not Codec.NONE:
         # Only the codes stay on the device after the pack; they are decoded back to full size
@@ -354,8 +377,11 @@ def _host_update_ops(add, update: HostUpdate, after: int, block: int | None, par
 
 
 def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Plan) -> Op:
-    if op.kind is OpKind.FORWARD or op.kind is OpKind.RECOMPUTE:
+    if op.kind is OpKind.FORWARD:
         duration = prof[op.block].forward_s + op.copies * hw.copy_issue_s
+    elif op.kind is OpKind.RECOMPUTE:
+        skipped = cached_ops_cost(plan.blocks[op.block], prof[op.block])[2] if plan.blocks[op.block].cached_ops else 0.0
+        duration = max(0.0, prof[op.block].forward_s - skipped) + op.copies * hw.copy_issue_s  # a cache lookup is free
     elif op.kind is OpKind.DECODE:
         # dequantization reads the codes and writes the full tensor
         duration = op.copies * hw.copy_issue_s + 2 * (op.alloc_bytes + op.transient_bytes) / hw.d2d

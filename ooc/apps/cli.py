@@ -93,8 +93,8 @@ def _profile(args: argparse.Namespace) -> int:
     if args.analytic:
         hw = _hardware(args.hardware, "h100-sxm")
         makers = {
-            "gpt2-xl": lambda: gpt2_xl(args.seq, args.batch, hw),
-            "decoder-7b": lambda: decoder_7b(args.seq, args.batch, hw),
+            "gpt2-xl": lambda: gpt2_xl(args.seq, args.batch, hw, flash_attention=args.flash_attention),
+            "decoder-7b": lambda: decoder_7b(args.seq, args.batch, hw, flash_attention=args.flash_attention),
             "wrn-28-10": lambda: wide_resnet(batch=args.batch, hardware=hw),
             "resnet-1001": lambda: preact_resnet_bottleneck(batch=args.batch, hardware=hw),
         }
@@ -243,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--seq", type=int, default=64)
     prof.add_argument("--reps", type=int, default=3)
     prof.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    prof.add_argument("--flash-attention", action="store_true", help="analytic transformers: fused attention, scores never materialised")
     prof.add_argument("--out", help="write the profile JSON here")
     prof.set_defaults(run=_profile)
 

@@ -135,3 +135,12 @@ def test_the_demo_runs_and_keeps_its_promises() -> None:
     assert result.measured_peak_bytes == result.predicted_peak_bytes <= result.budget_bytes
     assert result.last_loss < result.first_loss
     assert any("HostAdamW" in line for line in lines)
+
+
+def test_plan_table_has_an_op_level_row(tmp_path, capsys) -> None:
+    profile = Path(__file__).resolve().parents[2] / "profiles" / "analytic-h100-sxm-gpt2-xl-s1024.json"
+    out = tmp_path / "p.json"
+    assert main(["plan", "--profile", str(profile), "--budget", "35GiB", "--planner", "op-level", "--out", str(out)]) == 0
+    rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
+    assert rows["op-level"][-1] == "yes" and float(rows["op-level"][2]) < float(rows["optimal"][2])
+    assert any(b.cached_ops for b in Plan.from_json(out.read_text()).blocks)

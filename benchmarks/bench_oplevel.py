@@ -1,0 +1,119 @@
+"""Claim (issue 15): op-level planning (selective recompute: per block, which op outputs to cache)
+beats the block-level ``optimal`` under the same budget: predicted step time / in-core ideal on the
+analytic GPT-2 XL s1024 H100 profile <= 1.05 at 50% of the keep-all activations, <= 1.12 at 25%,
+<= 1.25 at 10%; the same table for the 7B decoder, WRN-28-10 and ResNet-1001 (H100 and V100,
+with the flash-attention variants of the transformers); and plans 1,000 blocks of 50 ops in <= 2 s.
+
+Profiles: ``profiles/analytic-*.json`` (op-level detail per NOTE [analytic ops]). Ideal: keep-all
+with unlimited memory. "-": no plan fits. Run: ``python benchmarks/bench_oplevel.py [--quick]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from common import machine_header, table  # noqa: E402
+from ooc.scheduler import BlockProfile, Plan, Profile, build_schedule, preset  # noqa: E402
+from ooc.scheduler.planners import op_level, optimal  # noqa: E402
+from ooc.scheduler.profile import OpProfile  # noqa: E402
+from ooc.scheduler.simulate import predict  # noqa: E402
+
+PROFILES = Path(__file__).resolve().parents[1] / "profiles"
+FRACTIONS = (0.5, 0.25, 0.1)
+GOALS = {("h100-sxm", "gpt2-xl-s1024"): {0.5: 1.05, 0.25: 1.12, 0.1: 1.25}}
+"""The issue's goals (op-level / ideal) where it sets them; block-level ``optimal`` was 1.160 at 50%
+and 1.240 at 25% on that profile when the issue was written."""
+MODELS = ("gpt2-xl-s1024", "gpt2-xl-s1024-flash", "decoder-7b-s4096", "decoder-7b-s4096-flash", "wrn-28-10-b512",
+          "resnet-1001-b256")
+
+
+def _ratio(planner, prof: Profile, hw, budget: int, ideal: float) -> tuple[float | None, float, Plan | None]:
+    start = time.perf_counter()
+    try:
+        plan = planner(prof, hw, budget, prefetch=2)
+    except ValueError:
+        return None, time.perf_counter() - start, None
+    seconds = time.perf_counter() - start
+    if build_schedule(plan, prof).peak_bytes > budget:
+        return None, seconds, plan
+    return predict(plan, prof, hw).step_time_s / ideal, seconds, plan
+
+
+def quality(quick: bool) -> None:
+    rows = [["hardware", "model", "budget", "optimal", "op-level", "goal", "op/opt", "cached blocks", "op-level s"]]
+    for hw_name in ("h100-sxm",) if quick else ("h100-sxm", "v100-16gb"):
+        hw = preset(hw_name)
+        for model in MODELS:
+            prof = Profile.load(PROFILES / f"analytic-{hw_name}-{model}.json")
+            n = len(prof)
+            keep_peak = build_schedule(Plan.uniform("keep", n), prof).peak_bytes
+            ideal = predict(Plan.uniform("keep", n), prof, hw).step_time_s
+            for fraction in FRACTIONS:
+                budget = int(keep_peak * fraction)
+                base, _, _ = _ratio(optimal, prof, hw, budget, ideal)
+                ours, seconds, plan = _ratio(op_level, prof, hw, budget, ideal)
+                goal = GOALS.get((hw_name, model), {}).get(fraction)
+                cached = sum(bool(b.cached_ops) for b in plan.blocks) if plan is not None else 0
+                rows.append([
+                    hw_name, model, f"{fraction:.0%}",
+                    f"{base:.3f}" if base else "-", f"{ours:.3f}" if ours else "-",
+                    f"<= {goal:.2f}" + ("" if ours and ours <= goal else " MISSED") if goal else "",
+                    f"{ours / base:.3f}" if ours and base else "-",
+                    f"{cached}/{n}", f"{seconds:.2f}",
+                ])
+    print(table(rows))
+    print("columns: predicted step time / ideal (keep-all, unlimited memory) of block-level optimal (baseline) "
+          "and op-level (figure); op/opt is their ratio; budget: share of the keep-all activation peak")
+
+
+def synthetic(n: int, ops_per_block: int, seed: int = 0) -> Profile:
+    """``n`` different blocks of ``ops_per_block`` ops each (sizes and times of a real network's ops)."""
+    r, blocks = random.Random(seed), []
+    for i in range(n):
+        ops = []
+        for k in range(ops_per_block):
+            out = r.randint(1, 40) * 2**20
+            ops.append(OpProfile(f"op{k}", r.uniform(2e-6, 1e-4), out, out if r.random() < 0.5 else 0, r.random() > 0.1))
+        saved, inp = sum(o.saved_bytes for o in ops), r.randint(2, 10) * 2**20
+        fwd = sum(o.forward_s for o in ops)
+        blocks.append(BlockProfile(f"b{i}", fwd, 2 * fwd, saved, saved, inp, inp, inp, 0, 0, ops=tuple(ops)))
+    return Profile(tuple(blocks), outside_forward_s=2e-3)
+
+
+def planning_time() -> None:
+    hw = preset("h100-sxm")
+    prof = synthetic(1000, 50)
+    keep_peak = build_schedule(Plan.uniform("keep", 1000), prof).peak_bytes
+    rows = [["blocks x ops", "budget", "optimal s", "op-level s", "goal", "op-level peak/budget"]]
+    for fraction in FRACTIONS:
+        budget = int(keep_peak * fraction)
+        start = time.perf_counter()
+        optimal(prof, hw, budget)
+        base = time.perf_counter() - start
+        start = time.perf_counter()
+        plan = op_level(prof, hw, budget)
+        ours = time.perf_counter() - start
+        fit = build_schedule(plan, prof).peak_bytes / budget
+        rows.append(["1000 x 50", f"{fraction:.0%}", f"{base:.2f}", f"{ours:.2f}", "<= 2 s" + ("" if ours <= 2 else " MISSED"),
+                     f"{fit:.3f}"])
+    print(table(rows))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--quick", action="store_true", help="H100 only")
+    args = parser.parse_args()
+    print(machine_header("bench_oplevel: op-level (selective recompute) vs block-level planning, analytic profiles"))
+    quality(args.quick)
+    print()
+    planning_time()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,175 @@
+"""Selective-recompute options of one block: which op outputs a RECOMPUTE block should cache.
+
+NOTE [op-level options]
+A RECOMPUTE block with cached set ``C`` (``BlockPlan.cached_ops``, NOTE [op-level profile] in
+``ooc.scheduler.profile``) holds ``sum(output_bytes[c] for c in C)`` more bytes on the device from
+its forward to its backward, and its re-run at backward skips ``sum(forward_s[c] for c in C)``
+seconds. Choosing ``C`` is a 0/1 knapsack over the block's cacheable ops (weight: output bytes,
+value: forward seconds); which point of it is best depends on the rest of the chain and the budget,
+so the chain planner is handed a few of its exact Pareto-optimal points and picks one per block
+(as Rockmate hands Rotor a block's options). The frontier is computed exactly by the
+Nemhauser-Ullmann sweep: add the ops one at a time, keep only the (bytes, seconds) pairs no other
+subset beats on both. The points handed on lie on the frontier's upper concave hull (the only ones
+a priced search over the chain can prefer), those where it bends most between plain RECOMPUTE and
+keeping the whole block (``selective_sets``); the hull's points are the prefixes of
+the ops sorted by seconds saved per byte (the fractional knapsack's breakpoints), which makes the
+options of a 50-op block cost microseconds, where the full frontier (hundreds of points) costs
+milliseconds: :func:`pareto_frontier` is the exact reference the tests hold the hull to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from ooc.scheduler.profile import OpProfile
+
+
+@dataclass(frozen=True)
+class CachedSet:
+    """One point of a block's frontier.
+
+    - ``ops``: increasing op indices into the block's ``ops`` (a ``BlockPlan.cached_ops``).
+    - ``bytes``: device bytes the cached outputs hold from the forward to the backward.
+    - ``saved_s``: seconds of the block's forward the re-run no longer spends.
+    - ``autograd_bytes``: the part of ``bytes`` autograd saves anyway (the re-run need not
+      allocate it again).
+    """
+
+    ops: tuple[int, ...]
+    bytes: int
+    saved_s: float
+    autograd_bytes: int = 0
+
+
+def pareto_frontier(ops: Sequence[OpProfile]) -> list[CachedSet]:
+    """Every Pareto-optimal cached set of a block's ``ops``: sorted by bytes, strictly increasing in
+    both bytes and seconds saved, starting with the empty set (or the set of the free ops: cacheable
+    ops that create no storage but take time, which every point includes). Exact."""
+    free = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes == 0 and op.forward_s > 0]
+    items = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes > 0 and op.forward_s > 0]
+    weight = np.zeros(1, dtype=np.int64)
+    value = np.array([sum(ops[k].forward_s for k in free)])
+    parents: list[np.ndarray] = []
+    took: list[np.ndarray] = []
+    for k in items:
+        w = np.concatenate([weight, weight + ops[k].output_bytes])
+        v = np.concatenate([value, value + ops[k].forward_s])
+        parent = np.concatenate([np.arange(len(weight)), np.arange(len(weight))])
+        added = np.concatenate([np.zeros(len(weight), dtype=bool), np.ones(len(weight), dtype=bool)])
+        order = np.lexsort((-v, w))  # by bytes, then most seconds first
+        w, v, parent, added = w[order], v[order], parent[order], added[order]
+        best_before = np.concatenate([[-np.inf], np.maximum.accumulate(v)[:-1]])
+        keep = v > best_before  # no lighter-or-equal subset saves as much
+        weight, value = w[keep], v[keep]
+        parents.append(parent[keep])
+        took.append(added[keep])
+    points = []
+    for p in range(len(weight)):
+        chosen, row = list(free), p
+        for layer in range(len(items) - 1, -1, -1):
+            if took[layer][row]:
+                chosen.append(items[layer])
+            row = parents[layer][row]
+        points.append(CachedSet(tuple(sorted(chosen)), int(weight[p]), float(value[p])))
+    return points
+
+
+def upper_hull(points: Sequence[CachedSet]) -> list[CachedSet]:
+    """The vertices of the upper concave hull of a frontier (sorted by bytes), from its first point."""
+    hull: list[CachedSet] = []
+    for p in points:
+        while len(hull) >= 2:
+            a, b = hull[-2], hull[-1]
+            # b lies on or under the chord from a to p: it is no vertex.
+            if (b.saved_s - a.saved_s) * (p.bytes - a.bytes) <= (p.saved_s - a.saved_s) * (b.bytes - a.bytes):
+                hull.pop()
+            else:
+                break
+        hull.append(p)
+    return hull
+
+
+def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
+    """The free ops (cacheable, no storage, some time: every point caches them) and the other
+    cacheable ops with time and bytes, most seconds per byte first (ties: by index)."""
+    free = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes == 0 and op.forward_s > 0]
+    items = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes > 0 and op.forward_s > 0]
+    items.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
+    return free, items
+
+
+def _prefix(ops: Sequence[OpProfile], free: list[int], items: list[int], length: int) -> CachedSet:
+    chosen = sorted(free + items[:length])
+    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), sum(ops[k].forward_s for k in chosen),
+                     sum(ops[k].saved_bytes for k in chosen))
+
+
+def hull_prefixes(ops: Sequence[OpProfile]) -> list[CachedSet]:
+    """The upper concave hull of the frontier, fast: the fractional knapsack's breakpoints are the
+    prefixes of the ops sorted by seconds per byte, so those prefixes are the hull's points (the
+    vertices, and points on its edges where ops tie). Equal to :func:`upper_hull` of
+    :func:`pareto_frontier` up to points on edges (a test holds it)."""
+    free, items = _hull_order(ops)
+    return [_prefix(ops, free, items, length) for length in range(len(items) + 1)]
+
+
+def _vertices(points: list[tuple[int, float]], keep: int) -> list[int]:
+    """Indices of the ``keep`` interior points of a concave polyline (first and last fixed) that
+    lose the least when the others are dropped: repeatedly drop the interior point nearest (in
+    seconds, vertically) to the chord of its neighbours. That distance is the most a block loses
+    by not having the point at any price of memory (at the chord's slope), so what stays are the
+    sharp bends of the frontier, wherever they are (Visvalingam's simplification, measured
+    vertically)."""
+    alive = list(range(len(points)))
+
+    def loss(a: int, j: int, c: int) -> float:
+        (wa, va), (wj, vj), (wc, vc) = points[a], points[j], points[c]
+        return vj - (va + (vc - va) * (wj - wa) / (wc - wa)) if wc > wa else 0.0
+
+    while len(alive) - 2 > keep:
+        worst = min(range(1, len(alive) - 1), key=lambda t: loss(alive[t - 1], alive[t], alive[t + 1]))
+        del alive[worst]
+    return alive[1:-1]
+
+
+def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, float] | None = None) -> tuple[CachedSet, ...]:
+    """Up to ``count`` non-empty cached sets for the chain planner (NOTE [op-level options]): points
+    of the frontier's upper hull (:func:`hull_prefixes`). When it has more, the ``count`` that bend
+    it most (:func:`_vertices`) between plain RECOMPUTE (nothing cached) and ``keep``: (bytes held
+    beyond RECOMPUTE's, forward seconds) of keeping the whole block, the option the chain planner
+    has beside these (default: caching every cacheable op). Hull points that keeping the block
+    beats at every price are dropped first. Empty when the block has no op worth caching."""
+    if count <= 0 or not ops:
+        return ()
+    free, items = _hull_order(ops)
+    first = 0 if free else 1
+    if len(items) + 1 - first <= count:
+        return tuple(_prefix(ops, free, items, length) for length in range(first, len(items) + 1))
+    total_b, total_s = 0, sum(ops[k].forward_s for k in free)
+    points = [(total_b, total_s)]  # the free ops alone, or nothing cached: plain RECOMPUTE
+    for k in items:
+        total_b += ops[k].output_bytes
+        total_s += ops[k].forward_s
+        points.append((total_b, total_s))
+    end = keep if keep is not None else points[-1]
+    # Only the points above the chord to ``end`` can be chosen at some price; the rest go first.
+    hull = [0]
+    for j in range(1, len(points)):
+        if points[j][0] < end[0]:
+            while len(hull) >= 2 and _below(points[hull[-2]], points[hull[-1]], points[j]):
+                hull.pop()
+            hull.append(j)
+    while len(hull) >= 2 and _below(points[hull[-2]], points[hull[-1]], end):
+        hull.pop()
+    room = count - (1 if free else 0)  # caching the free ops alone is always worth a slot
+    chosen = _vertices([points[j] for j in hull] + [end], room) if len(hull) - 1 > room else list(range(1, len(hull)))
+    lengths = ([0] if free else []) + [hull[t] for t in chosen]
+    return tuple(_prefix(ops, free, items, length) for length in lengths)
+
+
+def _below(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> bool:
+    """``b`` lies on or under the chord from ``a`` to ``c`` (points sorted by bytes)."""
+    return (b[1] - a[1]) * (c[0] - a[0]) <= (c[1] - a[1]) * (b[0] - a[0])

@@ -1,0 +1,82 @@
+"""Analytic op-level profiles (NOTE [analytic ops]): the ops add up to the block, and the profiles on
+disk are what the generator makes."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from ooc.scheduler import preset
+from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, wide_resnet
+from ooc.scheduler.profile import Profile
+
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+MAKERS = {
+    "gpt2-xl": lambda hw: gpt2_xl(1024, 8, hw),
+    "gpt2-xl-flash": lambda hw: gpt2_xl(1024, 8, hw, flash_attention=True),
+    "decoder-7b": lambda hw: decoder_7b(4096, 1, hw),
+    "decoder-7b-flash": lambda hw: decoder_7b(2048, 1, hw, flash_attention=True),
+    "wrn-28-10": lambda hw: wide_resnet(batch=512, hardware=hw),
+    "resnet-1001": lambda hw: preact_resnet_bottleneck(batch=256, hardware=hw),
+}
+
+
+@pytest.mark.parametrize("hw", ["h100-sxm", "v100-16gb"])
+@pytest.mark.parametrize("model", sorted(MAKERS))
+def test_ops_add_up_to_the_block(model, hw):
+    prof = MAKERS[model](preset(hw))
+    for block in prof.blocks:
+        assert block.ops
+        # The block's input is saved by its first op but is no op's output (NOTE [analytic ops]).
+        assert sum(op.saved_bytes for op in block.ops) + block.input_bytes == block.saved_bytes
+        assert sum(op.forward_s for op in block.ops) == pytest.approx(block.forward_s, rel=1e-12)
+        assert all(op.forward_s > 0 for op in block.ops)
+        assert all(not op.cacheable for op in block.ops if "dropout" in op.name)
+        assert block.ops[-1].name == "add" and not block.ops[-1].cacheable  # the block's output
+        assert any(op.cacheable and op.output_bytes for op in block.ops)
+
+
+def test_transformer_ops_follow_korthikanti():
+    s, b, h, a = 1024, 8, 1600, 25
+    block = gpt2_xl(s, b, preset("h100-sxm")).blocks[0]
+    assert block.saved_bytes == s * b * h * 34 + 5 * a * s * s * b
+    by_name = {op.name: op for op in block.ops}
+    assert by_name["qkv"].output_bytes == by_name["qkv"].saved_bytes == 6 * s * b * h
+    assert by_name["softmax"].saved_bytes == 2 * a * s * s * b
+    assert by_name["fc2"].saved_bytes == 0 and by_name["fc2"].output_bytes == 2 * s * b * h
+
+
+def test_flash_attention_drops_the_scores():
+    hw = preset("h100-sxm")
+    plain, flash = gpt2_xl(1024, 8, hw).blocks[0], gpt2_xl(1024, 8, hw, flash_attention=True).blocks[0]
+    names = [op.name for op in flash.ops]
+    assert "flash_attention" in names and "softmax" not in names and "scores" not in names
+    lse = 4 * 25 * 1024 * 8
+    assert plain.saved_bytes - flash.saved_bytes == 5 * 25 * 1024 * 1024 * 8 - lse
+    assert not next(op for op in flash.ops if op.name == "flash_attention").cacheable  # dropout inside
+
+
+def _maker(data: dict):
+    model, hw = data["model"], preset(data["machine"]["hardware"])
+    flash = model.endswith("-flash")
+    model = model.removesuffix("-flash")
+    if model.startswith("gpt2-xl"):
+        return gpt2_xl(int(model.split("-s")[1]), 8, hw, flash_attention=flash)
+    if model.startswith("decoder-7b"):
+        return decoder_7b(int(model.split("-s")[1]), 1, hw, flash_attention=flash)
+    if model.startswith("wrn"):
+        return wide_resnet(batch=512, hardware=hw)
+    return preact_resnet_bottleneck(batch=256, hardware=hw)
+
+
+@pytest.mark.parametrize("path", sorted(PROFILES.glob("analytic-*.json")), ids=lambda p: p.stem)
+def test_profiles_on_disk_are_the_generators(path):
+    """Enriched in place: the block-level numbers the planners read are the generator's (so the plans
+    and predictions of before are unchanged), and each block carries the generator's ops."""
+    data = json.loads(path.read_text())
+    assert data["version"] == 3
+    on_disk, made = Profile.from_dict(data), _maker(data)
+    assert on_disk.blocks == made.blocks
+    assert dataclasses.replace(on_disk, notes="", min_swap_bytes=0, outside_param_bytes=0) == \
+        dataclasses.replace(made, notes="", min_swap_bytes=0, outside_param_bytes=0)
