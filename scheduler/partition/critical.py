@@ -10,17 +10,22 @@ finishes last; the makespan is its length. Two kinds of link on it can be cut by
 - a copy: ``u`` waits for its input from ``p`` on another device. Moving ``u`` to ``p``'s device
   removes the copy (``u`` then waits for ``p`` itself);
 - contention: ``u`` waits for an op ``w`` of its device that it does not depend on. Moving ``w``
-  to another device (the one its neighbours' transfers favour, else the least loaded) frees ``u``.
+  to another device (the other one most of its neighbours are on, else the least loaded) frees ``u``.
 
-A round proposes the moves of every such link on the path, applies them all and simulates; when the
-result is no shorter, or a device's peak then exceeds its capacity (memory is checked exactly, by
-the same simulation), it tries the first half of the moves, then the first quarter, and so on. It
-stops after ``evaluations`` simulations or when no move of a round helps. Each simulation is
-O(n + m), so the refinement costs ``evaluations`` simulations at most, whatever the graph.
+A round proposes the moves of every such link on the path (the end of the path first), applies them
+all and simulates; when the result is no shorter, or a device's peak then exceeds its capacity
+(memory is checked exactly, by the same simulation), it tries the first half of the moves, then the
+first quarter, and so on. When no prefix helps, the next round proposes other moves for the same
+links: first (``LINKS``) also the copies queued before a late copy on its link (their consumers
+join their producers), then (``PUSH``) the other end of each link (the producer joins the consumer;
+the waiting op leaves the busy device); after a round that helps, ``PULL`` again. It stops after
+``evaluations`` simulations or when no kind of move helps. Each simulation is O(n + m), so the
+refinement costs ``evaluations`` simulations at most, whatever the graph.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,16 +57,20 @@ class _Lists:
                    uptr.tolist(), np.concatenate([graph.dst, graph.src])[perm].tolist())
 
 
-PULL, LINKS, PUSH = 0, 1, 2
-"""The kinds of moves :func:`critical_moves` proposes, tried in this order."""
+class Move(enum.IntEnum):
+    """The kinds of moves :func:`critical_moves` proposes, tried in this order (NOTE
+    [critical-path refinement])."""
+
+    PULL = 0
+    LINKS = 1
+    PUSH = 2
 
 
-def critical_moves(graph: OpGraph, device: np.ndarray, sim: Simulation, k: int, *, mode: int = PULL,
+def critical_moves(graph: OpGraph, device: np.ndarray, sim: Simulation, k: int, *, mode: Move = Move.PULL,
                    lists: _Lists | None = None) -> list[tuple[int, int]]:
     """``(op, new device)`` moves that cut the copies and contentions on ``sim``'s critical path
     (see NOTE [critical-path refinement]), from the path's end backwards, each op at most once.
-    With ``links``, a copy that waited for its link also moves the consumers of the copies sent
-    before it on that link to their producers' devices."""
+    ``mode``: which of the moves of that NOTE to propose."""
     n = graph.n
     if n == 0:
         return []
@@ -102,7 +111,7 @@ def critical_moves(graph: OpGraph, device: np.ndarray, sim: Simulation, k: int, 
         w = prev_l[u]
         if w >= 0 and finish[w] > bind_t and finish[w] >= start[u]:
             # Contention: u waits for w, which it does not read.
-            x = u if mode == PUSH else w
+            x = u if mode == Move.PUSH else w
             if x not in seen:
                 seen.add(x)
                 moves.append((x, _elsewhere(x, dev, g, by_load, k)))
@@ -111,11 +120,11 @@ def critical_moves(graph: OpGraph, device: np.ndarray, sim: Simulation, k: int, 
         if bind < 0 or bind_t < start[u]:
             break
         if copy >= 0:
-            x, q = (bind, d) if mode == PUSH else (u, dev[bind])
+            x, q = (bind, d) if mode == Move.PUSH else (u, dev[bind])
             if x not in seen:
                 seen.add(x)
                 moves.append((x, q))
-            r, wait_until = (before_l[copy] if mode == LINKS else -1), sent[copy]
+            r, wait_until = (before_l[copy] if mode == Move.LINKS else -1), sent[copy]
             while r >= 0 and wait_until > finish[bind] and arrived[r] >= wait_until:
                 # The copy waited for its link: the copies sent before it there hold the path too.
                 w, a, b = int(node[r]), dev[int(node[r])], int(dst[r])
@@ -142,7 +151,7 @@ def refine_makespan(graph: OpGraph, devices: Devices, device: np.ndarray, sim: S
     lists = _Lists.of(graph)
     best, best_sim = device.copy(), sim
     spent = 0
-    mode = PULL
+    mode = Move.PULL
     while spent < evaluations:
         moves = critical_moves(graph, best, best_sim, k, mode=mode, lists=lists)
         improved = False
@@ -160,8 +169,8 @@ def refine_makespan(graph: OpGraph, devices: Devices, device: np.ndarray, sim: S
                 break
             take //= 2
         if improved:
-            mode = PULL
-        elif mode == PUSH:
+            mode = Move.PULL
+        elif mode == Move.PUSH:
             break
         else:
             mode += 1
