@@ -8,8 +8,8 @@ sweep). Values are dropped once released and read by every consumer.
 
 # NOTE [copies between devices]
 As the simulator sends them: once per tensor and destination device, as soon as the producing op
-has been issued. Each copy is four steps, written once (:func:`_send`, :func:`_fetch`) over a
-:class:`Links` of primitives:
+has been issued. Each copy is four steps, written once (steps 1-3 in :func:`_send`, step 4 where
+:func:`_run` fetches an op's inputs) over a :class:`Links` of primitives:
 
 1. the destination buffer is allocated on the receiving device;
 2. an event is recorded on the producer's compute stream after the producing op (and, on the CPU
@@ -25,7 +25,7 @@ any read the events above do not order, so a missing step fails a CPU test.
 
 What this shows on the CPU: the step's outputs (loss, gradients) under any placement are bit for bit
 those of the unpartitioned step, and the bytes the real storages occupy per device reach exactly the
-predicted peaks.
+predicted peaks (the buffers copies land in are not counted, as in the simulator).
 """
 
 from __future__ import annotations
