@@ -22,6 +22,7 @@ from ooc.scheduler.partition.search import (
     run_methods,
 )
 from ooc.scheduler.partition.simulate import Simulation, simulate
+from ooc.scheduler.partition.stages import StagedPlan, StagePlan, plan_per_device, plan_stage, stage_chain
 
 __all__ = [
     "METHODS",
@@ -32,15 +33,20 @@ __all__ = [
     "Outcome",
     "Placement",
     "Simulation",
+    "StagePlan",
+    "StagedPlan",
     "contiguous",
     "heft",
     "minimum_capacity",
     "mincut",
     "pardnn",
     "partition",
+    "plan_per_device",
+    "plan_stage",
     "read_pardnn",
     "read_pardnn_placement",
     "run_methods",
     "simulate",
+    "stage_chain",
     "write_pardnn",
 ]

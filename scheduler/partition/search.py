@@ -39,12 +39,15 @@ class InfeasiblePartition(OocError, ValueError):
 
 @dataclass(frozen=True, eq=False)
 class Outcome:
-    """One method's placement, its simulation and how long the method took to place."""
+    """One method's placement, its simulation and how long the method took to place: ``seconds``
+    of wall time, ``cpu_seconds`` of this process's CPU time (what it would take on an idle machine,
+    where the wall time counts other processes' turns on a shared one)."""
 
     placement: Placement
     simulation: Simulation
     seconds: float
     fits: bool
+    cpu_seconds: float = 0.0
 
     @property
     def method(self) -> str:
@@ -57,11 +60,11 @@ def run_methods(graph: OpGraph, devices: Devices, methods: Sequence[str] = tuple
     for name in methods:
         if name not in METHODS:
             raise PlanError(f"no partitioning method {name!r}; choose from {sorted(METHODS)}")
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         placement = METHODS[name](graph, devices)
-        seconds = time.perf_counter() - t0
+        seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         sim = simulate(graph, placement, devices)
-        out.append(Outcome(placement, sim, seconds, sim.fits(devices)))
+        out.append(Outcome(placement, sim, seconds, sim.fits(devices), cpu))
     return out
 
 

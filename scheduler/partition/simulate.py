@@ -51,47 +51,56 @@ class Simulation:
 def simulate(graph: OpGraph, placement: Placement, devices: Devices) -> Simulation:
     """Run the event model of NOTE [the event model of a placed graph] over ``placement``."""
     n, k = graph.n, devices.k
-    dev = placement.device.tolist()
+    device = placement.device
+    order = graph.order
+    position = np.empty(n, dtype=np.int64)
+    position[order] = np.arange(n)
+    # The copies, one per (tensor, destination device) with the bytes of its largest edge there,
+    # in the order they are sent: their producers' program order, then by destination.
+    cross = device[graph.src] != device[graph.dst]
+    key = position[graph.src[cross]] * k + device[graph.dst[cross]]
+    sends, inverse = np.unique(key, return_inverse=True)
+    size = np.zeros(sends.shape[0])
+    np.maximum.at(size, inverse, graph.edge_bytes[cross])
+    send_node = order[sends // k]
+    send_dst = sends % k
+    send_ptr = np.searchsorted(sends // k, np.arange(n + 1)).tolist()   # by program position
+    seconds = (devices.latency_s + size / devices.bandwidth_Bps).tolist()
+    # Where each op's inputs become available: ``avail[p]`` (the producer's finish) on its own
+    # device, ``avail[n + s]`` (the arrival of copy s) elsewhere.
+    where = graph.src.copy()
+    where[cross] = n + inverse
+    pptr, _, pedge = graph.pred
+    inputs = where[pedge].tolist()
+    pptr = pptr.tolist()
+    dev = device.tolist()
     time = graph.time_s.tolist()
-    pptr, pnode, pedge = (a.tolist() for a in graph.pred)
-    sptr, snode, sedge = (a.tolist() for a in graph.succ)
-    ebytes = graph.edge_bytes.tolist()
-    lat, bw = devices.latency_s, devices.bandwidth_Bps
+    dst_l, src_dev = send_dst.tolist(), device[send_node].tolist()
+    avail = [0.0] * (n + len(dst_l))
+    send_start = [0.0] * len(dst_l)
     dev_free = [0.0] * k
-    link_free = [[0.0] * k for _ in range(k)]
+    link_free = [0.0] * (k * k)
     start, finish = [0.0] * n, [0.0] * n
-    arrival: dict[int, float] = {}   # node * k + destination -> when its copy has arrived there
-    rows: list[list[float]] = []
-    for u in graph.order.tolist():
+    for at, u in enumerate(order.tolist()):
         d = dev[u]
         ready = dev_free[d]
         for i in range(pptr[u], pptr[u + 1]):
-            p = pnode[i]
-            t = finish[p] if dev[p] == d else arrival[p * k + d]
+            t = avail[inputs[i]]
             if t > ready:
                 ready = t
         start[u] = ready
         end = ready + time[u]
-        finish[u] = end
-        dev_free[d] = end
-        a, b = sptr[u], sptr[u + 1]
-        if a == b:
-            continue
-        sizes: dict[int, float] = {}
-        for i in range(a, b):
-            c = dev[snode[i]]
-            if c != d:
-                size = ebytes[sedge[i]]
-                if size > sizes.get(c, -1.0):
-                    sizes[c] = size
-        for c in sorted(sizes):
-            s = max(end, link_free[d][c])
-            e = s + lat + sizes[c] / bw
-            link_free[d][c] = e
-            arrival[u * k + c] = e
-            rows.append([u, d, c, s, e, sizes[c]])
+        finish[u] = avail[u] = dev_free[d] = end
+        for j in range(send_ptr[at], send_ptr[at + 1]):
+            link = d * k + dst_l[j]
+            s0 = link_free[link]
+            if end > s0:
+                s0 = end
+            send_start[j] = s0
+            avail[n + j] = link_free[link] = s0 + seconds[j]
+    transfers = np.stack([send_node.astype(float), np.asarray(src_dev, dtype=float), send_dst.astype(float),
+                          np.asarray(send_start), np.asarray(avail[n:]), size], axis=1).reshape(-1, 6)
     start_a, finish_a = np.asarray(start), np.asarray(finish)
-    transfers = np.asarray(rows, dtype=float).reshape(-1, 6)
     release = finish_a.copy()
     np.maximum.at(release, graph.src, finish_a[graph.dst])
     if transfers.shape[0]:
