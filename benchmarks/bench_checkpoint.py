@@ -16,13 +16,19 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
   when the bucket's update comes before its write, which the blocking measurement never lets happen;
   the step-time rows count such copies).
 
-Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR]``.
+``--profile`` also prints where the writer thread spends its time over the timed lazy saves
+(cProfile, by own time: checksums, writes, fsyncs, serialization).
+
+Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -92,6 +98,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
+    parser.add_argument("--profile", action="store_true", help="print where the writer thread spends its time")
     args = parser.parse_args()
     rounds = args.rounds or (4 if args.quick else 2)
 
@@ -126,13 +133,25 @@ def main() -> None:
                          f"fp32 params), batch {args.batch}x{args.seq}, HostAdamW pipelined, CPU backend; state "
                          f"{format_bytes(state_bytes)}"))
 
+    profile = cProfile.Profile()
+
+    class ProfiledCheckpointer(Checkpointer):
+        """Profiles the writer thread's work on each version (cProfile sees only its own thread)."""
+
+        def _write(self, *args: object) -> None:
+            profile.enable()
+            try:
+                super()._write(*args)
+            finally:
+                profile.disable()
+
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         disk, dd_cmd = dd_bandwidth(root, state_bytes)
 
         # Blocking time of save() (lazy and eager snapshot) vs a synchronous torch.save (+ fsync), with
         # the write bandwidth and the extra resident memory of each.
-        lazy = Checkpointer(root / "lazy", model, opt, keep=1)
+        lazy = (ProfiledCheckpointer if args.profile else Checkpointer)(root / "lazy", model, opt, keep=1)
         eager = Checkpointer(root / "eager", model, opt, keep=1, lazy=False)
         blocked: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
         written: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
@@ -216,6 +235,11 @@ def main() -> None:
     ]))
     print(f"\nversion {format_bytes(version_bytes)} on disk, torch.save file {format_bytes(sync_bytes)}; step times: "
           f"median over {rounds} rounds of 10-step blocks; {args.saves} timed saves (median)")
+    if args.profile:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(12)
+        print(f"\nwriter thread over the {args.saves} timed lazy saves, by own time:\n"
+              + out.getvalue().split("\n\n", 1)[-1].strip())
 
 
 if __name__ == "__main__":
