@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import random
 import threading
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -346,9 +348,61 @@ def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
     record = ckpt.latest().path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
     record.write_text(json.dumps({**manifest, "format": 1}))
-    with pytest.raises(CheckpointError, match="has format 1; this ooc reads format 2"):
+    with pytest.raises(CheckpointError, match="has format 1; this ooc reads formats 2, 3"):
         ckpt.restore()
     opt.close()
+
+
+def _flip(path: Path, at: int) -> bytes:
+    """Flip one bit of the byte at ``at`` of ``path``; return the file's bytes before."""
+    data = path.read_bytes()
+    damaged = bytearray(data)
+    damaged[at] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    return data
+
+
+def test_records_hold_a_crc32_and_a_flipped_bit_anywhere_is_caught(tmp_path: Path) -> None:
+    """NOTE [checksums]: each file's record holds its CRC-32; one flipped bit in the header, the
+    first or last tensor byte or in between is named before anything is loaded."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    v = ckpt.latest()
+    assert v.format == 3
+    for name, record in v.files.items():
+        assert set(record) == {"bytes", "crc32"}
+        assert record["crc32"] == f"{zlib.crc32((v.path / name).read_bytes()):08x}"
+    path = v.path / "optimizer-rank0.safetensors"
+    size = path.stat().st_size
+    for at in (0, 8, size // 3, size - 1):
+        data = _flip(path, at)
+        with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: CRC-32 differs"):
+            ckpt.restore()
+        path.write_bytes(data)
+    assert ckpt.restore().step == 2
+    opt.close()
+
+
+def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_path: Path) -> None:
+    """Versions written before NOTE [checksums] hold sha256 digests: they restore exactly, and a
+    flipped bit is caught with sha256."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    expected, expected_state = _weights(model), _opt_state(opt)
+    v = ckpt.latest()
+    record = v.path / "manifest-rank0.json"
+    manifest = json.loads(record.read_text())
+    manifest["format"] = 2
+    manifest["files"] = {name: {"bytes": r["bytes"], "sha256": hashlib.sha256((v.path / name).read_bytes()).hexdigest()}
+                         for name, r in manifest["files"].items()}
+    record.write_text(json.dumps(manifest))
+    model2, opt2, sched2 = _setup(seed=5)
+    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == 2
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    _flip(v.path / "model.safetensors", 100)
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors is corrupt: sha256 differs"):
+        ckpt.restore()
+    opt.close()
+    opt2.close()
 
 
 @pytest.mark.parametrize("held_at", ["snapshot", "write:optimizer-rank0.safetensors"], ids=["before-all", "between-files"])
