@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import json
+import os
 import random
 import threading
 import time
@@ -222,6 +223,33 @@ def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Pa
         assert not (tmp_path / "step-000000003").exists()
     assert not list(tmp_path.rglob("*.tmp"))
     assert ckpt.restore().step == latest.step
+    opt.close()
+
+
+def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The commit record is renamed into place only after each file it names, the version's folder
+    and the directory are fsynced (each once: not per tensor); the folder again after the rename."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    events: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        events.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpt._hook = lambda at: events.append(at) if at == "renamed" else None
+    ckpt.save(3)
+    ckpt.wait()
+    monkeypatch.undo()
+    folder = tmp_path / "step-000000003"
+    renamed = events.index("renamed")
+    before = events[:renamed]
+    names = set(ckpt.latest().files)
+    assert sorted(before) == sorted([str(folder / n) for n in names] + [str(folder / ".manifest-rank0.json.tmp"),
+                                                                       str(folder), str(tmp_path)])
+    assert before[-1] == str(folder / ".manifest-rank0.json.tmp")
+    assert events[renamed + 1:] == [str(folder)]
     opt.close()
 
 
