@@ -253,6 +253,39 @@ def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path,
     opt.close()
 
 
+def test_large_files_are_handed_to_the_disk_while_they_are_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """_write_file starts the writeback of each stretch of _WRITEBACK_BYTES as it goes (contiguous
+    ranges from the start), and the version still restores exactly."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    monkeypatch.setattr(ckpt_mod, "_WRITEBACK_BYTES", 64 << 10)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    real = os.posix_fadvise
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        ranges.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    monkeypatch.undo()
+    size = (tmp_path / "step-000000002" / "optimizer-rank0.safetensors").stat().st_size
+    spans = ranges["optimizer-rank0.safetensors"]
+    assert len(spans) >= size // (128 << 10)
+    assert all(offset == sum(n for _, n in spans[:i]) and n >= 64 << 10 for i, (offset, n) in enumerate(spans))
+    assert sum(n for _, n in spans) > size - (64 << 10)
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore()
+    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
 def test_crash_leftovers_are_ignored_and_cleaned(tmp_path: Path) -> None:
     """A writer killed at any point leaves a folder without a commit record, or a temp record."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
