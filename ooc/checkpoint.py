@@ -48,7 +48,16 @@ In a loop of your own::
     ckpt.wait()
 
 ``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
-serializes and writes it. A second ``save`` waits until the previous version is committed (one write
+serializes and writes it.
+
+NOTE [writer thread]
+One writer thread per Checkpointer writes the versions, started by the first ``save`` and waiting
+for the next one; it ends after ``_IDLE_SECONDS`` without a save (the next ``save`` starts another)
+or at :meth:`Checkpointer.close`. Starting a thread per save cost the training loop up to a GIL
+switch interval (5 ms) per save: ``Thread.start`` waits until the new thread runs, and that thread
+then holds the GIL while it sets up the write. Handing a job to a waiting thread does not wait.
+Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
+a Checkpointer dropped without ``close`` is let go of that long after its last save. A second ``save`` waits until the previous version is committed (one write
 in flight at most, so at most one extra copy of the state in host memory). An error of the writer is
 raised by the next ``save`` or ``wait``.
 
@@ -71,6 +80,7 @@ import hashlib
 import io
 import json
 import os
+import queue
 import random
 import re
 import shutil
@@ -93,6 +103,8 @@ from ooc.optim.stages import Stage
 FORMAT = 3
 READABLE_FORMATS = (2, 3)
 """Format 2: sha256 checksums; format 3: CRC-32 (NOTE [checksums])."""
+_IDLE_SECONDS = 5.0
+"""The writer thread ends after this long without a save (NOTE [writer thread])."""
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
@@ -353,7 +365,13 @@ class Checkpointer:
         self.extra = extra
         self.keep = keep
         self.layout = {"world": self.world, **(layout or {})}
-        self._thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
+        self._writer: threading.Thread | None = None
+        """The writer thread, while it waits for saves (NOTE [writer thread])."""
+        self._writer_lock = threading.Lock()
+        self._written = threading.Event()
+        """Set while no save is being written."""
+        self._written.set()
         self._error: BaseException | None = None
         self._hook: Callable[[str], None] = lambda point: None
         """Test hook: called with the name of each point of the commit sequence."""
@@ -391,9 +409,31 @@ class Checkpointer:
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
         files, tensors, slots = self._payloads()
         self._snapshot = _Snapshot(slots) if self.lazy else None
-        self._thread = threading.Thread(target=self._write, args=(step, files, tensors, metadata),
-                                        name=f"ooc-checkpoint-{step}", daemon=True)
-        self._thread.start()
+        self._written.clear()
+        with self._writer_lock:
+            self._jobs.put((step, files, tensors, metadata))
+            if self._writer is None:
+                self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
+                self._writer.start()
+
+    def _serve(self) -> None:
+        """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
+        or :meth:`close` (NOTE [writer thread])."""
+        while True:
+            try:
+                job = self._jobs.get(timeout=_IDLE_SECONDS)
+            except queue.Empty:
+                with self._writer_lock:
+                    if self._jobs.empty():  # save() puts its job and looks for this thread under the lock
+                        self._writer = None
+                        return
+                continue
+            if job is None:
+                return
+            try:
+                self._write(*job)
+            finally:
+                self._written.set()
 
     def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]]]:
         """This rank's files (name -> tensors dict for ``.safetensors``, JSON-able object for
@@ -410,7 +450,7 @@ class Checkpointer:
             if bucket is None:
                 container[key] = value.detach().to("cpu", copy=True)
             else:
-                container[key] = value.detach()
+                container[key] = value  # live; the writer detaches it (_tensor_bytes)
                 slots.setdefault(bucket, []).append((container, key))
 
         files: dict[str, Any] = {}
@@ -452,7 +492,7 @@ class Checkpointer:
                               "ooc": _clone(info)}
         files[_state_file(self.rank)] = {
             "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
-            "rng": _clone(rng_state()),
+            "rng": rng_state(),  # fresh tensors and tuples: no clone needed
             "extra": _clone(self.extra) if self.extra is not None else None,
             "optimizer": optimizer_meta,
         }
@@ -468,9 +508,7 @@ class Checkpointer:
 
     def wait(self) -> None:
         """Block until the last save is committed; raise its error, if it failed."""
-        if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+        self._written.wait()
         if self._error is not None:
             error, self._error = self._error, None
             raise error
@@ -709,10 +747,17 @@ class Checkpointer:
         return out
 
     def close(self) -> None:
-        """Wait for the last save (raising its error) and remove the stage listener."""
+        """Wait for the last save (raising its error), end the writer thread and remove the stage
+        listener."""
         try:
             self.wait()
         finally:
+            with self._writer_lock:
+                writer, self._writer = self._writer, None
+                if writer is not None:
+                    self._jobs.put(None)
+            if writer is not None:
+                writer.join()
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
 

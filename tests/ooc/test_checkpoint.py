@@ -572,3 +572,34 @@ def test_lazy_snapshot_without_conflict_writes_from_the_live_tensors(tmp_path: P
     assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
     ckpt.close()
     opt.close()
+
+
+
+def test_one_writer_thread_serves_every_save_and_ends(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """NOTE [writer thread]: saves are handed to one waiting thread (no thread start per save); it
+    ends at close(), or when no save came for _IDLE_SECONDS, and the next save starts another."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    assert ckpt._writer is None
+    writers = set()
+    for step in range(3):
+        _train(model, opt, sched, range(step, step + 1))
+        ckpt.save(step + 1)
+        writers.add(ckpt._writer)
+    ckpt.wait()
+    (writer,) = writers
+    assert [v.step for v in ckpt.versions()] == [1, 2, 3] and writer.is_alive()
+    ckpt.close()
+    assert not writer.is_alive() and ckpt._writer is None
+    monkeypatch.setattr(ckpt_mod, "_IDLE_SECONDS", 0.05)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    ckpt.save(4)
+    writer = ckpt._writer
+    ckpt.wait()
+    writer.join(30)
+    assert not writer.is_alive() and ckpt._writer is None  # idle: ended
+    ckpt.save(5)
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [1, 2, 3, 4, 5] and ckpt._writer is not writer
+    ckpt.close()
+    opt.close()
