@@ -50,6 +50,15 @@ In a loop of your own::
 ``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
 serializes and writes it.
 
+NOTE [skipped saves]
+A version takes at least its bytes over the disk's bandwidth to write (37 MiB at ~1 GB/s: ~40 ms on
+the quick benchmark, whose step takes ~35 ms). A loop saving more often than that waits for the
+disk in ``save`` (and, with ``lazy``, its updates copy aside what is not written yet). ``save(step,
+if_busy="skip")`` does not wait: while the previous version is being written it writes nothing
+for ``step`` and returns False, so a loop that asks for a version every step gets one as
+often as the disk allows and can tell which steps have one. Nothing is written later in a skipped
+step's place (its state is gone by then); the last save of a run should wait (the default).
+
 NOTE [writer thread]
 One writer thread per Checkpointer writes the versions, started by the first ``save`` and waiting
 for the next one; it ends after ``_IDLE_SECONDS`` without a save (the next ``save`` starts another)
@@ -390,16 +399,27 @@ class Checkpointer:
 
     # -- saving ------------------------------------------------------------------------------
 
-    def save(self, step: int, **metadata: Any) -> None:
+    def save(self, step: int, *, if_busy: str = "wait", **metadata: Any) -> bool:
         """Start writing version ``step`` (``metadata``: JSON-able values, returned by
-        :meth:`versions` and :meth:`restore`). Waits for the previous save's write first; returns
-        once the state is copied. The version exists once :meth:`wait` returns."""
+        :meth:`versions` and :meth:`restore`); return whether it is being written. Returns once the
+        state is snapshotted; the version exists once :meth:`wait` returns.
+
+        ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
+        save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
+        returns False at once (NOTE [skipped saves]; one rank only)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if if_busy not in ("wait", "skip"):
+            raise ValueError(f"if_busy must be 'wait' or 'skip', got {if_busy!r}")
+        if if_busy == "skip" and self.world > 1:
+            raise ValueError("if_busy='skip' needs one rank: ranks would skip different steps and no version "
+                             "would be complete; use if_busy='wait' with several ranks")
         try:
             json.dumps(metadata)
         except TypeError as exc:
             raise ValueError(f"save metadata must be JSON-able: {exc}") from None
+        if if_busy == "skip" and not self._written.is_set():
+            return False
         self.wait()
         if self.rank == 0 and self.world > 1:
             # Rank 0's retention after its commit sees only the versions every rank had committed
@@ -415,6 +435,7 @@ class Checkpointer:
             if self._writer is None:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
+        return True
 
     def _serve(self) -> None:
         """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``

@@ -603,3 +603,36 @@ def test_one_writer_thread_serves_every_save_and_ends(tmp_path: Path, monkeypatc
     assert [v.step for v in ckpt.versions()] == [1, 2, 3, 4, 5] and ckpt._writer is not writer
     ckpt.close()
     opt.close()
+
+
+def test_skip_if_busy_writes_nothing_while_the_previous_version_is_written(tmp_path: Path) -> None:
+    """NOTE [skipped saves]: while a version is being written, save(if_busy="skip") returns False at
+    once and writes nothing for its step; once the write is done, it saves. "wait" saves every step."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "write:model.safetensors" else None
+    assert ckpt.save(1, if_busy="skip") is True
+    _train(model, opt, sched, range(1, 2))
+    started = time.perf_counter()
+    assert ckpt.save(2, if_busy="skip", loss=1.0) is False
+    assert time.perf_counter() - started < 5  # did not wait for the held write
+    release.set()
+    ckpt.wait()
+    assert ckpt.save(3, if_busy="skip") is True
+    ckpt.wait()
+    assert ckpt.save(4) is True
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [1, 3, 4]
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(1)
+    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    with pytest.raises(ValueError, match="if_busy must be"):
+        ckpt.save(5, if_busy="queue")
+    with pytest.raises(ValueError, match="needs one rank"):
+        Checkpointer(tmp_path / "dp", model, opt, rank=0, world=2).save(5, if_busy="skip")
+    ckpt.close()
+    opt.close()
+    opt2.close()
