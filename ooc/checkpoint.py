@@ -33,10 +33,11 @@ the version was saved; the scheduler and the user dict of a new rank are rank 0'
 A version exists once every rank's commit record is in place. Each record is written last, after
 every file it names is complete and fsynced (once, after its last byte) and the folder and its
 directory are fsynced (together: the files' names durable too): to a temporary name in the same
-folder, fsynced, renamed into place, and the folder fsynced again (the commit durable). So a crash, ``kill -9``, a full disk or an exception at
-any moment leaves at most an incomplete folder, which :meth:`Checkpointer.versions` ignores and the
-next :class:`Checkpointer` on the directory removes. Retention (``keep``) deletes older versions only
-after a newer one is committed, and never the newest complete one.
+folder, fsynced, renamed into place, and the folder fsynced again (the commit durable). So a crash,
+``kill -9``, a full disk or an exception at any moment leaves at most an incomplete folder, which
+:meth:`Checkpointer.versions` ignores and the next :class:`Checkpointer` on the directory removes.
+Retention (``keep``) deletes older versions only after a newer one is committed, and never the
+newest complete one.
 
 In a loop of your own::
 
@@ -48,7 +49,10 @@ In a loop of your own::
     ckpt.wait()
 
 ``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
-serializes and writes it.
+serializes and writes it. A second ``save`` waits until the previous version is committed (one write
+in flight at most, so at most one extra copy of the state in host memory), or with
+``if_busy="skip"`` writes nothing (NOTE [skipped saves]). An error of the writer is raised by the
+next ``save`` or ``wait``.
 
 NOTE [skipped saves]
 A version takes at least its bytes over the disk's bandwidth to write (37 MiB at ~1 GB/s: ~40 ms on
@@ -66,9 +70,7 @@ or at :meth:`Checkpointer.close`. Starting a thread per save cost the training l
 switch interval (5 ms) per save: ``Thread.start`` waits until the new thread runs, and that thread
 then holds the GIL while it sets up the write. Handing a job to a waiting thread does not wait.
 Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
-a Checkpointer dropped without ``close`` is let go of that long after its last save. A second ``save`` waits until the previous version is committed (one write
-in flight at most, so at most one extra copy of the state in host memory). An error of the writer is
-raised by the next ``save`` or ``wait``.
+a Checkpointer dropped without ``close`` is let go of that long after its last save.
 
 NOTE [lazy snapshots]
 With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
@@ -76,7 +78,7 @@ DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept 
 scheduler, RNG) and keeps references to each bucket's live parameters, masters and moments. A
 bucket's host state does not change between the end of its update and its next UPDATE (NOTE [stage
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
-before that UPDATE starts. So the writer thread writes (and hashes) each tensor straight from the
+before that UPDATE starts. So the writer thread writes (and checksums) each tensor straight from the
 live one, and a stage listener on EXCHANGE, before the bucket's next update may change it, waits
 for the write of the bucket's tensor in progress, if any, and copies aside the bucket's tensors not
 written yet. The training thread never waits for a copy of state no update is about to change, and
