@@ -454,7 +454,9 @@ class Checkpointer:
             if job is None:
                 return
             try:
-                self._write(*job)
+                self._write(*job)  # hands its errors to wait()
+            except BaseException as exc:  # noqa: BLE001 - this thread must go on serving
+                self._error = self._error or exc
             finally:
                 self._written.set()
 

@@ -605,6 +605,29 @@ def test_one_writer_thread_serves_every_save_and_ends(tmp_path: Path, monkeypatc
     opt.close()
 
 
+def test_the_writer_thread_survives_an_error_escaping_a_write(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """An exception out of _write itself (not its file errors, which it hands over) reaches wait(),
+    and the same writer thread writes the next save: a dead writer would leave the next wait() hanging."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    ckpt = Checkpointer(tmp_path, model, opt)
+
+    def broken(*job: object) -> None:
+        raise RuntimeError("escaped")
+
+    monkeypatch.setattr(ckpt, "_write", broken)
+    ckpt.save(1)
+    writer = ckpt._writer
+    with pytest.raises(RuntimeError, match="escaped"):
+        ckpt.wait()
+    monkeypatch.undo()
+    ckpt.save(2)
+    ckpt.wait()
+    assert ckpt._writer is writer and ckpt.latest().step == 2
+    ckpt.close()
+    opt.close()
+
+
 def test_skip_if_busy_writes_nothing_while_the_previous_version_is_written(tmp_path: Path) -> None:
     """NOTE [skipped saves]: while a version is being written, save(if_busy="skip") returns False at
     once and writes nothing for its step; once the write is done, it saves. "wait" saves every step."""
