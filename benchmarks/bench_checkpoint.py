@@ -10,8 +10,10 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
   <= 10%);
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
-- the time a version's bytes take at the disk's bandwidth, vs a step: a version every step cannot
-  cost less than this above the step time (writes go at most as fast as ``dd``);
+- the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
+  go at most as fast as ``dd``) vs the step time, and the writer's CPU time per version (the copy
+  into the page cache, the CRC, the kernel's writeback work) vs a step's CPU time: on a machine
+  whose cores the training keeps busy, that CPU time comes out of the steps;
 - write bandwidth (a version's bytes over the time from ``save()`` to its commit, checksums and fsyncs
   included) vs the disk's, measured with ``dd oflag=direct conv=fsync`` of as many bytes in the
   same folder;
@@ -33,6 +35,7 @@ import cProfile
 import io
 import os
 import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -96,15 +99,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a 4x256 GPT (3M parameters) instead of gpt2 (124M)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds of three 10-step blocks (no saves, every 10, every step) for the step times "
-                             "(default 2, quick 4)")
+                        help="rounds of four 10-step blocks (no saves, every 10, every step, every step skipping) "
+                             "for the step times (default 2, quick 8)")
     parser.add_argument("--saves", type=int, default=3, help="saves timed for the blocking figure")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
     parser.add_argument("--profile", action="store_true", help="print where the writer thread spends its time")
     args = parser.parse_args()
-    rounds = args.rounds or (4 if args.quick else 2)
+    rounds = args.rounds or (8 if args.quick else 2)
 
     import torch
 
@@ -138,16 +141,23 @@ def main() -> None:
                          f"{format_bytes(state_bytes)}"))
 
     profile = cProfile.Profile()
+    writer_cpu: list[float] = []
 
     class ProfiledCheckpointer(Checkpointer):
-        """Profiles the writer thread's work on each version (cProfile sees only its own thread)."""
+        """Measures the CPU time of the writer thread's work on each version and, with --profile,
+        profiles it (cProfile sees only its own thread)."""
 
-        def _write(self, *args: object) -> None:
-            profile.enable()
+        def _write(self, *job: object) -> None:
+            before = resource.getrusage(resource.RUSAGE_THREAD)
+            if args.profile:
+                profile.enable()
             try:
-                super()._write(*args)
+                super()._write(*job)
             finally:
-                profile.disable()
+                if args.profile:
+                    profile.disable()
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                writer_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
@@ -155,7 +165,7 @@ def main() -> None:
 
         # Blocking time of save() (lazy and eager snapshot) vs a synchronous torch.save (+ fsync), with
         # the write bandwidth and the extra resident memory of each.
-        lazy = (ProfiledCheckpointer if args.profile else Checkpointer)(root / "lazy", model, opt, keep=1)
+        lazy = ProfiledCheckpointer(root / "lazy", model, opt, keep=1)
         eager = Checkpointer(root / "eager", model, opt, keep=1, lazy=False)
         blocked: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
         written: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
@@ -197,8 +207,10 @@ def main() -> None:
                   for mode, every in modes.items()}
         blocks: dict[int | str, list[float]] = {mode: [] for mode in savers}
         asked = written_versions = done = 0
+        step_cpu: list[float] = []
         for _ in range(rounds):
             for mode, saver in savers.items():
+                cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 for i in range(10):
                     step()
@@ -213,6 +225,9 @@ def main() -> None:
                     saver.wait()
                 opt.synchronize()
                 blocks[mode].append((time.perf_counter() - started) / 10)
+                if saver is None:
+                    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+                    step_cpu.append((cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime) / 10)
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         for saver in savers.values():
@@ -238,8 +253,10 @@ def main() -> None:
         [f"mean step, a save asked every step, if_busy='skip' ({written_versions} of {asked} written, "
          f"{copied['skip']} buckets copied)", ms(times["skip"]), f"no saves {ms(base)}",
          f"{(times['skip'] / base - 1) * 100:+.1f}%", ""],
-        ["a version's bytes at dd's bandwidth, vs a step (the floor of a version every step)",
-         ms(version_bytes / disk), f"no saves {ms(base)}", f"{(version_bytes / disk / base - 1) * 100:+.0f}%", ""],
+        ["a version's bytes at dd's bandwidth, vs a step (disk floor of a version every step)",
+         ms(version_bytes / disk), f"step (wall) {ms(base)}", f"{version_bytes / disk / base * 100:.0f}%", ""],
+        ["writer's CPU time per version (copy, CRC, kernel), vs a step's (all threads)",
+         ms(med(writer_cpu)), f"step (CPU) {ms(med(step_cpu))}", f"{med(writer_cpu) / med(step_cpu) * 100:.0f}%", ""],
         ["write bandwidth, save() to commit (lazy)", gbs(version_bytes, med(written["lazy"])), f"{dd_cmd}: {gbs(1, 1 / disk)}",
          f"{version_bytes / med(written['lazy']) / disk * 100:.0f}%", ""],
         ["write bandwidth, torch.save+fsync", gbs(sync_bytes, sync), f"{dd_cmd}: {gbs(1, 1 / disk)}",
