@@ -8,7 +8,13 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - mean step time with a save every 10 steps and every step vs no checkpoints, in interleaved blocks of
   10 steps, each including the wait for its last write (goals: <= 3.5%, the CheckFreq figure, and
   <= 10%);
-- write bandwidth (a version's bytes over the time from ``save()`` to its commit, sha256 and fsyncs
+- the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
+  finds the previous version still being written gets none; the row says how many were written);
+- the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
+  go at most as fast as ``dd``) vs the step time, and the writer's CPU time per version (the copy
+  into the page cache, the CRC, the kernel's writeback work) vs a step's CPU time: on a machine
+  whose cores the training keeps busy, that CPU time comes out of the steps;
+- write bandwidth (a version's bytes over the time from ``save()`` to its commit, checksums and fsyncs
   included) vs the disk's, measured with ``dd oflag=direct conv=fsync`` of as many bytes in the
   same folder;
 - extra host memory: the peak resident set while a save is written, above the one before it, vs the
@@ -16,13 +22,20 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
   when the bucket's update comes before its write, which the blocking measurement never lets happen;
   the step-time rows count such copies).
 
-Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR]``.
+``--profile`` also prints where the writer thread spends its time over the timed lazy saves
+(cProfile, by own time: checksums, writes, fsyncs, serialization).
+
+Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
+import resource
 import statistics
 import subprocess
 import sys
@@ -86,14 +99,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--quick", action="store_true", help="a 4x256 GPT (3M parameters) instead of gpt2 (124M)")
     parser.add_argument("--rounds", type=int, default=None,
-                        help="rounds of three 10-step blocks (no saves, every 10, every step) for the step times "
-                             "(default 2, quick 4)")
+                        help="rounds of four 10-step blocks (no saves, every 10, every step, every step skipping) "
+                             "for the step times (default 2, quick 8)")
     parser.add_argument("--saves", type=int, default=3, help="saves timed for the blocking figure")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
+    parser.add_argument("--profile", action="store_true", help="print where the writer thread spends its time")
     args = parser.parse_args()
-    rounds = args.rounds or (4 if args.quick else 2)
+    rounds = args.rounds or (8 if args.quick else 2)
 
     import torch
 
@@ -126,13 +140,32 @@ def main() -> None:
                          f"fp32 params), batch {args.batch}x{args.seq}, HostAdamW pipelined, CPU backend; state "
                          f"{format_bytes(state_bytes)}"))
 
+    profile = cProfile.Profile()
+    writer_cpu: list[float] = []
+
+    class ProfiledCheckpointer(Checkpointer):
+        """Measures the CPU time of the writer thread's work on each version and, with --profile,
+        profiles it (cProfile sees only its own thread)."""
+
+        def _write(self, *job: object) -> None:
+            before = resource.getrusage(resource.RUSAGE_THREAD)
+            if args.profile:
+                profile.enable()
+            try:
+                super()._write(*job)
+            finally:
+                if args.profile:
+                    profile.disable()
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                writer_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
         disk, dd_cmd = dd_bandwidth(root, state_bytes)
 
         # Blocking time of save() (lazy and eager snapshot) vs a synchronous torch.save (+ fsync), with
         # the write bandwidth and the extra resident memory of each.
-        lazy = Checkpointer(root / "lazy", model, opt, keep=1)
+        lazy = ProfiledCheckpointer(root / "lazy", model, opt, keep=1)
         eager = Checkpointer(root / "eager", model, opt, keep=1, lazy=False)
         blocked: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
         written: dict[str, list[float]] = {"lazy": [], "eager": [], "torch.save": []}
@@ -167,24 +200,36 @@ def main() -> None:
         # Mean step time over blocks of 10 steps with no saves, a save at the block's first step, and
         # a save every step, the three interleaved round by round (a machine shared with other work
         # drifts). A block's time includes waiting for its last write, so every write is paid for.
-        savers = {every: Checkpointer(root / f"every{every}", model, opt, keep=2) if every else None
-                  for every in (0, 10, 1)}
-        blocks: dict[int, list[float]] = {every: [] for every in savers}
-        done = 0
+        # "skip": a save asked for every step with if_busy="skip" (NOTE [skipped saves]); the block's
+        # last save waits, as a run's last save should.
+        modes = {0: 0, 10: 10, 1: 1, "skip": 1}
+        savers = {mode: Checkpointer(root / f"every{mode}", model, opt, keep=2) if every else None
+                  for mode, every in modes.items()}
+        blocks: dict[int | str, list[float]] = {mode: [] for mode in savers}
+        asked = written_versions = done = 0
+        step_cpu: list[float] = []
         for _ in range(rounds):
-            for every, saver in savers.items():
+            for mode, saver in savers.items():
+                cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 for i in range(10):
                     step()
                     done += 1
-                    if saver is not None and i % every == 0:
-                        saver.save(done)
+                    if saver is not None and i % modes[mode] == 0:
+                        skip = mode == "skip" and i < 9
+                        wrote = saver.save(done, if_busy="skip" if skip else "wait")
+                        if mode == "skip":
+                            asked += 1
+                            written_versions += wrote
                 if saver is not None:
                     saver.wait()
                 opt.synchronize()
-                blocks[every].append((time.perf_counter() - started) / 10)
-        times = {every: statistics.median(b) for every, b in blocks.items()}
-        copied = {every: saver.copied_by_listener for every, saver in savers.items() if saver is not None}
+                blocks[mode].append((time.perf_counter() - started) / 10)
+                if saver is None:
+                    cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+                    step_cpu.append((cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime) / 10)
+        times = {mode: statistics.median(b) for mode, b in blocks.items()}
+        copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         for saver in savers.values():
             if saver is not None:
                 saver.close()
@@ -205,6 +250,13 @@ def main() -> None:
          f"no saves {ms(base)}", f"{(times[10] / base - 1) * 100:+.1f}%", "<= 3.5%"],
         [f"mean step, a save every step ({copied[1]} buckets copied by the update thread)", ms(times[1]),
          f"no saves {ms(base)}", f"{(times[1] / base - 1) * 100:+.1f}%", "<= 10%"],
+        [f"mean step, a save asked every step, if_busy='skip' ({written_versions} of {asked} written, "
+         f"{copied['skip']} buckets copied)", ms(times["skip"]), f"no saves {ms(base)}",
+         f"{(times['skip'] / base - 1) * 100:+.1f}%", ""],
+        ["a version's bytes at dd's bandwidth, vs a step (disk floor of a version every step)",
+         ms(version_bytes / disk), f"step (wall) {ms(base)}", f"{version_bytes / disk / base * 100:.0f}%", ""],
+        ["writer's CPU time per version (copy, CRC, kernel), vs a step's (all threads)",
+         ms(med(writer_cpu)), f"step (CPU) {ms(med(step_cpu))}", f"{med(writer_cpu) / med(step_cpu) * 100:.0f}%", ""],
         ["write bandwidth, save() to commit (lazy)", gbs(version_bytes, med(written["lazy"])), f"{dd_cmd}: {gbs(1, 1 / disk)}",
          f"{version_bytes / med(written['lazy']) / disk * 100:.0f}%", ""],
         ["write bandwidth, torch.save+fsync", gbs(sync_bytes, sync), f"{dd_cmd}: {gbs(1, 1 / disk)}",
@@ -216,6 +268,11 @@ def main() -> None:
     ]))
     print(f"\nversion {format_bytes(version_bytes)} on disk, torch.save file {format_bytes(sync_bytes)}; step times: "
           f"median over {rounds} rounds of 10-step blocks; {args.saves} timed saves (median)")
+    if args.profile:
+        out = io.StringIO()
+        pstats.Stats(profile, stream=out).sort_stats("tottime").print_stats(12)
+        print(f"\nwriter thread over the {args.saves} timed lazy saves, by own time:\n"
+              + out.getvalue().split("\n\n", 1)[-1].strip())
 
 
 if __name__ == "__main__":

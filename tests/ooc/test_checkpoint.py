@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
+import os
 import random
 import threading
 import time
+import zlib
 from dataclasses import replace
 from pathlib import Path
 
@@ -223,6 +226,66 @@ def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Pa
     opt.close()
 
 
+def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The commit record is renamed into place only after each file it names, the version's folder
+    and the directory are fsynced (each once: not per tensor); the folder again after the rename."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    events: list[str] = []
+    real = os.fsync
+
+    def fsync(fd: int) -> None:
+        real(fd)
+        events.append(os.readlink(f"/proc/self/fd/{fd}"))
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    ckpt._hook = lambda at: events.append(at) if at == "renamed" else None
+    ckpt.save(3)
+    ckpt.wait()
+    monkeypatch.undo()
+    folder = tmp_path / "step-000000003"
+    renamed = events.index("renamed")
+    before = events[:renamed]
+    names = set(ckpt.latest().files)
+    assert sorted(before) == sorted([str(folder / n) for n in names] + [str(folder / ".manifest-rank0.json.tmp"),
+                                                                       str(folder), str(tmp_path)])
+    assert before[-1] == str(folder / ".manifest-rank0.json.tmp")
+    assert events[renamed + 1:] == [str(folder)]
+    opt.close()
+
+
+def test_large_files_are_handed_to_the_disk_while_they_are_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """_write_file starts the writeback of each stretch of _WRITEBACK_BYTES as it goes (contiguous
+    ranges from the start), and the version still restores exactly."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    monkeypatch.setattr(ckpt_mod, "_WRITEBACK_BYTES", 64 << 10)
+    ranges: dict[str, list[tuple[int, int]]] = {}
+    real = os.posix_fadvise
+
+    def advise(fd: int, offset: int, length: int, advice: int) -> None:
+        assert advice == os.POSIX_FADV_DONTNEED
+        ranges.setdefault(os.path.basename(os.readlink(f"/proc/self/fd/{fd}")), []).append((offset, length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", advise)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    monkeypatch.undo()
+    size = (tmp_path / "step-000000002" / "optimizer-rank0.safetensors").stat().st_size
+    spans = ranges["optimizer-rank0.safetensors"]
+    assert len(spans) >= size // (128 << 10)
+    assert all(offset == sum(n for _, n in spans[:i]) and n >= 64 << 10 for i, (offset, n) in enumerate(spans))
+    assert sum(n for _, n in spans) > size - (64 << 10)
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore()
+    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
 def test_crash_leftovers_are_ignored_and_cleaned(tmp_path: Path) -> None:
     """A writer killed at any point leaves a folder without a commit record, or a temp record."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
@@ -346,9 +409,61 @@ def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
     record = ckpt.latest().path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
     record.write_text(json.dumps({**manifest, "format": 1}))
-    with pytest.raises(CheckpointError, match="has format 1; this ooc reads format 2"):
+    with pytest.raises(CheckpointError, match="has format 1; this ooc reads formats 2, 3"):
         ckpt.restore()
     opt.close()
+
+
+def _flip(path: Path, at: int) -> bytes:
+    """Flip one bit of the byte at ``at`` of ``path``; return the file's bytes before."""
+    data = path.read_bytes()
+    damaged = bytearray(data)
+    damaged[at] ^= 0x01
+    path.write_bytes(bytes(damaged))
+    return data
+
+
+def test_records_hold_a_crc32_and_a_flipped_bit_anywhere_is_caught(tmp_path: Path) -> None:
+    """NOTE [checksums]: each file's record holds its CRC-32; one flipped bit in the header, the
+    first or last tensor byte or in between is named before anything is loaded."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    v = ckpt.latest()
+    assert v.format == 3
+    for name, record in v.files.items():
+        assert set(record) == {"bytes", "crc32"}
+        assert record["crc32"] == f"{zlib.crc32((v.path / name).read_bytes()):08x}"
+    path = v.path / "optimizer-rank0.safetensors"
+    size = path.stat().st_size
+    for at in (0, 8, size // 3, size - 1):
+        data = _flip(path, at)
+        with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: CRC-32 differs"):
+            ckpt.restore()
+        path.write_bytes(data)
+    assert ckpt.restore().step == 2
+    opt.close()
+
+
+def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_path: Path) -> None:
+    """Versions written before NOTE [checksums] hold sha256 digests: they restore exactly, and a
+    flipped bit is caught with sha256."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    expected, expected_state = _weights(model), _opt_state(opt)
+    v = ckpt.latest()
+    record = v.path / "manifest-rank0.json"
+    manifest = json.loads(record.read_text())
+    manifest["format"] = 2
+    manifest["files"] = {name: {"bytes": r["bytes"], "sha256": hashlib.sha256((v.path / name).read_bytes()).hexdigest()}
+                         for name, r in manifest["files"].items()}
+    record.write_text(json.dumps(manifest))
+    model2, opt2, sched2 = _setup(seed=5)
+    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == 2
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    _flip(v.path / "model.safetensors", 100)
+    with pytest.raises(CorruptCheckpointError, match="model.safetensors is corrupt: sha256 differs"):
+        ckpt.restore()
+    opt.close()
+    opt2.close()
 
 
 @pytest.mark.parametrize("held_at", ["snapshot", "write:optimizer-rank0.safetensors"], ids=["before-all", "between-files"])
@@ -457,3 +572,90 @@ def test_lazy_snapshot_without_conflict_writes_from_the_live_tensors(tmp_path: P
     assert ckpt.copied_by_listener == 0 and [v.step for v in ckpt.versions()] == [1, 2, 3]
     ckpt.close()
     opt.close()
+
+
+
+def test_one_writer_thread_serves_every_save_and_ends(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """NOTE [writer thread]: saves are handed to one waiting thread (no thread start per save); it
+    ends at close(), or when no save came for _IDLE_SECONDS, and the next save starts another."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    assert ckpt._writer is None
+    writers = set()
+    for step in range(3):
+        _train(model, opt, sched, range(step, step + 1))
+        ckpt.save(step + 1)
+        writers.add(ckpt._writer)
+    ckpt.wait()
+    (writer,) = writers
+    assert [v.step for v in ckpt.versions()] == [1, 2, 3] and writer.is_alive()
+    ckpt.close()
+    assert not writer.is_alive() and ckpt._writer is None
+    monkeypatch.setattr(ckpt_mod, "_IDLE_SECONDS", 0.05)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    ckpt.save(4)
+    writer = ckpt._writer
+    ckpt.wait()
+    writer.join(30)
+    assert not writer.is_alive() and ckpt._writer is None  # idle: ended
+    ckpt.save(5)
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [1, 2, 3, 4, 5] and ckpt._writer is not writer
+    ckpt.close()
+    opt.close()
+
+
+def test_the_writer_thread_survives_an_error_escaping_a_write(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """An exception out of _write itself (not its file errors, which it hands over) reaches wait(),
+    and the same writer thread writes the next save: a dead writer would leave the next wait() hanging."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    ckpt = Checkpointer(tmp_path, model, opt)
+
+    def broken(*job: object) -> None:
+        raise RuntimeError("escaped")
+
+    monkeypatch.setattr(ckpt, "_write", broken)
+    ckpt.save(1)
+    writer = ckpt._writer
+    with pytest.raises(RuntimeError, match="escaped"):
+        ckpt.wait()
+    monkeypatch.undo()
+    ckpt.save(2)
+    ckpt.wait()
+    assert ckpt._writer is writer and ckpt.latest().step == 2
+    ckpt.close()
+    opt.close()
+
+
+def test_skip_if_busy_writes_nothing_while_the_previous_version_is_written(tmp_path: Path) -> None:
+    """NOTE [skipped saves]: while a version is being written, save(if_busy="skip") returns False at
+    once and writes nothing for its step; once the write is done, it saves. "wait" saves every step."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "write:model.safetensors" else None
+    assert ckpt.save(1, if_busy="skip") is True
+    _train(model, opt, sched, range(1, 2))
+    started = time.perf_counter()
+    assert ckpt.save(2, if_busy="skip", loss=1.0) is False
+    assert time.perf_counter() - started < 5  # did not wait for the held write
+    release.set()
+    ckpt.wait()
+    assert ckpt.save(3, if_busy="skip") is True
+    ckpt.wait()
+    assert ckpt.save(4) is True
+    ckpt.wait()
+    assert [v.step for v in ckpt.versions()] == [1, 3, 4]
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(1)
+    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    with pytest.raises(ValueError, match="if_busy must be"):
+        ckpt.save(5, if_busy="queue")
+    with pytest.raises(ValueError, match="needs one rank"):
+        Checkpointer(tmp_path / "dp", model, opt, rank=0, world=2).save(5, if_busy="skip")
+    ckpt.close()
+    opt.close()
+    opt2.close()
