@@ -314,7 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     part = sub.add_parser("partition", help="place a training op graph on K devices under memory limits (ParDNN and baselines)")
     part.add_argument("--graph", default="lstm:1000",
                       help="lstm:N, transformer:N, cnn3d:N (analytic, about N ops), gpt:<preset>, cnn, mlp "
-                      "(captured here) or a folder in ParDNN's format")
+                      "(captured here), an ooc profile (.json: its chain op by op, e.g. profiles/analytic-*.json) or a "
+                      "folder in ParDNN's format")
     part.add_argument("--devices", type=int, default=2, help="K")
     part.add_argument("--capacity", help="bytes per device, e.g. 2GiB (default: all the graph holds)")
     part.add_argument("--method", action="append", help="pardnn, contiguous, heft or mincut (repeat; default all)")

@@ -19,7 +19,8 @@ from ooc.scheduler.partition import (
     run_methods,
     write_pardnn,
 )
-from ooc.scheduler.partition.synthetic import SHAPES, synthetic
+from ooc.scheduler.partition.synthetic import SHAPES, profile_graph, synthetic
+from ooc.scheduler.profile import Profile
 from ooc.scheduler.units import format_bytes, parse_bytes
 
 
@@ -40,8 +41,8 @@ class PartitionConfig:
 
 def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
     """``lstm:N`` / ``transformer:N`` / ``cnn3d:N`` (an analytic graph of about N nodes), ``gpt:<preset>``,
-    ``cnn`` or ``mlp`` (a reference model's step, captured and timed here), or a folder in ParDNN's
-    format."""
+    ``cnn`` or ``mlp`` (a reference model's step, captured and timed here), an ooc profile (``.json``:
+    its chain op by op, e.g. an analytic preset) or a folder in ParDNN's format."""
     shape, _, size = spec.partition(":")
     if shape in SHAPES:
         if not size.isdigit():
@@ -49,6 +50,8 @@ def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
         return synthetic(shape, int(size))
     if Path(spec).is_dir():
         return read_pardnn(spec)
+    if spec.endswith(".json"):
+        return profile_graph(Profile.load(spec))
     if shape in ("gpt", "cnn", "mlp"):
         from ooc.apps.cli import reference_model
         from ooc.partition_capture import capture
@@ -56,7 +59,7 @@ def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
         model, sample = reference_model(spec, batch, seq)
         return capture(model, sample)
     raise ValueError(f"--graph {spec}: not a folder in ParDNN's format; use one of {[f'{s}:N' for s in SHAPES]}, "
-                     "gpt:<preset>, cnn, mlp or a folder")
+                     "gpt:<preset>, cnn, mlp, a profile (.json, e.g. profiles/analytic-h100-sxm-gpt2-xl-s1024.json) or a folder")
 
 
 def run_partition(cfg: PartitionConfig) -> int:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from ooc.scheduler.errors import PlanError
 from ooc.scheduler.partition.graph import OpGraph
+from ooc.scheduler.profile import Profile
 
 FLOPS = 400e12
 MEMORY_BPS = 2.5e12
@@ -33,6 +34,8 @@ class Forward:
     weights: list[list[int]] = field(default_factory=list)
     weight_names: list[str] = field(default_factory=list)
     weight_bytes: list[float] = field(default_factory=list)
+    grad_time: list[float] = field(default_factory=list)
+    """Each op's gradient time, when known (a measured or analytic profile); else twice its time."""
 
     def weight(self, name: str, nbytes: float) -> int:
         self.weight_names.append(name)
@@ -55,7 +58,8 @@ def training_graph(fwd: Forward, loss_inputs: list[int]) -> OpGraph:
     in program order: weights, forward, loss, backward in reverse."""
     nw, nf = len(fwd.weight_names), len(fwd.names)
     names = [f"w.{x}" for x in fwd.weight_names] + fwd.names + ["loss"] + [f"grad.{x}" for x in reversed(fwd.names)]
-    time = [0.0] * nw + fwd.time + [LAUNCH_S] + [2 * t for t in reversed(fwd.time)]
+    backward = fwd.grad_time if fwd.grad_time else [2 * t for t in fwd.time]
+    time = [0.0] * nw + fwd.time + [LAUNCH_S] + list(reversed(backward))
     loss = nw + nf
     grad_bytes = [fwd.out[i] + sum(fwd.weight_bytes[w] for w in fwd.weights[i]) for i in range(nf)]
     held = fwd.weight_bytes + fwd.out + [F32] + list(reversed(grad_bytes))
@@ -172,6 +176,32 @@ def cnn3d(blocks: int, *, groups: int = 4, batch: int = 4, channels: int = 128, 
         cat = fw.add(f"{p}.concat", outs, act)
         x = fw.add(f"{p}.add", [x, cat], act)
     return training_graph(fw, [fw.add("pool", [x], batch * channels * F32)])
+
+
+def profile_graph(profile: Profile) -> OpGraph:
+    """The training graph of a profiled chain (``ooc profile``, or the analytic presets in ``profiles/``).
+
+    A block with an op-level profile (``BlockProfile.ops``) becomes its ops in sequence, each with its
+    time and output bytes, the gradient ops sharing the block's ``backward_s`` in proportion to their
+    forward time; a block without one becomes one op (its ``forward_s``, holding its ``saved_bytes``).
+    Each block's parameters are one weight node read by its slowest op (its largest matmul). Blocks
+    follow each other; the time and parameters outside the chain are left out.
+    """
+    fwd = Forward()
+    previous: list[int] = []
+    for block in profile.blocks:
+        ops = [(op.name, op.forward_s, op.output_bytes) for op in block.ops] or [
+            (block.name, block.forward_s, block.saved_bytes)]
+        total = sum(t for _, t, _ in ops)
+        scale = block.backward_s / total if total > 0 else 0.0
+        heaviest = max(range(len(ops)), key=lambda k: ops[k][1])
+        weight = (fwd.weight(block.name, block.param_bytes),) if block.param_bytes else ()
+        for k, (name, seconds, out_bytes) in enumerate(ops):
+            index = fwd.add(f"{block.name}.{k}.{name}", previous, out_bytes, weights=weight if k == heaviest else ())
+            fwd.time[index] = seconds
+            fwd.grad_time.append(seconds * scale if total > 0 else block.backward_s / len(ops))
+            previous = [index]
+    return training_graph(fwd, previous)
 
 
 SHAPES = ("lstm", "transformer", "cnn3d")
