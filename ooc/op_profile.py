@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ooc.errors import ProfileError
 from ooc.scheduler.profile import OpProfile
@@ -288,3 +288,115 @@ def measure_ops(
 def _first_difference(a: list[str], b: list[str]) -> str:
     k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
     return f"op {k}: {a[k] if k < len(a) else 'none'} vs {b[k] if k < len(b) else 'none'}"
+
+
+# -- executing (selective recompute) -----------------------------------------------------------------
+
+
+class ForwardCache(OpCounter):
+    """The forward of a selectively recomputed block: keeps the outputs of the ``cached`` ops through
+    ``keep`` (the block's keep hook) and records every op, for the re-run (NOTE [selective recompute])."""
+
+    def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
+                 error: type[Exception]) -> None:
+        super().__init__()
+        self.block = block
+        self.cached = frozenset(cached)
+        self.last = max(cached)
+        self.keep = keep
+        self.error = error
+        self.funcs: list[torch._ops.OpOverload] = []
+        self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
+        """Op index -> its output flattened: the tree's spec, and per leaf (is a tensor, the leaf or
+        what ``keep`` returned for the tensor)."""
+        self.storages: dict[int, int] = {}
+        """Storage address of a cached output -> its op (the cache holds the storage: the address is its)."""
+        self.escaped: list[tuple[torch.Tensor, int, int]] = []
+        """Block outputs in a cached storage: (an alias sharing their version counter, its version
+        after the forward, the op)."""
+        self.done = False
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        if func._schema.is_mutable:
+            for t in _mutated(func, args, kwargs):
+                if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
+                    raise self._modified(op, f"by op {index} ({func}) later in its forward")
+        out = func(*args, **kwargs)
+        self.funcs.append(func)
+        if index in self.cached:
+            reason = why_not_cacheable(func, args, kwargs, out)
+            if reason is not None:
+                raise self.error(
+                    f"block {self.block}: its plan caches op {index} ({func}), which cannot be cached: {reason}; "
+                    "leave it out of cached_ops (the op-level profile, ooc.profile(..., ops=True), marks such ops "
+                    "cacheable=False)"
+                )
+            # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
+            # its own version counter, hence the checks by storage), which the cache holds without
+            # holding the forward's graph.
+            leaves, spec = tree_flatten(out)
+            aliases = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+            for t in aliases:
+                if isinstance(t, torch.Tensor):
+                    self.storages[t.untyped_storage().data_ptr()] = index
+            self.outputs[index] = (spec, [(True, self.keep(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
+        return out
+
+    def finish(self, out: Any) -> None:
+        """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
+        that lie in a cached storage, the one way it can be modified before the re-run."""
+        self.done = True
+        if self.count <= self.last:
+            raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
+                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+        for t in _tensors(out):
+            if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
+                alias = t.detach()  # above autograd: shares the output's version counter, not its graph
+                self.escaped.append((alias, alias._version, op))
+
+    def check_unchanged(self) -> None:
+        """Before a re-run: no block output in a cached storage was modified in place since the forward."""
+        for alias, version, op in self.escaped:
+            if alias._version != version:
+                raise self._modified(op, "after the forward")
+
+    def _modified(self, op: int, when: str) -> Exception:
+        return self.error(
+            f"block {self.block}: the output of op {op} ({self.funcs[op]}), which its plan caches, is modified in "
+            f"place {when}, so the re-run cannot take it from the cache; leave op {op} out of cached_ops, or make "
+            "that operation out of place"
+        )
+
+
+class Replay(OpCounter):
+    """The re-run of a selectively recomputed block: counts the ops as the forward did, checks each
+    one, and returns a cached op's outputs instead of running it (NOTE [selective recompute])."""
+
+    def __init__(self, cache: ForwardCache, load: Callable[[object], torch.Tensor]) -> None:
+        super().__init__()
+        self.cache = cache
+        self.load = load
+        self.ptrs: set[int] = set()
+        """Storages of the cached outputs handed out: already counted, never counted again."""
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        cache = self.cache
+        expected = cache.funcs[index] if index < len(cache.funcs) else None
+        if func is not expected:
+            raise cache.error(
+                f"block {cache.block}: op {index} of its re-run is {func} but its forward ran "
+                f"{expected or f'only {len(cache.funcs)} ops'} there, so the cached outputs cannot be matched; "
+                f"{_NOT_DETERMINISTIC}"
+            )
+        if index not in cache.outputs:
+            return func(*args, **kwargs)
+
+        spec, leaves = cache.outputs[index]
+        out = []
+        for is_tensor, leaf in leaves:
+            if is_tensor:
+                tensor = self.load(leaf)
+                self.ptrs.add(tensor.untyped_storage().data_ptr())
+                leaf = tensor.detach()  # a fresh alias each time: autograd sets the re-run's graph on it
+            out.append(leaf)
+        return tree_unflatten(out, spec)
