@@ -394,3 +394,29 @@ def test_a_cached_output_modified_after_the_forward_is_refused() -> None:
             out.backward()
     finally:
         ooc.unwrap(model)
+
+
+def test_a_retained_graph_reruns_from_the_same_cache(gpt_profile) -> None:
+    """Two backwards through one graph: the second re-run takes the cached outputs again."""
+    plan = _random_plan(gpt_profile, random.Random(stable_seed("retain")), "C")
+    batch = gpt_batch()
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        if wrap:
+            ooc.wrap(model, plan, backend="cpu")
+        torch.manual_seed(3)
+        loss = gpt_loss(model, batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if wrap:
+            ooc.unwrap(model)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_measured_op_profile_round_trips_through_json(gpt_profile) -> None:
+    from ooc.scheduler.profile import Profile
+
+    assert Profile.from_json(gpt_profile.to_json()) == gpt_profile
