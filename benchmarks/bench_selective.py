@@ -9,6 +9,7 @@ patches), at 50% and 25% of the keep-all saved activations (``sum(saved_bytes)``
   profile), most forward time saved per byte first, while the predicted peak plus the cache fits the
   budget (a hand-built plan until the op-level planner lands);
 - ``ooc recompute+mm``: every block recomputed, caching matmul outputs the same way;
+- ``ooc op-level``: the op-level planner's plan (``planner="op-level"``), where it is installed;
 - ``torch SAC (mm)``: every block under ``torch.utils.checkpoint`` with a selective policy saving the
   same ops (no budget: it saves what the policy says);
 - ``torch.compile budget``: the whole model compiled with
@@ -48,6 +49,7 @@ from ooc.api import plan_for_profile  # noqa: E402
 from ooc.runtime import runtime_of  # noqa: E402
 from ooc.scheduler import build_schedule  # noqa: E402
 from ooc.scheduler.hardware import preset  # noqa: E402
+from ooc.scheduler.planners import PLANNERS  # noqa: E402
 
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_dot_product")
 MiB = 2**20
@@ -189,6 +191,8 @@ def bench_model(name: str, base: nn.Module, batch: Any, fractions: list[float], 
         plans = {f"ooc optimal{tag}": optimal,
                  f"ooc optimal+mm{tag}": with_matmul_cache(optimal, prof, budget),
                  f"ooc recompute+mm{tag}": with_matmul_cache(recompute, prof, budget)}
+        if "op-level" in PLANNERS:  # the op-level planner (issue 15's planning side), where merged
+            plans[f"ooc op-level{tag}"] = plan_for_profile(prof, budget, hardware=hardware, planner="op-level")
         for label, plan in plans.items():
             variants[label] = (ooc.wrap(copy.deepcopy(base), plan, backend="cpu"), True)
             budgets[label] = budget
