@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -22,10 +23,12 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks
 from ooc.codec_error import measure_codec_errors
 from ooc.errors import WrapError
+from ooc.hf import disable_caches
+from ooc.op_profile import measure_ops
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Codec, Plan, Policy
-from ooc.scheduler.profile import BlockProfile, Profile, SharedStorage, machine_header
+from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedStorage, machine_header
 from ooc.storage_sharing import measure_shared_storages
 
 
@@ -196,6 +199,7 @@ def profile(
     min_swap_bytes: int = DEFAULT_MIN_SWAP_BYTES,
     name: str | None = None,
     codec_errors: bool = True,
+    ops: bool = False,
 ) -> Profile:
     """Measure per-block forward/backward time (median of ``reps``) and saved/input/output/param bytes.
 
@@ -206,6 +210,9 @@ def profile(
     ``codec_errors``: also measure how far each lossy codec moves each block's gradients (one more
     step, then each block differentiated once per codec; NOTE [codec error] in ``ooc.codec_error``),
     which the planner reads to keep a codec off the blocks it would harm.
+    ``ops``: also measure each block's forward op by op (``BlockProfile.ops``, NOTE [op-level
+    profile] in ``ooc.scheduler.profile``; ``reps`` more forwards, each op timed alone, which on
+    CUDA synchronizes after every op), what the op-level planner needs for selective recompute.
     The model's gradients, buffers and RNG state are restored afterwards.
     """
     if reps < 1:
@@ -243,6 +250,7 @@ def profile(
                                          device=backend_obj.device)
         # After the output hooks are gone: the measurement re-runs blocks on their own.
         errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
+        op_profiles = _op_profiles(model, chain, backend_obj, sample, reps) if ops else None
     finally:
         state.restore()
         if not isinstance(backend, Backend):
@@ -256,7 +264,21 @@ def profile(
         outside_param_bytes=outside_param_bytes(model, chain),
         codec_errors=errors,
         shared=shared,
+        ops=op_profiles,
     )
+
+
+def _op_profiles(model: nn.Module, chain, backend: Backend, sample: Any, reps: int) -> list[tuple[OpProfile, ...]]:  # noqa: ANN001
+    """Per block, its forward op by op, measured as the runtime will see it: with the model's
+    key/value caches off, as ``wrap`` turns them off (they change a layer's ops)."""
+    restore = disable_caches(model)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the warning is for models left wrapped; this one is not
+            return measure_ops(list(chain.modules), list(chain.names), lambda: call_model(model, sample),
+                               device=backend.device, reps=reps)
+    finally:
+        restore()
 
 
 def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[Codec, float]]:  # noqa: ANN001
@@ -287,6 +309,7 @@ def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
     codec_errors: list[dict[Codec, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
+    ops: list[tuple[OpProfile, ...]] | None = None,
 ) -> Profile:
     """A profile from the tracker's log of an all-recompute step (bytes) and measured times;
     ``shared``: per block, the storages other blocks hold too (``ooc.storage_sharing``)."""
@@ -316,6 +339,7 @@ def block_profiles_to_profile(
                 ),
                 codec_error=() if codec_errors is None else tuple((c.value, e) for c, e in codec_errors[i].items()),
                 shared=() if shared is None else shared[i],
+                ops=() if ops is None else ops[i],
             )
         )
     return Profile(

@@ -28,6 +28,8 @@ What ooc adds to torch's mechanism:
   compares the values bit for bit (against host copies taken in the forward).
 - A block that modifies one of its tensor arguments in place, or whose argument is modified in place
   before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
+- Selective recompute (``cached_ops``): the forward keeps the outputs of some ops and the re-run
+  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``).
 
 NOTE [the re-run sees the forward's state]
 Autograd checks that a saved tensor was not modified in place before backward reads it (its
@@ -60,6 +62,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
+from ooc.op_profile import ForwardCache, OpCounter, Replay
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -271,6 +274,12 @@ class RecomputeFrame:
         self.done: set[int] = set()
         self.forward_done = False
         self.unchecked = False
+        self.cache: ForwardCache | None = None
+        """Selective recompute: the forward's cached op outputs (NOTE [selective recompute] in ooc.op_profile)."""
+
+    def _uncounted(self, mode: OpCounter | None) -> contextlib.AbstractContextManager:
+        """Ops this frame runs inside a hook are not the block's (NOTE [counting a block's ops])."""
+        return contextlib.nullcontext() if mode is None else mode.paused()
 
     # -- the first run ------------------------------------------------------------------------
 
@@ -305,6 +314,10 @@ class RecomputeFrame:
                          for k in self.tensor_slots]
 
     def pack_forward(self, tensor: torch.Tensor) -> _Holder:
+        with self._uncounted(self.cache):
+            return self._pack_forward(tensor)
+
+    def _pack_forward(self, tensor: torch.Tensor) -> _Holder:
         holder = _Holder()
         self.holders.append(weakref.ref(holder))
         self.metas.append(_meta(tensor))
@@ -373,8 +386,13 @@ class RecomputeFrame:
             leaves[k] = tensor
         return tree_unflatten(leaves, self.spec)
 
-    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object]) -> Callable[[torch.Tensor], object]:
+    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object],
+                        replay: Replay | None = None) -> Callable[[torch.Tensor], object]:
         def pack(tensor: torch.Tensor) -> object:
+            with self._uncounted(replay):
+                return pack_one(tensor)
+
+        def pack_one(tensor: torch.Tensor) -> object:
             index = self.counts.get(gid, 0)
             self.counts[gid] = index + 1
             # Detached: a packed output that points back to its own node would be a reference cycle
@@ -392,9 +410,11 @@ class RecomputeFrame:
                 )
             holder = self.holders[index]()
             if holder is not None:  # None: its node already ran (a backward inside the forward)
-                if self.state is None or tensor.untyped_storage().data_ptr() not in self.state.copy_ptrs:
-                    # A copy of a buffer (BatchNorm saves its running statistics) is model state, as
-                    # the buffer the forward saved was: neither is counted as an activation.
+                ptr = tensor.untyped_storage().data_ptr()
+                # A copy of a buffer (BatchNorm saves its running statistics) is model state, as the
+                # buffer the forward saved was: neither is counted as an activation. A cached op's
+                # output was counted when the forward cached it (NOTE [selective recompute]).
+                if (self.state is None or ptr not in self.state.copy_ptrs) and (replay is None or ptr not in replay.ptrs):
                     account(tensor)
                 holder.tensors[gid] = tensor
                 holder.versions[gid] = tensor._version
@@ -408,7 +428,16 @@ class RecomputeFrame:
     def recompute(self, gid: int) -> None:
         args, kwargs = self._arguments()
         self._check_saved_versions()
-        pack = self.pack_recomputed(gid, self.recompute_pack())
+        replay = None
+        if self.cache is not None:
+            if not self.cache.done:
+                raise RecomputeError(
+                    f"block {self.name} is re-run by a backward inside its own forward, before the outputs its plan "
+                    "caches are all there; plan this block without cached_ops"
+                )
+            self.cache.check_unchanged()
+            replay = Replay(self.cache, self.load_input)
+        pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
         with nvtx.range(self.range_name), self.timer("recompute"):
             with (
                 # The first run already updated the buffers (BatchNorm statistics) for this step: the
@@ -418,6 +447,7 @@ class RecomputeFrame:
                 self.autocast.restored(),
                 torch.enable_grad(),
                 saved_tensors_hooks(pack, lambda tensor: tensor),
+                contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
             ):
                 try:
                     self.forward(*args, **kwargs)
@@ -472,6 +502,8 @@ def run_recomputed(
     range_name: str,
     timer: Callable[[str], contextlib.AbstractContextManager],
     check_recompute: bool = False,
+    cached_ops: tuple[int, ...] = (),
+    keep_cached: Callable[[torch.Tensor], object] | None = None,
 ) -> Any:
     """Run ``forward(*args, **kwargs)`` (``module``'s forward) keeping only its tensor arguments for backward.
 
@@ -481,6 +513,9 @@ def run_recomputed(
     ``range_name`` names the re-run's NVTX range; ``name`` (the block's) is in every error.
     ``check_recompute``: also compare the re-run's saved values with the forward's, bit for bit
     (keeps a host copy of every saved tensor of the block until its backward).
+    ``cached_ops``: selective recompute (NOTE [selective recompute] in ``ooc.op_profile``): the
+    outputs of these ops of the forward (counted in dispatch order) go through ``keep_cached`` and the
+    re-run returns them instead of running the ops (their storages come back through ``load_input``).
     Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
     leaves, spec = tree_flatten((args, kwargs))
@@ -494,8 +529,18 @@ def run_recomputed(
     frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     frame.hold_inputs(leaves, spec, save_input, load_input)
     before = [leaves[k]._version for k in frame.tensor_slots]
-    with saved_tensors_hooks(frame.pack_forward, frame.unpack), timer("forward"):
+    if cached_ops:
+        if keep_cached is None:
+            raise ValueError("run_recomputed: cached_ops needs keep_cached")
+        frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError)
+    with (
+        saved_tensors_hooks(frame.pack_forward, frame.unpack),
+        timer("forward"),
+        contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
+    ):
         out = forward(*args, **kwargs)
+    if frame.cache is not None:
+        frame.cache.finish(out)
     frame.forward_done = True
     frame.note_versions(leaves, before)
     return out

@@ -307,6 +307,10 @@ class _BlockForward:
                     range_name=f"ooc/recompute/{rt.chain.names[i]}",
                     timer=lambda what: rt.timer(i, what),
                     check_recompute=rt.check_recompute,
+                    cached_ops=decision.cached_ops,
+                    # Cached op outputs are kept (never swapped) and counted as "cache" until the block's
+                    # backward ends (NOTE [selective recompute] in ooc.op_profile).
+                    keep_cached=step.pack_hook(i, swap=False, what="cache") if decision.cached_ops else None,
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))

@@ -1,0 +1,402 @@
+"""A block's forward op by op: measured for the op-level profile, and cached for selective recompute.
+
+NOTE [counting a block's ops]
+A ``TorchDispatchMode`` sees every aten op the block's forward dispatches below autograd (composite
+ops such as ``linear`` arrive decomposed: ``t``, ``addmm``), in order, views and in-place ops
+included; the ``k``-th op is the ``k``-th one the mode sees (NOTE [op-level profile] in
+``ooc.scheduler.profile``). The profile, the forward and the re-run count with the same mode class,
+and ops that ooc's own hooks run while the mode is on (a pack hook's ``detach``, a value check's
+copy) are not counted (``OpCounter.paused``): the count is the model's alone.
+
+NOTE [selective recompute]
+A RECOMPUTE block with ``BlockPlan.cached_ops`` runs its forward under :class:`ForwardCache`, which
+keeps the outputs of the listed ops (through the block's keep hook: the tracker counts each of their
+storages once, as "cache", and frees them with the block's kept bytes when its backward ends). Its
+re-run runs under :class:`Replay`, which counts the ops again: a cached op is not run, its kept
+outputs are returned instead (fresh aliases: autograd sets the re-run's graph on what an op
+returns), and every op is checked against the forward's (another op at the same index raises
+:class:`~ooc.recompute.RecomputeError`). Autograd, above the mode, builds the same graph and saves
+the same tensors as without the cache, so gradients are those of the plain forward; a tensor the
+re-run saves that lies in a cached storage is that storage, counted once (``Replay.ptrs``).
+What can be cached (``why_not_cacheable``): an op that creates new storages, is not random (a
+skipped random op would leave its generator where it was and shift every later draw; attention with
+``dropout_p=0`` draws nothing), does not modify a tensor in place, and whose outputs nothing modifies
+in place afterwards (the forward's ops are checked by storage; the block's outputs that lie in a
+cached storage, by version counter before each re-run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+from torch.autograd.graph import saved_tensors_hooks
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
+
+from ooc.errors import ProfileError
+from ooc.scheduler.profile import OpProfile
+
+_NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
+                      "runs); plan this block without cached_ops, or as keep or swap")
+
+
+def _tensors(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
+    return t.untyped_storage() if t.layout == torch.strided else None
+
+
+def _draws_random_numbers(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    # Fused attention is tagged random for its dropout; with dropout_p=0 it draws nothing (its CPU
+    # and CUDA kernels take no generator offset then), so caching it shifts no later draw.
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.name == "dropout_p":
+            value = args[k] if k < len(args) else kwargs.get("dropout_p", arg.default_value)
+            return value != 0
+    return True
+
+
+def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> str | None:
+    """Why the re-run cannot take this op's output from a cache (NOTE [selective recompute]), or None.
+
+    Does not see later in-place changes of the output: the profile (``OpRecorder``) and the runtime
+    (version counters) check those."""
+    if _draws_random_numbers(func, args, kwargs):
+        return "it draws random numbers (skipping it would shift every later random op)"
+    if func._schema.is_mutable:
+        return "it modifies a tensor in place"
+    outputs = _tensors(out)
+    if not outputs:
+        return "it returns no tensor"
+    inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None and s.nbytes()}
+    for t in outputs:
+        storage = _storage(t)
+        if storage is None:
+            return f"it returns a {t.layout} tensor"
+        if storage.nbytes() and storage.data_ptr() in inputs:
+            return "it returns a view of its input"
+    if any(r.alias_info is not None for r in func._schema.returns):
+        return "it returns a view of its input"
+    return None
+
+
+def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors an op writes to in place (its schema's ``Tensor(a!)`` arguments)."""
+    written = []
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write:
+            written += _tensors(args[k] if k < len(args) else kwargs.get(arg.name))
+    return written
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts the ops dispatched while it is on (NOTE [counting a block's ops]) and hands each to ``op``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self._paused = 0
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Ops dispatched inside run uncounted (ooc's own hooks)."""
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if self._paused:
+            return func(*args, **kwargs)
+        index = self.count
+        self.count += 1
+        return self.op(index, func, args, kwargs)
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        return func(*args, **kwargs)
+
+
+# -- measuring (the op-level profile) ----------------------------------------------------------------
+
+
+class _Clock:
+    """Times one op: ``perf_counter`` on the CPU; on CUDA, events around its kernels, read after the step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def stop(self, started: Any) -> Any:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return (started, event)
+        return time.perf_counter() - started
+
+    def seconds(self, stamp: Any) -> float:
+        if self.cuda:
+            # Called after the forward synchronized (measure_ops): both events have completed.
+            return stamp[0].elapsed_time(stamp[1]) / 1e3
+        return stamp
+
+
+class OpRecorder(OpCounter):
+    """One forward of one block, op by op: name, time, the device storages each op creates, which of
+    them the block saves for backward (``note_saved``, its pack hook), and whether it is cacheable."""
+
+    def __init__(self, device: torch.device) -> None:
+        super().__init__()
+        self.device = device
+        self.clock = _Clock(device)
+        self.names: list[str] = []
+        self.stamps: list[Any] = []
+        self.created: list[dict[int, int]] = []
+        """Per op: storage address -> bytes, for the new storages it created on the block's device."""
+        self.saved: list[set[int]] = []
+        self.why_not: list[str | None] = []
+        self._creator: dict[int, int] = {}
+        """Storage address -> the latest op that created a storage there: while a storage lives, no
+        other op can create one at its address, so this names the creator of every live storage."""
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        started = self.clock.start()
+        out = func(*args, **kwargs)
+        self.stamps.append(self.clock.stop(started))
+        self.names.append(str(func))
+        self.why_not.append(why_not_cacheable(func, args, kwargs, out))
+        for t in _mutated(func, args, kwargs):
+            storage = _storage(t)
+            creator = None if storage is None else self._creator.get(storage.data_ptr())
+            if creator is not None and self.why_not[creator] is None:
+                self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
+        inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+        created: dict[int, int] = {}
+        for t in _tensors(out):
+            storage = _storage(t)
+            if storage is None or t.device != self.device or not storage.nbytes() or storage.data_ptr() in inputs:
+                continue
+            created[storage.data_ptr()] = storage.nbytes()
+            self._creator[storage.data_ptr()] = index
+        self.created.append(created)
+        self.saved.append(set())
+        return out
+
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saves ``tensor`` for the block's backward: credit its storage to the op that made it."""
+        storage = _storage(tensor)
+        if storage is not None and tensor.device == self.device and (op := self._creator.get(storage.data_ptr())) is not None:
+            self.saved[op].add(storage.data_ptr())
+
+    def seconds(self) -> list[float]:
+        return [self.clock.seconds(s) for s in self.stamps]
+
+
+class _Dropped:
+    """What the measuring pack hook leaves in the graph: nothing (that graph never runs backward)."""
+
+    __slots__ = ()
+
+
+_DROPPED = _Dropped()
+
+
+def _never_unpacked(_packed: object) -> torch.Tensor:
+    raise ProfileError("a graph built while measuring a block's ops was differentiated; this is a bug in ooc")
+
+
+def measure_ops(
+    modules: list[torch.nn.Module], names: list[str], run: Callable[[], Any], *, device: torch.device, reps: int,
+) -> list[tuple[OpProfile, ...]]:
+    """Each block's forward op by op (NOTE [op-level profile] in ``ooc.scheduler.profile``).
+
+    ``run()`` runs the model's forward once; it runs ``reps`` times after one warm-up, with grad
+    enabled (as in training: some ops depend on it), and no saved tensor is held (the graph is
+    dropped unused), so this needs no more memory than the leanest plan. An op's time is its median.
+    Raises :class:`ProfileError` if a block dispatches other ops from one forward to the next.
+    """
+    records: list[list[OpRecorder]] = [[] for _ in modules]
+    installed = []
+
+    def measured(i: int, original: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            recorder = OpRecorder(device)
+
+            def pack(tensor: torch.Tensor) -> _Dropped:
+                with recorder.paused():
+                    recorder.note_saved(tensor)
+                return _DROPPED
+
+            with saved_tensors_hooks(pack, _never_unpacked), recorder:
+                out = original(*args, **kwargs)
+            records[i].append(recorder)
+            return out
+
+        return forward
+
+    try:
+        for i, module in enumerate(modules):
+            installed.append((module, module.__dict__.get("forward")))
+            module.forward = measured(i, module.forward)
+        for _ in range(reps + 1):
+            with torch.enable_grad():
+                run()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # every op's end event has completed (_Clock.seconds)
+    finally:
+        for module, previous in installed:
+            if previous is None:
+                module.__dict__.pop("forward", None)
+            else:
+                module.forward = previous
+    profiles = []
+    for name, runs in zip(names, records):
+        runs = runs[1:]  # the first forward warms up allocators and kernels
+        if not runs:
+            raise ProfileError(f"block {name} did not run in the model's forward; check the chain (ooc.describe)")
+        last = runs[-1]
+        for other in runs[:-1]:
+            if other.names != last.names:
+                raise ProfileError(f"block {name} dispatched {len(other.names)} ops in one forward and {len(last.names)} "
+                                   f"in the next ({_first_difference(other.names, last.names)}): its ops cannot be "
+                                   "counted; profile without ops=True")
+        times = [statistics.median(column) for column in zip(*(r.seconds() for r in runs))]
+        profiles.append(tuple(
+            OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
+                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None)
+            for op, seconds, created, saved, why in zip(last.names, times, last.created, last.saved, last.why_not)
+        ))
+    return profiles
+
+
+def _first_difference(a: list[str], b: list[str]) -> str:
+    k = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+    return f"op {k}: {a[k] if k < len(a) else 'none'} vs {b[k] if k < len(b) else 'none'}"
+
+
+# -- executing (selective recompute) -----------------------------------------------------------------
+
+
+class ForwardCache(OpCounter):
+    """The forward of a selectively recomputed block: keeps the outputs of the ``cached`` ops through
+    ``keep`` (the block's keep hook) and records every op, for the re-run (NOTE [selective recompute])."""
+
+    def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
+                 error: type[Exception]) -> None:
+        super().__init__()
+        self.block = block
+        self.cached = frozenset(cached)
+        self.last = max(cached)
+        self.keep = keep
+        self.error = error
+        self.funcs: list[torch._ops.OpOverload] = []
+        self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
+        """Op index -> its output flattened: the tree's spec, and per leaf (is a tensor, the leaf or
+        what ``keep`` returned for the tensor)."""
+        self.storages: dict[int, int] = {}
+        """Storage address of a cached output -> its op (the cache holds the storage: the address is its)."""
+        self.escaped: list[tuple[torch.Tensor, int, int]] = []
+        """Block outputs in a cached storage: (an alias sharing their version counter, its version
+        after the forward, the op)."""
+        self.done = False
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        if func._schema.is_mutable:
+            for t in _mutated(func, args, kwargs):
+                if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
+                    raise self._modified(op, f"by op {index} ({func}) later in its forward")
+        out = func(*args, **kwargs)
+        self.funcs.append(func)
+        if index in self.cached:
+            reason = why_not_cacheable(func, args, kwargs, out)
+            if reason is not None:
+                raise self.error(
+                    f"block {self.block}: its plan caches op {index} ({func}), which cannot be cached: {reason}; "
+                    "leave it out of cached_ops (the op-level profile, ooc.profile(..., ops=True), marks such ops "
+                    "cacheable=False)"
+                )
+            # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
+            # its own version counter, hence the checks by storage), which the cache holds without
+            # holding the forward's graph.
+            leaves, spec = tree_flatten(out)
+            aliases = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
+            for t in aliases:
+                if isinstance(t, torch.Tensor):
+                    self.storages[t.untyped_storage().data_ptr()] = index
+            self.outputs[index] = (spec, [(True, self.keep(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
+        return out
+
+    def finish(self, out: Any) -> None:
+        """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
+        that lie in a cached storage, the one way it can be modified before the re-run."""
+        self.done = True
+        if self.count <= self.last:
+            raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
+                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+        for t in _tensors(out):
+            if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
+                alias = t.detach()  # above autograd: shares the output's version counter, not its graph
+                self.escaped.append((alias, alias._version, op))
+
+    def check_unchanged(self) -> None:
+        """Before a re-run: no block output in a cached storage was modified in place since the forward."""
+        for alias, version, op in self.escaped:
+            if alias._version != version:
+                raise self._modified(op, "after the forward")
+
+    def _modified(self, op: int, when: str) -> Exception:
+        return self.error(
+            f"block {self.block}: the output of op {op} ({self.funcs[op]}), which its plan caches, is modified in "
+            f"place {when}, so the re-run cannot take it from the cache; leave op {op} out of cached_ops, or make "
+            "that operation out of place"
+        )
+
+
+class Replay(OpCounter):
+    """The re-run of a selectively recomputed block: counts the ops as the forward did, checks each
+    one, and returns a cached op's outputs instead of running it (NOTE [selective recompute])."""
+
+    def __init__(self, cache: ForwardCache, load: Callable[[object], torch.Tensor]) -> None:
+        super().__init__()
+        self.cache = cache
+        self.load = load
+        self.ptrs: set[int] = set()
+        """Storages of the cached outputs handed out: already counted, never counted again."""
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        cache = self.cache
+        expected = cache.funcs[index] if index < len(cache.funcs) else None
+        if func is not expected:
+            raise cache.error(
+                f"block {cache.block}: op {index} of its re-run is {func} but its forward ran "
+                f"{expected or f'only {len(cache.funcs)} ops'} there, so the cached outputs cannot be matched; "
+                f"{_NOT_DETERMINISTIC}"
+            )
+        if index not in cache.outputs:
+            return func(*args, **kwargs)
+
+        spec, leaves = cache.outputs[index]
+        out = []
+        for is_tensor, leaf in leaves:
+            if is_tensor:
+                tensor = self.load(leaf)
+                self.ptrs.add(tensor.untyped_storage().data_ptr())
+                leaf = tensor.detach()  # a fresh alias each time: autograd sets the re-run's graph on it
+            out.append(leaf)
+        return tree_unflatten(out, spec)

@@ -1,0 +1,422 @@
+"""Selective recompute (issue 15, the runtime side): the op-level profile, the forward that caches
+op outputs and the re-run that takes them from the cache. Gradients equal plain PyTorch bit for bit;
+the tracker counts the cache as the planner models it (NOTE [selective recompute] in ooc.op_profile)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import ooc
+from ooc.models import GPT, ResNet
+from ooc.recompute import RecomputeError
+from ooc.runtime import runtime_of
+from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, train_side_by_side
+
+
+def _cnn() -> nn.Module:
+    return ResNet(widths=(8, 16), depth_per_stage=2)
+
+
+def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+@pytest.fixture(scope="module")
+def gpt_profile():
+    torch.manual_seed(0)
+    return ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, min_swap_bytes=1024)
+
+
+@pytest.fixture(scope="module")
+def cnn_profile():
+    torch.manual_seed(0)
+    x, y = _cnn_batch()
+    return ooc.profile(_cnn(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True, codec_errors=False,
+                       min_swap_bytes=1024)
+
+
+def _saved_outside_ops(model: nn.Module, blocks: list[nn.Module], call) -> list[int]:  # noqa: ANN001
+    """Per block, bytes of the storages its forward saves that no op of the block made (its inputs),
+    found without ooc: plain PyTorch with a pack hook that records every saved storage."""
+    result = [0] * len(blocks)
+    state = {t.untyped_storage().data_ptr() for t in (*model.parameters(), *model.buffers())}
+    originals = [b.forward for b in blocks]
+
+    def measured(i: int):  # noqa: ANN202
+        def forward(*args):  # noqa: ANN002, ANN202
+            inputs = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in args if isinstance(t, torch.Tensor)}
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr in inputs and ptr not in state:
+                    seen[ptr] = inputs[ptr]
+                return t.detach()
+
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = originals[i](*args)
+            result[i] = sum(seen.values())
+            return out
+
+        return forward
+
+    try:
+        for i, b in enumerate(blocks):
+            b.forward = measured(i)
+        call()
+    finally:
+        for b in blocks:
+            del b.forward
+    return result
+
+
+# -- the op-level profile -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("which", ["gpt", "cnn"])
+def test_every_saved_byte_is_an_op_output_or_an_input(which: str, gpt_profile, cnn_profile) -> None:
+    torch.manual_seed(0)
+    if which == "gpt":
+        model, prof, batch = GPT(NANO), gpt_profile, gpt_batch()
+        blocks, call = list(model.blocks), lambda: model(*batch)
+    else:
+        model, prof, (x, _) = _cnn(), cnn_profile, _cnn_batch()
+        blocks, call = list(model.blocks), lambda: model(x)
+    inputs = _saved_outside_ops(model, blocks, call)
+    for block, outside in zip(prof.blocks, inputs):
+        assert block.ops, block.name
+        assert sum(op.saved_bytes for op in block.ops) == block.saved_bytes - outside, block.name
+        assert outside > 0  # the check above must tell the two apart: each block saves its input
+
+
+def test_the_op_sequence_is_the_same_in_every_profile(gpt_profile) -> None:
+    torch.manual_seed(0)
+    again = ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, reps=1, min_swap_bytes=1024)
+    for a, b in zip(gpt_profile.blocks, again.blocks):
+        assert [(o.name, o.output_bytes, o.saved_bytes, o.cacheable) for o in a.ops] == \
+               [(o.name, o.output_bytes, o.saved_bytes, o.cacheable) for o in b.ops]
+    plain = ooc.profile(GPT(NANO), gpt_batch(), codec_errors=False, reps=1, min_swap_bytes=1024)
+    assert all(b.ops == () for b in plain.blocks)  # opt-in
+
+
+def test_what_is_cacheable(gpt_profile) -> None:
+    ops = gpt_profile.blocks[1].ops
+    by_name: dict[str, set[bool]] = {}
+    for op in ops:
+        by_name.setdefault(op.name, set()).add(op.cacheable)
+    assert by_name["aten.addmm.default"] == {True} and by_name["aten.bmm.default"] == {True}
+    assert by_name["aten.bernoulli_.float"] == {False}  # random and in place
+    assert by_name["aten.view.default"] == {False} and by_name["aten.transpose.int"] == {False}  # views
+    assert by_name["aten.empty_like.default"] == {False}  # dropout's mask: filled in place afterwards
+    assert all(op.output_bytes == 0 for op in ops if op.name in ("aten.view.default", "aten.div_.Scalar"))
+
+
+def test_attention_without_dropout_is_cacheable_and_draws_nothing() -> None:
+    from ooc.op_profile import OpRecorder, why_not_cacheable
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    before = torch.get_rng_state()
+    recorder = OpRecorder(q.device)
+    with recorder:
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+    assert torch.equal(before, torch.get_rng_state())
+    fused = [k for k, name in enumerate(recorder.names) if "scaled_dot_product" in name]
+    assert fused and all(recorder.why_not[k] is None for k in fused), recorder.names
+    # The same op asked for dropout draws numbers (tagged nondeterministic_seeded): never cached.
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert "random" in why_not_cacheable(op, (q, q, q, 0.5, True), {}, (out, out))
+    assert why_not_cacheable(op, (q, q, q), {"dropout_p": 0.0}, (out, out)) is None
+    assert "random" in why_not_cacheable(op, (q, q, q), {"dropout_p": 0.1}, (out, out))
+
+
+# -- execution: gradients -------------------------------------------------------------------------
+
+
+def _random_plan(prof, rng: random.Random, letters: str = "CRrKS") -> ooc.Plan:  # noqa: ANN001
+    """Per block a random policy, at least one ``C``: recompute with a random subset of the cacheable
+    ops (``c``: with its input swapped)."""
+    blocks: list[ooc.BlockPlan] = []
+    while not any(b.cached_ops for b in blocks):
+        blocks = [_random_block(block, rng, letters) for block in prof.blocks]
+    return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
+
+
+def _random_block(block, rng: random.Random, letters: str) -> ooc.BlockPlan:  # noqa: ANN001
+    letter = rng.choice(letters)
+    if letter in "Cc":
+        cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
+        cached = tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))
+        return ooc.BlockPlan("recompute", cached_ops=cached, swap_input=letter == "c")
+    return {"R": ooc.BlockPlan("recompute"), "r": ooc.BlockPlan("recompute", swap_input=True),
+            "K": ooc.BlockPlan("keep"), "S": ooc.BlockPlan("swap")}[letter]
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_gpt_with_dropout_random_cached_subsets_equal_plain(seed: int, gpt_profile) -> None:
+    rng = random.Random(stable_seed("gpt", seed))
+    plan = _random_plan(gpt_profile, rng, "CCcRK")
+    batches = [gpt_batch(seed=s) for s in range(2)]
+    results = train_side_by_side(lambda: GPT(NANO), gpt_loss, batches,
+                                 lambda m: ooc.wrap(m, plan, backend="chaos", check_recompute=seed % 2 == 0))
+    assert results == [(True, True, True)] * 2, plan
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_cnn_with_batchnorm_random_cached_subsets_equal_plain(seed: int, cnn_profile) -> None:
+    rng = random.Random(stable_seed("cnn", seed))
+    plan = _random_plan(cnn_profile, rng, "CCcS")
+    x, y = _cnn_batch()
+    results = train_side_by_side(_cnn, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend="chaos"))
+    assert results == [(True, True, True)] * 2, plan
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_llama_random_cached_subsets_equal_plain(attn: str) -> None:
+    transformers = pytest.importorskip("transformers")
+
+    def make() -> nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
+        return transformers.LlamaForCausalLM(config).train()
+
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
+    sdpa = [op for b in prof.blocks for op in b.ops if "scaled_dot_product" in op.name]
+    assert (attn == "sdpa") == bool(sdpa) and all(op.cacheable for op in sdpa)
+    for seed in range(3):
+        plan = _random_plan(prof, random.Random(stable_seed("llama", attn, seed)), "CCR")
+        results = train_side_by_side(make, lambda m, b: m(input_ids=b, labels=b).loss, [x, x.flip(1)],
+                                     lambda m, plan=plan: ooc.wrap(m, plan, backend="cpu"))
+        assert results == [(True, True, True)] * 2, plan
+
+
+# -- execution: memory ----------------------------------------------------------------------------
+
+
+def _expected_peak(prof, plan: ooc.Plan) -> tuple[int, list[int]]:  # noqa: ANN001
+    """The rule the planner models, for plans of keep and (selective) recompute blocks: between its
+    forward and its backward a block holds its saved bytes (keep) or its input plus its cached
+    storages (recompute); at its backward a recompute block adds what its re-run saves, less the
+    cached storages autograd saves again. Returns (bytes held after the forward, per-block peaks)."""
+    held, at_backward = [], []
+    for block, decision in zip(prof.blocks, plan.blocks):
+        if decision.policy is ooc.Policy.KEEP:
+            held.append(block.saved_bytes)
+            at_backward.append(block.saved_bytes)
+        else:
+            cached = [block.ops[k] for k in decision.cached_ops]
+            held.append(block.input_bytes + sum(op.output_bytes for op in cached))
+            at_backward.append(held[-1] + block.saved_bytes - sum(op.saved_bytes for op in cached))
+    return sum(held), [sum(held[:b]) + at_backward[b] for b in range(len(held))]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_tracker_counts_the_cache_as_the_planner_models_it(seed: int, gpt_profile) -> None:
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    plan = _random_plan(gpt_profile, random.Random(stable_seed("memory", seed)), "CCRK")
+    after_forward, at_backward = _expected_peak(gpt_profile, plan)
+    ooc.wrap(model, plan, backend="cpu")
+    try:
+        runtime = runtime_of(model)
+        runtime.tracker.log = log = []
+        loss = gpt_loss(model, gpt_batch())
+        assert ooc.memory_report(model).current_bytes == after_forward
+        loss.backward()
+        report = ooc.memory_report(model)
+    finally:
+        ooc.unwrap(model)
+    assert report.peak_bytes == max(after_forward, *at_backward), plan
+    assert report.current_bytes == 0
+    for b, (block, decision) in enumerate(zip(gpt_profile.blocks, plan.blocks)):
+        cached = sum(e[2] for e in log if e[0] == "cache" and e[1] == b)
+        assert cached == sum(block.ops[k].output_bytes for k in decision.cached_ops), b
+        if decision.policy is ooc.Policy.RECOMPUTE:  # input + cache + the re-run's saves, less the cached ones
+            resaved_cache = sum(block.ops[k].saved_bytes for k in decision.cached_ops)
+            assert report.block_peak_bytes[b] == block.input_bytes + cached + block.saved_bytes - resaved_cache, b
+
+
+# -- execution: the cache is used, and what cannot be cached is refused ----------------------------
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self, name: str) -> None:
+        super().__init__()
+        self.name, self.calls = name, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls += str(func) == self.name
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_rerun_skips_the_cached_ops(gpt_profile) -> None:
+    """The backward alone dispatches no ``addmm`` (its matmuls are ``mm``): each one seen there is a
+    re-run's. With every ``addmm`` cached, the re-runs dispatch none."""
+    addmm = [tuple(k for k, op in enumerate(b.ops) if op.name == "aten.addmm.default") for b in gpt_profile.blocks]
+    assert all(len(ks) == 4 for ks in addmm)
+    seen = []
+    for cached in ((), ()), (addmm, addmm):
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=c) for c in cached[1]), min_swap_bytes=1024) \
+            if cached[1] else ooc.Plan.uniform("recompute", len(addmm), min_swap_bytes=1024)
+        ooc.wrap(model, plan, backend="cpu", blocks=model.blocks)
+        loss = gpt_loss(model, gpt_batch())
+        with _Count("aten.addmm.default") as count:
+            loss.backward()
+        ooc.unwrap(model)
+        seen.append(count.calls)
+    assert seen == [4 * len(addmm), 0]
+
+
+class _Flip(nn.Module):
+    """exp in its first call, sin afterwards: a forward that is not deterministic."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        h = self.lin(x)
+        return (h.exp() if self.calls == 1 else h.sin()) * h
+
+
+class _Pair(nn.Module):
+    def __init__(self, first: nn.Module) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([first, nn.Linear(4, 4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.blocks[1](self.blocks[0](x))
+
+
+def _ops_of(module: nn.Module, x: torch.Tensor) -> list[str]:
+    from ooc.op_profile import OpRecorder
+
+    recorder = OpRecorder(x.device)
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        with recorder.paused():  # the hook's own detach is not the block's (NOTE [counting a block's ops])
+            return t.detach()
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
+        module(x)
+    return recorder.names
+
+
+def test_a_rerun_that_runs_another_op_names_the_block_and_the_op() -> None:
+    torch.manual_seed(0)
+    model = _Pair(_Flip())
+    x = torch.randn(3, 4, requires_grad=True)
+    names = _ops_of(_Flip(), x)
+    mm, exp = names.index("aten.addmm.default"), names.index("aten.exp.default")
+    plan = ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(mm,)), "keep"])
+    ooc.wrap(model, plan, backend="cpu", blocks=model.blocks)
+    try:
+        out = model(x).sum()
+        with pytest.raises(RecomputeError, match=rf"block blocks\.0: op {exp} of its re-run is aten\.sin\.default "
+                                                 r"but its forward ran aten\.exp\.default"):
+            out.backward()
+    finally:
+        ooc.unwrap(model)
+
+
+class _Residual(nn.Module):
+    """``out = lin(x) * 2; out += x``: the product is modified in place after it is made."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.lin(x) * 2
+        out += x
+        return torch.relu(out)
+
+
+@pytest.mark.parametrize("which, message", [
+    ("aten.t.default", "returns a view of its input"),
+    ("aten.add_.Tensor", "modifies a tensor in place"),
+    ("aten.mul.Tensor", r"is modified in place by op 3 \(aten\.add_\.Tensor\) later in its forward"),
+    (99, "its plan caches op 99 but its forward ran 5 ops"),
+], ids=["view", "in-place", "modified-later", "out-of-range"])
+def test_an_op_that_cannot_be_cached_is_refused(which, message: str) -> None:  # noqa: ANN001
+    torch.manual_seed(0)
+    model = _Pair(_Residual())
+    x = torch.randn(3, 4, requires_grad=True)
+    names = _ops_of(model.blocks[0], x)
+    assert len(names) == 5, names
+    index = which if isinstance(which, int) else names.index(which)
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(index,)), "keep"]), backend="cpu", blocks=model.blocks)
+    try:
+        with pytest.raises(RecomputeError, match=rf"block blocks\.0: .*{message}"):
+            model(x).sum().backward()
+    finally:
+        ooc.unwrap(model)
+    # The profile marks every one of them uncacheable.
+    fresh = _Pair(_Residual())
+    prof = ooc.profile(fresh, x, blocks=fresh.blocks, ops=True, codec_errors=False, reps=1)
+    assert [op.cacheable for op in prof.blocks[0].ops] == [False, True, False, False, True]
+
+
+class _Double(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2  # saves nothing: only the cache sees a change of x
+
+
+def test_a_cached_output_modified_after_the_forward_is_refused() -> None:
+    """The block's output is a cached op's (unsaved) output; the caller changes it in place before the backward."""
+    torch.manual_seed(0)
+    model = _Pair(nn.Linear(4, 4))
+    model.blocks[1] = _Double()
+    x = torch.randn(3, 4, requires_grad=True)
+    names = _ops_of(model.blocks[0], x)
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(names.index("aten.addmm.default"),)), "keep"]),
+             backend="cpu", blocks=model.blocks)
+    try:
+        h = model.blocks[0](x)
+        out = model.blocks[1](h).sum()
+        with torch.no_grad():
+            h[0] += 1  # through a view
+        with pytest.raises(RecomputeError, match=r"block blocks\.0: the output of op 1 \(aten\.addmm\.default\).*"
+                                                 "is modified in place after the forward"):
+            out.backward()
+    finally:
+        ooc.unwrap(model)
+
+
+def test_a_retained_graph_reruns_from_the_same_cache(gpt_profile) -> None:
+    """Two backwards through one graph: the second re-run takes the cached outputs again."""
+    plan = _random_plan(gpt_profile, random.Random(stable_seed("retain")), "C")
+    batch = gpt_batch()
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        if wrap:
+            ooc.wrap(model, plan, backend="cpu")
+        torch.manual_seed(3)
+        loss = gpt_loss(model, batch)
+        loss.backward(retain_graph=True)
+        loss.backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if wrap:
+            ooc.unwrap(model)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
+def test_a_measured_op_profile_round_trips_through_json(gpt_profile) -> None:
+    from ooc.scheduler.profile import Profile
+
+    assert Profile.from_json(gpt_profile.to_json()) == gpt_profile
