@@ -105,7 +105,7 @@ def _profile(args: argparse.Namespace) -> int:
         import ooc
 
         model, sample = reference_model(args.model, args.batch, args.seq)
-        prof = ooc.profile(model, sample, reps=args.reps, name=args.model)
+        prof = ooc.profile(model, sample, reps=args.reps, name=args.model, ops=args.ops)
     print(f"{prof.model}: {len(prof)} blocks, {prof.source}")
     for b in prof.blocks[:4]:
         print(f"  {b.name}: fwd {b.forward_s * 1e3:.3f} ms, bwd {b.backward_s * 1e3:.3f} ms, saved {b.saved_bytes} B, input {b.input_bytes} B")
@@ -244,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--reps", type=int, default=3)
     prof.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
     prof.add_argument("--flash-attention", action="store_true", help="analytic transformers: fused attention, scores never materialised")
+    prof.add_argument("--ops", action="store_true",
+                      help="measured models: also time each block's forward op by op (for the op-level planner)")
     prof.add_argument("--out", help="write the profile JSON here")
     prof.set_defaults(run=_profile)
 

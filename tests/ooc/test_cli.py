@@ -32,6 +32,16 @@ def test_profile_plan_simulate(tmp_path, capsys) -> None:
     assert any(e["ph"] == "C" for e in events)
 
 
+def test_profile_ops_feeds_the_op_level_planner(tmp_path, capsys) -> None:
+    prof = tmp_path / "p.json"
+    assert main(["profile", "--model", "gpt:nano", "--batch", "2", "--seq", "16", "--reps", "1", "--ops", "--out", str(prof)]) == 0
+    blocks = Profile.load(prof).blocks
+    assert all(b.ops for b in blocks) and any(op.cacheable for op in blocks[0].ops)
+    budget = sum(b.saved_bytes for b in blocks) // 2
+    assert main(["plan", "--profile", str(prof), "--budget", str(budget), "--planner", "op-level"]) == 0
+    assert "op-level" in capsys.readouterr().out
+
+
 def test_analytic_profile(tmp_path) -> None:
     out = tmp_path / "a.json"
     assert main(["profile", "--analytic", "gpt2-xl", "--seq", "1024", "--batch", "8", "--hardware", "h100-sxm", "--out", str(out)]) == 0
