@@ -124,3 +124,23 @@ def test_vit_mae_chain_covers_most_saved_activations():
     report = ooc.describe(model, {"pixel_values": torch.randn(2, 3, 16, 16)})
     chosen = next(c for c in report.chains if c.chosen)
     assert chosen.saved_share >= 0.85
+
+
+def test_hf_checkpointing_turned_on_after_wrap_is_refused():
+    """Trainer(gradient_checkpointing=True) calls model.gradient_checkpointing_enable() after ooc.wrap:
+    the check at wrap time missed it, and every block ran under torch's checkpoint, outside the plan."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)).train()
+    model.config.use_cache = False
+    ids = torch.randint(1, 64, (2, 8))
+    ooc.wrap(model, ooc.Plan.of(["recompute", "keep"]), backend="chaos")
+    try:
+        with pytest.warns(FutureWarning):  # transformers 5 renamed it; the old name is what Trainer calls
+            model.gradient_checkpointing_enable()
+        with pytest.raises(ooc.WrapError, match="gradient checkpointing is on"):
+            model(input_ids=ids, labels=ids).loss.backward()
+        model.gradient_checkpointing_disable()
+        model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        ooc.unwrap(model)
