@@ -5,7 +5,9 @@ A chain is a run of containers (``ModuleList``/``Sequential``) whose children al
 in forward order. Models split their blocks over several such containers: a ResNet's stages
 (``layer1`` ... ``layer4``), a ConvNeXt's ``stages.i.blocks``, T5's ``encoder.block`` and
 ``decoder.block``. Containers that sit at the same relative path under consecutive siblings (or are
-consecutive siblings themselves) and hold the same block class are concatenated into one chain.
+consecutive siblings themselves) and hold the same block class are concatenated into one chain; at
+the same relative path the classes may differ (BART's, Whisper's, Marian's ``encoder.layers`` of one
+class and ``decoder.layers`` of another).
 A ``ModuleList`` inside a block of another candidate is not a chain: nothing says its children
 run one after another (the experts of a mixture-of-experts layer); a ``Sequential`` runs them so.
 Among the candidate chains, one whose blocks hold parameters wins over one whose blocks hold none
@@ -99,7 +101,10 @@ def _group_of(name: str, containers: dict[str, type], modules: dict[str, nn.Modu
         at = siblings.index(head)
 
         def member(sibling: str, prefix: str = prefix, suffix: str = suffix) -> bool:
-            return containers.get(_join(prefix, sibling, suffix)) is containers[name]
+            # Stacks at one path under consecutive siblings may hold two classes (BART's
+            # encoder.layers and decoder.layers); sibling containers themselves must share one.
+            found = containers.get(_join(prefix, sibling, suffix))
+            return found is containers[name] or (bool(suffix) and found is not None)
 
         start = at
         while start > 0 and member(siblings[start - 1]):

@@ -39,11 +39,23 @@ def check_no_hf_checkpointing(model: nn.Module) -> None:
     on = [name or type(m).__name__ for name, m in model.named_modules()
           if getattr(m, "gradient_checkpointing", False) is True or _checkpointing_flag(m) is True]
     if on:
-        raise WrapError(
-            f"Hugging Face gradient checkpointing is on ({on[0]}); ooc's plan replaces it. Call "
-            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer transformers) "
-            "before ooc.wrap, and leave gradient_checkpointing=False in TrainingArguments"
-        )
+        raise hf_checkpointing_error(on[0])
+
+
+def check_block_not_checkpointed(block: nn.Module, name: str) -> None:
+    """Raise :class:`WrapError` if HF's gradient checkpointing was turned on for a block of a wrapped
+    model (``Trainer`` with ``gradient_checkpointing=True`` does so after ``ooc.wrap``): the block
+    would run under torch's checkpoint, outside ooc's plan, and be run once more in the backward."""
+    if block.training and getattr(block, "gradient_checkpointing", False) is True:
+        raise hf_checkpointing_error(name)
+
+
+def hf_checkpointing_error(where: str) -> WrapError:
+    return WrapError(
+        f"Hugging Face gradient checkpointing is on ({where}); ooc's plan replaces it. Call "
+        "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer transformers) "
+        "before ooc.wrap, and leave gradient_checkpointing=False in TrainingArguments"
+    )
 
 
 def disable_caches(model: nn.Module) -> Callable[[], None]:

@@ -31,7 +31,7 @@ from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
-from ooc.hf import check_no_hf_checkpointing, disable_caches
+from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, make_pack_hook, unpack
@@ -278,6 +278,7 @@ class _BlockForward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
+        check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
         if not torch.is_grad_enabled():
             rt.streamer.attach(i)
             try:

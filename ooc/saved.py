@@ -17,11 +17,11 @@ dropped them: a chain's backward runs every node of block ``b`` before block ``b
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from ooc import nvtx
 from ooc.errors import OocError
@@ -277,12 +277,14 @@ class DeviceLedger:
     """The storages that blocks of one pass keep on the device, each counted by the first block that
     keeps it (NOTE [storages shared between blocks] in ``ooc.scheduler.sharing``).
 
-    An entry is trusted only while the tensor that keeps its storage alive (what autograd holds) is
-    alive: a storage address is never taken for another storage's while its first one lives.
+    An entry is trusted only while its storage is alive: a storage address is never taken for another
+    storage's while its first one lives. The storage, not the tensor the keeping block holds: a
+    recomputed block that saves nothing (an identity, a view) drops its held input at once, while the
+    storage lives on in an earlier block and is counted by the first keeper until its backward.
     """
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[int, weakref.ref[torch.Tensor]]] = {}
+        self._held: dict[int, tuple[int, StorageWeakRef]] = {}
 
     def counted_before(self, ptr: int, block: int) -> bool:
         """Whether a keep of this pass counts the live storage at ``ptr`` already: an earlier block's
@@ -291,15 +293,14 @@ class DeviceLedger:
         if entry is None:
             return False
         first, ref = entry
-        alias = ref()
-        if alias is None or alias.untyped_storage().data_ptr() != ptr:
+        if ref.expired():
             del self._held[ptr]
             return False
         return first <= block
 
     def count(self, ptr: int, block: int, alias: torch.Tensor) -> None:
-        """``block`` counts the storage at ``ptr``, kept alive by ``alias``."""
-        self._held[ptr] = (block, weakref.ref(alias))
+        """``block`` counts the storage at ``ptr`` (``alias``'s)."""
+        self._held[ptr] = (block, StorageWeakRef(alias.untyped_storage()))
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:
