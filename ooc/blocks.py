@@ -13,7 +13,12 @@ run one after another (the experts of a mixture-of-experts layer); a ``Sequentia
 Among the candidate chains, one whose blocks hold parameters wins over one whose blocks hold none
 (a list of activations declared beside the layers); then the chain holding the most parameters,
 where chains within 10% of the largest count as equal and the one with more blocks wins (finer
-blocks give the planner more choices). The runtime then checks, at the first training forward, that
+blocks give the planner more choices). With a sample (``ooc.describe(model, sample)``,
+``ooc.wrap(..., sample=...)``), one forward that keeps nothing measures each candidate's share of
+the bytes saved for backward and the order its blocks run in; candidates whose blocks run one after
+the other at different paths (ViT-MAE's ``vit.layers`` then ``decoder.decoder_layers``) are joined,
+and the chain holding the most saved activations wins when the one chosen by parameters holds less
+than 90% of it. The runtime then checks, at the first training forward, that
 every block of the chain ran, once and in chain order (``check_first_forward``), so a chain that
 does not run is refused instead of silently planning nothing.
 
@@ -33,6 +38,7 @@ forward runs without gradients and leaves buffers and RNG state as it found them
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -168,6 +174,92 @@ def _shares_parameters(model: nn.Module, module: nn.Module) -> bool:
     return any(id(p) in outside for p in module.parameters())
 
 
+def saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple[list[float], int, list[tuple[int, int]]]:
+    """One forward of ``sample``: each candidate's share of the bytes saved for backward, the total,
+    and the calls ``(candidate, block)`` in the order the blocks ran.
+
+    Each saved storage is counted once (parameters and buffers never), for every candidate whose
+    blocks were running when it was saved. Nothing saved is kept (no backward runs), so the forward
+    needs the memory of one without saved activations; buffers and RNG state are restored after it.
+    """
+    from torch.autograd.graph import saved_tensors_hooks
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from ooc.profiler import ModelState, call_model
+
+    state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
+    running: dict[int, int] = {}  # candidate -> depth of its blocks on the stack
+    seen: dict[int, StorageWeakRef] = {}
+    per_candidate = [0] * len(found)
+    total = 0
+    calls: list[tuple[int, int]] = []
+
+    def enter(k: int, i: int) -> Any:
+        def hook(_module: nn.Module, _args: Any) -> None:
+            calls.append((k, i))
+            running[k] = running.get(k, 0) + 1
+        return hook
+
+    def leave(k: int) -> Any:
+        def hook(_module: nn.Module, _args: Any, _out: Any) -> None:
+            running[k] -= 1
+        return hook
+
+    def pack(tensor: torch.Tensor) -> None:
+        nonlocal total
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr in state_ptrs or (ptr in seen and not seen[ptr].expired()):
+            return
+        seen[ptr] = StorageWeakRef(storage)
+        total += storage.nbytes()
+        for k, depth in running.items():
+            if depth > 0:
+                per_candidate[k] += storage.nbytes()
+
+    def never_unpacked(_packed: object) -> torch.Tensor:
+        raise RuntimeError("ooc measured saved bytes with a forward that has no backward")
+
+    handles = []
+    for k, cand in enumerate(found):
+        for i, block in enumerate(cand.chain.modules):
+            handles.append(block.register_forward_pre_hook(enter(k, i)))
+            handles.append(block.register_forward_hook(leave(k)))
+    device = next((p.device for p in model.parameters()), torch.device("cpu"))
+    state = ModelState(model, device)
+    try:
+        with saved_tensors_hooks(pack, never_unpacked), torch.enable_grad():
+            call_model(model, sample)
+    finally:
+        for handle in handles:
+            handle.remove()
+        state.restore()
+    return [b / total if total else 0.0 for b in per_candidate], total, calls
+
+
+def by_saved_activations(model: nn.Module, found: list[Candidate], sample: Any) -> list[Candidate]:
+    """``found`` (best first) with, when one forward of ``sample`` shows it, the chain holding the most
+    saved activations first: chains whose blocks run one after the other (a ViT-MAE's encoder, then its
+    decoder, at different paths) are joined (NOTE [which chain])."""
+    if not found:
+        return found
+    shares, _, calls = saved_shares(model, sample, found)
+    inside = [{id(m) for block in c.chain.modules for m in block.modules()} for c in found]
+    options = list(zip(found, shares))
+    for a, b in itertools.permutations(range(len(found)), 2):
+        if inside[a] & inside[b]:
+            continue
+        ran = [call for call in calls if call[0] in (a, b)]
+        if ran == [(a, i) for i in range(len(found[a].chain))] + [(b, i) for i in range(len(found[b].chain))]:
+            chain = Chain(found[a].chain.modules + found[b].chain.modules, found[a].chain.names + found[b].chain.names)
+            joined = Candidate(found[a].containers + found[b].containers, chain, _param_bytes(chain.modules))
+            options.append((joined, shares[a] + shares[b]))  # never running at once, they save apart
+    best, best_share = max(options, key=lambda o: o[1])  # max() keeps the first of equals
+    if shares[0] >= _COVERAGE_TIE * best_share:
+        return found
+    return [best, *(c for c in found if c is not best)]
+
+
 def with_stem(model: nn.Module, candidate: Candidate, sample: Any) -> Candidate:
     """``candidate`` with the siblings declared before its first container that one trial forward
     of ``sample`` shows to run once each, in order, before its first block (NOTE [the stem joins
@@ -235,7 +327,9 @@ def find_blocks(model: nn.Module, blocks: object = None, *, sample: Any = None) 
                 "found no chain of blocks (ModuleLists/Sequentials of at least 2 modules of one class)"
                 f"{hint}. Pass blocks=[...] (a list of submodules, in forward order) to ooc.wrap."
             )
-        return (found[0] if sample is None else with_stem(model, found[0], sample)).chain
+        if sample is None:
+            return found[0].chain
+        return with_stem(model, by_saved_activations(model, found, sample)[0], sample).chain
 
     if isinstance(blocks, (nn.ModuleList, nn.Sequential)):
         modules = tuple(blocks.children())

@@ -10,11 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
-from torch.autograd.graph import saved_tensors_hooks
 
-from ooc.blocks import Candidate, candidates, find_blocks, with_stem
+from ooc.blocks import Candidate, by_saved_activations, candidates, find_blocks, saved_shares, with_stem
 from ooc.scheduler.units import format_bytes
 
 
@@ -58,47 +56,6 @@ class ChainReport:
         return "\n".join(rows)
 
 
-def _saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple[list[float], int]:
-    """Run one forward of ``sample`` and attribute each saved storage to the candidates whose blocks
-    were running when it was saved (each storage counted once; parameters and buffers never)."""
-    from ooc.profiler import call_model
-
-    state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
-    running: dict[int, int] = {}  # candidate index -> depth of its blocks on the stack
-    seen: set[int] = set()
-    per_candidate = [0] * len(found)
-    total = 0
-    handles = []
-    for k, cand in enumerate(found):
-        for block in cand.chain.modules:
-            handles.append(block.register_forward_pre_hook(
-                lambda _m, _a, k=k: running.__setitem__(k, running.get(k, 0) + 1)))
-            handles.append(block.register_forward_hook(
-                lambda _m, _a, _o, k=k: running.__setitem__(k, running[k] - 1)))
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        nonlocal total
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in state_ptrs or ptr in seen:
-            return tensor
-        seen.add(ptr)
-        total += storage.nbytes()
-        for k, depth in running.items():
-            if depth > 0:
-                per_candidate[k] += storage.nbytes()
-        return tensor
-
-    try:
-        with saved_tensors_hooks(pack, lambda t: t), torch.enable_grad():
-            out = call_model(model, sample)
-        del out
-    finally:
-        for handle in handles:
-            handle.remove()
-    return [b / total if total else 0.0 for b in per_candidate], total
-
-
 def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> ChainReport:
     """Which chains of blocks ``ooc.wrap`` would consider in ``model``, which it picks, and their
     shares of the model's parameters and (with ``sample``, one input batch as the model takes it)
@@ -112,7 +69,9 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     found = candidates(model)
     chosen = find_blocks(model, blocks)
     if blocks is None and sample is not None and found:
-        # The chain wrap(budget=..., sample=...) uses: the best candidate with its stem.
+        # The chain wrap(budget=..., sample=...) uses: the candidate (or candidates run one after the
+        # other) holding the most saved activations, with its stem.
+        found = by_saved_activations(model, found, sample)
         found[0] = with_stem(model, found[0], sample)
         chosen = found[0].chain
     if blocks is not None and not any(c.chain.modules == chosen.modules for c in found):
@@ -122,7 +81,7 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     shares: list[float | None] = [None] * len(found)
     total: int | None = None
     if sample is not None:
-        measured, total = _saved_shares(model, sample, found)
+        measured, total, _ = saved_shares(model, sample, found)
         shares = list(measured)
     rows = [
         ChainShare(c.containers, len(c.chain), c.block_class, c.param_bytes / model_bytes, share,
