@@ -15,7 +15,7 @@ NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
 loaded. The checksum catches a flipped byte, a torn or truncated page, a file from another version:
 accidents, not an adversary. So it is a CRC-32 (zlib's, several GB/s on one core, computed by the
-writer thread over each chunk as it writes it, with the GIL released), not a cryptographic hash:
+writer thread over each bounce buffer just filled, with the GIL released: NOTE [direct writes]), not a cryptographic hash:
 sha256 ran at about 1 GB/s on the cores training runs on and was the writer's largest cost. A CRC-32
 detects every error burst of up to 32 bits and misses a random corruption with probability 2^-32.
 Format 2 versions, whose records hold sha256 digests, are still read and checked with sha256.
