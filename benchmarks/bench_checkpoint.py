@@ -11,8 +11,9 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
 - the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
-  go at most as fast as ``dd``) vs the step time, and the writer's CPU time per version (the copy
-  into the page cache, the CRC, the kernel's writeback work) vs a step's CPU time: on a machine
+  go at most as fast as ``dd``) vs the step time, and the writer's CPU time per version (its
+  thread's and the I/O thread's: the copy into the bounce buffers, the CRC, the kernel's direct
+  writes) vs a step's CPU time: on a machine
   whose cores the training keeps busy, that CPU time comes out of the steps;
 - write bandwidth (a version's bytes over the time from ``save()`` to its commit, checksums and fsyncs
   included) vs the disk's, measured with ``dd oflag=direct conv=fsync`` of as many bytes in the
@@ -111,6 +112,7 @@ def main() -> None:
 
     import torch
 
+    import ooc.checkpoint as ckpt_mod
     from ooc.checkpoint import Checkpointer
     from ooc.models.gpt import GPT, GPT_PRESETS, GPTConfig
     from ooc.optim import HostAdamW
@@ -142,13 +144,25 @@ def main() -> None:
 
     profile = cProfile.Profile()
     writer_cpu: list[float] = []
+    io_cpu = [0.0]
+    sink_write = ckpt_mod._Sink.write
+
+    def timed_sink_write(sink: ckpt_mod._Sink, data: memoryview) -> None:
+        """The direct writes run on an I/O thread (NOTE [direct writes]): their CPU time counts too."""
+        before = time.thread_time()
+        try:
+            sink_write(sink, data)
+        finally:
+            io_cpu[0] += time.thread_time() - before
+
+    ckpt_mod._Sink.write = timed_sink_write
 
     class ProfiledCheckpointer(Checkpointer):
         """Measures the CPU time of the writer thread's work on each version and, with --profile,
         profiles it (cProfile sees only its own thread)."""
 
         def _write(self, *job: object) -> None:
-            before = resource.getrusage(resource.RUSAGE_THREAD)
+            before, io_before = resource.getrusage(resource.RUSAGE_THREAD), io_cpu[0]
             if args.profile:
                 profile.enable()
             try:
@@ -157,7 +171,8 @@ def main() -> None:
                 if args.profile:
                     profile.disable()
                 after = resource.getrusage(resource.RUSAGE_THREAD)
-                writer_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime)
+                writer_cpu.append(after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+                                  + io_cpu[0] - io_before)
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
@@ -255,7 +270,7 @@ def main() -> None:
          f"{(times['skip'] / base - 1) * 100:+.1f}%", ""],
         ["a version's bytes at dd's bandwidth, vs a step (disk floor of a version every step)",
          ms(version_bytes / disk), f"step (wall) {ms(base)}", f"{version_bytes / disk / base * 100:.0f}%", ""],
-        ["writer's CPU time per version (copy, CRC, kernel), vs a step's (all threads)",
+        ["writer's CPU time per version (copy, CRC, kernel; writer + I/O thread), vs a step's (all threads)",
          ms(med(writer_cpu)), f"step (CPU) {ms(med(step_cpu))}", f"{med(writer_cpu) / med(step_cpu) * 100:.0f}%", ""],
         ["write bandwidth, save() to commit (lazy)", gbs(version_bytes, med(written["lazy"])), f"{dd_cmd}: {gbs(1, 1 / disk)}",
          f"{version_bytes / med(written['lazy']) / disk * 100:.0f}%", ""],

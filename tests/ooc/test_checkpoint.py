@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import fcntl
 import hashlib
 import json
 import os
@@ -253,13 +254,102 @@ def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path,
     opt.close()
 
 
-def test_large_files_are_handed_to_the_disk_while_they_are_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """_write_file starts the writeback of each stretch of _WRITEBACK_BYTES as it goes (contiguous
-    ranges from the start), and the version still restores exactly."""
+def _refuse_direct_io(monkeypatch, at: str) -> None:  # noqa: ANN001
+    """Make the file system refuse O_DIRECT ``at`` open (as tmpfs does) or at the first write."""
+    if at == "open":
+        real_open = os.open
+
+        def refusing_open(path, flags, *args):  # noqa: ANN001, ANN202
+            if flags & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument", str(path))
+            return real_open(path, flags, *args)
+
+        monkeypatch.setattr(os, "open", refusing_open)
+    else:
+        real_write = os.write
+
+        def refusing_write(fd: int, data) -> int:  # noqa: ANN001
+            if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+                raise OSError(errno.EINVAL, "Invalid argument")
+            return real_write(fd, data)
+
+        monkeypatch.setattr(os, "write", refusing_write)
+
+
+def _takes_direct_io(folder: Path) -> bool:
+    try:
+        os.close(os.open(folder / "probe", os.O_WRONLY | os.O_CREAT | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+    finally:
+        (folder / "probe").unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("refused", [None, "open", "write"])
+def test_write_file_writes_any_chunks_exactly(tmp_path: Path, monkeypatch, refused: str | None) -> None:  # noqa: ANN001
+    """_write_file's bytes and CRC-32 equal its chunks', whatever their sizes against the bounce
+    buffer (tails of every length), with direct I/O and where the file system refuses it."""
+    monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 4 * ckpt_mod._ALIGN)
+    if refused:
+        _refuse_direct_io(monkeypatch, refused)
+    rng = random.Random(0)
+    for sizes in ([0], [1], [ckpt_mod._ALIGN], [4 * ckpt_mod._ALIGN], [4 * ckpt_mod._ALIGN + 1],
+                  [rng.randrange(1, 40000) for _ in range(20)]):
+        chunks = [rng.randbytes(n) for n in sizes]
+        path = tmp_path / "f.bin"
+        size, crc = ckpt_mod._write_file(path, [chunks[0], *(memoryview(c) for c in chunks[1:])])
+        data = b"".join(chunks)
+        assert path.read_bytes() == data and size == len(data) and crc == f"{zlib.crc32(data):08x}"
+
+
+def test_large_files_are_written_directly_in_aligned_blocks(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Where the file system takes O_DIRECT, every write of a version's files bypasses the page
+    cache, in whole aligned blocks (NOTE [direct writes]); the version restores exactly."""
+    if not _takes_direct_io(tmp_path):
+        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 64 << 10)
+    writes: dict[str, list[tuple[bool, int]]] = {}
+    real = os.write
+
+    def write(fd: int, data) -> int:  # noqa: ANN001
+        name = os.path.basename(os.readlink(f"/proc/self/fd/{fd}"))
+        writes.setdefault(name, []).append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT), len(data)))
+        return real(fd, data)
+
+    monkeypatch.setattr(os, "write", write)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    monkeypatch.undo()
+    size = (tmp_path / "step-000000002" / "optimizer-rank0.safetensors").stat().st_size
+    done = writes["optimizer-rank0.safetensors"]
+    assert len(done) == -(-size // (64 << 10))
+    assert all(direct and n % ckpt_mod._ALIGN == 0 for direct, n in done)
+    assert all(direct for name, w in writes.items() for direct, _ in w)
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore()
+    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
+@pytest.mark.parametrize("refused", ["open", "write"])
+def test_without_direct_io_large_files_are_handed_to_the_disk_while_written(tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                           refused: str) -> None:
+    """Where the file system refuses O_DIRECT, _write_file writes through the page cache and starts
+    the writeback of each stretch of _WRITEBACK_BYTES as it goes (contiguous ranges from the start);
+    the version still restores exactly."""
     model, opt, sched = _setup()
     _train(model, opt, sched, range(2))
     expected, expected_state = _weights(model), _opt_state(opt)
     monkeypatch.setattr(ckpt_mod, "_WRITEBACK_BYTES", 64 << 10)
+    monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 64 << 10)
+    _refuse_direct_io(monkeypatch, refused)
     ranges: dict[str, list[tuple[int, int]]] = {}
     real = os.posix_fadvise
 
