@@ -6,7 +6,7 @@ import json
 import platform
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ooc.scheduler import checks
 from ooc.scheduler.codecs import nominal_ratio
@@ -78,6 +78,9 @@ class SharedStorage:
             checks.flag(getattr(self, name), name, ProfileError, where="shared storage: ", hint=_FIX)
 
 
+_Record = TypeVar("_Record", OpProfile, SharedStorage)
+
+
 @dataclass(frozen=True)
 class BlockProfile:
     """Costs of one block for one input shape.
@@ -121,8 +124,8 @@ class BlockProfile:
     blocks]); each is also counted in ``saved_bytes`` / ``input_bytes`` above."""
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "shared", tuple(self._shared_entry(e) for e in self.shared))
-        object.__setattr__(self, "ops", tuple(self._op_entry(op) for op in self.ops))
+        object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
+        object.__setattr__(self, "ops", tuple(self._nested(OpProfile, op, "op") for op in self.ops))
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
         checks.text(self.name, "a block's name", ProfileError, hint=_FIX)
@@ -140,25 +143,16 @@ class BlockProfile:
         if self.input_swappable_bytes > self.input_bytes:
             raise ProfileError(f"block {self.name!r}: input_swappable_bytes exceeds input_bytes")
 
-    def _op_entry(self, entry: object) -> OpProfile:
-        if isinstance(entry, OpProfile):
+    def _nested(self, kind: type[_Record], entry: object, what: str) -> _Record:
+        """``entry`` as a ``kind``: a record nested in a block of the profile JSON (an op, a shared storage)."""
+        if isinstance(entry, kind):
             return entry
         if not isinstance(entry, dict):
-            raise ProfileError(f"block {self.name!r}: each op must be an object, got {entry!r:.80}; {_FIX}")
+            raise ProfileError(f"block {self.name!r}: each {what} must be an object, got {entry!r:.80}; {_FIX}")
         try:
-            return OpProfile(**entry)
+            return kind(**entry)
         except TypeError as exc:  # a missing or unknown field
-            raise ProfileError(f"block {self.name!r}: corrupt op {entry!r:.80}: {exc}; {_FIX}") from exc
-
-    def _shared_entry(self, entry: object) -> SharedStorage:
-        if isinstance(entry, SharedStorage):
-            return entry
-        if not isinstance(entry, dict):
-            raise ProfileError(f"block {self.name!r}: each shared storage must be an object, got {entry!r:.80}; {_FIX}")
-        try:
-            return SharedStorage(**entry)
-        except TypeError as exc:  # a missing or unknown field
-            raise ProfileError(f"block {self.name!r}: corrupt shared storage {entry!r:.80}: {exc}; {_FIX}") from exc
+            raise ProfileError(f"block {self.name!r}: corrupt {what} {entry!r:.80}: {exc}; {_FIX}") from exc
 
     def _codec_error_entry(self, entry: object) -> tuple[str, float]:
         where = f"block {self.name!r}: "
