@@ -183,13 +183,14 @@ def saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple
     needs the memory of one without saved activations; buffers and RNG state are restored after it.
     """
     from torch.autograd.graph import saved_tensors_hooks
-    from torch.multiprocessing.reductions import StorageWeakRef
 
     from ooc.profiler import ModelState, call_model
+    from ooc.storage_sharing import StorageIdentities, never_unpacked
 
     state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     running: dict[int, int] = {}  # candidate -> depth of its blocks on the stack
-    seen: dict[int, StorageWeakRef] = {}
+    storages = StorageIdentities()
+    seen: set[int] = set()
     per_candidate = [0] * len(found)
     total = 0
     calls: list[tuple[int, int]] = []
@@ -208,17 +209,16 @@ def saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple
     def pack(tensor: torch.Tensor) -> None:
         nonlocal total
         storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr in state_ptrs or (ptr in seen and not seen[ptr].expired()):
+        if storage.data_ptr() in state_ptrs:
             return
-        seen[ptr] = StorageWeakRef(storage)
+        key = storages.identity(storage)
+        if key in seen:
+            return
+        seen.add(key)
         total += storage.nbytes()
         for k, depth in running.items():
             if depth > 0:
                 per_candidate[k] += storage.nbytes()
-
-    def never_unpacked(_packed: object) -> torch.Tensor:
-        raise RuntimeError("ooc measured saved bytes with a forward that has no backward")
 
     handles = []
     for k, cand in enumerate(found):

@@ -29,8 +29,9 @@ class _Seen:
 
 
 @dataclass
-class _Storages:
-    """Storages by identity: an address names a storage only while that storage lives."""
+class StorageIdentities:
+    """Storages by identity: an address names a storage only while that storage lives (a weak
+    reference to it tells), so a storage freed and another made at its address get two identities."""
 
     weak: dict[int, tuple[int, StorageWeakRef]] = field(default_factory=dict)
     """Address -> (identity, weak reference to the storage first seen there)."""
@@ -58,7 +59,7 @@ def measure_shared_storages(
     buffers (``skip_ptrs``), storages on another device and empty ones are not counted.
     Returns one tuple per block, in the order of ``modules``, of :class:`SharedStorage`.
     """
-    storages = _Storages()
+    storages = StorageIdentities()
     held: list[dict[int, _Seen]] = [{} for _ in modules]
     current: list[int] = []
 
@@ -92,7 +93,7 @@ def measure_shared_storages(
         for i, module in enumerate(modules):
             handles.append(module.register_forward_pre_hook(before(i), with_kwargs=True))
             handles.append(module.register_forward_hook(after, with_kwargs=True))
-        with torch.enable_grad(), saved_tensors_hooks(pack, _never_unpacked):
+        with torch.enable_grad(), saved_tensors_hooks(pack, never_unpacked):
             run_forward()
     finally:
         for handle in handles:
@@ -109,5 +110,6 @@ def measure_shared_storages(
     ]
 
 
-def _never_unpacked(_packed: object) -> torch.Tensor:
-    raise RuntimeError("ooc measured which storages blocks share with a forward that has no backward")
+def never_unpacked(_packed: object) -> torch.Tensor:
+    """The unpack hook of a measuring forward whose pack hook keeps nothing: no backward may run."""
+    raise RuntimeError("ooc measured saved storages with a forward that has no backward; nothing was kept to unpack")
