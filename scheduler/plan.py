@@ -66,7 +66,10 @@ class BlockPlan:
     is swapped to the host as well. ``cached_ops`` also applies to ``RECOMPUTE`` blocks (selective
     recompute): the indices, into the block's op-level profile, of the ops whose outputs the forward
     keeps and the re-run reuses instead of running them again (NOTE [op-level profile] in
-    ``ooc.scheduler.profile``); empty re-runs the whole forward. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
+    ``ooc.scheduler.profile``); empty re-runs the whole forward. ``swapped_ops``, a subset of
+    ``cached_ops``: the cached outputs that go to the host after the block's forward and come back
+    before its re-run instead of staying on the device (per-tensor swap, NOTE [swapped cached ops] in
+    ``ooc.scheduler.schedule``); they move uncompressed. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
     from its profile (``None`` for a hand-written plan); they are shown in the plan table.
     """
 
@@ -77,6 +80,7 @@ class BlockPlan:
     device_bytes: int | None = None
     params: Residency = Residency.RESIDENT
     cached_ops: tuple[int, ...] = ()
+    swapped_ops: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.cached_ops, (str, bytes)) or not hasattr(self.cached_ops, "__iter__"):
@@ -85,6 +89,16 @@ class BlockPlan:
                                                      for i in self.cached_ops))
         if list(self.cached_ops) != sorted(set(self.cached_ops)):
             raise PlanError(f"cached_ops must be increasing op indices without repeats, got {list(self.cached_ops)[:8]}; {_FIX}")
+        if isinstance(self.swapped_ops, (str, bytes)) or not hasattr(self.swapped_ops, "__iter__"):
+            raise PlanError(f"swapped_ops must be a sequence of op indices, got {self.swapped_ops!r:.80}; {_FIX}")
+        object.__setattr__(self, "swapped_ops", tuple(checks.count(i, "a swapped op index", PlanError, hint=_FIX)
+                                                      for i in self.swapped_ops))
+        if list(self.swapped_ops) != sorted(set(self.swapped_ops)):
+            raise PlanError(f"swapped_ops must be increasing op indices without repeats, got {list(self.swapped_ops)[:8]}; {_FIX}")
+        if not set(self.swapped_ops) <= set(self.cached_ops):
+            extra = sorted(set(self.swapped_ops) - set(self.cached_ops))[:8]
+            raise PlanError(f"swapped_ops must be among cached_ops (only a cached output can be swapped), got {extra} "
+                            f"outside them; {_FIX}")
         object.__setattr__(self, "policy", _member(Policy, self.policy, "policy"))
         object.__setattr__(self, "codec", _member(Codec, self.codec, "codec"))
         object.__setattr__(self, "params", _member(Residency, self.params, "params"))
@@ -96,17 +110,21 @@ class BlockPlan:
             raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
         if self.cached_ops and self.policy is not Policy.RECOMPUTE:
             raise PlanError("cached_ops (selective recompute) only applies to RECOMPUTE blocks")
+        if self.swapped_ops and self.codec is not Codec.NONE:
+            raise PlanError(f"codec {self.codec.value} with swapped_ops: swapped cached outputs move uncompressed; "
+                            "use codec none for this block, or leave swapped_ops empty")
         if self.codec is not Codec.NONE and not self.swaps_anything:
             raise PlanError(f"codec {self.codec.value} needs a block that swaps (SWAP, or RECOMPUTE with swap_input)")
 
     @property
     def swaps_anything(self) -> bool:
-        return self.policy is Policy.SWAP or self.swap_input
+        return self.policy is Policy.SWAP or self.swap_input or bool(self.swapped_ops)
 
     def label(self) -> str:
         text = self.policy.value
         if self.cached_ops:
-            text += f"(cache {len(self.cached_ops)} ops)"
+            swapped = f", swap {len(self.swapped_ops)}" if self.swapped_ops else ""
+            text += f"(cache {len(self.cached_ops)} ops{swapped})"
         if self.swap_input:
             text += "+swap_input"
         if self.codec is not Codec.NONE:
@@ -231,6 +249,7 @@ class Plan:
                     "device_bytes": b.device_bytes,
                     "params": b.params.value,
                     "cached_ops": list(b.cached_ops),
+                    "swapped_ops": list(b.swapped_ops),
                 }
                 for b in self.blocks
             ],
@@ -262,6 +281,7 @@ class Plan:
                         device_bytes=b.get("device_bytes"),
                         params=b.get("params", "resident"),
                         cached_ops=b.get("cached_ops", ()),
+                        swapped_ops=b.get("swapped_ops", ()),
                     )
                     for b in blocks
                 ),

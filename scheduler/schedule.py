@@ -127,6 +127,24 @@ def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, 
     return sum(op.output_bytes for op in chosen), sum(op.saved_bytes for op in chosen), sum(op.forward_s for op in chosen)
 
 
+def swapped_ops_bytes(plan_block, profile_block: BlockProfile) -> tuple[int, int]:
+    """The bytes and storages a selective RECOMPUTE's swapped cached outputs move each way.
+
+    NOTE [swapped cached ops]
+    ``BlockPlan.swapped_ops`` (a subset of ``cached_ops``) are cached outputs that do not stay on
+    the device: the block's forward allocates them as it would keep them (``forward_alloc``); the
+    block's pack hook copies each of their storages to the host whatever its size
+    (``min_swap_bytes`` does not apply: the plan chose these tensors one by one) and
+    uncompressed; the RELEASE after the next block's forward frees them with the block's other
+    swapped bytes (its input, with ``swap_input``), and the SWAP_IN before the block's backward
+    allocates them again, so the re-run takes them from the cache as if they had been kept. One
+    storage per op is moved (an op whose outputs make several storages counts one copy per op: the
+    copy count only prices issue overhead). The same walk with the same bytes as a swapped input,
+    so the schedule needs no new op kind."""
+    chosen = [profile_block.ops[k] for k in plan_block.swapped_ops if k < len(profile_block.ops)]
+    return sum(op.output_bytes for op in chosen), sum(1 for op in chosen if op.output_bytes)
+
+
 def block_bytes(plan_block, profile_block: BlockProfile | None, shared: SharedAdjustment = SharedAdjustment()) -> BlockBytes:
     """What ``plan_block`` holds of a block, less what an earlier block already counts (``shared``)."""
     full = _block_bytes(plan_block, profile_block)
@@ -151,9 +169,11 @@ def _block_bytes(plan_block, profile_block: BlockProfile | None) -> BlockBytes:
     if plan_block.policy is Policy.SWAP:
         held, moved, full, copies, recompute = p.saved_bytes, p.swappable_bytes, p.swappable_bytes, p.swappable_storages, 0
         inputs = False
-    elif plan_block.swap_input:
-        held, moved, full, copies = p.input_bytes + cached, p.input_swappable_bytes, p.input_swappable_bytes, p.input_swappable_storages
-        recompute, inputs = p.saved_bytes - cached_saved, True
+    elif plan_block.swap_input or plan_block.swapped_ops:
+        swapped, swapped_storages = swapped_ops_bytes(plan_block, p)  # NOTE [swapped cached ops]
+        held, recompute, inputs = p.input_bytes + cached, p.saved_bytes - cached_saved, True
+        moved = full = swapped + (p.input_swappable_bytes if plan_block.swap_input else 0)
+        copies = swapped_storages + (p.input_swappable_storages if plan_block.swap_input else 0)
     else:
         return BlockBytes(p.input_bytes + cached, 0, p.saved_bytes - cached_saved)
     transient = 0

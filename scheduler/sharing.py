@@ -49,7 +49,7 @@ def shared_adjustments(plan: Plan, profile: Profile) -> list[SharedAdjustment]:
     for decision, block in zip(plan.blocks, profile.blocks):
         kept = swapped = 0
         role_saved = decision.policy is not Policy.RECOMPUTE
-        swaps = decision.swaps_anything
+        swaps = decision.policy is Policy.SWAP or decision.swap_input  # what holds the block's saved tensors or input
         spec = None if decision.codec is Codec.NONE else codec_spec(decision.codec)
         for entry in block.shared:
             if not (entry.saved if role_saved else entry.input):
