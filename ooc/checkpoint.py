@@ -79,9 +79,9 @@ scheduler, RNG) and keeps references to each bucket's live parameters, masters a
 bucket's host state does not change between the end of its update and its next UPDATE (NOTE [stage
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
 before that UPDATE starts. So the writer thread writes (and checksums) each tensor straight from the
-live one, and a stage listener on EXCHANGE, before the bucket's next update may change it, waits
-for the write of the bucket's tensor in progress, if any, and copies aside the bucket's tensors not
-written yet. The training thread never waits for a copy of state no update is about to change, and
+live one, a slice of ``_SLICE_BYTES`` at a time, and a stage listener on EXCHANGE, before the
+bucket's next update may change it, waits for the slice of the bucket being read, if any, and copies
+aside the bucket's tensors not read to their end (the writer reads on from the copy). The training thread never waits for a copy of state no update is about to change, and
 host memory holds a second copy only of the buckets updated while their write was pending.
 """
 
@@ -324,21 +324,27 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
     return size, f"{crc:08x}"
 
 
-def _tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of ``t`` (any shape), row-major; without a copy for a contiguous host tensor. A
-    device tensor (a bucket's working copy on the GPU) is copied to the host first."""
+def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
+    """Bytes ``start:stop`` of ``t`` (any shape), row-major; without a copy for a contiguous host
+    tensor. A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
+    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)[start:stop]
     # A device tensor's copy is synchronous on this thread's current stream (the default one): it
     # reads what save()'s optimizer.synchronize() left there, which no copy changes before the
     # bucket's next update, and the listener holds that update back until this copy has returned.
-    return memoryview(t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy())
+    return memoryview(flat.to("cpu").numpy())
+
+
+_SLICE_BYTES = 4 << 20
+"""Bytes of a live tensor the writer reads at a time: the longest a bucket's next update may wait
+for the writer (NOTE [lazy snapshots]) is one slice's copy and checksum, not a whole tensor's."""
 
 
 def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | None = None,
                         on_tensor: Callable[[str], None] = lambda name: None) -> Iterator[bytes | memoryview]:
     """``tensors`` in the safetensors format (an 8-byte header length, a JSON header padded to 8
-    bytes, then each tensor's bytes in order), streamed tensor by tensor: the file is never whole in
-    memory (``safetensors.torch.save`` builds it as one ``bytes``). A tensor that is a live slot of
-    ``snapshot`` is held immutable while its chunk is consumed (written and hashed)."""
+    bytes, then each tensor's bytes in order), streamed a slice at a time: the file is never whole
+    in memory (``safetensors.torch.save`` builds it as one ``bytes``). A tensor that is a live slot
+    of ``snapshot`` is held immutable while each of its slices is consumed (written and hashed)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
     for name, t in tensors.items():
@@ -351,13 +357,17 @@ def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | 
     encoded += b" " * (-len(encoded) % 8)
     yield struct.pack("<Q", len(encoded)) + encoded
     for name in list(tensors):
-        t, held = snapshot.acquire(tensors, name) if snapshot is not None else (tensors[name], None)
-        try:
-            on_tensor(name)
-            yield _tensor_bytes(t)
-        finally:
-            if snapshot is not None:
-                snapshot.release(held)
+        nbytes = tensors[name].numel() * tensors[name].element_size()
+        starts = range(0, nbytes, _SLICE_BYTES) if nbytes else range(1)
+        for start in starts:
+            t, token = snapshot.acquire(tensors, name) if snapshot is not None else (tensors[name], None)
+            try:
+                if start == 0:
+                    on_tensor(name)
+                yield _tensor_bytes(t, start, start + _SLICE_BYTES)
+            finally:
+                if snapshot is not None:
+                    snapshot.release(token, finished=start + _SLICE_BYTES >= nbytes)
 
 
 def _torch_bytes(obj: Any) -> bytes:
@@ -396,41 +406,46 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 class _Snapshot:
     """Slots (container, key) holding live tensors, per bucket (NOTE [lazy snapshots]). The writer
-    reads a slot's live tensor between :meth:`acquire` and :meth:`release`; before a bucket's next
-    update, :meth:`before_update` waits for a read of the bucket in progress, then copies aside the
-    bucket's slots the writer has not read yet."""
+    reads a slot's live tensor a slice at a time, each between :meth:`acquire` and :meth:`release`;
+    before a bucket's next update, :meth:`before_update` waits for a slice of the bucket being read,
+    then copies aside the bucket's slots the writer has not read to their end. A slot copied aside
+    midway is read on from the copy, which holds the same bytes."""
 
     def __init__(self, slots: dict[int, list[tuple[Any, Any]]]) -> None:
         self._refs = {(id(c), k): (c, k) for bucket in slots.values() for c, k in bucket}
         self._bucket_of = {(id(c), k): b for b, bucket in slots.items() for c, k in bucket}
         self._unread = {b: {(id(c), k) for c, k in bucket} for b, bucket in slots.items()}
+        """Bucket -> its live slots not read to their end yet."""
         self._reading: dict[int, int] = {}
-        """Bucket -> slots the writer is reading now."""
+        """Bucket -> slices of its slots the writer is reading now."""
         self._cond = threading.Condition()
 
-    def acquire(self, container: Any, key: Any) -> tuple[torch.Tensor, int | None]:
-        """``container[key]`` for the writer to read, and the bucket to :meth:`release` after."""
+    def acquire(self, container: Any, key: Any) -> tuple[torch.Tensor, tuple[int, tuple[int, Any]] | None]:
+        """``container[key]`` for the writer to read a slice of, and the token to :meth:`release` after."""
         slot = (id(container), key)
         with self._cond:
             bucket = self._bucket_of.get(slot)
             if bucket is None or slot not in self._unread.get(bucket, ()):
                 return container[key], None  # no bucket's, or copied aside already
-            self._unread[bucket].discard(slot)
             self._reading[bucket] = self._reading.get(bucket, 0) + 1
-            return container[key], bucket
+            return container[key], (bucket, slot)
 
-    def release(self, bucket: int | None) -> None:
-        if bucket is None:
+    def release(self, token: tuple[int, tuple[int, Any]] | None, *, finished: bool) -> None:
+        """The slice read; ``finished``: it was the slot's last, the live tensor is no longer needed."""
+        if token is None:
             return
+        bucket, slot = token
         with self._cond:
+            if finished:
+                self._unread.get(bucket, set()).discard(slot)
             self._reading[bucket] -= 1
             if not self._reading[bucket]:
                 del self._reading[bucket]
                 self._cond.notify_all()
 
     def before_update(self, bucket: int) -> bool:
-        """Make the bucket's slots safe from its next update: wait while the writer reads one, copy
-        aside those it has not read. Returns whether anything was copied."""
+        """Make the bucket's slots safe from its next update: wait while the writer reads a slice of
+        one, copy aside those it has not read to their end. Returns whether anything was copied."""
         with self._cond:
             while self._reading.get(bucket):
                 self._cond.wait()

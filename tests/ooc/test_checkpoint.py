@@ -620,6 +620,50 @@ def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path)
     opt2.close()
 
 
+def test_an_update_between_two_slices_of_a_tensor_copies_the_rest_aside(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The writer reads a live tensor a slice at a time and holds its bucket only while it reads one
+    (NOTE [lazy snapshots]): paused between two slices of block 0's first weight, block 0's next
+    update must not wait for the rest of the tensor; it copies the tensor aside, the writer goes on
+    from the copy at the same offset, and the version holds the state at save()."""
+    monkeypatch.setattr(ckpt_mod, "_SLICE_BYTES", 4096)
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    name = "blocks.0.attn.qkv.weight"
+    assert model.blocks[0].attn.qkv.weight.numel() * 4 > 2 * 4096
+    paused, resume, reads = threading.Event(), threading.Event(), []
+    acquire = ckpt_mod._Snapshot.acquire
+
+    def pausing_acquire(self, container, key):  # noqa: ANN001, ANN202
+        if key == name and container is not None and len(reads) < 3:
+            reads.append(key)
+            if len(reads) == 2:  # between the first and the second slice: the bucket is not held
+                paused.set()
+                resume.wait(60)
+        return acquire(self, container, key)
+
+    monkeypatch.setattr(ckpt_mod._Snapshot, "acquire", pausing_acquire)
+    ckpt.save(2)
+    assert paused.wait(60)
+    trainer = threading.Thread(target=_train, args=(model, opt, sched, range(2, 3)), daemon=True)
+    trainer.start()
+    trainer.join(60)
+    alive = trainer.is_alive()
+    resume.set()
+    trainer.join(60)
+    assert not alive, "the update waited for the rest of a tensor the writer was not reading"
+    ckpt.wait()
+    assert ckpt.copied_by_listener >= 1
+    model2, opt2, _ = _setup(seed=3)
+    Checkpointer(tmp_path, model2, opt2).restore(2)
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    ckpt.close()
+    opt.close()
+    opt2.close()
+
+
 def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The disk fills up while the writer writes a live tensor and the bucket's next update waits
     for that write: the update must go on, not wait for a write that will never end."""
