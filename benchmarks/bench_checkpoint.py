@@ -220,11 +220,28 @@ def main() -> None:
         modes = {0: 0, 10: 10, 1: 1, "skip": 1}
         savers = {mode: Checkpointer(root / f"every{mode}", model, opt, keep=2) if every else None
                   for mode, every in modes.items()}
+        # The extra host memory of a version: what the updates copy aside before the writer has read
+        # it (alive until the version is written), summed per snapshot, largest per mode.
+        aside: dict[int, int] = {}
+        aside_mode: dict[int, int | str] = {}
+        before_update = ckpt_mod._Snapshot.before_update
+
+        def counting_before_update(snapshot: ckpt_mod._Snapshot, bucket: int) -> bool:
+            with snapshot._cond:
+                unread = [snapshot._refs[slot] for slot in snapshot._unread.get(bucket, ())]
+                nbytes = sum(c[k].numel() * c[k].element_size() for c, k in unread)
+            aside[id(snapshot)] = aside.get(id(snapshot), 0) + nbytes
+            aside_mode[id(snapshot)] = current_mode[0]
+            return before_update(snapshot, bucket)
+
+        ckpt_mod._Snapshot.before_update = counting_before_update
+        current_mode: list[int | str] = [0]
         blocks: dict[int | str, list[float]] = {mode: [] for mode in savers}
         asked = written_versions = done = 0
         step_cpu: list[float] = []
         for _ in range(rounds):
             for mode, saver in savers.items():
+                current_mode[0] = mode
                 cpu_before = resource.getrusage(resource.RUSAGE_SELF)
                 started = time.perf_counter()
                 for i in range(10):
@@ -245,6 +262,7 @@ def main() -> None:
                     step_cpu.append((cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime) / 10)
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
+        most_aside = {mode: max([b for s, b in aside.items() if aside_mode[s] == mode], default=0) for mode in savers}
         for saver in savers.values():
             if saver is not None:
                 saver.close()
@@ -276,8 +294,11 @@ def main() -> None:
          f"{version_bytes / med(written['lazy']) / disk * 100:.0f}%", ""],
         ["write bandwidth, torch.save+fsync", gbs(sync_bytes, sync), f"{dd_cmd}: {gbs(1, 1 / disk)}",
          f"{sync_bytes / sync / disk * 100:.0f}%", ""],
-        ["extra host memory while a save is written (lazy)", format_bytes(max(extra["lazy"])),
+        ["extra host memory while a save is written (lazy, no training meanwhile)", format_bytes(max(extra["lazy"])),
          f"state {format_bytes(state_bytes)}", f"{max(extra['lazy']) / state_bytes:.2f}x", ""],
+        *[[f"extra host memory while training, a save every {modes[mode]} step(s): most copied aside for one version",
+           format_bytes(most_aside[mode]), f"state {format_bytes(state_bytes)}", f"{most_aside[mode] / state_bytes:.2f}x", ""]
+          for mode in (10, 1)],
         ["extra host memory, torch.save", format_bytes(max(extra["torch.save"])), f"state {format_bytes(state_bytes)}",
          f"{max(extra['torch.save']) / state_bytes:.2f}x", ""],
     ]))

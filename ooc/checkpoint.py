@@ -72,16 +72,6 @@ then holds the GIL while it sets up the write. Handing a job to a waiting thread
 Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
 a Checkpointer dropped without ``close`` is let go of that long after its last save.
 
-NOTE [writer priority]
-The writer thread (and the I/O and fsync threads it starts, which inherit its policy) runs at idle
-priority by default (``priority="idle"``: Linux's ``SCHED_IDLE``, else nice 19): on the CPU it takes
-only time no training thread wants. Its work per version (a copy into the bounce buffers and a CRC
-of every byte: ~0.4 s of CPU for 1.5 GiB) otherwise takes that time from the step wherever the
-training threads keep the cores busy (a CPU-only run; the host optimizer's threads). The cost: while
-training leaves no core idle, a version waits, so a crash loses more steps, and the next ``save``
-waits for it (the training thread then sleeps, and the writer runs). ``priority="normal"`` keeps
-the writer at the training threads' priority.
-
 NOTE [lazy snapshots]
 With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
 DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept on their device,
@@ -227,25 +217,6 @@ _ALIGN = 4096
 (512 or 4096 bytes) divides it, and an anonymous mmap is page-aligned."""
 _bounce = threading.local()
 """Each writer thread's two bounce buffers (mmaps; freed with the thread)."""
-
-
-PRIORITIES = ("idle", "normal")
-"""The writer thread's CPU priority (NOTE [writer priority])."""
-
-
-def _run_when_idle() -> str:
-    """Lower the calling thread's CPU priority as far as an unprivileged thread may: Linux's
-    ``SCHED_IDLE`` (pid 0 is the calling thread), else nice 19; returns which one it got ("" if none)."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-        return "SCHED_IDLE"
-    except (AttributeError, OSError):
-        pass
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, 19)  # on Linux, the calling thread's nice value
-        return "nice 19"
-    except (AttributeError, OSError):
-        return ""
 
 
 def _bounce_buffers() -> list[np.ndarray]:
@@ -496,20 +467,14 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
-    ``priority``: the writer thread's CPU priority, ``"idle"`` (default) or ``"normal"`` (NOTE
-    [writer priority]).
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
-                 lazy: bool = True, priority: str = "idle") -> None:
+                 lazy: bool = True) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 (or None to keep every version), got {keep}")
-        if priority not in PRIORITIES:
-            raise ValueError(f"priority must be one of {PRIORITIES}, got {priority!r}")
-        self.priority = priority
-        """The writer thread's CPU priority (NOTE [writer priority])."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
@@ -584,8 +549,6 @@ class Checkpointer:
     def _serve(self) -> None:
         """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
         or :meth:`close` (NOTE [writer thread])."""
-        if self.priority == "idle":
-            _run_when_idle()  # NOTE [writer priority]
         while True:
             try:
                 job = self._jobs.get(timeout=_IDLE_SECONDS)

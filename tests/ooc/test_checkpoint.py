@@ -668,42 +668,6 @@ def test_an_update_between_two_slices_of_a_tensor_copies_the_rest_aside(tmp_path
     opt2.close()
 
 
-@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
-@pytest.mark.parametrize("priority", ["idle", "normal"])
-def test_the_writer_and_its_io_thread_run_at_the_priority_asked(tmp_path: Path, monkeypatch, priority: str) -> None:  # noqa: ANN001
-    """NOTE [writer priority]: with "idle" the writer thread and the I/O thread it starts take only
-    CPU time nothing else wants; the training thread's own priority is left alone."""
-    model, opt, sched = _setup()
-    _train(model, opt, sched, range(1))
-    policies: dict[str, int] = {}
-    write = ckpt_mod._Sink.write
-
-    def recording_write(sink, data):  # noqa: ANN001, ANN202
-        policies["io"] = os.sched_getscheduler(0)
-        return write(sink, data)
-
-    monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 4096)  # several buffers per file: the I/O thread writes
-    monkeypatch.setattr(ckpt_mod._Sink, "write", recording_write)
-    ckpt = Checkpointer(tmp_path, model, opt, priority=priority)
-    ckpt._hook = lambda at: policies.setdefault("writer", os.sched_getscheduler(0)) if at == "files-written" else None
-    ckpt.save(1)
-    ckpt.wait()
-    expected = os.SCHED_IDLE if priority == "idle" else os.SCHED_OTHER
-    assert policies == {"writer": expected, "io": expected}
-    assert os.sched_getscheduler(0) == os.SCHED_OTHER
-    assert ckpt.latest().step == 1
-    ckpt.close()
-    opt.close()
-
-
-def test_a_priority_that_does_not_exist_is_refused(tmp_path: Path) -> None:
-    model, opt, _ = _setup()
-    with pytest.raises(ValueError, match="priority must be one of"):
-        Checkpointer(tmp_path / "ckpt", model, opt, priority="high")
-    assert list(tmp_path.iterdir()) == [] and opt.stage_listeners == []  # nothing made, nothing registered
-    opt.close()
-
-
 def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The disk fills up while the writer writes a live tensor and the bucket's next update waits
     for that write: the update must go on, not wait for a write that will never end."""
