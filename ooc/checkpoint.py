@@ -370,6 +370,30 @@ def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | 
                     snapshot.release(token, finished=start + _SLICE_BYTES >= nbytes)
 
 
+def _host_copy(value: torch.Tensor, pending: list[Any]) -> torch.Tensor:
+    """A host copy of ``value`` for the writer; a CUDA tensor's is issued without waiting, its
+    event appended to ``pending``.
+
+    NOTE [device state copied asynchronously]
+    What no bucket holds (buffers such as BatchNorm's statistics, frozen parameters, a kept
+    block's weights outside HostAdamW) may be on the device. ``save`` copies it into pinned host
+    memory on the tensor's device's current stream, after the work queued there that produced it,
+    and returns without waiting; the writer thread waits for the copies' event before it reads
+    them. A later update of the tensor is queued after the copy on that stream (or, on another
+    stream, after the training code's own sync), so the copy reads the state at ``save``."""
+    value = value.detach()
+    if value.device.type != "cuda":
+        return value.to("cpu", copy=True)
+    host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+    stream = torch.cuda.current_stream(value.device)
+    with torch.cuda.stream(stream):
+        host.copy_(value, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(stream)  # the writer waits for this before reading ``host``
+    pending.append(event)
+    return host
+
+
 def _torch_bytes(obj: Any) -> bytes:
     buf = io.BytesIO()
     torch.save(obj, buf)
@@ -536,11 +560,11 @@ class Checkpointer:
             self._retain()
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
-        files, tensors, slots = self._payloads()
+        files, tensors, slots, pending = self._payloads()
         self._snapshot = _Snapshot(slots) if self.lazy else None
         self._written.clear()
         with self._writer_lock:
-            self._jobs.put((step, files, tensors, metadata))
+            self._jobs.put((step, files, tensors, metadata, pending))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
@@ -567,20 +591,22 @@ class Checkpointer:
             finally:
                 self._written.set()
 
-    def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]]]:
+    def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]], list[Any]]:
         """This rank's files (name -> tensors dict for ``.safetensors``, JSON-able object for
         ``.json``, else a torch.save payload), the index of its optimizer tensors (NOTE
-        [resharding]), and the slots of live tensors per bucket. When lazy, each bucket's tensors are
-        left live (registered in the slots) and everything else is copied now (NOTE [lazy
-        snapshots]); else everything is copied now."""
+        [resharding]), the slots of live tensors per bucket, and the events of the device-to-host
+        copies still in flight. When lazy, each bucket's tensors are left live (registered in the
+        slots) and everything else is copied now (NOTE [lazy snapshots]); else everything is copied
+        now (device tensors asynchronously: NOTE [device state copied asynchronously])."""
         opt = self.optimizer
         bucket_of = {id(p): b.index for b in opt.buckets for p in b.params} if self.lazy else {}
         slots: dict[int, list[tuple[Any, Any]]] = {}
+        pending: list[Any] = []
 
         def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None) -> None:
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
-                container[key] = value.detach().to("cpu", copy=True)
+                container[key] = _host_copy(value, pending)
             else:
                 container[key] = value  # live; the writer detaches it (_tensor_bytes)
                 slots.setdefault(bucket, []).append((container, key))
@@ -628,7 +654,7 @@ class Checkpointer:
             "extra": _clone(self.extra) if self.extra is not None else None,
             "optimizer": optimizer_meta,
         }
-        return files, index, slots
+        return files, index, slots, pending
 
     def _on_stage(self, bucket: int, stage: Stage) -> None:
         """Stage listener: the bucket's UPDATE comes next, on this thread; wait for the writer's read
@@ -653,9 +679,11 @@ class Checkpointer:
             raise error
 
     def _write(self, step: int, files: dict[str, Any], tensors: dict[str, dict[str, Any]],
-               metadata: dict[str, Any]) -> None:
+               metadata: dict[str, Any], pending: list[Any]) -> None:
         folder = self.directory / _name(step)
         try:
+            for event in pending:
+                event.synchronize()  # save()'s copies of device state have landed in host memory
             if self._snapshot is not None:
                 self._hook("snapshot")
             self._write_version(folder, step, files, tensors, metadata)

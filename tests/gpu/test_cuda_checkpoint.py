@@ -1,0 +1,39 @@
+"""Checkpoints of device state on CUDA (NOTE [device state copied asynchronously] in ooc.checkpoint):
+``save`` copies what no bucket holds from the device without waiting, and the version holds the
+values at ``save`` even when the training goes on changing them at once."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ooc.checkpoint import Checkpointer
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_device_buffers_are_saved_as_they_were_at_save(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)).cuda()
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.arange(64.0, device="cuda"))
+        big = torch.randn(4096, 4096, device="cuda")
+        for _ in range(8):
+            big = torch.tanh(big @ big)  # queue work ahead, so the copy is still in flight when save returns
+        model[1].running_mean.add_(big[0, :64] * 0)  # the saved value depends on the queued work
+    expected = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+    ckpt = Checkpointer(tmp_path, model)
+    ckpt.save(1)
+    with torch.no_grad():
+        model[1].running_mean.add_(1.0)  # queued after save()'s copy on the same stream
+        model[0].weight.mul_(2.0)
+    ckpt.wait()
+    fresh = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)).cuda()
+    Checkpointer(tmp_path, fresh).restore(1)
+    for name, value in fresh.state_dict().items():
+        assert torch.equal(value.cpu(), expected[name]), name
+    ckpt.close()
