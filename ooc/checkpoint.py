@@ -524,6 +524,10 @@ class Checkpointer:
         self.copied_by_listener = 0
         """Buckets the optimizer's thread had to copy aside because their next update came before the
         writer reached them (over every save so far)."""
+        self._updating: list[int] = []
+        """Buckets in the order the current step updates them (NOTE [write order])."""
+        self._update_order: list[int] = []
+        """... and the last complete step's order."""
         if self.lazy:
             optimizer.stage_listeners.append(self._on_stage)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -648,6 +652,8 @@ class Checkpointer:
                 files[_optimizer_file(self.rank)] = tensors
             optimizer_meta = {"names": names, "param_groups": _clone(saved["param_groups"]), "other": other,
                               "ooc": _clone(info)}
+        if self.lazy:
+            files = self._in_write_order(files, slots)
         files[_state_file(self.rank)] = {
             "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "rng": rng_state(),  # fresh tensors and tuples: no clone needed
@@ -656,10 +662,48 @@ class Checkpointer:
         }
         return files, index, slots, pending
 
+    def _in_write_order(self, files: dict[str, Any], slots: dict[int, list[tuple[Any, Any]]]) -> dict[str, Any]:
+        """``files`` reordered for a lazy snapshot: the optimizer file first, and in each file the
+        tensors of the buckets the last step updated first, first (NOTE [write order]).
+
+        NOTE [write order]
+        A bucket whose next update comes before the writer has read it is copied aside (NOTE [lazy
+        snapshots]): host memory and CPU time on the update's thread. The next step updates the
+        buckets in the order the backward finishes them (the last block's first), as the last step
+        did (recorded by the stage listener), a fraction of a step after ``save``; so the writer goes
+        by those deadlines, earliest first: the buckets the last step updated first, first, and the
+        optimizer file (moments and masters, two thirds of the bytes or more) before the model file,
+        whose weights would otherwise hold back every moment. A safetensors file may list its
+        tensors in any order (readers go by each one's offsets); tensors no bucket holds were
+        copied in ``save`` and go last."""
+        order = self._update_order or self._updating
+        rank = {bucket: k for k, bucket in enumerate(order)}
+        slot_rank = {(id(c), key): rank.get(bucket, len(rank)) for bucket, held in slots.items() for c, key in held}
+
+        def reordered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+            """``tensors`` itself, its entries reinserted in write order: the snapshot's slots are
+            (this dict, key), so the dict must stay the one they name."""
+            late = len(rank) + 1
+            items = sorted(tensors.items(), key=lambda item: slot_rank.get((id(tensors), item[0]), late))  # stable
+            tensors.clear()
+            tensors.update(items)
+            return tensors
+
+        optimizer = _optimizer_file(self.rank)
+        out = {optimizer: reordered(files[optimizer])} if optimizer in files else {}
+        for name, payload in files.items():
+            if name != optimizer:
+                out[name] = reordered(payload) if name.endswith(".safetensors") else payload
+        return out
+
     def _on_stage(self, bucket: int, stage: Stage) -> None:
         """Stage listener: the bucket's UPDATE comes next, on this thread; wait for the writer's read
         of the bucket, if one is in progress, and copy aside what it has not read yet (NOTE [lazy
         snapshots])."""
+        if stage is Stage.EXCHANGE:
+            if bucket in self._updating:  # a bucket updated again: the previous step's order is complete
+                self._update_order, self._updating = self._updating, []
+            self._updating.append(bucket)
         snapshot = self._snapshot
         if stage is Stage.EXCHANGE and snapshot is not None and snapshot.before_update(bucket):
             self.copied_by_listener += 1

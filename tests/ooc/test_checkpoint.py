@@ -8,6 +8,7 @@ import hashlib
 import json
 import os
 import random
+import struct
 import threading
 import time
 import zlib
@@ -556,13 +557,13 @@ def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_pa
     opt2.close()
 
 
-@pytest.mark.parametrize("held_at", ["snapshot", "write:optimizer-rank0.safetensors"], ids=["before-all", "between-files"])
+@pytest.mark.parametrize("held_at", ["snapshot", "write:model.safetensors"], ids=["before-all", "between-files"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "in-step"])
 def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype, held_at: str,
                                                                     pipeline: bool) -> None:
-    """The writer is held back (before any file, or with the weights written and the optimizer
-    state not) while training goes on: each bucket's update must first copy aside what is not
+    """The writer is held back (before any file, or with the optimizer state written and the
+    weights not: NOTE [write order]) while training goes on: each bucket's update must first copy aside what is not
     written yet, so the version still holds the state at save() (NOTE [lazy snapshots]); in stream
     order: in-step with bf16 weights, the copy aside reads device parameters on the training thread
     that the update's copy in then overwrites."""
@@ -586,6 +587,35 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     assert ckpt._on_stage not in opt.stage_listeners
     opt.close()
     opt2.close()
+
+
+def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:
+    """NOTE [write order]: the optimizer file before the model file, and in each the tensors of the
+    bucket the last step updated first, first (the next step's first update is the earliest deadline)."""
+    model, opt, sched = _setup()
+    updated: list[int] = []
+    opt.stage_listeners.append(lambda bucket, stage: updated.append(bucket) if stage is Stage.EXCHANGE else None)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    _train(model, opt, sched, range(2))
+    last_step = updated[len(updated) // 2:]
+    assert sorted(last_step) == sorted(set(last_step))  # each bucket once
+    written: list[str] = []
+    ckpt._hook = lambda at: written.append(at) if at.startswith("write:") else None
+    ckpt.save(2)
+    ckpt.wait()
+    assert written.index("write:optimizer-rank0.safetensors") < written.index("write:model.safetensors")
+    folder = ckpt.latest().path
+    bucket_of = {id(p): b.index for b in opt.buckets for p in b.params}
+    params = dict(model.named_parameters())
+    for file, name_of in (("optimizer-rank0.safetensors", lambda key: key.rsplit(".", 1)[0]), ("model.safetensors", str)):
+        header = json.loads((folder / file).read_bytes()[8:8 + struct.unpack("<Q", (folder / file).read_bytes()[:8])[0]])
+        keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
+        ranks = [last_step.index(bucket_of[id(params[name_of(k)])]) for k in keys if name_of(k) in params]
+        assert ranks == sorted(ranks) and len(set(ranks)) > 1, file
+        forward_order = [name for name in model.state_dict() if name in params]
+        assert [name_of(k) for k in keys if name_of(k) in params] != forward_order, file  # the last block's first
+    ckpt.close()
+    opt.close()
 
 
 def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path) -> None:
