@@ -76,6 +76,19 @@ def _same_state(a: dict, b: dict) -> bool:
         a[i].keys() == b[i].keys() and all(torch.equal(a[i][k], b[i][k]) for k in a[i]) for i in a)
 
 
+def _assert_restores(directory: Path, step: int | None, expected: dict, expected_state: dict,
+                     dtype: torch.dtype = torch.float32) -> None:
+    """A fresh model and optimizer (other initial weights) restored from ``directory`` hold exactly
+    ``expected`` weights and ``expected_state``."""
+    model, opt, _ = _setup(dtype, seed=3)
+    Checkpointer(directory, model, opt).restore(step)
+    try:
+        assert _same(_weights(model), expected)
+        assert _same_state(_opt_state(opt), expected_state)
+    finally:
+        opt.close()
+
+
 def test_three_line_loop_docstring_example(tmp_path: Path) -> None:
     """The module docstring's loop, as written: a fresh start, then a resume from the newest version."""
     model, opt, sched = _setup()
@@ -331,12 +344,9 @@ def test_large_files_are_written_directly_in_aligned_blocks(tmp_path: Path, monk
     assert len(done) == -(-size // (64 << 10))
     assert all(direct and n % ckpt_mod._ALIGN == 0 for direct, n in done)
     assert all(direct for name, w in writes.items() for direct, _ in w)
-    model2, opt2, _ = _setup(seed=3)
-    Checkpointer(tmp_path, model2, opt2).restore()
-    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    _assert_restores(tmp_path, None, expected, expected_state)
     ckpt.close()
     opt.close()
-    opt2.close()
 
 
 @pytest.mark.parametrize("refused", ["open", "write"])
@@ -369,12 +379,9 @@ def test_without_direct_io_large_files_are_handed_to_the_disk_while_written(tmp_
     assert len(spans) >= size // (128 << 10)
     assert all(offset == sum(n for _, n in spans[:i]) and n >= 64 << 10 for i, (offset, n) in enumerate(spans))
     assert sum(n for _, n in spans) > size - (64 << 10)
-    model2, opt2, _ = _setup(seed=3)
-    Checkpointer(tmp_path, model2, opt2).restore()
-    assert _same(_weights(model2), expected) and _same_state(_opt_state(opt2), expected_state)
+    _assert_restores(tmp_path, None, expected, expected_state)
     ckpt.close()
     opt.close()
-    opt2.close()
 
 
 def test_crash_leftovers_are_ignored_and_cleaned(tmp_path: Path) -> None:
@@ -563,8 +570,9 @@ def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_pa
 def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype, held_at: str,
                                                                     pipeline: bool) -> None:
     """The writer is held back (before any file, or with the optimizer state written and the
-    weights not: NOTE [write order]) while training goes on: each bucket's update must first copy aside what is not
-    written yet, so the version still holds the state at save() (NOTE [lazy snapshots]); in stream
+    weights not: NOTE [write order]) while training goes on: each bucket's update must first copy
+    aside what is not written yet, so the version still holds the state at save() (NOTE [lazy
+    snapshots]); in stream
     order: in-step with bf16 weights, the copy aside reads device parameters on the training thread
     that the update's copy in then overwrites."""
     model, opt, sched = _setup(dtype, pipeline=pipeline)
@@ -578,15 +586,11 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     _train(model, opt, sched, range(2, 4))  # two more updates of every bucket while the writer waits
     release.set()
     ckpt.wait()
-    model2, opt2, _ = _setup(dtype, seed=3)
-    Checkpointer(tmp_path, model2, opt2).restore(2)
-    assert _same(_weights(model2), expected)
-    assert _same_state(_opt_state(opt2), expected_state)
+    _assert_restores(tmp_path, 2, expected, expected_state, dtype)
     assert ckpt.copied_by_listener == len(opt.buckets)
     ckpt.close()
     assert ckpt._on_stage not in opt.stage_listeners
     opt.close()
-    opt2.close()
 
 
 def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:
@@ -645,13 +649,9 @@ def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path)
     _train(model, opt, sched, range(2, 4))
     ckpt.wait()
     assert seen == [True, True]  # the first update came after the write; the second found nothing to wait for
-    model2, opt2, _ = _setup(seed=3)
-    Checkpointer(tmp_path, model2, opt2).restore(2)
-    assert _same(_weights(model2), expected)
-    assert _same_state(_opt_state(opt2), expected_state)
+    _assert_restores(tmp_path, 2, expected, expected_state)
     ckpt.close()
     opt.close()
-    opt2.close()
 
 
 def test_an_update_between_two_slices_of_a_tensor_copies_the_rest_aside(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -689,13 +689,9 @@ def test_an_update_between_two_slices_of_a_tensor_copies_the_rest_aside(tmp_path
     assert not alive, "the update waited for the rest of a tensor the writer was not reading"
     ckpt.wait()
     assert ckpt.copied_by_listener >= 1
-    model2, opt2, _ = _setup(seed=3)
-    Checkpointer(tmp_path, model2, opt2).restore(2)
-    assert _same(_weights(model2), expected)
-    assert _same_state(_opt_state(opt2), expected_state)
+    _assert_restores(tmp_path, 2, expected, expected_state)
     ckpt.close()
     opt.close()
-    opt2.close()
 
 
 def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
