@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import safetensors.torch
 import torch
+import xxhash
 
 import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
@@ -302,7 +303,7 @@ def _takes_direct_io(folder: Path) -> bool:
 
 @pytest.mark.parametrize("refused", [None, "open", "write"])
 def test_write_file_writes_any_chunks_exactly(tmp_path: Path, monkeypatch, refused: str | None) -> None:  # noqa: ANN001
-    """_write_file's bytes and CRC-32 equal its chunks', whatever their sizes against the bounce
+    """_write_file's bytes and XXH3-64 equal its chunks', whatever their sizes against the bounce
     buffer (tails of every length), with direct I/O and where the file system refuses it."""
     monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 4 * ckpt_mod._ALIGN)
     if refused:
@@ -314,7 +315,7 @@ def test_write_file_writes_any_chunks_exactly(tmp_path: Path, monkeypatch, refus
         path = tmp_path / "f.bin"
         size, crc = ckpt_mod._write_file(path, [chunks[0], *(memoryview(c) for c in chunks[1:])])
         data = b"".join(chunks)
-        assert path.read_bytes() == data and size == len(data) and crc == f"{zlib.crc32(data):08x}"
+        assert path.read_bytes() == data and size == len(data) and crc == xxhash.xxh3_64_hexdigest(data)
 
 
 def test_large_files_are_written_directly_in_aligned_blocks(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -507,7 +508,7 @@ def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
     record = ckpt.latest().path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
     record.write_text(json.dumps({**manifest, "format": 1}))
-    with pytest.raises(CheckpointError, match="has format 1; this ooc reads formats 2, 3"):
+    with pytest.raises(CheckpointError, match="has format 1; this ooc reads formats 2, 3, 4"):
         ckpt.restore()
     opt.close()
 
@@ -521,24 +522,47 @@ def _flip(path: Path, at: int) -> bytes:
     return data
 
 
-def test_records_hold_a_crc32_and_a_flipped_bit_anywhere_is_caught(tmp_path: Path) -> None:
-    """NOTE [checksums]: each file's record holds its CRC-32; one flipped bit in the header, the
+def test_records_hold_an_xxh3_and_a_flipped_bit_anywhere_is_caught(tmp_path: Path) -> None:
+    """NOTE [checksums]: each file's record holds its XXH3-64; one flipped bit in the header, the
     first or last tensor byte or in between is named before anything is loaded."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
     v = ckpt.latest()
-    assert v.format == 3
+    assert v.format == 4
     for name, record in v.files.items():
-        assert set(record) == {"bytes", "crc32"}
-        assert record["crc32"] == f"{zlib.crc32((v.path / name).read_bytes()):08x}"
+        assert set(record) == {"bytes", "xxh3"}
+        assert record["xxh3"] == xxhash.xxh3_64_hexdigest((v.path / name).read_bytes())
     path = v.path / "optimizer-rank0.safetensors"
     size = path.stat().st_size
     for at in (0, 8, size // 3, size - 1):
         data = _flip(path, at)
-        with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: CRC-32 differs"):
+        with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: XXH3-64 differs"):
             ckpt.restore()
         path.write_bytes(data)
     assert ckpt.restore().step == 2
     opt.close()
+
+
+def test_a_format_3_version_with_crc32_records_is_still_read_and_checked(tmp_path: Path) -> None:
+    """Versions written before XXH3 (NOTE [checksums]) hold CRC-32s: they restore exactly, and a
+    flipped bit is caught with CRC-32."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    expected, expected_state = _weights(model), _opt_state(opt)
+    v = ckpt.latest()
+    record = v.path / "manifest-rank0.json"
+    manifest = json.loads(record.read_text())
+    manifest["format"] = 3
+    manifest["files"] = {name: {"bytes": r["bytes"], "crc32": f"{zlib.crc32((v.path / name).read_bytes()):08x}"}
+                         for name, r in manifest["files"].items()}
+    record.write_text(json.dumps(manifest))
+    model2, opt2, sched2 = _setup(seed=5)
+    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == 3
+    assert _same(_weights(model2), expected)
+    assert _same_state(_opt_state(opt2), expected_state)
+    _flip(v.path / "optimizer-rank0.safetensors", 100)
+    with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: CRC-32 differs"):
+        ckpt.restore()
+    opt.close()
+    opt2.close()
 
 
 def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_path: Path) -> None:
