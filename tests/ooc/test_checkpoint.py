@@ -617,6 +617,37 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     opt.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_copies_aside_reuse_the_last_versions_buffers_and_hold_the_state_at_save(tmp_path: Path,
+                                                                                 dtype: torch.dtype) -> None:
+    """NOTE [reused copies aside]: the second version's copies aside go into the first version's
+    buffers (no new pages), each version still holds exactly the state at its save(), and close()
+    frees the buffers."""
+    model, opt, sched = _setup(dtype)
+    _train(model, opt, sched, range(2))
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    expected: dict[int, tuple[dict, dict]] = {}
+    buffers: list[set[int]] = []
+    for step in (2, 4, 6):
+        expected[step] = _weights(model), _opt_state(opt)
+        release.clear()
+        ckpt.save(step)
+        snapshot = ckpt._snapshot
+        _train(model, opt, sched, range(step, step + 2))  # every bucket updated before its write
+        release.set()
+        ckpt.wait()
+        buffers.append({c.untyped_storage().data_ptr() for c in snapshot.copies})
+    assert ckpt.copied_by_listener == 3 * len(opt.buckets)
+    assert buffers[1] == buffers[0] == buffers[2] and ckpt._aside.reused == 2 * len(snapshot.copies)
+    for step, (weights, state) in expected.items():
+        _assert_restores(tmp_path, step, weights, state, dtype)
+    ckpt.close()
+    assert not ckpt._aside._free
+    opt.close()
+
+
 def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:
     """NOTE [write order]: the optimizer file before the model file, and in each the tensors of the
     bucket the last step updated first, first (the next step's first update is the earliest deadline)."""
