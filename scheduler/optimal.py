@@ -239,22 +239,52 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
 
 
 def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
-    """Options whose exact peak fits ``budget`` at the least model cost found, or None."""
+    """Options whose exact peak fits ``budget`` at the least model cost found, or None.
+
+    NOTE [bucketed budget]
+    The DP rounds each block's resident bytes to a bucket (nearest, so the error is unbiased), so
+    its peak is off by up to about ``sqrt(n)`` buckets either way: a plan it accepts may exceed the
+    budget, and one that fits may look over it (the cheapest, often: it fills the budget). So the
+    first try aims a little above the budget (half of ``sqrt(n)`` buckets); while the plan found
+    does not fit, the target drops by the overshoot and a step that doubles each time (so the
+    tries end quickly even when rounding pushes back); once one fits, two bisections between the
+    last target that did not fit and the one that did look for a cheaper plan that still fits (the
+    cheapest fitting plan of all tries is the answer). When none fits (or the DP sees no plan
+    under a tightened target), the Lagrangian plan, which meets the exact peak, is the answer."""
     n = opts.n
     if n > exact_blocks:
         return _lagrange_plan(opts, budget, prefetch)
     buckets = min(2048, max(256, 16 * n))
-    target = budget
-    for _ in range(6):
+    unit = budget / buckets if budget > 0 else 1.0
+
+    def attempt(target: int) -> tuple[list[int] | None, bool]:
         picks = solve_dp(opts, target, prefetch, buckets)
+        return picks, picks is not None and model_peak(opts, picks, prefetch) <= budget
+
+    target, step, missed = budget + int(unit * np.sqrt(n) / 2), unit, None
+    for _ in range(8):
+        picks, fits = attempt(target)
         if picks is None:
-            return None
-        peak = model_peak(opts, picks, prefetch)
-        if peak <= budget:
-            return picks
-        # Rounding let the discretised peak pass; tighten the DP's budget by the overshoot.
-        target -= (peak - budget) + budget // buckets
-    return None
+            break
+        if fits:
+            if missed is None:
+                return picks
+            best, cost = picks, model_cost(opts, picks, prefetch)
+            under, over = target, missed
+            for _ in range(2):
+                mid = (under + over) // 2
+                picks, fits = attempt(mid)
+                if not fits:
+                    over = mid
+                    continue
+                under, trial = mid, model_cost(opts, picks, prefetch)
+                if trial < cost:
+                    best, cost = picks, trial
+            return best
+        missed = target
+        target -= (model_peak(opts, picks, prefetch) - budget) + int(step)
+        step *= 2
+    return _lagrange_plan(opts, budget, prefetch)
 
 
 def optimal(
@@ -269,6 +299,7 @@ def optimal(
     exact_blocks: int = 200,
     max_codec_error: float = CODEC_ERROR_BOUND,
     selective: int = 0,
+    selective_swaps: int = 2,
     name: str = "optimal",
 ) -> Plan:
     """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
@@ -280,9 +311,10 @@ def optimal(
     against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. ``selective``:
     up to that many selective-recompute options per block with an op-level profile, and as many
     with the input swapped (``PLANNERS["op-level"]``, NOTE [op-level options] in
-    ``ooc.scheduler.oplevel``). Raises :class:`InfeasibleBudget` when no plan fits."""
+    ``ooc.scheduler.oplevel``), and up to ``selective_swaps`` of those with some cached outputs
+    swapped (NOTE [window swaps]). Raises :class:`InfeasibleBudget` when no plan fits."""
     check_budget(budget)
-    opts = build_options(profile, hardware, choices, max_codec_error, selective=selective)
+    opts = build_options(profile, hardware, choices, max_codec_error, selective=selective, selective_swaps=selective_swaps)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name=name)
     if budget is None:
         return opts.plan([0] * opts.n, **kw)

@@ -106,12 +106,15 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
 
 
 def op_level(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2,
-             options_per_block: int = 4) -> Plan:
+             options_per_block: int = 4, swapped_per_block: int = 2) -> Plan:
     """``optimal`` with each block's selective-recompute options besides keep/swap/recompute: per
     block up to ``options_per_block`` Pareto-optimal sets of op outputs to cache (the re-run skips
     those ops), with and without the input swapped (NOTE [op-level options] in
-    ``ooc.scheduler.oplevel``). On a profile without op-level detail it is ``optimal``."""
-    return optimal(profile, hardware, budget, prefetch=prefetch, selective=options_per_block, name="op-level")
+    ``ooc.scheduler.oplevel``), and up to ``swapped_per_block`` of those with the cached outputs
+    that the link hides under the next block's forward swapped to the host (NOTE [window swaps]).
+    On a profile without op-level detail it is ``optimal``."""
+    return optimal(profile, hardware, budget, prefetch=prefetch, selective=options_per_block,
+                   selective_swaps=swapped_per_block, name="op-level")
 
 
 PLANNERS = {
