@@ -11,7 +11,7 @@ from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.optimal import optimal
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import Profile
-from ooc.scheduler.schedule import build_schedule, cached_ops_cost
+from ooc.scheduler.schedule import build_schedule, cached_ops_cost, swapped_ops_bytes
 from ooc.scheduler.units import check_budget
 
 
@@ -28,6 +28,8 @@ def annotate(plan: Plan, profile: Profile) -> Plan:
             on_device = prof.input_bytes - (prof.input_swappable_bytes if decision.swap_input else 0)
             if decision.cached_ops:
                 on_device += cached_ops_cost(decision, prof)[0]
+            # Swapped cached outputs are on the host between release and copy-back, like a swapped input.
+            on_device -= swapped_ops_bytes(decision, prof)[0]
         blocks.append(replace(decision, saved_bytes=prof.saved_bytes, device_bytes=on_device))
     meta = [("predicted_peak_bytes", schedule.peak_bytes)]
     if any(b.streamed for b in plan.blocks):
