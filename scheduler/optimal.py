@@ -261,7 +261,8 @@ def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list
         picks = solve_dp(opts, target, prefetch, buckets)
         return picks, picks is not None and model_peak(opts, picks, prefetch) <= budget
 
-    target, step, missed = budget + int(unit * np.sqrt(n) / 2), unit, None
+    slack = unit * np.sqrt(n) / 2  # about the rounding error of a peak summed over n blocks
+    target, step, missed = budget + int(slack), slack, None
     for _ in range(8):
         picks, fits = attempt(target)
         if picks is None:
