@@ -1,7 +1,8 @@
 """The additive cost model the ``optimal`` DP and the MILP both solve.
 
 Per block, each option (keep, swap, recompute, recompute + swap its input; with codecs, each swap
-once per codec) has device bytes allocated in the forward (``A``), bytes moved to the host (``X``),
+once per codec; with an op-level profile, selective recomputes and their variants with some cached
+outputs swapped, NOTE [window swaps] in ``ooc.scheduler.oplevel``) has device bytes allocated in the forward (``A``), bytes moved to the host (``X``),
 bytes the recomputation allocates (``Rc``) and the decoding of compressed copies adds (``D``), all
 from the schedule's ``block_bytes``, and times. The step time is modelled as the in-core time
 plus, per block:
