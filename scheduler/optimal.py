@@ -14,6 +14,7 @@ dropped: resident bytes get a price, and the price is bisected until the exact p
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -239,6 +240,20 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
 
 
 def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
+    """:func:`_solve_all` over the options some block may take: a column no block is allowed
+    (a selective slot no block fills, a codec too lossy everywhere) only widens the DP's state
+    (``m`` options of ``max(prefetch, 1)`` blocks), so it is left out and the picks mapped back."""
+    if opts.allowed is None or opts.allowed.any(axis=0).all():
+        return _solve_all(opts, budget, prefetch, exact_blocks)
+    cols = np.flatnonzero(opts.allowed.any(axis=0))
+    sub = replace(opts, A=opts.A[:, cols], X=opts.X[:, cols], Rc=opts.Rc[:, cols], D=opts.D[:, cols], T=opts.T[:, cols],
+                  recompute_s=opts.recompute_s[:, cols], t_out=opts.t_out[:, cols], t_in=opts.t_in[:, cols],
+                  comp=opts.comp[:, cols], allowed=opts.allowed[:, cols], selective=None)
+    picks = _solve_all(sub, budget, prefetch, exact_blocks)
+    return None if picks is None else [int(cols[k]) for k in picks]
+
+
+def _solve_all(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
     """Options whose exact peak fits ``budget`` at the least model cost found, or None.
 
     NOTE [bucketed budget]

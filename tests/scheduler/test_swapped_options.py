@@ -241,3 +241,15 @@ def test_swaps_move_the_gpt2_xl_plan_toward_its_bound_at_10_percent():
     bound = 1 + lower_bound(build_options(prof, hw, selective=4), budget, 2) / ideal
     assert ratio < without - 0.005
     assert bound <= ratio <= bound * 1.002
+
+
+def test_columns_no_block_may_take_leave_the_dps_answer_unchanged():
+    """7B flash blocks fill fewer selective slots than there are: the DP runs without those columns
+    (a smaller state) and gives the plan it gives with them, in the full options' numbering."""
+    prof = Profile.load(GPT2.parent / "analytic-h100-sxm-decoder-7b-s4096-flash.json")
+    opts = build_options(prof, preset("h100-sxm"), selective=4)
+    assert not opts.allowed.any(axis=0).all()
+    budget = int(_keep_peak(prof) * 0.25)
+    picks = optimal_module._solve(opts, budget, 2, exact_blocks=200)
+    assert picks == optimal_module._solve_all(opts, budget, 2, exact_blocks=200)
+    assert all(opts.allows(i, k) for i, k in enumerate(picks))
