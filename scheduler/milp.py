@@ -10,8 +10,12 @@ from scipy.sparse import lil_matrix
 from ooc.scheduler.costmodel import Options
 
 
-def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float = 60.0) -> tuple[list[int], float] | None:
-    """Options per block minimising the model cost with the exact peak <= budget, and that cost."""
+def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float = 60.0,
+               relax: bool = False) -> tuple[list[int], float] | None:
+    """Options per block minimising the model cost with the exact peak <= budget, and that cost.
+    ``relax``: the LP relaxation (each block's choice a fraction between options): its cost is a
+    lower bound on every plan's (:func:`lower_bound`), its picks (each block's largest fraction)
+    need not fit; ``None`` unless HiGHS reached the relaxation's optimum."""
     n, m = opts.n, opts.m
     nx = n * m
     nvar = nx + n  # one choice indicator per (block, option), one exposed copy-back time per block
@@ -64,7 +68,7 @@ def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float
         for col, value in coeffs.items():
             matrix[r, col] = value
         lower[r], upper[r] = lo, hi
-    integrality = np.concatenate([np.ones(nx), np.zeros(n)])
+    integrality = np.concatenate([np.zeros(nx) if relax else np.ones(nx), np.zeros(n)])
     allowed = np.ones(nx) if opts.allowed is None else opts.allowed.reshape(nx).astype(float)
     bounds = Bounds(np.zeros(nvar), np.concatenate([allowed, np.full(n, np.inf)]))  # a too-lossy codec: fixed at 0
     result = milp(
@@ -72,9 +76,19 @@ def solve_milp(opts: Options, budget: int, prefetch: int, *, time_limit_s: float
         constraints=LinearConstraint(matrix.tocsr(), lower, upper),
         integrality=integrality,
         bounds=bounds,
-        options={"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
+        options={"time_limit": time_limit_s} if relax else {"time_limit": time_limit_s, "mip_rel_gap": 1e-6},
     )
-    if result.x is None:
-        return None
+    if result.x is None or (relax and result.status != 0):
+        return None  # a relaxation stopped short of its optimum bounds nothing
     picks = [int(np.argmax(result.x[i * m : (i + 1) * m])) for i in range(n)]
     return picks, float(result.fun)
+
+
+def lower_bound(opts: Options, budget: int, prefetch: int, *, time_limit_s: float = 60.0) -> float | None:
+    """A lower bound on the model cost (``costmodel.model_cost``) of every plan over ``opts`` whose
+    peak fits ``budget``: the optimum of the MILP's LP relaxation. Every plan is a 0/1 point of
+    that LP with its model cost as the objective (the exposed copy-back ``e_j`` at its least is
+    ``max(0, t_in - hiding compute)``), so no plan in this option space costs less; ``None`` when
+    not even a fractional choice fits, or HiGHS stopped before the optimum (no bound is proven)."""
+    result = solve_milp(opts, budget, prefetch, time_limit_s=time_limit_s, relax=True)
+    return None if result is None else result[1]

@@ -173,3 +173,98 @@ def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, fl
 def _below(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> bool:
     """``b`` lies on or under the chord from ``a`` to ``c`` (points sorted by bytes)."""
     return (b[1] - a[1]) * (c[0] - a[0]) <= (c[1] - a[1]) * (b[0] - a[0])
+
+
+def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: float, bandwidth: float,
+                 latency_s: float = 0.0, taken_s: float = 0.0) -> tuple[int, ...]:
+    """Which of a selective RECOMPUTE's ``cached`` ops to swap (``BlockPlan.swapped_ops``).
+
+    NOTE [window swaps]
+    A swapped cached output (NOTE [swapped cached ops] in ``ooc.scheduler.schedule``) leaves the
+    device at the RELEASE after the next block's forward and comes back before the block's
+    re-run: the re-run still skips it, and the bytes stop counting in between. Its copy out runs
+    under the next block's forward (``window_s``, less the link's ``latency_s`` and ``taken_s``:
+    the copy of what the block swaps already, its input with ``swap_input``); its copy back runs
+    under the backward of the blocks in the prefetch window, about twice as long, so the way out is
+    the binding window. The rule:
+    - the cached ops are taken most seconds saved per byte first (the outputs most worth caching
+      are the ones most worth keeping cached by moving them rather than dropping them), and each
+      one whose copy (``output_bytes / bandwidth``) still fits what is left of the window is swapped
+      (first fit: a large op that no longer fits does not stop smaller ones after it);
+    - an op slower to re-run than to copy out and back (``forward_s > 2 * output_bytes /
+      bandwidth``) is swapped even past the window: an exposed copy costs less than not caching it;
+    - never the block's last op: its output is what the block returns (the next block's input),
+      which the runtime does not swap as a cached output; nor ops that create no storage.
+    The chain planner then decides, with the exact peak and the copies' exposed time in its model,
+    whether the swapped variant is worth its copies (``ooc.scheduler.costmodel._add_selective``)."""
+    if bandwidth <= 0:
+        return ()
+    last = len(ops) - 1
+    candidates = [k for k in cached if k != last and 0 <= k < len(ops) and ops[k].output_bytes > 0]
+    candidates.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
+    room = window_s - latency_s - taken_s
+    chosen = []
+    for k in candidates:
+        copy_s = ops[k].output_bytes / bandwidth
+        if copy_s <= room:
+            chosen.append(k)
+            room -= copy_s
+        elif ops[k].forward_s > 2 * copy_s:
+            chosen.append(k)
+    return tuple(sorted(chosen))
+
+
+@dataclass(frozen=True)
+class SwappedSet:
+    """A cached set with some of its outputs swapped (``BlockPlan.cached_ops`` / ``swapped_ops``);
+    ``resident``: the bytes its cached outputs hold on the device once the swapped ones are released."""
+
+    cached: CachedSet
+    swapped: tuple[int, ...]
+    resident: int
+
+
+def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int, *, window_s: float, bandwidth: float,
+                 latency_s: float = 0.0, taken_s: float = 0.0) -> list[SwappedSet]:
+    """Up to ``count`` swapped variants of a block's selective options ``sets`` (NOTE [window
+    swaps]), fewest resident bytes first.
+
+    The candidates: each unswapped point (the free ops alone, then each of ``sets``: prefixes of
+    the ops by seconds per byte) as it is, and extended by the next ops of that order whose copies
+    still fit the window (first fit; never the last op); :func:`window_swaps` picks what of each
+    goes to the host. Kept: those that skip more seconds than any unswapped point holding no more
+    (else the link buys nothing), then the vertices of the upper hull of (resident bytes, seconds
+    skipped) (the points a priced search over the chain can prefer), the ``count`` holding least:
+    the tight budgets, where the window's bytes matter most, choose among them."""
+    if count <= 0 or bandwidth <= 0:
+        return []
+    free, items = _hull_order(ops)
+    last = len(ops) - 1
+    plain = [(sum(ops[k].output_bytes for k in free), sum(ops[k].forward_s for k in free))]
+    plain += [(s.bytes, s.saved_s) for s in sets]
+    lengths = sorted({0, *(len(s.ops) - len(free) for s in sets)})
+    found: dict[tuple[int, ...], SwappedSet] = {}
+    for length, extend in ((length, extend) for length in lengths for extend in (False, True)):
+        room = window_s - latency_s - taken_s
+        chosen = list(items[:length])
+        for k in items[length:] if extend else ():
+            copy_s = ops[k].output_bytes / bandwidth
+            if k != last and copy_s <= room:
+                chosen.append(k)
+                room -= copy_s
+        cached = _prefix(ops, free, chosen, len(chosen))
+        swapped = window_swaps(ops, cached.ops, window_s=window_s, bandwidth=bandwidth, latency_s=latency_s, taken_s=taken_s)
+        if not swapped or cached.ops in found:
+            continue
+        resident = cached.bytes - sum(ops[k].output_bytes for k in swapped)
+        if cached.saved_s > max((s for b, s in plain if b <= resident), default=0.0):
+            found[cached.ops] = SwappedSet(cached, swapped, resident)
+    hull: list[SwappedSet] = []
+    for p in sorted(found.values(), key=lambda v: (v.resident, -v.cached.saved_s)):
+        if hull and p.cached.saved_s <= hull[-1].cached.saved_s:
+            continue  # as many resident bytes or more for no more seconds: not Pareto-optimal
+        while len(hull) >= 2 and _below((hull[-2].resident, hull[-2].cached.saved_s), (hull[-1].resident, hull[-1].cached.saved_s),
+                                        (p.resident, p.cached.saved_s)):
+            hull.pop()
+        hull.append(p)
+    return hull[:count]

@@ -14,6 +14,7 @@ dropped: resident bytes get a price, and the price is bisected until the exact p
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import numpy as np
 
@@ -239,22 +240,67 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
 
 
 def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
-    """Options whose exact peak fits ``budget`` at the least model cost found, or None."""
+    """:func:`_solve_all` over the options some block may take: a column no block is allowed
+    (a selective slot no block fills, a codec too lossy everywhere) only widens the DP's state
+    (``m`` options of ``max(prefetch, 1)`` blocks), so it is left out and the picks mapped back."""
+    if opts.allowed is None or opts.allowed.any(axis=0).all():
+        return _solve_all(opts, budget, prefetch, exact_blocks)
+    cols = np.flatnonzero(opts.allowed.any(axis=0))
+    sub = replace(opts, A=opts.A[:, cols], X=opts.X[:, cols], Rc=opts.Rc[:, cols], D=opts.D[:, cols], T=opts.T[:, cols],
+                  recompute_s=opts.recompute_s[:, cols], t_out=opts.t_out[:, cols], t_in=opts.t_in[:, cols],
+                  comp=opts.comp[:, cols], allowed=opts.allowed[:, cols], selective=None)
+    picks = _solve_all(sub, budget, prefetch, exact_blocks)
+    return None if picks is None else [int(cols[k]) for k in picks]
+
+
+def _solve_all(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
+    """Options whose exact peak fits ``budget`` at the least model cost found, or None.
+
+    NOTE [bucketed budget]
+    The DP rounds each block's resident bytes to a bucket (nearest, so the error is unbiased), so
+    its peak is off by up to about ``sqrt(n)`` buckets either way: a plan it accepts may exceed the
+    budget, and one that fits may look over it (the cheapest, often: it fills the budget). So the
+    first try aims a little above the budget (half of ``sqrt(n)`` buckets); while the plan found
+    does not fit, the target drops by the overshoot and a step that doubles each time (so the
+    tries end quickly even when rounding pushes back); once one fits, two bisections between the
+    last target that did not fit and the one that did look for a cheaper plan that still fits (the
+    cheapest fitting plan of all tries is the answer). When none fits (or the DP sees no plan
+    under a tightened target), the Lagrangian plan, which meets the exact peak, is the answer."""
     n = opts.n
     if n > exact_blocks:
         return _lagrange_plan(opts, budget, prefetch)
     buckets = min(2048, max(256, 16 * n))
-    target = budget
-    for _ in range(6):
+    unit = budget / buckets if budget > 0 else 1.0
+
+    def attempt(target: int) -> tuple[list[int] | None, bool]:
         picks = solve_dp(opts, target, prefetch, buckets)
+        return picks, picks is not None and model_peak(opts, picks, prefetch) <= budget
+
+    slack = unit * np.sqrt(n) / 2  # about the rounding error of a peak summed over n blocks
+    target, step, missed = budget + int(slack), slack, None
+    for _ in range(8):
+        picks, fits = attempt(target)
         if picks is None:
-            return None
-        peak = model_peak(opts, picks, prefetch)
-        if peak <= budget:
-            return picks
-        # Rounding let the discretised peak pass; tighten the DP's budget by the overshoot.
-        target -= (peak - budget) + budget // buckets
-    return None
+            break
+        if fits:
+            if missed is None:
+                return picks
+            best, cost = picks, model_cost(opts, picks, prefetch)
+            under, over = target, missed
+            for _ in range(2):
+                mid = (under + over) // 2
+                picks, fits = attempt(mid)
+                if not fits:
+                    over = mid
+                    continue
+                under, trial = mid, model_cost(opts, picks, prefetch)
+                if trial < cost:
+                    best, cost = picks, trial
+            return best
+        missed = target
+        target -= (model_peak(opts, picks, prefetch) - budget) + int(step)
+        step *= 2
+    return _lagrange_plan(opts, budget, prefetch)
 
 
 def optimal(
@@ -269,6 +315,7 @@ def optimal(
     exact_blocks: int = 200,
     max_codec_error: float = CODEC_ERROR_BOUND,
     selective: int = 0,
+    selective_swaps: int = 2,
     name: str = "optimal",
 ) -> Plan:
     """The fastest plan the cost model finds whose peak fits ``budget``, choosing per block among
@@ -280,9 +327,10 @@ def optimal(
     against the simulator up to ``polish_blocks``); longer chains the Lagrangian DP. ``selective``:
     up to that many selective-recompute options per block with an op-level profile, and as many
     with the input swapped (``PLANNERS["op-level"]``, NOTE [op-level options] in
-    ``ooc.scheduler.oplevel``). Raises :class:`InfeasibleBudget` when no plan fits."""
+    ``ooc.scheduler.oplevel``), and up to ``selective_swaps`` of those with some cached outputs
+    swapped (NOTE [window swaps]). Raises :class:`InfeasibleBudget` when no plan fits."""
     check_budget(budget)
-    opts = build_options(profile, hardware, choices, max_codec_error, selective=selective)
+    opts = build_options(profile, hardware, choices, max_codec_error, selective=selective, selective_swaps=selective_swaps)
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name=name)
     if budget is None:
         return opts.plan([0] * opts.n, **kw)

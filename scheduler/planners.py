@@ -11,7 +11,7 @@ from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.optimal import optimal
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.profile import Profile
-from ooc.scheduler.schedule import build_schedule, cached_ops_cost
+from ooc.scheduler.schedule import build_schedule, cached_ops_cost, swapped_ops_bytes
 from ooc.scheduler.units import check_budget
 
 
@@ -28,6 +28,8 @@ def annotate(plan: Plan, profile: Profile) -> Plan:
             on_device = prof.input_bytes - (prof.input_swappable_bytes if decision.swap_input else 0)
             if decision.cached_ops:
                 on_device += cached_ops_cost(decision, prof)[0]
+            # Swapped cached outputs are on the host between release and copy-back, like a swapped input.
+            on_device -= swapped_ops_bytes(decision, prof)[0]
         blocks.append(replace(decision, saved_bytes=prof.saved_bytes, device_bytes=on_device))
     meta = [("predicted_peak_bytes", schedule.peak_bytes)]
     if any(b.streamed for b in plan.blocks):
@@ -106,12 +108,15 @@ def karma(profile: Profile, hardware: Hardware, budget: int | None = None, *, pr
 
 
 def op_level(profile: Profile, hardware: Hardware, budget: int | None = None, *, prefetch: int = 2,
-             options_per_block: int = 4) -> Plan:
+             options_per_block: int = 4, swapped_per_block: int = 2) -> Plan:
     """``optimal`` with each block's selective-recompute options besides keep/swap/recompute: per
     block up to ``options_per_block`` Pareto-optimal sets of op outputs to cache (the re-run skips
     those ops), with and without the input swapped (NOTE [op-level options] in
-    ``ooc.scheduler.oplevel``). On a profile without op-level detail it is ``optimal``."""
-    return optimal(profile, hardware, budget, prefetch=prefetch, selective=options_per_block, name="op-level")
+    ``ooc.scheduler.oplevel``), and up to ``swapped_per_block`` of those with the cached outputs
+    that the link hides under the next block's forward swapped to the host (NOTE [window swaps]).
+    On a profile without op-level detail it is ``optimal``."""
+    return optimal(profile, hardware, budget, prefetch=prefetch, selective=options_per_block,
+                   selective_swaps=swapped_per_block, name="op-level")
 
 
 PLANNERS = {

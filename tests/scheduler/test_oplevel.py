@@ -114,7 +114,7 @@ def test_a_cached_op_the_profile_does_not_allow_is_a_plan_error(cached, message)
 def test_cost_model_follows_the_schedule_for_selective_options():
     prof, hw = synthetic(12, 20, seed=3), preset("h100-sxm")
     opts = build_options(prof, hw, selective=4)
-    assert opts.m == 4 + 8 and opts.selective is not None
+    assert opts.m == 4 + 8 + 4 and opts.selective is not None  # 4: swapped variants (selective_swaps=2, with and without the input)
     r = np.random.default_rng(0)
     for _ in range(20):
         picks = [int(r.choice(np.flatnonzero(opts.allowed[i]))) for i in range(opts.n)]
@@ -207,4 +207,4 @@ def test_selective_options_follow_the_plain_recomputes_offered():
     assert only_keep.m == 1 and only_keep.selective is None
     no_swap = build_options(prof, hw, (BlockPlan(Policy.KEEP), BlockPlan(Policy.RECOMPUTE)), selective=3)
     assert no_swap.m == 2 + 3
-    assert all(not no_swap.choice(i, k).swap_input for i in range(4) for k in range(no_swap.m) if no_swap.allows(i, k))
+    assert all(not no_swap.choice(i, k).swaps_anything for i in range(4) for k in range(no_swap.m) if no_swap.allows(i, k))
