@@ -193,14 +193,15 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
       (first fit: a large op that no longer fits does not stop smaller ones after it);
     - an op slower to re-run than to copy out and back (``forward_s > 2 * output_bytes /
       bandwidth``) is swapped even past the window: an exposed copy costs less than not caching it;
-    - never the block's last op: its output is what the block returns (the next block's input),
-      which the runtime does not swap as a cached output; nor ops that create no storage.
+    - never an op whose output the block returns (the next block's input, which the runtime does
+      not swap as a cached output): those marked ``returned`` in a measured profile, else the
+      block's last op; nor ops that create no storage.
     The chain planner then decides, with the exact peak and the copies' exposed time in its model,
     whether the swapped variant is worth its copies (``ooc.scheduler.costmodel._add_selective``)."""
     if bandwidth <= 0:
         return ()
-    last = len(ops) - 1
-    candidates = [k for k in cached if k != last and 0 <= k < len(ops) and ops[k].output_bytes > 0]
+    returned = {k for k, op in enumerate(ops) if op.returned} or {len(ops) - 1}
+    candidates = [k for k in cached if k not in returned and 0 <= k < len(ops) and ops[k].output_bytes > 0]
     candidates.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
     room = window_s - latency_s - taken_s
     chosen = []

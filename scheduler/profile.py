@@ -36,6 +36,10 @@ class OpProfile:
       re-run re-saves those storages anyway, so caching them adds nothing at backward).
     - ``cacheable``: ``False`` for ops whose output cannot be taken from a cache without changing the
       re-run (random ops, which advance a generator; in-place ops; ops without tensor outputs).
+    - ``returned``: the block returns this op's output (or a view of it): the next block's input,
+      which stays on the device, so a plan may cache it but not swap it (``BlockPlan.swapped_ops``).
+      A measured profile marks it; where no op is marked, planners take the block's last op as the
+      one returned.
     """
 
     name: str
@@ -43,6 +47,7 @@ class OpProfile:
     output_bytes: int
     saved_bytes: int = 0
     cacheable: bool = True
+    returned: bool = False
 
     def __post_init__(self) -> None:
         checks.text(self.name, "an op's name", ProfileError, hint=_FIX)
@@ -51,6 +56,7 @@ class OpProfile:
         for name in ("output_bytes", "saved_bytes"):
             object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, where=where, hint=_FIX))
         checks.flag(self.cacheable, "cacheable", ProfileError, hint=_FIX)
+        checks.flag(self.returned, "returned", ProfileError, hint=_FIX)
         if self.saved_bytes > self.output_bytes:
             raise ProfileError(f"{where}saved_bytes exceeds output_bytes; {_FIX}")
 

@@ -89,6 +89,20 @@ def test_the_blocks_last_op_and_ops_without_storage_are_never_swapped():
         assert set(c.swapped_ops) <= set(c.cached_ops)
 
 
+def test_ops_a_measured_profile_marks_returned_are_never_swapped_and_the_last_op_may_be():
+    """A measured profile marks the ops whose outputs the block returns (``OpProfile.returned``):
+    the window skips those instead of the last op (a block returning a view of an earlier op's
+    output ends with the view)."""
+    ops = (_op("mm", 1e-3, 1), _op("out", 1e-3, 2), _op("tail", 1e-3, 1))
+    returned = tuple(OpProfile(o.name, o.forward_s, o.output_bytes, o.saved_bytes, o.cacheable, returned=(k == 1))
+                     for k, o in enumerate(ops))
+    assert window_swaps(ops, (0, 1, 2), window_s=1.0, bandwidth=1 * GB) == (0, 1)
+    assert window_swaps(returned, (0, 1, 2), window_s=1.0, bandwidth=1 * GB) == (0, 2)
+    prof = Profile.from_dict(Profile((BlockProfile("b", 3e-3, 6e-3, 4 * MiB, 4 * MiB, MiB, MiB, MiB, 0, 0, ops=returned),),
+                                     ).to_dict())
+    assert [op.returned for op in prof.blocks[0].ops] == [False, True, False]
+
+
 def test_swapped_sets_beat_the_unswapped_points_holding_as_little():
     r = random.Random(3)
     for _ in range(20):
