@@ -126,11 +126,14 @@ class _Pass:
         refuses a multi-grad hook on a leaf): removed when the backward ends or the graph dies."""
         weakref.finalize(self, _remove_all, self.timing_hooks)
 
-    def pack_hook(self, block: int, *, swap: bool, what: str) -> Callable[[torch.Tensor], object]:
+    def pack_hook(self, block: int, *, swap: bool, what: str, swap_all: bool = False) -> Callable[[torch.Tensor], object]:
+        """The block's pack hook; ``swap_all``: swap every storage, uncompressed, whatever its size
+        (swapped cached outputs: NOTE [swapped cached ops] in ``ooc.scheduler.schedule``)."""
         rt = self.rt
         on_swapped = self.swapped[block].append
         return make_pack_hook(
-            codec=rt.plan.blocks[block].codec if swap else Codec.NONE,
+            codec=rt.plan.blocks[block].codec if swap and not swap_all else Codec.NONE,
+            swap_all=swap_all,
             block=block,
             swap=swap,
             what=what,
@@ -309,9 +312,14 @@ class _BlockForward:
                     timer=lambda what: rt.timer(i, what),
                     check_recompute=rt.check_recompute,
                     cached_ops=decision.cached_ops,
-                    # Cached op outputs are kept (never swapped) and counted as "cache" until the block's
-                    # backward ends (NOTE [selective recompute] in ooc.op_profile).
+                    # Cached op outputs are kept and counted as "cache" until the block's backward ends
+                    # (NOTE [selective recompute] in ooc.op_profile), ...
                     keep_cached=step.pack_hook(i, swap=False, what="cache") if decision.cached_ops else None,
+                    # ... except those of swapped_ops: the swap engine copies them out now, the schedule's
+                    # RELEASE and SWAP_IN of this block move them with its other swapped bytes, and they
+                    # are registered with this pass like them (NOTE [swapped cached ops] in ooc.scheduler.schedule).
+                    swapped_ops=decision.swapped_ops,
+                    swap_cached=step.pack_hook(i, swap=True, what="cache", swap_all=True) if decision.swapped_ops else None,
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))
