@@ -17,6 +17,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
+import ooc.backend
 from ooc.models import GPT, ResNet
 from ooc.models.gpt import GPTConfig
 from ooc.op_profile import OpRecorder
@@ -403,6 +404,44 @@ def test_run_recomputed_needs_a_swap_hook_and_swapped_among_cached() -> None:
         run_recomputed(lin.forward, lin, (x,), {}, cached_ops=(1,), keep_cached=lambda t: t, swapped_ops=(2,), **common)
     with pytest.raises(ValueError, match="swapped_ops needs swap_cached"):
         run_recomputed(lin.forward, lin, (x,), {}, cached_ops=(1,), keep_cached=lambda t: t, swapped_ops=(1,), **common)
+
+
+class _NoComputeWait(ooc.backend.CpuBackend):
+    """The bug: compute never waits for a copy (a released storage, a copied-back one read at once)."""
+
+    def wait_compute(self, event) -> None:  # noqa: ANN001
+        return None
+
+
+class _NoProducerWait(ooc.backend.CpuBackend):
+    """The bug: a copy out starts without waiting for the compute that wrote its source."""
+
+    def copy_d2h(self, dst, src, after):  # noqa: ANN001, ANN201
+        return super().copy_d2h(dst, src, ())
+
+
+@pytest.mark.parametrize("broken, message", [(_NoComputeWait, "H2D copy"), (_NoProducerWait, "D2H copy")],
+                         ids=["compute-skips-the-copy-back", "copy-out-skips-the-producer"])
+def test_the_stream_order_checker_sees_the_swapped_cached_copies(broken, message: str, gpt_profile, returned) -> None:  # noqa: ANN001
+    """Only swapped cached outputs move in this plan (no SWAP block, no swapped input): a sync missing
+    on their path raises on the CPU backend, as it would race on a GPU."""
+    from ooc.backend.order import StreamOrderError
+
+    rng = random.Random(stable_seed("order"))
+    plan = _random_plan(gpt_profile, returned["gpt"], rng, "WK")
+    plan = ooc.Plan(blocks=tuple(b if b.policy is ooc.Policy.KEEP else ooc.BlockPlan("recompute", cached_ops=b.cached_ops,
+                                                                                   swapped_ops=b.swapped_ops)
+                                 for b in plan.blocks), min_swap_bytes=1 << 30)
+    backend = broken(chaos=ooc.backend.ChaosConfig(seed=2, max_delay_s=0.002), check_order=True)
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    ooc.wrap(model, plan, backend=backend)
+    try:
+        with pytest.raises(StreamOrderError, match=message):
+            gpt_loss(model, gpt_batch()).backward()
+    finally:
+        ooc.unwrap(model)
+        backend.close()
 
 
 # -- a graph dropped without its backward ---------------------------------------------------------
