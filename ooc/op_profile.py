@@ -373,9 +373,9 @@ class ForwardCache(OpCounter):
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                 if op in self.swapped:
-                    # The block's output is the next block's input: it stays on the device, so its
-                    # storage cannot also be released to the host (the release would count as freed
-                    # bytes that the next block still holds).
+                    # The block's output is the next block's input and stays on the device: its
+                    # release would count as freed bytes the next block still holds, and its copy back
+                    # would allocate them a second time (measured equal to the schedule, wrong on a GPU).
                     raise self.error(
                         f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the block "
                         f"returns (the next block's input stays on the device); leave op {op} out of swapped_ops "

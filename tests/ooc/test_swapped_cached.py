@@ -247,6 +247,26 @@ def test_a_retained_graph_reruns_from_the_swapped_cache(backend: str, gpt_profil
     assert swapped_in == moved  # brought back once: the second backward reads the same copies
 
 
+def test_two_graphs_alive_at_once_keep_their_own_swapped_outputs(gpt_profile, returned) -> None:
+    """Gradient accumulation over two forwards before one backward: each pass releases and brings
+    back its own swapped outputs; the gradients equal plain PyTorch's and nothing stays counted."""
+    plan = _random_plan(gpt_profile, returned["gpt"], random.Random(stable_seed("accumulate")), "WwK")
+    grads = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        if wrap:
+            ooc.wrap(model, plan, backend="chaos")
+        torch.manual_seed(5)
+        losses = [gpt_loss(model, gpt_batch(seed=s)) for s in range(2)]
+        (losses[0] + losses[1]).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        if wrap:
+            assert ooc.memory_report(model).current_bytes == 0
+            ooc.unwrap(model)
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
+
+
 # -- memory ---------------------------------------------------------------------------------------
 
 
