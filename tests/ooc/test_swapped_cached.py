@@ -355,6 +355,48 @@ def test_swapped_outputs_follow_the_schedules_release_and_swap_in(gpt_profile, r
     assert report.current_bytes == 0
 
 
+class _TwoMul(nn.Module):
+    """``(x * 2) * 3``: two cacheable ops, nothing saved for backward (a product by a number saves nothing)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x * 2) * 3
+
+
+class _Sandwich(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(64, 64), _TwoMul(), nn.Linear(64, 64)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.sum()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_block_that_saves_nothing_holds_its_swapped_outputs_as_planned(prefetch: int) -> None:
+    """The block's recompute frame is held by nothing once its forward ends (no saved tensor, no
+    unpack hook): its swapped output must live until the schedule releases it, come back at the
+    SWAP_IN, and be freed when the block's backward ends (NOTE [a frame that saves nothing])."""
+    torch.manual_seed(0)
+    model = _Sandwich()
+    x = torch.randn(32, 64, requires_grad=True)
+    prof = ooc.profile(model, (x,), blocks=model.blocks, ops=True, codec_errors=False, reps=1, min_swap_bytes=1024)
+    assert prof.blocks[1].saved_bytes == 0 and [op.cacheable for op in prof.blocks[1].ops] == [True, True]
+    plan = ooc.Plan(blocks=(ooc.BlockPlan("keep"), ooc.BlockPlan("recompute", cached_ops=(0,), swapped_ops=(0,)),
+                            ooc.BlockPlan("keep")), min_swap_bytes=1024, prefetch=prefetch)
+    ooc.wrap(model, plan, blocks=model.blocks, backend="chaos")
+    try:
+        runtime_of(model).tracker.log = log = []
+        model(x).backward()
+        report = ooc.memory_report(model)
+    finally:
+        ooc.unwrap(model)
+    moved = prof.blocks[1].ops[0].output_bytes
+    assert [e[2] for e in log if e[0] in ("release", "swap_in")] == [-moved, moved]
+    assert (report.peak_bytes, report.current_bytes) == (build_schedule(plan, prof).peak_bytes, 0)
+
+
 # -- refusals and units ---------------------------------------------------------------------------
 
 
