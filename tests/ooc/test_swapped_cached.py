@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils._pytree import tree_leaves
 
 import ooc
 import ooc.backend
@@ -95,16 +96,16 @@ def vit_profile():
                        min_swap_bytes=1024)
 
 
-def _returned_ops(make, call) -> list[set[int]]:  # noqa: ANN001
+def _returned_ops(make, call, blocks=lambda m: m.blocks) -> list[set[int]]:  # noqa: ANN001
     """Per block of ``make()``, the ops whose outputs the block returns (found without ooc: a dispatch
     mode that names the creator of each storage, NOTE [counting a block's ops])."""
     torch.manual_seed(0)
     model = make()
     result: list[set[int]] = []
-    for block in model.blocks:
+    for block in blocks(model):
         original = block.forward
 
-        def forward(*args, original=original):  # noqa: ANN002, ANN202
+        def forward(*args, original=original, **kwargs):  # noqa: ANN002, ANN003, ANN202
             recorder = OpRecorder(torch.device("cpu"))
 
             def pack(t: torch.Tensor) -> torch.Tensor:
@@ -112,8 +113,8 @@ def _returned_ops(make, call) -> list[set[int]]:  # noqa: ANN001
                     return t.detach()
 
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), recorder:
-                out = original(*args)
-            outs = [out] if isinstance(out, torch.Tensor) else [t for t in out if isinstance(t, torch.Tensor)]
+                out = original(*args, **kwargs)
+            outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
             result.append({recorder._creator[p] for t in outs if (p := t.untyped_storage().data_ptr()) in recorder._creator})
             return out
 
@@ -211,8 +212,8 @@ def test_hf_vit_swapped_cached_outputs_equal_plain() -> None:
     loss = lambda m, b: m(pixel_values=b[0], labels=b[1]).loss  # noqa: E731
     torch.manual_seed(0)
     prof = ooc.profile(make(), {"pixel_values": x, "labels": y}, ops=True, codec_errors=False, reps=1)
-    # HF's layer returns a tensor whose storage the last op made; never swap an op near the end.
-    returned = [set(range(len(b.ops) - 4, len(b.ops))) for b in prof.blocks]
+    returned = _returned_ops(make, lambda m: loss(m, (x, y)), lambda m: m.vit.layers)
+    assert [b.name for b in prof.blocks] == [f"vit.layers.{k}" for k in range(3)] and all(returned)
     for seed in range(2):
         plan = _random_plan(prof, returned, random.Random(stable_seed("hf-vit", seed)), "Ww")
         with warnings.catch_warnings():
@@ -220,6 +221,30 @@ def test_hf_vit_swapped_cached_outputs_equal_plain() -> None:
             results = train_side_by_side(make, loss, [(x, y), (x.flip(0), y)],
                                          lambda m, p=plan: ooc.wrap(m, p, backend="chaos"))
         assert results == [(True, True, True)] * 2, plan
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_hf_llama_swapped_cached_outputs_equal_plain(attn: str) -> None:
+    """Decoder layers called with keyword arguments (rotary embeddings, masks), grouped-query attention."""
+    transformers = pytest.importorskip("transformers")
+
+    def make() -> nn.Module:
+        config = transformers.LlamaConfig(
+            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
+        return transformers.LlamaForCausalLM(config).train()
+
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
+    torch.manual_seed(0)
+    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
+    returned = _returned_ops(make, lambda m: loss(m, x), lambda m: m.model.layers)
+    assert len(returned) == len(prof) and all(returned)
+    plan = _random_plan(prof, returned, random.Random(stable_seed("llama", attn)), "WwC")
+    results = train_side_by_side(make, loss, [x, x.flip(1)], lambda m: ooc.wrap(m, plan, backend="chaos"))
+    assert results == [(True, True, True)] * 2, plan
+    measured, _ = _measure(make, lambda m: loss(m, x), plan)
+    assert measured.peak_bytes == build_schedule(plan, prof).peak_bytes, plan
 
 
 @pytest.mark.parametrize("backend", ["cpu", "chaos"])
