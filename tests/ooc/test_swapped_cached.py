@@ -586,7 +586,10 @@ def test_a_graph_dropped_without_backward_frees_the_swapped_cached_outputs(backe
         assert runtime.pool.allocated_bytes == pooled
         # A copy out still queued holds its source until it runs: wait for the copy engines first.
         runtime.backend.synchronize()
-        assert _live_storages() == baseline
+        # Nothing lives that did not before (a storage alive at the baseline may have died since: after
+        # the chaos tests above, one of 2048 bytes was seen at the baseline and gone a moment later).
+        after = _live_storages()
+        assert {p: n for p, n in after.items() if baseline.get(p) != n} == {}
         model(*batch)[1].backward()
         assert ooc.memory_report(model).current_bytes == 0
     finally:
