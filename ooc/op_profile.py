@@ -23,6 +23,12 @@ skipped random op would leave its generator where it was and shift every later d
 ``dropout_p=0`` draws nothing), does not modify a tensor in place, and whose outputs nothing modifies
 in place afterwards (the forward's ops are checked by storage; the block's outputs that lie in a
 cached storage, by version counter before each re-run).
+The outputs of ``BlockPlan.swapped_ops`` (among the cached ones) go through the block's swap hook
+instead of its keep hook: the swap engine copies each storage to the host as its op ends, the
+schedule's RELEASE drops the device bytes and its SWAP_IN brings them back before the block's
+backward, where ``Replay`` loads them like kept ones (NOTE [swapped cached ops] in
+``ooc.scheduler.schedule``). An output the block returns cannot be swapped (``ForwardCache.finish``
+refuses it): it is the next block's input and stays on the device.
 """
 
 from __future__ import annotations
@@ -295,15 +301,26 @@ def _first_difference(a: list[str], b: list[str]) -> str:
 
 class ForwardCache(OpCounter):
     """The forward of a selectively recomputed block: keeps the outputs of the ``cached`` ops through
-    ``keep`` (the block's keep hook) and records every op, for the re-run (NOTE [selective recompute])."""
+    ``keep`` (the block's keep hook) and records every op, for the re-run (NOTE [selective recompute]).
+
+    The outputs of the ``swapped`` ops (a subset of ``cached``) go through ``swap`` instead (the
+    block's swap hook: copied to the host, NOTE [swapped cached ops] in ``ooc.scheduler.schedule``);
+    the re-run's ``load`` brings them back as it does a kept one."""
 
     def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
-                 error: type[Exception]) -> None:
+                 error: type[Exception], *, swapped: tuple[int, ...] = (),
+                 swap: Callable[[torch.Tensor], object] | None = None) -> None:
         super().__init__()
+        if not set(swapped) <= set(cached):
+            raise ValueError(f"ForwardCache: swapped ops {sorted(set(swapped) - set(cached))[:8]} are not among the cached ops")
+        if swapped and swap is None:
+            raise ValueError("ForwardCache: swapped ops need a swap hook")
         self.block = block
         self.cached = frozenset(cached)
+        self.swapped = frozenset(swapped)
         self.last = max(cached)
         self.keep = keep
+        self.swap = swap
         self.error = error
         self.funcs: list[torch._ops.OpOverload] = []
         self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
@@ -339,7 +356,11 @@ class ForwardCache(OpCounter):
             for t in aliases:
                 if isinstance(t, torch.Tensor):
                     self.storages[t.untyped_storage().data_ptr()] = index
-            self.outputs[index] = (spec, [(True, self.keep(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
+            # A swapped output's copy out is issued here, after a compute event recorded past this op
+            # (SwappedStorage): the rest of the forward only reads the storage (a write is refused
+            # above), and its device bytes live until the schedule's RELEASE waits for that copy.
+            hold = self.swap if index in self.swapped else self.keep
+            self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
     def finish(self, out: Any) -> None:
@@ -351,6 +372,15 @@ class ForwardCache(OpCounter):
                              "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
+                if op in self.swapped:
+                    # The block's output is the next block's input and stays on the device: its
+                    # release would count as freed bytes the next block still holds, and its copy back
+                    # would allocate them a second time (measured equal to the schedule, wrong on a GPU).
+                    raise self.error(
+                        f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the block "
+                        f"returns (the next block's input stays on the device); leave op {op} out of swapped_ops "
+                        "(it may stay in cached_ops)"
+                    )
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
                 self.escaped.append((alias, alias._version, op))
 

@@ -29,7 +29,8 @@ What ooc adds to torch's mechanism:
 - A block that modifies one of its tensor arguments in place, or whose argument is modified in place
   before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
 - Selective recompute (``cached_ops``): the forward keeps the outputs of some ops and the re-run
-  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``).
+  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``);
+  those of ``swapped_ops`` wait on the host in between, moved by the swap engine.
 
 NOTE [the re-run sees the forward's state]
 Autograd checks that a saved tensor was not modified in place before backward reads it (its
@@ -504,6 +505,8 @@ def run_recomputed(
     check_recompute: bool = False,
     cached_ops: tuple[int, ...] = (),
     keep_cached: Callable[[torch.Tensor], object] | None = None,
+    swapped_ops: tuple[int, ...] = (),
+    swap_cached: Callable[[torch.Tensor], object] | None = None,
 ) -> Any:
     """Run ``forward(*args, **kwargs)`` (``module``'s forward) keeping only its tensor arguments for backward.
 
@@ -516,6 +519,9 @@ def run_recomputed(
     ``cached_ops``: selective recompute (NOTE [selective recompute] in ``ooc.op_profile``): the
     outputs of these ops of the forward (counted in dispatch order) go through ``keep_cached`` and the
     re-run returns them instead of running the ops (their storages come back through ``load_input``).
+    ``swapped_ops`` (among ``cached_ops``): these outputs go through ``swap_cached`` instead (the
+    swap engine: NOTE [swapped cached ops] in ``ooc.scheduler.schedule``); an output the block returns
+    cannot be swapped (it is the next block's input) and raises :class:`RecomputeError`.
     Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
     leaves, spec = tree_flatten((args, kwargs))
@@ -529,10 +535,14 @@ def run_recomputed(
     frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     frame.hold_inputs(leaves, spec, save_input, load_input)
     before = [leaves[k]._version for k in frame.tensor_slots]
+    if swapped_ops and not set(swapped_ops) <= set(cached_ops):
+        raise ValueError(f"run_recomputed: swapped_ops {sorted(set(swapped_ops) - set(cached_ops))[:8]} are not among "
+                         "cached_ops")
     if cached_ops:
-        if keep_cached is None:
-            raise ValueError("run_recomputed: cached_ops needs keep_cached")
-        frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError)
+        if keep_cached is None or (swapped_ops and swap_cached is None):
+            raise ValueError("run_recomputed: cached_ops needs keep_cached, and swapped_ops needs swap_cached")
+        frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError,
+                                   swapped=tuple(swapped_ops), swap=swap_cached)
     with (
         saved_tensors_hooks(frame.pack_forward, frame.unpack),
         timer("forward"),

@@ -101,6 +101,14 @@ class _Pass:
         self.rt = runtime
         n = len(runtime.chain)
         self.swapped: list[list[weakref.ref[SwappedStorage]]] = [[] for _ in range(n)]
+        self.frame_swapped: list[list[SwappedStorage]] = [[] for _ in range(n)]
+        """A recomputed block's swapped records (its input, its swapped cached outputs), held until
+        the block's backward is over. NOTE [a frame that saves nothing]: their owner is the block's
+        recompute frame, which the graph holds through the unpack hooks of what the block saved; a
+        block that saves nothing (an identity, ``x * 2``) leaves no hook, so the frame and the records
+        died with its forward and their bytes were freed before the RELEASE the schedule plans for
+        them. Held here too, they live as the schedule says: released, copied back, freed when the
+        block's backward ends, as a kept block's bytes are (``free_kept``)."""
         self.kept = [0] * n
         self.last_forward = -1
         self.backward_started = False
@@ -126,11 +134,21 @@ class _Pass:
         refuses a multi-grad hook on a leaf): removed when the backward ends or the graph dies."""
         weakref.finalize(self, _remove_all, self.timing_hooks)
 
-    def pack_hook(self, block: int, *, swap: bool, what: str) -> Callable[[torch.Tensor], object]:
+    def pack_hook(self, block: int, *, swap: bool, what: str, swap_all: bool = False) -> Callable[[torch.Tensor], object]:
+        """The block's pack hook; ``swap_all``: swap every storage, uncompressed, whatever its size
+        (swapped cached outputs: NOTE [swapped cached ops] in ``ooc.scheduler.schedule``)."""
         rt = self.rt
-        on_swapped = self.swapped[block].append
+        swapped, held = self.swapped[block], self.frame_swapped[block]
+        recomputed = rt.plan.blocks[block].policy is Policy.RECOMPUTE
+
+        def on_swapped(storage: SwappedStorage) -> None:
+            swapped.append(weakref.ref(storage))
+            if recomputed:
+                held.append(storage)  # NOTE [a frame that saves nothing]
+
         return make_pack_hook(
-            codec=rt.plan.blocks[block].codec if swap else Codec.NONE,
+            codec=rt.plan.blocks[block].codec if swap and not swap_all else Codec.NONE,
+            swap_all=swap_all,
             block=block,
             swap=swap,
             what=what,
@@ -139,7 +157,7 @@ class _Pass:
             min_swap_bytes=rt.plan.min_swap_bytes,
             ctx=rt.swap_ctx,
             on_kept=self.keep,
-            on_swapped=lambda storage: on_swapped(weakref.ref(storage)),
+            on_swapped=on_swapped,
             param_view=rt.streamer.view_of if rt.plan.blocks[block].streamed else None,
             # The forward's keeps share one ledger; a re-run counts what it re-saves on its own.
             shared=self.device_ledger if what == "save" else None,
@@ -190,6 +208,7 @@ class _Pass:
     def free_kept(self, blocks: range) -> None:
         """The kept storages of ``blocks`` are gone: their backward is over (or their graph is)."""
         for block in blocks:
+            self.frame_swapped[block].clear()  # NOTE [a frame that saves nothing]
             if self.kept[block]:
                 self.rt.tracker.free(block, self.kept[block])
                 self.kept[block] = 0
@@ -309,9 +328,14 @@ class _BlockForward:
                     timer=lambda what: rt.timer(i, what),
                     check_recompute=rt.check_recompute,
                     cached_ops=decision.cached_ops,
-                    # Cached op outputs are kept (never swapped) and counted as "cache" until the block's
-                    # backward ends (NOTE [selective recompute] in ooc.op_profile).
+                    # Cached op outputs are kept and counted as "cache" until the block's backward ends
+                    # (NOTE [selective recompute] in ooc.op_profile), ...
                     keep_cached=step.pack_hook(i, swap=False, what="cache") if decision.cached_ops else None,
+                    # ... except those of swapped_ops: the swap engine copies them out now, the schedule's
+                    # RELEASE and SWAP_IN of this block move them with its other swapped bytes, and they
+                    # are registered with this pass like them (NOTE [swapped cached ops] in ooc.scheduler.schedule).
+                    swapped_ops=decision.swapped_ops,
+                    swap_cached=step.pack_hook(i, swap=True, what="cache", swap_all=True) if decision.swapped_ops else None,
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))

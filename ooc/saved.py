@@ -322,6 +322,7 @@ def make_pack_hook(
     codec: Codec = Codec.NONE,
     param_view: Callable[[torch.Tensor], object | None] | None = None,
     shared: DeviceLedger | None = None,
+    swap_all: bool = False,
 ) -> Callable[[torch.Tensor], object]:
     """The pack hook for one block's forward (or recomputation): keep or swap each saved storage.
 
@@ -344,7 +345,12 @@ def make_pack_hook(
     block with streamed parameters, turns a view of one into a reference (NOTE [streamed parameters]).
     ``shared``: the pass's ledger of kept storages; one an earlier block counts is not counted again
     (NOTE [storages shared between blocks] in ``ooc.scheduler.sharing``).
+    ``swap_all`` (with ``swap``): every device storage with bytes is swapped uncompressed, whatever
+    its size: ``min_swap_bytes`` does not apply (a selective RECOMPUTE's swapped cached outputs,
+    which the plan chose one by one: NOTE [swapped cached ops] in ``ooc.scheduler.schedule``).
     """
+    if swap_all and (not swap or codec is not Codec.NONE):
+        raise ValueError(f"make_pack_hook: swap_all needs swap=True and codec none, got swap={swap}, codec {codec.value}")
     # Per call, a fresh ledger: a storage address is only trusted while this block runs and holds
     # it, never across a release (the allocator may hand the address to another tensor). The ledger
     # dies with this closure when the block's forward ends.
@@ -364,7 +370,7 @@ def make_pack_hook(
         if ptr in skip_ptrs:
             return _kept(tensor)
         nbytes = storage.nbytes()
-        if not swap or nbytes < min_swap_bytes:
+        if not swap or nbytes < (1 if swap_all else min_swap_bytes):  # an empty storage has nothing to move
             kept = _kept(tensor)
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None
