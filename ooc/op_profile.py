@@ -177,6 +177,8 @@ class OpRecorder(OpCounter):
         """Per op: storage address -> bytes, for the new storages it created on the block's device."""
         self.saved: list[set[int]] = []
         self.why_not: list[str | None] = []
+        self.returned: set[int] = set()
+        """The ops whose storages the block returns (``note_returned``)."""
         self._creator: dict[int, int] = {}
         """Storage address -> the latest op that created a storage there: while a storage lives, no
         other op can create one at its address, so this names the creator of every live storage."""
@@ -209,6 +211,14 @@ class OpRecorder(OpCounter):
         storage = _storage(tensor)
         if storage is not None and tensor.device == self.device and (op := self._creator.get(storage.data_ptr())) is not None:
             self.saved[op].add(storage.data_ptr())
+
+    def note_returned(self, out: Any) -> None:
+        """The block returned ``out``: mark the ops that created its storages (``OpProfile.returned``:
+        the next block's input, which a plan may cache but not swap)."""
+        for t in _tensors(out):
+            storage = _storage(t)
+            if storage is not None and (op := self._creator.get(storage.data_ptr())) is not None:
+                self.returned.add(op)
 
     def seconds(self) -> list[float]:
         return [self.clock.seconds(s) for s in self.stamps]
@@ -251,6 +261,7 @@ def measure_ops(
 
             with saved_tensors_hooks(pack, _never_unpacked), recorder:
                 out = original(*args, **kwargs)
+            recorder.note_returned(out)
             records[i].append(recorder)
             return out
 
@@ -285,8 +296,9 @@ def measure_ops(
         times = [statistics.median(column) for column in zip(*(r.seconds() for r in runs))]
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
-                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None)
-            for op, seconds, created, saved, why in zip(last.names, times, last.created, last.saved, last.why_not)
+                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned)
+            for k, (op, seconds, created, saved, why) in enumerate(zip(last.names, times, last.created, last.saved,
+                                                                       last.why_not))
         ))
     return profiles
 

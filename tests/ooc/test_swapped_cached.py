@@ -7,6 +7,7 @@ events allow); the measured peak equals the schedule's; a returned output cannot
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import gc
 import random
 import warnings
@@ -132,6 +133,64 @@ def returned():
     }
 
 
+def _marked(prof) -> list[set[int]]:  # noqa: ANN001
+    """Per block, the ops the measured profile marks ``returned``."""
+    return [{k for k, op in enumerate(b.ops) if op.returned} for b in prof.blocks]
+
+
+def test_measured_profiles_mark_the_ops_whose_outputs_the_block_returns(gpt_profile, cnn_profile, vit_profile,
+                                                                         returned) -> None:
+    for name, prof in (("gpt", gpt_profile), ("cnn", cnn_profile), ("vit", vit_profile)):
+        assert _marked(prof) == returned[name] and all(returned[name]), name
+
+
+class _ViewEndBlock(_VitBlock):
+    """A block that returns a view of its residual add: its last op is the view, the storage it
+    returns is the add's."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = super().forward(x)
+        return out.view(out.shape[0], -1, out.shape[-1])
+
+
+def _view_end_vit() -> nn.Module:
+    model = _Vit()
+    model.blocks = nn.ModuleList([_ViewEndBlock() for _ in model.blocks])
+    return model
+
+
+def test_op_level_plans_from_a_measured_profile_never_swap_a_returned_output_and_equal_plain() -> None:
+    """Blocks returning a view of an earlier op's output: the measured profile marks that op, the
+    options the op-level planner is handed (a link fast enough to hide every cached output) swap
+    cached outputs but never it, and plans of those options run bit-identically to plain PyTorch
+    with their predicted peak."""
+    from ooc.scheduler import preset
+    from ooc.scheduler.costmodel import build_options
+
+    x, y = _cnn_batch()
+    torch.manual_seed(0)
+    prof = ooc.profile(_view_end_vit(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True,
+                       codec_errors=False, min_swap_bytes=1024)
+    marked = _marked(prof)
+    assert marked == _returned_ops(_view_end_vit, lambda m: m(x))
+    assert all(len(p.ops) - 1 not in b and b for b, p in zip(marked, prof.blocks))  # the last op is the view
+    link = dataclasses.replace(preset("h100-sxm"), h2d=1e15, d2h=1e15, h2d_duplex=1e15, d2h_duplex=1e15,
+                               copy_latency_s=0.0, copy_issue_s=0.0)
+    opts = build_options(prof, link, selective=4, selective_swaps=3)
+    variants = [[c for k in range(opts.m) if opts.allows(i, k) and (c := opts.choice(i, k)).swapped_ops]
+                for i in range(opts.n)]
+    assert all(variants), variants
+    assert all(not set(c.swapped_ops) & marked[i] for i, vs in enumerate(variants) for c in vs)
+    plans = [ooc.Plan(tuple(vs[j % len(vs)] for vs in variants), prefetch=1, min_swap_bytes=1024)
+             for j in range(max(map(len, variants)))]
+    for plan in plans:
+        results = train_side_by_side(_view_end_vit, ce_loss, [(x, y), (x.flip(0), y)],
+                                     lambda m, p=plan: ooc.wrap(m, p, backend="chaos"))
+        assert results == [(True, True, True)] * 2, plan
+        report, _ = _measure(_view_end_vit, lambda m: F.cross_entropy(m(x), y), plan)
+        assert report.peak_bytes == build_schedule(plan, prof).peak_bytes, plan
+
+
 def _block(block, rng: random.Random, letter: str, returned: set[int]) -> ooc.BlockPlan:  # noqa: ANN001
     """``K`` keep, ``S`` swap, ``R`` recompute, ``r`` recompute with its input swapped, ``C`` selective
     recompute (a random subset of the cacheable ops), ``W`` selective with a random part of the
@@ -214,6 +273,7 @@ def test_hf_vit_swapped_cached_outputs_equal_plain() -> None:
     prof = ooc.profile(make(), {"pixel_values": x, "labels": y}, ops=True, codec_errors=False, reps=1)
     returned = _returned_ops(make, lambda m: loss(m, (x, y)), lambda m: m.vit.layers)
     assert [b.name for b in prof.blocks] == [f"vit.layers.{k}" for k in range(3)] and all(returned)
+    assert _marked(prof) == returned  # the profile names them itself (OpProfile.returned)
     for seed in range(2):
         plan = _random_plan(prof, returned, random.Random(stable_seed("hf-vit", seed)), "Ww")
         with warnings.catch_warnings():
