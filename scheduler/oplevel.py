@@ -200,7 +200,7 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
     whether the swapped variant is worth its copies (``ooc.scheduler.costmodel._add_selective``)."""
     if bandwidth <= 0:
         return ()
-    returned = {k for k, op in enumerate(ops) if op.returned} or {len(ops) - 1}
+    returned = _returned(ops)
     candidates = [k for k in cached if k not in returned and 0 <= k < len(ops) and ops[k].output_bytes > 0]
     candidates.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
     room = window_s - latency_s - taken_s
@@ -213,6 +213,11 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
         elif ops[k].forward_s > 2 * copy_s:
             chosen.append(k)
     return tuple(sorted(chosen))
+
+
+def _returned(ops: Sequence[OpProfile]) -> set[int]:
+    """The ops whose outputs the block returns: those a measured profile marks, else the last."""
+    return {k for k, op in enumerate(ops) if op.returned} or {len(ops) - 1}
 
 
 @dataclass(frozen=True)
@@ -232,7 +237,7 @@ def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int
 
     The candidates: each unswapped point (the free ops alone, then each of ``sets``: prefixes of
     the ops by seconds per byte) as it is, and extended by the next ops of that order whose copies
-    still fit the window (first fit; never the last op); :func:`window_swaps` picks what of each
+    still fit the window (first fit; never an op the block returns); :func:`window_swaps` picks what of each
     goes to the host. Kept: those that skip more seconds than any unswapped point holding no more
     (else the link buys nothing), then the vertices of the upper hull of (resident bytes, seconds
     skipped) (the points a priced search over the chain can prefer), the ``count`` holding least:
@@ -240,7 +245,7 @@ def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int
     if count <= 0 or bandwidth <= 0:
         return []
     free, items = _hull_order(ops)
-    last = len(ops) - 1
+    returned = _returned(ops)
     plain = [(sum(ops[k].output_bytes for k in free), sum(ops[k].forward_s for k in free))]
     plain += [(s.bytes, s.saved_s) for s in sets]
     lengths = sorted({0, *(len(s.ops) - len(free) for s in sets)})
@@ -250,7 +255,7 @@ def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int
         chosen = list(items[:length])
         for k in items[length:] if extend else ():
             copy_s = ops[k].output_bytes / bandwidth
-            if k != last and copy_s <= room:
+            if k not in returned and copy_s <= room:
                 chosen.append(k)
                 room -= copy_s
         cached = _prefix(ops, free, chosen, len(chosen))
