@@ -76,3 +76,14 @@ def train_side_by_side(
         if ooc.is_wrapped(wrapped):
             ooc.unwrap(wrapped)
     return results
+
+
+def tiny_llama(attn: str) -> nn.Module:
+    """A 3-layer HF Llama in training mode (grouped-query attention, rotary embeddings, decoder
+    layers called with keyword arguments), vocabulary 97; needs transformers."""
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
+    return transformers.LlamaForCausalLM(config).train()

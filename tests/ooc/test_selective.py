@@ -4,6 +4,7 @@ the tracker counts the cache as the planner models it (NOTE [selective recompute
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
@@ -16,7 +17,7 @@ import ooc
 from ooc.models import GPT, ResNet
 from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
-from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, train_side_by_side
+from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, tiny_llama, train_side_by_side
 
 
 def _cnn() -> nn.Module:
@@ -179,13 +180,8 @@ def test_cnn_with_batchnorm_random_cached_subsets_equal_plain(seed: int, cnn_pro
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_llama_random_cached_subsets_equal_plain(attn: str) -> None:
-    transformers = pytest.importorskip("transformers")
-
-    def make() -> nn.Module:
-        config = transformers.LlamaConfig(
-            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
-        return transformers.LlamaForCausalLM(config).train()
+    pytest.importorskip("transformers")
+    make = functools.partial(tiny_llama, attn)
 
     x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import gc
 import random
 import warnings
@@ -26,7 +27,7 @@ from ooc.op_profile import OpRecorder
 from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
 from ooc.scheduler import build_schedule
-from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, train_side_by_side
+from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, tiny_llama, train_side_by_side
 
 
 def _cnn() -> nn.Module:
@@ -286,13 +287,8 @@ def test_hf_vit_swapped_cached_outputs_equal_plain() -> None:
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_llama_swapped_cached_outputs_equal_plain(attn: str) -> None:
     """Decoder layers called with keyword arguments (rotary embeddings, masks), grouped-query attention."""
-    transformers = pytest.importorskip("transformers")
-
-    def make() -> nn.Module:
-        config = transformers.LlamaConfig(
-            vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
-        return transformers.LlamaForCausalLM(config).train()
+    pytest.importorskip("transformers")
+    make = functools.partial(tiny_llama, attn)
 
     x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
     loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
