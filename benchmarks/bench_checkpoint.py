@@ -26,7 +26,10 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 ``--profile`` also prints where the writer thread spends its time over the timed lazy saves
 (cProfile, by own time: checksums, writes, fsyncs, serialization).
 
-Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``.
+Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``. The step
+figures vary by several points from run to run with 2 rounds; the README quotes ``--rounds 6``. With
+``OMP_NUM_THREADS=1`` the training runs on one core and the writer has the other (as on a GPU host,
+whose cores the training mostly leaves idle); the header line says how many threads torch used.
 """
 
 from __future__ import annotations
