@@ -449,7 +449,9 @@ class _AsideBuffers:
     aside]); the optimizer's thread takes them, the writer thread hands a written version's back."""
 
     def __init__(self) -> None:
-        self._free: dict[tuple[torch.dtype, tuple[int, ...]], list[torch.Tensor]] = {}
+        self._free: dict[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]], list[torch.Tensor]] = {}
+        """(dtype, shape, strides) -> kept buffers: the writer reads a non-contiguous buffer through a
+        contiguous copy per slice, so a buffer goes only to a tensor laid out as it is."""
         self._lock = threading.Lock()
         self.reused = 0
         """Copies aside made into a buffer kept from an earlier version (over every save so far)."""
@@ -457,7 +459,7 @@ class _AsideBuffers:
     def copy(self, tensor: torch.Tensor) -> torch.Tensor:
         """A host copy of ``tensor``: into a kept buffer of its dtype and shape if there is one."""
         with self._lock:
-            free = self._free.get((tensor.dtype, tuple(tensor.shape)))
+            free = self._free.get((tensor.dtype, tuple(tensor.shape), tensor.stride()))
             buffer = free.pop() if free else None
         if buffer is None:
             return tensor.detach().to("cpu", copy=True)
@@ -472,7 +474,7 @@ class _AsideBuffers:
         with self._lock:
             self._free = {}
             for b in buffers:
-                self._free.setdefault((b.dtype, tuple(b.shape)), []).append(b)
+                self._free.setdefault((b.dtype, tuple(b.shape), b.stride()), []).append(b)
 
 
 class _Snapshot:
@@ -571,6 +573,8 @@ class Checkpointer:
         self._snapshot: _Snapshot | None = None
         self._aside = _AsideBuffers()
         """Buffers of the last version's copies aside (NOTE [reused copies aside])."""
+        self._closed = False
+        """Set by :meth:`close`: ``save`` refuses."""
         self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
             and hasattr(optimizer, "buckets") and not getattr(optimizer, "delayed_update", True)
         """Lazy snapshots (NOTE [lazy snapshots]): HostAdamW without delayed_update only."""
@@ -597,6 +601,10 @@ class Checkpointer:
         ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
         save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
         returns False at once (NOTE [skipped saves]; one rank only)."""
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
+                                  "be written unprotected from the next updates); make a new Checkpointer on the "
+                                  "directory to save again")
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if if_busy not in ("wait", "skip"):
@@ -801,6 +809,9 @@ class Checkpointer:
         snapshot, self._snapshot = self._snapshot, None
         if snapshot is not None:
             with snapshot._cond:  # the optimizer's thread copies aside under this lock
+                # A listener that took the snapshot before it ended copies nothing more (after a
+                # failed write some slots were never read; their version is gone).
+                snapshot._unread.clear()
                 copies = list(snapshot.copies)
             self._aside.keep(copies)
 
@@ -1020,8 +1031,8 @@ class Checkpointer:
         return out
 
     def close(self) -> None:
-        """Wait for the last save (raising its error), end the writer thread and remove the stage
-        listener."""
+        """Wait for the last save (raising its error), end the writer thread, remove the stage
+        listener and free the kept copies aside; a later :meth:`save` raises (restoring still works)."""
         try:
             self.wait()
         finally:
@@ -1034,6 +1045,7 @@ class Checkpointer:
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
             self._aside.keep([])  # NOTE [reused copies aside]
+            self._closed = True
 
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:

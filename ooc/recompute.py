@@ -532,15 +532,15 @@ def run_recomputed(
             "ooc.hf). Call the model with use_cache=False for training (ooc already turned the config's default "
             "off), or plan this block as keep or swap"
         )
+    if swapped_ops and not set(swapped_ops) <= set(cached_ops):  # before the input is held (and swapped)
+        raise ValueError(f"run_recomputed: swapped_ops {sorted(set(swapped_ops) - set(cached_ops))[:8]} are not among "
+                         "cached_ops")
+    if cached_ops and (keep_cached is None or (swapped_ops and swap_cached is None)):
+        raise ValueError("run_recomputed: cached_ops needs keep_cached, and swapped_ops needs swap_cached")
     frame = RecomputeFrame(forward, module, name, device, recompute_pack, range_name, timer, check_recompute)
     frame.hold_inputs(leaves, spec, save_input, load_input)
     before = [leaves[k]._version for k in frame.tensor_slots]
-    if swapped_ops and not set(swapped_ops) <= set(cached_ops):
-        raise ValueError(f"run_recomputed: swapped_ops {sorted(set(swapped_ops) - set(cached_ops))[:8]} are not among "
-                         "cached_ops")
     if cached_ops:
-        if keep_cached is None or (swapped_ops and swap_cached is None):
-            raise ValueError("run_recomputed: cached_ops needs keep_cached, and swapped_ops needs swap_cached")
         frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError,
                                    swapped=tuple(swapped_ops), swap=swap_cached)
     with (

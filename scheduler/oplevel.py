@@ -195,7 +195,7 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
       bandwidth``) is swapped even past the window: an exposed copy costs less than not caching it;
     - never an op whose output the block returns (the next block's input, which the runtime does
       not swap as a cached output): those marked ``returned`` in a measured profile, else the
-      block's last op; nor ops that create no storage.
+      block's last op and its last op that creates a storage; nor ops that create no storage.
     The chain planner then decides, with the exact peak and the copies' exposed time in its model,
     whether the swapped variant is worth its copies (``ooc.scheduler.costmodel._add_selective``)."""
     if bandwidth <= 0:
@@ -216,8 +216,15 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
 
 
 def _returned(ops: Sequence[OpProfile]) -> set[int]:
-    """The ops whose outputs the block returns: those a measured profile marks, else the last."""
-    return {k for k, op in enumerate(ops) if op.returned} or {len(ops) - 1}
+    """The ops whose outputs the block returns: those a measured profile marks; in a profile
+    without marks (analytic, hand-written, or measured before ``OpProfile.returned``), the last op
+    and the last op that creates a storage (a block returning a view of its residual add ends with
+    the view, which creates none)."""
+    marked = {k for k, op in enumerate(ops) if op.returned}
+    if marked or not ops:
+        return marked
+    storing = [k for k, op in enumerate(ops) if op.output_bytes > 0]
+    return {len(ops) - 1, *storing[-1:]}
 
 
 @dataclass(frozen=True)

@@ -645,7 +645,22 @@ def test_copies_aside_reuse_the_last_versions_buffers_and_hold_the_state_at_save
         _assert_restores(tmp_path, step, weights, state, dtype)
     ckpt.close()
     assert not ckpt._aside._free
+    with pytest.raises(CheckpointError, match="closed"):
+        ckpt.save(8)  # no listener would protect a lazy snapshot from the next updates
+    assert [v.step for v in ckpt.versions()] == [2, 4, 6]
     opt.close()
+
+
+def test_a_kept_buffer_goes_only_to_a_tensor_laid_out_as_it_is() -> None:
+    """NOTE [reused copies aside]: a copy of a transposed tensor is no buffer for a contiguous one of
+    the same shape (the writer would read it through a contiguous copy per slice)."""
+    aside = ckpt_mod._AsideBuffers()
+    transposed = torch.randn(64, 32).t()
+    aside.keep([aside.copy(transposed)])
+    contiguous = torch.randn(32, 64)
+    copy = aside.copy(contiguous)
+    assert copy.is_contiguous() and torch.equal(copy, contiguous) and aside.reused == 0
+    assert torch.equal(aside.copy(transposed), transposed) and aside.reused == 1
 
 
 def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:

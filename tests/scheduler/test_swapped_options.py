@@ -103,6 +103,17 @@ def test_ops_a_measured_profile_marks_returned_are_never_swapped_and_the_last_op
     assert [op.returned for op in prof.blocks[0].ops] == [False, True, False]
 
 
+
+def test_without_marks_the_last_op_that_creates_a_storage_is_taken_as_returned():
+    """A profile measured before ``OpProfile.returned`` (or hand-written) of a block that returns a
+    view of its residual add: the view creates no storage, so the add is the output the runtime
+    would refuse to swap."""
+    ops = (_op("mm", 1e-3, 1), _op("add", 1e-3, 1), OpProfile("view", 1e-6, 0, 0, cacheable=False))
+    assert window_swaps(ops, (0, 1), window_s=1.0, bandwidth=1 * GB) == (0,)
+    sets = selective_sets(ops, 4)
+    assert all(1 not in v.swapped for v in swapped_sets(ops, sets, 3, window_s=1.0, bandwidth=1 * GB))
+
+
 def test_swapped_sets_beat_the_unswapped_points_holding_as_little():
     r = random.Random(3)
     for _ in range(20):
