@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import ooc
+from ooc.models import ResNet
 from ooc.models.gpt import GPTConfig
 
 # The nano GPT most runtime tests train: 4 blocks, 32 wide, 65 tokens (tiny-Shakespeare's alphabet).
@@ -87,3 +88,22 @@ def tiny_llama(attn: str) -> nn.Module:
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
     return transformers.LlamaForCausalLM(config).train()
+
+
+def small_resnet() -> nn.Module:
+    """A ResNet of two stages (8 and 16 channels) of two blocks each, for 16x16 images, 10 classes."""
+    return ResNet(widths=(8, 16), depth_per_stage=2)
+
+
+def image_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Four 3x16x16 images and their labels (10 classes), the same every call."""
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+
+
+def image_op_profile(model: nn.Module) -> ooc.scheduler.Profile:
+    """``model``'s op-level profile on :func:`image_batch` with a cross-entropy loss."""
+    torch.manual_seed(0)
+    x, y = image_batch()
+    return ooc.profile(model, (x,), loss_fn=lambda out: nn.functional.cross_entropy(out, y), ops=True,
+                       codec_errors=False, min_swap_bytes=1024)

@@ -542,47 +542,29 @@ def test_records_hold_an_xxh3_and_a_flipped_bit_anywhere_is_caught(tmp_path: Pat
     opt.close()
 
 
-def test_a_format_3_version_with_crc32_records_is_still_read_and_checked(tmp_path: Path) -> None:
-    """Versions written before XXH3 (NOTE [checksums]) hold CRC-32s: they restore exactly, and a
-    flipped bit is caught with CRC-32."""
+@pytest.mark.parametrize("fmt, key, digest, flipped, message", [
+    (3, "crc32", lambda data: f"{zlib.crc32(data):08x}", "optimizer-rank0.safetensors", "CRC-32 differs"),
+    (2, "sha256", lambda data: hashlib.sha256(data).hexdigest(), "model.safetensors", "sha256 differs"),
+], ids=["format3-crc32", "format2-sha256"])
+def test_a_version_of_an_earlier_format_is_still_read_and_checked(tmp_path: Path, fmt: int, key: str, digest,  # noqa: ANN001
+                                                                   flipped: str, message: str) -> None:
+    """Versions written before XXH3 hold CRC-32s (format 3), and before NOTE [checksums] sha256
+    digests (format 2): they restore exactly, and a flipped bit is caught with their own checksum."""
     model, opt, sched, ckpt = _two_versions(tmp_path)
     expected, expected_state = _weights(model), _opt_state(opt)
     v = ckpt.latest()
     record = v.path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
-    manifest["format"] = 3
-    manifest["files"] = {name: {"bytes": r["bytes"], "crc32": f"{zlib.crc32((v.path / name).read_bytes()):08x}"}
+    manifest["format"] = fmt
+    manifest["files"] = {name: {"bytes": r["bytes"], key: digest((v.path / name).read_bytes())}
                          for name, r in manifest["files"].items()}
     record.write_text(json.dumps(manifest))
     model2, opt2, sched2 = _setup(seed=5)
-    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == 3
+    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == fmt
     assert _same(_weights(model2), expected)
     assert _same_state(_opt_state(opt2), expected_state)
-    _flip(v.path / "optimizer-rank0.safetensors", 100)
-    with pytest.raises(CorruptCheckpointError, match="optimizer-rank0.safetensors is corrupt: CRC-32 differs"):
-        ckpt.restore()
-    opt.close()
-    opt2.close()
-
-
-def test_a_format_2_version_with_sha256_records_is_still_read_and_checked(tmp_path: Path) -> None:
-    """Versions written before NOTE [checksums] hold sha256 digests: they restore exactly, and a
-    flipped bit is caught with sha256."""
-    model, opt, sched, ckpt = _two_versions(tmp_path)
-    expected, expected_state = _weights(model), _opt_state(opt)
-    v = ckpt.latest()
-    record = v.path / "manifest-rank0.json"
-    manifest = json.loads(record.read_text())
-    manifest["format"] = 2
-    manifest["files"] = {name: {"bytes": r["bytes"], "sha256": hashlib.sha256((v.path / name).read_bytes()).hexdigest()}
-                         for name, r in manifest["files"].items()}
-    record.write_text(json.dumps(manifest))
-    model2, opt2, sched2 = _setup(seed=5)
-    assert Checkpointer(tmp_path, model2, opt2, scheduler=sched2).restore().format == 2
-    assert _same(_weights(model2), expected)
-    assert _same_state(_opt_state(opt2), expected_state)
-    _flip(v.path / "model.safetensors", 100)
-    with pytest.raises(CorruptCheckpointError, match="model.safetensors is corrupt: sha256 differs"):
+    _flip(v.path / flipped, 100)
+    with pytest.raises(CorruptCheckpointError, match=f"{flipped} is corrupt: {message}"):
         ckpt.restore()
     opt.close()
     opt2.close()

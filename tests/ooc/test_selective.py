@@ -14,33 +14,20 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
-from ooc.models import GPT, ResNet
+from ooc.models import GPT
 from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
-from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, tiny_llama, train_side_by_side
-
-
-def _cnn() -> nn.Module:
-    return ResNet(widths=(8, 16), depth_per_stage=2)
-
-
-def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
-
-
-@pytest.fixture(scope="module")
-def gpt_profile():
-    torch.manual_seed(0)
-    return ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, min_swap_bytes=1024)
-
-
-@pytest.fixture(scope="module")
-def cnn_profile():
-    torch.manual_seed(0)
-    x, y = _cnn_batch()
-    return ooc.profile(_cnn(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True, codec_errors=False,
-                       min_swap_bytes=1024)
+from tests.helpers import (
+    NANO,
+    ce_loss,
+    gpt_batch,
+    gpt_loss,
+    image_batch,
+    small_resnet,
+    stable_seed,
+    tiny_llama,
+    train_side_by_side,
+)
 
 
 def _saved_outside_ops(model: nn.Module, blocks: list[nn.Module], call) -> list[int]:  # noqa: ANN001
@@ -88,7 +75,7 @@ def test_every_saved_byte_is_an_op_output_or_an_input(which: str, gpt_profile, c
         model, prof, batch = GPT(NANO), gpt_profile, gpt_batch()
         blocks, call = list(model.blocks), lambda: model(*batch)
     else:
-        model, prof, (x, _) = _cnn(), cnn_profile, _cnn_batch()
+        model, prof, (x, _) = small_resnet(), cnn_profile, image_batch()
         blocks, call = list(model.blocks), lambda: model(x)
     inputs = _saved_outside_ops(model, blocks, call)
     for block, outside in zip(prof.blocks, inputs):
@@ -173,8 +160,8 @@ def test_gpt_with_dropout_random_cached_subsets_equal_plain(seed: int, gpt_profi
 def test_cnn_with_batchnorm_random_cached_subsets_equal_plain(seed: int, cnn_profile) -> None:
     rng = random.Random(stable_seed("cnn", seed))
     plan = _random_plan(cnn_profile, rng, "CCcS")
-    x, y = _cnn_batch()
-    results = train_side_by_side(_cnn, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend="chaos"))
+    x, y = image_batch()
+    results = train_side_by_side(small_resnet, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend="chaos"))
     assert results == [(True, True, True)] * 2, plan
 
 

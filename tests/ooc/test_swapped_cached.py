@@ -21,22 +21,24 @@ from torch.utils._pytree import tree_leaves
 
 import ooc
 import ooc.backend
-from ooc.models import GPT, ResNet
+from ooc.models import GPT
 from ooc.models.gpt import GPTConfig
 from ooc.op_profile import OpRecorder
 from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
 from ooc.scheduler import build_schedule
-from tests.helpers import NANO, ce_loss, gpt_batch, gpt_loss, stable_seed, tiny_llama, train_side_by_side
-
-
-def _cnn() -> nn.Module:
-    return ResNet(widths=(8, 16), depth_per_stage=2)
-
-
-def _cnn_batch() -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(0)
-    return torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+from tests.helpers import (
+    NANO,
+    ce_loss,
+    gpt_batch,
+    gpt_loss,
+    image_batch,
+    image_op_profile,
+    small_resnet,
+    stable_seed,
+    tiny_llama,
+    train_side_by_side,
+)
 
 
 class _VitBlock(nn.Module):
@@ -77,25 +79,8 @@ class _Vit(nn.Module):
 
 
 @pytest.fixture(scope="module")
-def gpt_profile():
-    torch.manual_seed(0)
-    return ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, min_swap_bytes=1024)
-
-
-@pytest.fixture(scope="module")
-def cnn_profile():
-    torch.manual_seed(0)
-    x, y = _cnn_batch()
-    return ooc.profile(_cnn(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True, codec_errors=False,
-                       min_swap_bytes=1024)
-
-
-@pytest.fixture(scope="module")
 def vit_profile():
-    torch.manual_seed(0)
-    x, y = _cnn_batch()
-    return ooc.profile(_Vit(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True, codec_errors=False,
-                       min_swap_bytes=1024)
+    return image_op_profile(_Vit())
 
 
 def _returned_ops(make, call, blocks=lambda m: m.blocks) -> list[set[int]]:  # noqa: ANN001
@@ -129,8 +114,8 @@ def _returned_ops(make, call, blocks=lambda m: m.blocks) -> list[set[int]]:  # n
 def returned():
     return {
         "gpt": _returned_ops(lambda: GPT(NANO), lambda m: gpt_loss(m, gpt_batch())),
-        "cnn": _returned_ops(_cnn, lambda m: m(_cnn_batch()[0])),
-        "vit": _returned_ops(_Vit, lambda m: m(_cnn_batch()[0])),
+        "cnn": _returned_ops(small_resnet, lambda m: m(image_batch()[0])),
+        "vit": _returned_ops(_Vit, lambda m: m(image_batch()[0])),
     }
 
 
@@ -168,7 +153,7 @@ def test_op_level_plans_from_a_measured_profile_never_swap_a_returned_output_and
     from ooc.scheduler import preset
     from ooc.scheduler.costmodel import build_options
 
-    x, y = _cnn_batch()
+    x, y = image_batch()
     torch.manual_seed(0)
     prof = ooc.profile(_view_end_vit(), (x,), loss_fn=lambda out: F.cross_entropy(out, y), ops=True,
                        codec_errors=False, min_swap_bytes=1024)
@@ -242,8 +227,8 @@ def test_gpt_with_dropout_mixed_plans_equal_plain(seed: int, backend: str, gpt_p
 @pytest.mark.parametrize("seed", range(2))
 def test_cnn_with_batchnorm_mixed_plans_equal_plain(seed: int, backend: str, cnn_profile, returned) -> None:
     plan = _random_plan(cnn_profile, returned["cnn"], random.Random(stable_seed("cnn", seed)), "KSRCWw")
-    x, y = _cnn_batch()
-    results = train_side_by_side(_cnn, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend=backend))
+    x, y = image_batch()
+    results = train_side_by_side(small_resnet, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend=backend))
     assert results == [(True, True, True)] * 2, plan
 
 
@@ -251,7 +236,7 @@ def test_cnn_with_batchnorm_mixed_plans_equal_plain(seed: int, backend: str, cnn
 def test_vit_with_dropout_mixed_plans_equal_plain(backend: str, vit_profile, returned) -> None:
     # Attention's dropout (decomposed on the CPU) and the residual dropouts draw numbers: never cached.
     assert all(any("bernoulli" in op.name and not op.cacheable for op in b.ops) for b in vit_profile.blocks)
-    x, y = _cnn_batch()
+    x, y = image_batch()
     for seed in range(2):
         plan = _random_plan(vit_profile, returned["vit"], random.Random(stable_seed("vit", backend, seed)), "WwCS")
         results = train_side_by_side(_Vit, ce_loss, [(x, y), (x.flip(0), y)], lambda m, p=plan: ooc.wrap(m, p, backend=backend))
@@ -398,12 +383,12 @@ def test_measured_peak_equals_prediction_with_swapped_cached_outputs(gpt_profile
 
 @pytest.mark.parametrize("backend", ["cpu", "chaos"])
 def test_cnn_measured_peak_equals_prediction(backend: str, cnn_profile, returned) -> None:
-    x, y = _cnn_batch()
+    x, y = image_batch()
     rng = random.Random(stable_seed("cnn-peak"))
     plans = _designed(cnn_profile, returned["cnn"]) + [
         _random_plan(cnn_profile, returned["cnn"], rng, "KSRCWw", prefetch=k) for k in range(3)]
     for plan in plans:
-        report, _ = _measure(_cnn, lambda m: F.cross_entropy(m(x), y), plan, backend)
+        report, _ = _measure(small_resnet, lambda m: F.cross_entropy(m(x), y), plan, backend)
         assert (report.peak_bytes, report.current_bytes) == (build_schedule(plan, cnn_profile).peak_bytes, 0), plan
 
 

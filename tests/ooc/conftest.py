@@ -1,0 +1,23 @@
+"""Op-level profiles shared by the selective-recompute tests (one per test module that asks)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ooc
+from ooc.models import GPT
+from tests.helpers import NANO, gpt_batch, image_op_profile, small_resnet
+
+
+@pytest.fixture(scope="module")
+def gpt_profile() -> ooc.scheduler.Profile:
+    """The nano GPT's op-level profile."""
+    torch.manual_seed(0)
+    return ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, min_swap_bytes=1024)
+
+
+@pytest.fixture(scope="module")
+def cnn_profile() -> ooc.scheduler.Profile:
+    """:func:`tests.helpers.small_resnet`'s op-level profile."""
+    return image_op_profile(small_resnet())
