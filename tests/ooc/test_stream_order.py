@@ -133,7 +133,7 @@ def test_an_allocation_over_memory_another_threads_compute_still_uses_is_caught(
     with pytest.raises(StreamOrderError, match=r"use after free: aten::empty .* aten::add_ on compute\[Thread"):
         # Until the CPU allocator hands a freed block straight back (it does within a few tries).
         for _ in range(50):
-            victim = torch.zeros(1024)
+            victim = torch.empty(1024).zero_()  # every allocation here is an aten::empty, whichever reuses
             use_on_another_thread(victim)
             del victim
             torch.empty(1024)
