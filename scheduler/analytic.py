@@ -40,21 +40,27 @@ _RawOp = tuple[str, float, float, int, int, bool]
 """(name, flops, bytes read + written, output bytes, saved bytes, cacheable)."""
 
 
-def _ops(raw: list[_RawOp], forward_s: float, hw: Hardware) -> tuple[OpProfile, ...]:
-    """The ops with roofline times scaled to add up to ``forward_s`` (NOTE [analytic ops])."""
+def _ops(raw: list[_RawOp], reads: list[tuple[int, ...]], forward_s: float, hw: Hardware) -> tuple[OpProfile, ...]:
+    """The ops with roofline times scaled to add up to ``forward_s`` (NOTE [analytic ops]);
+    ``reads``: per op, the earlier ops whose outputs it reads (``OpProfile.reads``)."""
     times = [_time(flops, nbytes, hw) for _, flops, nbytes, _, _, _ in raw]
     scale = forward_s / sum(times)
-    return tuple(OpProfile(name, t * scale, out, saved, cacheable)
-                 for (name, _, _, out, saved, cacheable), t in zip(raw, times))
+    return tuple(OpProfile(name, t * scale, out, saved, cacheable, reads=r)
+                 for (name, _, _, out, saved, cacheable), t, r in zip(raw, times, reads, strict=True))
 
 
-def _transformer_ops(s: int, b: int, h: int, a: int, e: int, flash_attention: bool) -> list[_RawOp]:
+def _chain_reads(count: int) -> list[tuple[int, ...]]:
+    """Each op reads the one before it (the first reads the block's input)."""
+    return [()] + [(k - 1,) for k in range(1, count)]
+
+
+def _transformer_ops(s: int, b: int, h: int, a: int, e: int, flash_attention: bool) -> tuple[list[_RawOp], list[tuple[int, ...]]]:
     """A pre-LN GPT layer with dropout, ``e``-byte activations, 1-byte dropout masks.
 
     Saved per Korthikanti et al.: LN inputs, QKV input, Q/K/V, softmax output, its dropout mask and
     output, the projection's input and the dropout masks, the MLP's inputs (Korthikanti's 34*sbh + 5*as^2b).
     With ``flash_attention`` the scores are never materialised: one op saves its output and the
-    softmax statistics (fp32, ``a*s*b`` values)."""
+    softmax statistics (fp32, ``a*s*b`` values). Returns the ops and what each reads (``OpProfile.reads``)."""
     n, S = s * b * h, a * s * s * b
     mm = lambda name, k, m, out_saved: (name, 2 * s * b * k * m, e * (s * b * k + k * m + s * b * m), e * s * b * m, out_saved, True)  # noqa: E731
     ops: list[_RawOp] = [
@@ -82,7 +88,14 @@ def _transformer_ops(s: int, b: int, h: int, a: int, e: int, flash_attention: bo
         ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, n, False),
         ("add", 0.0, 3 * e * n, e * n, 0, False),  # the block's output (NOTE [analytic ops])
     ]
-    return ops
+    # A chain, but for scores x V (the softmax's dropout and V from the QKV matmul) and the residual
+    # adds (the first add's output is the second's residual; the block's input is no op).
+    reads = _chain_reads(len(ops))
+    first_add = len(ops) - 7
+    reads[first_add + 6] = (first_add, first_add + 5)
+    if not flash_attention:
+        reads[5] = (1, 4)
+    return ops, reads
 
 
 def transformer(
@@ -101,7 +114,7 @@ def transformer(
     """A decoder-only transformer with a 4x MLP; ``flash_attention``: fused attention that never
     materialises the scores (the block's saved bytes drop the ``5*a*s^2*b`` term)."""
     s, b, h, a = seq, batch, hidden, heads
-    raw = _transformer_ops(s, b, h, a, bytes_per_value, flash_attention)
+    raw, reads = _transformer_ops(s, b, h, a, bytes_per_value, flash_attention)
     x = s * b * h * bytes_per_value
     if flash_attention:
         saved = x + sum(op[4] for op in raw)
@@ -112,7 +125,7 @@ def transformer(
     params = 12 * h * h + 13 * h
     traffic = 2 * saved + params * bytes_per_value
     fwd = _time(matmul_flops, traffic, hardware)
-    ops = _ops(raw, fwd, hardware)
+    ops = _ops(raw, reads, fwd, hardware)
     block = BlockProfile(
         name="layer", forward_s=fwd, backward_s=2 * fwd, saved_bytes=saved, swappable_bytes=saved,
         input_bytes=x, input_swappable_bytes=x, output_bytes=x, param_bytes=params * bytes_per_value,
@@ -154,13 +167,14 @@ def _output_add(b: int, c: int, size: int) -> _RawOp:
 
 
 def _conv_block(name: str, b: int, maps: list[tuple[int, int]], flops: float, params: int, hw: Hardware, in_elems: int,
-                raw: list[_RawOp]) -> BlockProfile:
-    """``maps``: (channels, spatial size) of each saved fp32 feature map; ``raw``: the block's ops."""
+                raw: list[_RawOp], reads: list[tuple[int, ...]]) -> BlockProfile:
+    """``maps``: (channels, spatial size) of each saved fp32 feature map; ``raw``: the block's ops,
+    ``reads``: what each reads (``OpProfile.reads``)."""
     saved = sum(b * c * hw_ * hw_ * 4 for c, hw_ in maps)
     fwd = _time(flops, 2 * saved + params * 4, hw)
     x = b * in_elems * 4
     return BlockProfile(name, fwd, 2 * fwd, saved, saved, x, x, x, params * 4, params * 4,
-                        swappable_storages=len(maps), input_swappable_storages=1, ops=_ops(raw, fwd, hw))
+                        swappable_storages=len(maps), input_swappable_storages=1, ops=_ops(raw, reads, fwd, hw))
 
 
 def wide_resnet(*, depth: int = 28, width: int = 10, batch: int, hardware: Hardware) -> Profile:
@@ -180,10 +194,13 @@ def wide_resnet(*, depth: int = 28, width: int = 10, batch: int, hardware: Hardw
             raw = [_pointwise("batch_norm", b, c_in, size, True), _pointwise("relu", b, c_in, size, True),
                    _conv("conv1", b, c_in, c, size, out, 3, True), _pointwise("batch_norm", b, c, out, True),
                    _pointwise("relu", b, c, out, True), _conv("conv2", b, c, c, out, out, 3, False)]
+            reads = _chain_reads(len(raw))
             if c_in != c:
                 raw.append(_conv("shortcut", b, c_in, c, size, out, 1, False))
+                reads.append((1,))  # the pre-activated input
             raw.append(_output_add(b, c, out))
-            blocks.append(_conv_block(f"group{g}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw))
+            reads.append((5, 6) if c_in != c else (5,))  # conv2's output and the shortcut's (or the block's input)
+            blocks.append(_conv_block(f"group{g}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw, reads))
             c_in, size = c, out
     return Profile(tuple(blocks), outside_forward_s=blocks[0].forward_s * 0.1, model=f"wrn-{depth}-{width}",
                    source=f"analytic on {hardware.name}", machine={"hardware": hardware.name},
@@ -214,10 +231,14 @@ def preact_resnet_bottleneck(*, depth: int = 1001, batch: int, hardware: Hardwar
                    _pointwise("relu_", b, mid, size, False, inplace=True), _conv("conv2", b, mid, mid, size, out, 3, True),
                    _pointwise("batch_norm", b, mid, out, True), _pointwise("relu", b, mid, out, True),
                    _conv("conv3", b, mid, c, out, out, 1, True)]
+            # The in-place ReLUs write the batch norms' outputs: their readers read those storages.
+            reads = [(), (0,), (0,), (2,), (3,), (3,), (5,), (6,), (7,)]
             if c_in != c:
                 raw.append(_conv("shortcut", b, c_in, c, size, out, 1, False))
+                reads.append((0,))  # the pre-activated input
             raw.append(_output_add(b, c, out))
-            blocks.append(_conv_block(f"stage{stage}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw))
+            reads.append((8, 9) if c_in != c else (8,))
+            blocks.append(_conv_block(f"stage{stage}.{k}", batch, maps, flops, params, hardware, c_in * size * size, raw, reads))
             c_in, size = c, out
     return Profile(tuple(blocks), outside_forward_s=blocks[0].forward_s * 0.1, model=f"resnet-{depth}",
                    source=f"analytic on {hardware.name}", machine={"hardware": hardware.name},

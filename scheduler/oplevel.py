@@ -19,7 +19,7 @@ milliseconds: :func:`pareto_frontier` is the exact reference the tests hold the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,9 +102,72 @@ def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
 
 
 def _prefix(ops: Sequence[OpProfile], free: list[int], items: list[int], length: int) -> CachedSet:
-    chosen = sorted(free + items[:length])
-    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), sum(ops[k].forward_s for k in chosen),
+    chosen = _without_skipped(ops, sorted(free + items[:length]))
+    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), rerun_saved_s(ops, chosen),
                      sum(ops[k].saved_bytes for k in chosen))
+
+
+def rerun_skipped(ops: Sequence[OpProfile], cached: Collection[int]) -> frozenset[int]:
+    """The uncached ops a selective re-run with ``cached`` leaves out (NOTE [ops a re-run skips]);
+    empty when the profile did not record what each op reads (``OpProfile.reads``)."""
+    if not ops or any(op.reads is None for op in ops):
+        return frozenset()
+    returned = _returned(ops)
+    readers: list[list[int]] = [[] for _ in ops]
+    for r, op in enumerate(ops):
+        for k in op.reads:
+            readers[k].append(r)
+    skippable = [op.cacheable and op.output_bytes > 0 and op.saved_bytes == 0 and k not in returned
+                 for k, op in enumerate(ops)]
+    passive = [op.cacheable and op.output_bytes == 0 for op in ops]
+    return dead_ops(frozenset(cached), readers, skippable, passive)
+
+
+def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable: Sequence[bool],
+             passive: Sequence[bool]) -> frozenset[int]:
+    """The ops of a block's re-run whose outputs nothing needs, given the ``cached`` ops.
+
+    NOTE [ops a re-run skips]
+    A selective re-run takes the cached ops' outputs from the cache, so an uncached op whose
+    output only cached ops read computes something nobody uses: the re-run hands its readers an
+    uninitialised tensor of the same shape, strides and dtype instead (allocated as the op would,
+    so the re-run's memory walk is unchanged, and no kernel runs). Op ``k`` is left out when:
+    - it is ``skippable[k]``: deterministic (cacheable), creates storages, none of which autograd
+      saves or the block returns (so no backward and no later block ever reads those bytes);
+    - every op that reads its storages (``readers[k]``, all later than ``k``) is cached, left out
+      itself, or ``passive``: an op that makes only views (what reads it through the view is a
+      reader of the same storage, so it is in ``readers[k]`` too).
+    One pass from the last op back decides it (readers come later). The planner prices the re-run
+    with these ops' time saved (``rerun_saved_s``), from the profile's ``OpProfile.reads``; the
+    runtime decides the same with this function from what the block's forward did, and refuses a
+    re-run in which a computing op reads a left-out output or autograd saves one."""
+    dead: set[int] = set()
+    for k in reversed(range(len(readers))):
+        if k in cached or not skippable[k]:
+            continue
+        if all(r in cached or r in dead or passive[r] for r in readers[k]):
+            dead.add(k)
+    return frozenset(dead)
+
+
+def rerun_saved_s(ops: Sequence[OpProfile], cached: Collection[int]) -> float:
+    """Forward seconds a selective re-run with ``cached`` does not spend: the cached ops and the ops
+    it leaves out (NOTE [ops a re-run skips]); none with nothing cached (a plain re-run)."""
+    if not cached:
+        return 0.0
+    return sum(ops[k].forward_s for k in set(cached) | rerun_skipped(ops, cached))
+
+
+def _without_skipped(ops: Sequence[OpProfile], cached: list[int]) -> list[int]:
+    """``cached`` less the ops a re-run caching the others would leave out anyway (the later ones
+    first: dropping one may leave an earlier one unread); it skips the same ops, holding less."""
+    if not cached or any(op.reads is None for op in ops):
+        return cached
+    kept = set(cached)
+    for d in sorted(cached, reverse=True):
+        if ops[d].saved_bytes == 0 and ops[d].output_bytes > 0 and d in rerun_skipped(ops, kept - {d}):
+            kept.discard(d)
+    return sorted(kept)
 
 
 def hull_prefixes(ops: Sequence[OpProfile]) -> list[CachedSet]:
@@ -141,19 +204,22 @@ def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, fl
     it most (:func:`_vertices`) between plain RECOMPUTE (nothing cached) and ``keep``: (bytes held
     beyond RECOMPUTE's, forward seconds) of keeping the whole block, the option the chain planner
     has beside these (default: caching every cacheable op). Hull points that keeping the block
-    beats at every price are dropped first. Empty when the block has no op worth caching."""
+    beats at every price are dropped first. Empty when the block has no op worth caching.
+
+    Where the profile records what each op reads, each prefix leaves out the cached ops its re-run
+    would skip anyway (NOTE [ops a re-run skips]: a GPT block that caches the softmax need not also
+    hold the scores it was computed from), and is priced with the ops its re-run skips; those
+    prefixes are no longer sorted by bytes, so the ones another beats on both counts go first."""
     if count <= 0 or not ops:
         return ()
     free, items = _hull_order(ops)
     first = 0 if free else 1
-    if len(items) + 1 - first <= count:
-        return tuple(_prefix(ops, free, items, length) for length in range(first, len(items) + 1))
-    total_b, total_s = 0, sum(ops[k].forward_s for k in free)
-    points = [(total_b, total_s)]  # the free ops alone, or nothing cached: plain RECOMPUTE
-    for k in items:
-        total_b += ops[k].output_bytes
-        total_s += ops[k].forward_s
-        points.append((total_b, total_s))
+    candidates = _undominated([_prefix(ops, free, items, length) for length in range(first, len(items) + 1)])
+    if len(candidates) <= count:
+        return tuple(candidates)
+    # The origin: the free ops alone (a candidate), or nothing cached (plain RECOMPUTE, not one).
+    sets = candidates if free else [CachedSet((), 0, 0.0), *candidates]
+    points = [(c.bytes, c.saved_s) for c in sets]
     end = keep if keep is not None else points[-1]
     # Only the points above the chord to ``end`` can be chosen at some price; the rest go first.
     hull = [0]
@@ -166,8 +232,17 @@ def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, fl
         hull.pop()
     room = count - (1 if free else 0)  # caching the free ops alone is always worth a slot
     chosen = _vertices([points[j] for j in hull] + [end], room) if len(hull) - 1 > room else list(range(1, len(hull)))
-    lengths = ([0] if free else []) + [hull[t] for t in chosen]
-    return tuple(_prefix(ops, free, items, length) for length in lengths)
+    return tuple(sets[j] for j in ([0] if free else []) + [hull[t] for t in chosen])
+
+
+def _undominated(sets: list[CachedSet]) -> list[CachedSet]:
+    """``sets`` sorted by bytes, without those another holds no more bytes for and saves at least as
+    much time (nor duplicates)."""
+    kept: list[CachedSet] = []
+    for c in sorted(sets, key=lambda c: (c.bytes, -c.saved_s, c.ops)):
+        if not kept or c.saved_s > kept[-1].saved_s:
+            kept.append(c)
+    return kept
 
 
 def _below(a: tuple[int, float], b: tuple[int, float], c: tuple[int, float]) -> bool:

@@ -40,6 +40,10 @@ class OpProfile:
       which stays on the device, so a plan may cache it but not swap it (``BlockPlan.swapped_ops``).
       A measured profile marks it; where no op is marked, planners take the block's last op as the
       one returned.
+    - ``reads``: the earlier ops of the block whose storages this op reads (increasing indices; the
+      block's inputs and parameters are not ops), what tells a re-run which uncached ops it may leave
+      out (NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``); ``None``: not recorded (a profile
+      from before this field), and then a re-run is priced as running every uncached op.
     """
 
     name: str
@@ -48,9 +52,18 @@ class OpProfile:
     saved_bytes: int = 0
     cacheable: bool = True
     returned: bool = False
+    reads: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
         checks.text(self.name, "an op's name", ProfileError, hint=_FIX)
+        if self.reads is not None:
+            if not isinstance(self.reads, (tuple, list)):
+                raise ProfileError(f"op {self.name!r}: reads must be a list of op indices, got {self.reads!r:.80}; {_FIX}")
+            reads = tuple(checks.count(k, "an index in reads", ProfileError, where=f"op {self.name!r}: ", hint=_FIX)
+                          for k in self.reads)
+            if list(reads) != sorted(set(reads)):
+                raise ProfileError(f"op {self.name!r}: reads must be increasing op indices, got {list(reads)}; {_FIX}")
+            object.__setattr__(self, "reads", reads)
         where = f"op {self.name!r}: "
         object.__setattr__(self, "forward_s", checks.number(self.forward_s, "forward_s", ProfileError, where=where, hint=_FIX))
         for name in ("output_bytes", "saved_bytes"):
@@ -132,6 +145,10 @@ class BlockProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
         object.__setattr__(self, "ops", tuple(self._nested(OpProfile, op, "op") for op in self.ops))
+        for k, op in enumerate(self.ops):
+            if op.reads and op.reads[-1] >= k:
+                raise ProfileError(f"block {self.name!r}: op {k} ({op.name}) reads op {op.reads[-1]}, which is not an "
+                                   f"earlier op of the block; {_FIX}")
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
         checks.text(self.name, "a block's name", ProfileError, hint=_FIX)

@@ -19,6 +19,7 @@ import enum
 from dataclasses import dataclass, field, replace
 
 from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.oplevel import rerun_saved_s
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.profile import BlockProfile, Profile
 from ooc.scheduler.sharing import SharedAdjustment, shared_adjustments
@@ -114,7 +115,8 @@ class BlockBytes:
 def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, float]:
     """A selective RECOMPUTE's cached ops (NOTE [op-level profile] in ``ooc.scheduler.profile``):
     the bytes their outputs hold from the forward to the backward, the part of those autograd
-    saves (the re-run need not allocate it again), and the forward seconds the re-run skips."""
+    saves (the re-run need not allocate it again), and the forward seconds the re-run skips (the
+    cached ops and those it leaves out, NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``)."""
     ops = profile_block.ops
     for k in plan_block.cached_ops:
         if k >= len(ops):
@@ -124,7 +126,8 @@ def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, 
             raise PlanError(f"block {profile_block.name!r}: op {k} ({ops[k].name}) cannot be cached (random or in place); "
                             "make the plan from this profile (ooc plan)")
     chosen = [ops[k] for k in plan_block.cached_ops]
-    return sum(op.output_bytes for op in chosen), sum(op.saved_bytes for op in chosen), sum(op.forward_s for op in chosen)
+    return (sum(op.output_bytes for op in chosen), sum(op.saved_bytes for op in chosen),
+            rerun_saved_s(ops, plan_block.cached_ops))
 
 
 def swapped_ops_bytes(plan_block, profile_block: BlockProfile) -> tuple[int, int]:
