@@ -134,9 +134,11 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
     so the re-run's memory walk is unchanged, and no kernel runs). Op ``k`` is left out when:
     - it is ``skippable[k]``: deterministic (cacheable), creates storages, none of which autograd
       saves or the block returns (so no backward and no later block ever reads those bytes);
-    - every op that reads its storages (``readers[k]``, all later than ``k``) is cached, left out
-      itself, or ``passive``: an op that makes only views (what reads it through the view is a
-      reader of the same storage, so it is in ``readers[k]`` too).
+    - some op that computes reads its storages, and every op that reads them (``readers[k]``, all
+      later than ``k``) is cached, left out itself, or ``passive``: an op that makes only views
+      (what reads it through the view is a reader of the same storage, so it is in ``readers[k]``
+      too). An output no computing op reads is not left out: the block may store it aside (an
+      attribute, a hook's list), where a re-run must put what the forward put.
     One pass from the last op back decides it (readers come later). The planner prices the re-run
     with these ops' time saved (``rerun_saved_s``), from the profile's ``OpProfile.reads``; the
     runtime decides the same with this function from what the block's forward did, and refuses a
@@ -145,7 +147,8 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
     for k in reversed(range(len(readers))):
         if k in cached or not skippable[k]:
             continue
-        if all(r in cached or r in dead or passive[r] for r in readers[k]):
+        computing = [r for r in readers[k] if not passive[r]]
+        if computing and all(r in cached or r in dead for r in computing):
             dead.add(k)
     return frozenset(dead)
 
