@@ -91,10 +91,11 @@ def _tail_cost(opts: Options, prefetch: int, digits: np.ndarray) -> np.ndarray:
 # still exposes). Options with equal such values have the same future, so a state is those values,
 # not the option indices: keep, recompute and every selective set that swaps nothing are one state
 # (nothing moved, nothing to copy back), and a residual that the compute after it already hides is
-# 0 whichever option hid it. On GPT-2 XL's op-level options (16 per block, prefetch 2) that is 40
-# states instead of 16^2, and the DP's cost and picks are those of the state-per-option-tuple DP
-# (a test holds them equal): the transition adds exactly the same floats, since
-# ``max(0, max(0, t - a) - b) == max(0, t - a - b)`` for compute ``a, b >= 0``.
+# 0 whichever option hid it. On GPT-2 XL's op-level options (16 per block) that is at most 34
+# states instead of 16^2 at prefetch 2, 291 instead of 16^3 at prefetch 3. The DP's optimum is the
+# option-tuple DP's (tests/scheduler/test_optimal_dp.py holds them equal), since
+# ``max(0, max(0, t - a) - b) == max(0, t - a - b)`` for compute ``a, b >= 0``; up to prefetch 2
+# the sums are the same floats too, so ties break alike and the presets' picks are the same.
 # The states are made block by block from the pairs (state, option) the chain reaches, and the
 # buckets of memory from the range the chain reaches, so neither is walked where nothing is.
 
@@ -149,6 +150,16 @@ def _pairs(opts: Options, i: int, keys: np.ndarray, prefetch: int, budget: float
     return source, option, shift, add, limit, new_keys
 
 
+def _merge_states(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs' new states, merged (NOTE [merged states]): for ``keys`` (pairs, k), the order that
+    sorts them by key, rows in their given order among equal keys (so ties keep the per-option
+    DP's order), and per distinct key the range ``starts[t]:ends[t]`` of that order holding it."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    starts = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)])
+    return order, starts, np.r_[starts[1:], len(order)]
+
+
 def _relax(cost: np.ndarray, lo: int, shift: np.ndarray, add: np.ndarray, limit: np.ndarray, source: np.ndarray,
            starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
     """The candidates ``cand`` (pairs, buckets): the source's cost ``shift`` buckets on, plus ``add``,
@@ -196,7 +207,7 @@ def _pick(step: _Step, previous: _Step | None, t: int, q: int) -> int:
         col = q - int(step.shift[p]) - before_lo
         if q <= step.limit[p] and 0 <= col < before.shape[1] and before[step.source[p], col] + step.add[p] == target:
             return p
-    raise AssertionError("no pair reaches a finite entry of the DP table")  # unreachable: the table was made from them
+    raise RuntimeError(f"the DP's backtrack found no pair into state {t} at bucket {q}: a bug in ooc.scheduler.optimal, please report it")
 
 
 def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int, *, table_bytes: int = _TABLE_BYTES) -> list[int] | None:
@@ -213,11 +224,8 @@ def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int, *, table_b
         source, option, shift, add, limit, new_keys = _pairs(opts, i, keys, prefetch, budget, unit, lo, buckets)
         if len(source) == 0:
             return None
-        order = np.lexsort(new_keys.T[::-1])  # stable: pairs into one state keep their (state, option) order
+        order, starts, ends = _merge_states(new_keys)
         new_keys = new_keys[order]
-        first = np.r_[True, (new_keys[1:] != new_keys[:-1]).any(axis=1)]
-        starts = np.flatnonzero(first)
-        ends = np.r_[starts[1:], len(order)]
         source, option, shift, add, limit = source[order], option[order], shift[order], add[order], limit[order]
         cand, cost, lo = _relax(cost, lo, shift, add, limit, source, starts, ends)
         keep_table = kept + cost.nbytes <= table_bytes and (not steps or steps[-1].cost is not None)
