@@ -358,10 +358,12 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
     return plan
 
 
-def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
-    """:func:`_solve_all` over the options some block may take: a column no block is allowed
-    (a selective slot no block fills, a codec too lossy everywhere) only widens the DP's state
-    (``m`` options of ``max(prefetch, 1)`` blocks), so it is left out and the picks mapped back."""
+def solve_options(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
+    """``optimal``'s search over given options, before it polishes the plan: options per block
+    whose exact peak fits ``budget`` at the least model cost found (:func:`_solve_all`), or None.
+    A column no block is allowed (a selective slot no block fills, a codec too lossy everywhere)
+    only widens the Lagrangian DP's state (``m`` options of ``max(prefetch, 1)`` blocks), so it is
+    left out and the picks mapped back."""
     if opts.allowed is None or opts.allowed.any(axis=0).all():
         return _solve_all(opts, budget, prefetch, exact_blocks)
     cols = np.flatnonzero(opts.allowed.any(axis=0))
@@ -453,7 +455,7 @@ def optimal(
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name=name)
     if budget is None:
         return opts.plan([0] * opts.n, **kw)
-    picks = _solve(opts, budget, prefetch, exact_blocks)
+    picks = solve_options(opts, budget, prefetch, exact_blocks)
     if picks is None:
         # A selective option holds at least what its plain RECOMPUTE holds at every point of the
         # step, so the least peak is the block-level options' (a smaller search).
@@ -471,7 +473,7 @@ def minimum_peak(opts: Options, prefetch: int, exact_blocks: int = 200) -> int:
     lo, hi = 0, model_peak(opts, [0] * opts.n, prefetch)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _solve(opts, mid, prefetch, exact_blocks) is not None:
+        if solve_options(opts, mid, prefetch, exact_blocks) is not None:
             hi = mid
         else:
             lo = mid + 1
