@@ -206,3 +206,33 @@ def test_the_tables_kept_stay_under_their_cap(monkeypatch):
     assert sum(s.cost.nbytes for s in steps if s.cost is not None) <= 3000
     assert all(s.back is not None and s.back.dtype == np.uint8 for s in steps if s.cost is None)
     assert picks == solve_dp(opts, budget, 2, 64)
+
+
+def _model_cost_by_block(opts: Options, picks: list[int], prefetch: int) -> float:
+    """``model_cost`` written as the sum over blocks it is: the spec of the vectorised one."""
+    n = len(picks)
+    cost = float(np.array([opts.recompute_s[i, k] for i, k in enumerate(picks)]).sum())
+    cost += float(np.maximum(0.0, np.array([opts.t_out[i, k] for i, k in enumerate(picks)]) - opts.next_forward_s).sum())
+    for j in range(n):
+        t = opts.t_in[j, picks[j]]
+        if t > 0:
+            hidden = 0.0
+            for k in range(j + 1, min(j + prefetch, n - 1) + 1):
+                hidden += opts.comp[k, picks[k]]
+            cost += max(0.0, t - hidden)
+    return cost
+
+
+@pytest.mark.parametrize("prefetch", [0, 1, 2, 3])
+def test_model_cost_is_the_sum_over_blocks_to_the_last_bit(prefetch):
+    """The DP's bucket search and the polish compare plans by ``model_cost``, ties included, so the
+    vectorised sum adds the same floats in the same order as the loop over blocks."""
+    prof, hw = Profile.load(GPT2), preset("h100-sxm")
+    opts = build_options(prof, hw, selective=4, selective_swaps=2)
+    rng = np.random.default_rng(prefetch)
+    for _ in range(50):
+        picks = [int(rng.choice(np.flatnonzero(opts.allowed[i]))) for i in range(opts.n)]
+        assert model_cost(opts, picks, prefetch) == _model_cost_by_block(opts, picks, prefetch)
+    short = _random_options(rng, 2, 4)  # fewer blocks than the prefetch window
+    for picks in ([0, 0], [1, 2], [3, 3]):
+        assert model_cost(short, picks, prefetch) == _model_cost_by_block(short, picks, prefetch)
