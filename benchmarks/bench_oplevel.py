@@ -127,16 +127,17 @@ def solve_times(quick: bool) -> None:
                 seconds, dp, milp = _timed_solves(opts, budget, reps)
                 fits = dp is not None and build_schedule(opts.plan(dp, prefetch=2, min_swap_bytes=prof.min_swap_bytes,
                                                                    name="dp"), prof).peak_bytes <= budget
-                quality = (f"{model_cost(opts, dp, 2) / milp[1]:.4f}" if dp is not None and milp is not None and milp[1] > 0
+                both = dp is not None and milp is not None and milp[1] > 0
+                quality = (f"{model_cost(opts, dp, 2) / milp[1]:.4f}" if both
                            else "-" if dp is None and milp is None else "DP none" if dp is None else "MILP none")
-                rows.append([hw_name, model, str(n), f"{fraction:.0%}", f"{seconds['dp']:.3f}", f"{seconds['milp']:.3f}",
-                             f"{seconds['milp'] / seconds['dp']:.1f}",
+                rows.append([hw_name, model, str(n), f"{fraction:.0%}", f"{seconds['dp']:.3f}",
+                             f"{seconds['milp']:.3f}", f"{seconds['milp'] / seconds['dp']:.1f}",
                              "DP <= MILP" + ("" if seconds["dp"] <= seconds["milp"] else " MISSED"), quality,
                              "yes" if fits else ("-" if dp is None else "NO")])
     print(table(rows))
-    print(f"columns: median seconds of {reps} runs each, taken in turns in one process; "
-          "MILP/DP: how many times faster the DP is; DP cost/MILP cost: the model cost of the DP's plan over the MILP's "
-          f"optimum (>= 1: the MILP is exact in bytes; chains <= {BOUND_BLOCKS} blocks, longer ones take the Lagrangian "
+    print(f"columns: median seconds of {reps} runs each, taken in turns in one process; MILP/DP: how many "
+          "times faster the DP is; DP cost/MILP cost: the model cost of the DP's plan over the MILP's optimum "
+          f"(>= 1: the MILP is exact in bytes; chains <= {BOUND_BLOCKS} blocks, longer ones take the Lagrangian "
           "DP); -: no plan fits")
 
 

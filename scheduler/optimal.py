@@ -2,9 +2,10 @@
 POFO) that picks one option per block to minimise the additive cost model under the budget, then
 polishes the plan against the simulator on short chains.
 
-State after block ``i``: the bucket of ``P_i`` (resident bytes after releases) and the options of
-the last ``max(prefetch, 1)`` blocks, which the forward and backward peak constraints and the
-copy-back overlap term depend on. The transition for one option is vectorised over all states.
+State after block ``i``: the bucket of ``P_i`` (resident bytes after releases) and, of the last
+``max(prefetch, 1)`` blocks, what the forward and backward peak constraints and the copy-back
+overlap term read of their options (NOTE [merged states]). A block's transitions are vectorised
+over all (state, option) pairs and buckets.
 
 On long chains the memory buckets would be coarser than a block, so there the memory dimension is
 dropped: resident bytes get a price, and the price is bisected until the exact peak fits
@@ -135,6 +136,8 @@ def _pairs(opts: Options, i: int, keys: np.ndarray, prefetch: int, budget: float
     f_room = budget - xs[source, 0] - x
     m_room = budget - xs[:, :prefetch].sum(axis=1)[source] - x - opts.backward_extra[i, option]
     limit = np.minimum(np.floor(np.minimum(f_room, m_room) / unit), top).astype(np.int64)
+    # Nearest rounding of each block's resident bytes keeps the error unbiased along the chain;
+    # the caller checks the exact peak of the result.
     shift = np.rint((opts.A[i, option] - opts.X[i, option]) / unit).astype(np.int64)
     ok = limit >= shift + lo
     source, option, shift, limit, x = source[ok], option[ok], shift[ok], limit[ok], x[ok]
@@ -144,9 +147,9 @@ def _pairs(opts: Options, i: int, keys: np.ndarray, prefetch: int, budget: float
     elif i - prefetch >= 0:
         # The copy back of block i-prefetch hides under the backward of blocks i-prefetch+1 .. i.
         add = add + np.maximum(0.0, rs[source, lags - 1] - opts.comp[i, option])
-    comp = opts.comp[i, option][:, None]
-    new_keys = np.concatenate([x[:, None], xs[source, :-1], opts.t_in[i, option][:, None] if prefetch else np.zeros((len(x), 1)),
-                               np.maximum(0.0, rs[source, :-1] - comp)], axis=1)
+    newest = opts.t_in[i, option] if prefetch else np.zeros(len(x))  # without prefetch nothing waits to be hidden
+    hidden = np.maximum(0.0, rs[source, :-1] - opts.comp[i, option][:, None])
+    new_keys = np.concatenate([x[:, None], xs[source, :-1], newest[:, None], hidden], axis=1)
     return source, option, shift, add, limit, new_keys
 
 
@@ -207,10 +210,12 @@ def _pick(step: _Step, previous: _Step | None, t: int, q: int) -> int:
         col = q - int(step.shift[p]) - before_lo
         if q <= step.limit[p] and 0 <= col < before.shape[1] and before[step.source[p], col] + step.add[p] == target:
             return p
-    raise RuntimeError(f"the DP's backtrack found no pair into state {t} at bucket {q}: a bug in ooc.scheduler.optimal, please report it")
+    raise RuntimeError(f"the DP's backtrack found no pair into state {t} at bucket {q}: "
+                       "a bug in ooc.scheduler.optimal, please report it")
 
 
-def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int, *, table_bytes: int = _TABLE_BYTES) -> list[int] | None:
+def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int, *,
+             table_bytes: int = _TABLE_BYTES) -> list[int] | None:
     """Options per block minimising the model cost with the discretised peak <= budget; None if none.
     Over merged states (NOTE [merged states]); the cost tables are kept for the backtrack up to
     ``table_bytes``, then each block stores which pair reached each entry instead (1 byte each)."""

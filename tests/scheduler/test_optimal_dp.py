@@ -171,7 +171,9 @@ def test_relax_shifts_each_pair_and_cuts_it_past_its_limit():
     cand, new, lo = _relax(cost, 5, shift, add, limit, np.zeros(3, dtype=np.int64), np.array([0, 2]), np.array([2, 3]))
     inf = np.inf
     assert lo == 5
-    assert cand.tolist() == [[0.5, 1.5, inf, inf, inf, inf], [inf, inf, 0.25, 1.25, 2.25, inf], [inf, 1.0, 2.0, 3.0, 4.0, inf]]
+    assert cand.tolist() == [[0.5, 1.5, inf, inf, inf, inf],
+                             [inf, inf, 0.25, 1.25, 2.25, inf],
+                             [inf, 1.0, 2.0, 3.0, 4.0, inf]]
     assert new.tolist() == [[0.5, 1.5, 0.25, 1.25, 2.25, inf], [inf, 1.0, 2.0, 3.0, 4.0, inf]]
 
 
@@ -211,8 +213,9 @@ def test_the_tables_kept_stay_under_their_cap(monkeypatch):
 def _model_cost_by_block(opts: Options, picks: list[int], prefetch: int) -> float:
     """``model_cost`` written as the sum over blocks it is: the spec of the vectorised one."""
     n = len(picks)
+    t_out = np.array([opts.t_out[i, k] for i, k in enumerate(picks)])
     cost = float(np.array([opts.recompute_s[i, k] for i, k in enumerate(picks)]).sum())
-    cost += float(np.maximum(0.0, np.array([opts.t_out[i, k] for i, k in enumerate(picks)]) - opts.next_forward_s).sum())
+    cost += float(np.maximum(0.0, t_out - opts.next_forward_s).sum())
     for j in range(n):
         t = opts.t_in[j, picks[j]]
         if t > 0:
