@@ -96,7 +96,9 @@ def _tail_cost(opts: Options, prefetch: int, digits: np.ndarray) -> np.ndarray:
 # states instead of 16^2 at prefetch 2, 291 instead of 16^3 at prefetch 3. The DP's optimum is the
 # option-tuple DP's (tests/scheduler/test_optimal_dp.py holds them equal), since
 # ``max(0, max(0, t - a) - b) == max(0, t - a - b)`` for compute ``a, b >= 0``; up to prefetch 2
-# the sums are the same floats too, so ties break alike and the presets' picks are the same.
+# it adds the same floats too. Plans of equal cost may tie-break otherwise: of the 18 analytic
+# H100 presets x budgets in ``benchmarks/bench_oplevel.py``, one plan (GPT-2 XL flash at 50%)
+# differs, in three blocks, at the same peak and the same cost but for the last bit.
 # The states are made block by block from the pairs (state, option) the chain reaches, and the
 # buckets of memory from the range the chain reaches, so neither is walked where nothing is.
 
