@@ -4,6 +4,9 @@ analytic GPT-2 XL s1024 H100 profile <= 1.05 at 50% of the keep-all activations,
 <= 1.25 at 10%; the same table for the 7B decoder, WRN-28-10 and ResNet-1001 (H100 and V100,
 with the flash-attention variants of the transformers); and plans 1,000 blocks of 50 ops in <= 2 s.
 The LP bound column says how close the plan is to the best any plan over the same options can do.
+And (issue 15) the op-level DP is no slower than the HiGHS MILP on the same options and budgets,
+with a plan of the DP's own quality (its model cost beside the MILP's; the MILP is exact in bytes,
+the DP buckets them, NOTE [bucketed budget]).
 
 Profiles: ``profiles/analytic-*.json`` (op-level detail per NOTE [analytic ops]). Ideal: keep-all
 with unlimited memory. "-": no plan fits. Run: ``python benchmarks/bench_oplevel.py [--quick]``.
@@ -19,10 +22,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import machine_header, table  # noqa: E402
+from common import interleaved_medians, machine_header, table  # noqa: E402
 from ooc.scheduler import BlockProfile, Plan, Profile, build_schedule, preset  # noqa: E402
-from ooc.scheduler.costmodel import build_options  # noqa: E402
-from ooc.scheduler.milp import lower_bound  # noqa: E402
+from ooc.scheduler.costmodel import build_options, model_cost  # noqa: E402
+from ooc.scheduler.milp import lower_bound, solve_milp  # noqa: E402
+from ooc.scheduler.optimal import solve_options  # noqa: E402
 from ooc.scheduler.planners import op_level, optimal  # noqa: E402
 from ooc.scheduler.profile import OpProfile  # noqa: E402
 from ooc.scheduler.simulate import predict  # noqa: E402
@@ -92,6 +96,51 @@ def quality(quick: bool) -> None:
           "op/opt: op-level / optimal; budget: share of the keep-all activation peak")
 
 
+def _timed_solves(opts, budget: int, reps: int) -> tuple[dict[str, float], list[int] | None, tuple | None]:
+    """Median seconds of the DP's search and of the MILP on ``opts`` at ``budget``, and their answers."""
+    out = {}
+    seconds = interleaved_medians({
+        "dp": lambda: out.__setitem__("dp", solve_options(opts, budget, 2, exact_blocks=200)),
+        "milp": lambda: out.__setitem__("milp", solve_milp(opts, budget, 2)),
+    }, reps, warmup=1)
+    return seconds, out["dp"], out["milp"]
+
+
+def solve_times(quick: bool) -> None:
+    """The op-level DP's search (``solve_options``: the DP with its bucket search, what ``op_level``
+    runs between building the options and polishing the plan) against ``solve_milp`` on the same
+    options and budgets, medians of runs taken in turns."""
+    rows = [["hardware", "model", "blocks", "budget", "DP s", "MILP s", "MILP/DP", "goal", "DP cost/MILP cost",
+             "DP plan fits"]]
+    reps = 3
+    for hw_name in ("h100-sxm",) if quick else ("h100-sxm", "v100-16gb"):
+        hw = preset(hw_name)
+        for model in MODELS:
+            prof = Profile.load(PROFILES / f"analytic-{hw_name}-{model}.json")
+            n = len(prof)
+            if n > BOUND_BLOCKS:
+                continue  # the Lagrangian DP's chains; HiGHS takes minutes on them
+            keep_peak = build_schedule(Plan.uniform("keep", n), prof).peak_bytes
+            opts = build_options(prof, hw, selective=4)  # op_level's own options
+            for fraction in FRACTIONS:
+                budget = int(keep_peak * fraction)
+                seconds, dp, milp = _timed_solves(opts, budget, reps)
+                fits = dp is not None and build_schedule(opts.plan(dp, prefetch=2, min_swap_bytes=prof.min_swap_bytes,
+                                                                   name="dp"), prof).peak_bytes <= budget
+                both = dp is not None and milp is not None and milp[1] > 0
+                quality = (f"{model_cost(opts, dp, 2) / milp[1]:.4f}" if both
+                           else "-" if dp is None and milp is None else "DP none" if dp is None else "MILP none")
+                rows.append([hw_name, model, str(n), f"{fraction:.0%}", f"{seconds['dp']:.3f}",
+                             f"{seconds['milp']:.3f}", f"{seconds['milp'] / seconds['dp']:.1f}",
+                             "DP <= MILP" + ("" if seconds["dp"] <= seconds["milp"] else " MISSED"), quality,
+                             "yes" if fits else ("-" if dp is None else "NO")])
+    print(table(rows))
+    print(f"columns: median seconds of {reps} runs each, taken in turns in one process; MILP/DP: how many "
+          "times faster the DP is; DP cost/MILP cost: the model cost of the DP's plan over the MILP's optimum "
+          f"(>= 1: the MILP is exact in bytes; chains <= {BOUND_BLOCKS} blocks, longer ones take the Lagrangian "
+          "DP); -: no plan fits")
+
+
 def synthetic(n: int, ops_per_block: int, seed: int = 0) -> Profile:
     """``n`` different blocks of ``ops_per_block`` ops each (sizes and times of a real network's ops)."""
     r, blocks = random.Random(seed), []
@@ -131,6 +180,8 @@ def main() -> None:
     args = parser.parse_args()
     print(machine_header("bench_oplevel: op-level (selective recompute) vs block-level planning, analytic profiles"))
     quality(args.quick)
+    print()
+    solve_times(args.quick)
     print()
     planning_time()
 

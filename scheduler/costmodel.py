@@ -254,11 +254,12 @@ def model_cost(opts: Options, picks: list[int], prefetch: int) -> float:
     picks = np.asarray(picks)
     cost = float(opts.recompute_s[idx, picks].sum())
     cost += float(np.maximum(0.0, opts.t_out[idx, picks] - opts.next_forward_s).sum())
-    comp = opts.comp[idx, picks]
-    for j in range(n):
-        t = opts.t_in[j, picks[j]]
-        if t > 0:
-            cost += max(0.0, t - float(comp[j + 1 : min(j + prefetch, n - 1) + 1].sum()))
+    comp, t_in = opts.comp[idx, picks], opts.t_in[idx, picks]
+    hidden = np.zeros(n)  # the backward compute of blocks j+1 .. j+prefetch, added in that order
+    for k in range(1, prefetch + 1):
+        hidden[: max(0, n - k)] += comp[k:]
+    for exposed in np.maximum(0.0, t_in - hidden)[t_in > 0].tolist():  # one by one, in block order
+        cost += exposed
     return cost
 
 

@@ -2,9 +2,10 @@
 POFO) that picks one option per block to minimise the additive cost model under the budget, then
 polishes the plan against the simulator on short chains.
 
-State after block ``i``: the bucket of ``P_i`` (resident bytes after releases) and the options of
-the last ``max(prefetch, 1)`` blocks, which the forward and backward peak constraints and the
-copy-back overlap term depend on. The transition for one option is vectorised over all states.
+State after block ``i``: the bucket of ``P_i`` (resident bytes after releases) and, of the last
+``max(prefetch, 1)`` blocks, what the forward and backward peak constraints and the copy-back
+overlap term read of their options (NOTE [merged states]). A block's transitions are vectorised
+over all (state, option) pairs and buckets.
 
 On long chains the memory buckets would be coarser than a block, so there the memory dimension is
 dropped: resident bytes get a price, and the price is bisected until the exact peak fits
@@ -14,9 +15,10 @@ dropped: resident bytes get a price, and the price is bisected until the exact p
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
 
 from ooc.scheduler.codecs import CODEC_ERROR_BOUND
 from ooc.scheduler.costmodel import BASE_OPTIONS, Options, build_options, model_cost, model_peak
@@ -28,6 +30,9 @@ from ooc.scheduler.simulate import predict
 from ooc.scheduler.units import check_budget
 
 _INF = np.inf
+_TABLE_BYTES = 64 * 2**20
+"""The DP keeps its cost tables for the backtrack up to this many bytes (GPT-2 XL's 48 blocks of
+op-level options take 12 MiB), then stores one back-pointer byte per entry instead."""
 
 
 def _digits(num_states: int, m: int, lags: int) -> np.ndarray:
@@ -79,52 +84,173 @@ def _tail_cost(opts: Options, prefetch: int, digits: np.ndarray) -> np.ndarray:
     return tail
 
 
-def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int) -> list[int] | None:
-    """Options per block minimising the model cost with the discretised peak <= budget; None if none."""
-    n, m = opts.n, opts.m
-    lags = max(prefetch, 1)
-    M = m**lags
-    rows = M // m
-    digits = _digits(M, m, lags)
-    unit = budget / buckets if budget > 0 else 1.0
-    Q = buckets + 1
+# NOTE [merged states]
+# The DP's state after block i holds what the rest of the chain reads of the last
+# ``max(prefetch, 1)`` blocks' options, and only that: per block, the bytes it moved (``X``: the
+# forward and backward peak constraints) and the part of its copy back not yet hidden (its
+# ``t_in`` less the backward compute of the blocks after it so far, at least 0: what the copy back
+# still exposes). Options with equal such values have the same future, so a state is those values,
+# not the option indices: keep, recompute and every selective set that swaps nothing are one state
+# (nothing moved, nothing to copy back), and a residual that the compute after it already hides is
+# 0 whichever option hid it. On GPT-2 XL's op-level options (16 per block) that is at most 34
+# states instead of 16^2 at prefetch 2, 291 instead of 16^3 at prefetch 3. The DP's optimum is the
+# option-tuple DP's (tests/scheduler/test_optimal_dp.py holds them equal), since
+# ``max(0, max(0, t - a) - b) == max(0, t - a - b)`` for compute ``a, b >= 0``; up to prefetch 2
+# it adds the same floats too. Plans of equal cost may tie-break otherwise: of the 18 analytic
+# H100 presets x budgets in ``benchmarks/bench_oplevel.py``, one plan (GPT-2 XL flash at 50%)
+# differs, in three blocks, at the same peak and the same cost but for the last bit.
+# The states are made block by block from the pairs (state, option) the chain reaches, and the
+# buckets of memory from the range the chain reaches, so neither is walked where nothing is.
+
+
+@dataclass(frozen=True)
+class _Step:
+    """One block's transitions, grouped by the state they lead to: pair ``p`` takes state
+    ``source[p]`` of the previous block with option ``option[p]`` (``shift[p]`` buckets more resident,
+    ``add[p]`` seconds more, allowed up to bucket ``limit[p]``); the pairs into new state ``t`` are
+    ``starts[t]:ends[t]``."""
+
+    source: np.ndarray
+    option: np.ndarray
+    shift: np.ndarray
+    add: np.ndarray
+    limit: np.ndarray
+    starts: np.ndarray
+    ends: np.ndarray
+    lo: int
+    """The bucket of column 0 of this step's cost table."""
+    cost: np.ndarray | None
+    """(states, buckets) cost table, kept for the backtrack while the tables are small."""
+    back: np.ndarray | None
+    """Else (states, buckets): ``ends[t] - p`` of the pair that reached each entry first."""
+
+
+def _pairs(opts: Options, i: int, keys: np.ndarray, prefetch: int, budget: float, unit: float, lo: int,
+           top: int) -> tuple[np.ndarray, ...]:
+    """Block ``i``'s transitions from the states ``keys`` (S, 2L: the L blocks' X, newest first, then
+    their residual copy-back times) whose first bucket ``lo`` can be reached: source, option, shift,
+    added cost, bucket limit (at most ``top``) and the new state's key, per pair (NOTE [merged states])."""
+    lags = keys.shape[1] // 2
+    xs, rs = keys[:, :lags], keys[:, lags:]
+    cs = np.flatnonzero(opts.allowed[i]) if opts.allowed is not None else np.arange(opts.m)
+    source, option = np.repeat(np.arange(len(keys)), len(cs)), np.tile(cs, len(keys))
+    x = opts.X[i, option].astype(np.float64)
+    f_room = budget - xs[source, 0] - x
+    m_room = budget - xs[:, :prefetch].sum(axis=1)[source] - x - opts.backward_extra[i, option]
+    limit = np.minimum(np.floor(np.minimum(f_room, m_room) / unit), top).astype(np.int64)
     # Nearest rounding of each block's resident bytes keeps the error unbiased along the chain;
     # the caller checks the exact peak of the result.
-    delta = np.rint((opts.A - opts.X) / unit).astype(np.int64)
-    cost = np.full((Q, M), _INF)
-    cost[0, 0] = 0.0
-    back = np.zeros((n, Q, M), dtype=np.int16)
-    qs = np.arange(Q)[:, None]
+    shift = np.rint((opts.A[i, option] - opts.X[i, option]) / unit).astype(np.int64)
+    ok = limit >= shift + lo
+    source, option, shift, limit, x = source[ok], option[ok], shift[ok], limit[ok], x[ok]
+    add = opts.recompute_s[i, option] + np.maximum(0.0, opts.t_out[i, option] - opts.next_forward_s[i])
+    if prefetch == 0:
+        add = add + opts.t_in[i, option]  # copied back on demand, when its own backward starts
+    elif i - prefetch >= 0:
+        # The copy back of block i-prefetch hides under the backward of blocks i-prefetch+1 .. i.
+        add = add + np.maximum(0.0, rs[source, lags - 1] - opts.comp[i, option])
+    newest = opts.t_in[i, option] if prefetch else np.zeros(len(x))  # without prefetch nothing waits to be hidden
+    hidden = np.maximum(0.0, rs[source, :-1] - opts.comp[i, option][:, None])
+    new_keys = np.concatenate([x[:, None], xs[source, :-1], newest[:, None], hidden], axis=1)
+    return source, option, shift, add, limit, new_keys
+
+
+def _merge_states(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The pairs' new states, merged (NOTE [merged states]): for ``keys`` (pairs, k), the order that
+    sorts them by key, rows in their given order among equal keys (so ties keep the per-option
+    DP's order), and per distinct key the range ``starts[t]:ends[t]`` of that order holding it."""
+    order = np.lexsort(keys.T[::-1])
+    ordered = keys[order]
+    starts = np.flatnonzero(np.r_[True, (ordered[1:] != ordered[:-1]).any(axis=1)])
+    return order, starts, np.r_[starts[1:], len(order)]
+
+
+def _relax(cost: np.ndarray, lo: int, shift: np.ndarray, add: np.ndarray, limit: np.ndarray, source: np.ndarray,
+           starts: np.ndarray, ends: np.ndarray) -> tuple[np.ndarray, np.ndarray, int]:
+    """The candidates ``cand`` (pairs, buckets): the source's cost ``shift`` buckets on, plus ``add``,
+    infinite past ``limit``; the new table (states, buckets), each state's least candidate; and the
+    new table's first bucket."""
+    states, width = cost.shape
+    new_lo = lo + int(shift.min())
+    new_width = int(min(limit.max(), lo + width - 1 + shift.max())) - new_lo + 1
+    offset = new_lo - shift - lo  # column of the source table that lands in new column 0
+    left, right = max(0, -int(offset.min())), max(0, int(offset.max()) + new_width - width)
+    padded = np.full((states, left + width + right), _INF)
+    padded[:, left : left + width] = cost
+    cand = sliding_window_view(padded, new_width, axis=1)[source, offset + left]
+    cand += add[:, None]
+    first_cut = max(0, int(limit.min()) + 1 - new_lo)  # no pair is cut before this column
+    if first_cut < new_width:
+        columns = np.arange(new_lo + first_cut, new_lo + new_width)
+        np.putmask(cand[:, first_cut:], columns[None, :] > limit[:, None], _INF)
+    new = np.empty((len(starts), new_width))
+    for t, (a, b) in enumerate(zip(starts, ends)):
+        new[t] = cand[a:b].min(axis=0)
+    return cand, new, new_lo
+
+
+def _back(cand: np.ndarray, new: np.ndarray, starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Per new state and bucket, ``ends[t] - p`` for the first pair ``p`` of its group whose candidate
+    is the least (so ties go to the earliest pair, as the per-option DP broke them)."""
+    sizes = ends - starts
+    dtype = np.min_scalar_type(int(sizes.max()))
+    target = np.repeat(np.arange(len(starts)), sizes)
+    marked = (cand == new[target]) * (ends[target] - np.arange(len(cand))).astype(dtype)[:, None]
+    back = np.empty(new.shape, dtype)
+    for t, (a, b) in enumerate(zip(starts, ends)):
+        back[t] = marked[a:b].max(axis=0)
+    return back
+
+
+def _pick(step: _Step, previous: _Step | None, t: int, q: int) -> int:
+    """The pair of ``step`` that reached state ``t`` at bucket ``q`` first."""
+    if step.back is not None:
+        return int(step.ends[t]) - int(step.back[t, q - step.lo])
+    target = step.cost[t, q - step.lo]
+    before, before_lo = (previous.cost, previous.lo) if previous is not None else (np.zeros((1, 1)), 0)
+    for p in range(int(step.starts[t]), int(step.ends[t])):
+        col = q - int(step.shift[p]) - before_lo
+        if q <= step.limit[p] and 0 <= col < before.shape[1] and before[step.source[p], col] + step.add[p] == target:
+            return p
+    raise RuntimeError(f"the DP's backtrack found no pair into state {t} at bucket {q}: "
+                       "a bug in ooc.scheduler.optimal, please report it")
+
+
+def solve_dp(opts: Options, budget: int, prefetch: int, buckets: int, *,
+             table_bytes: int = _TABLE_BYTES) -> list[int] | None:
+    """Options per block minimising the model cost with the discretised peak <= budget; None if none.
+    Over merged states (NOTE [merged states]); the cost tables are kept for the backtrack up to
+    ``table_bytes``, then each block stores which pair reached each entry instead (1 byte each)."""
+    n = opts.n
+    lags = max(prefetch, 1)
+    unit = budget / buckets if budget > 0 else 1.0
+    keys = np.zeros((1, 2 * lags))  # before block 0: no bytes moved, nothing to copy back
+    cost, lo, kept = np.zeros((1, 1)), 0, 0
+    steps: list[_Step] = []
     for i in range(n):
-        add, room = _step_tables(opts, i, prefetch, digits, budget)
-        limit = np.floor(room / unit)
-        new = np.full((Q, M), _INF)
-        for c in range(m):
-            d = int(delta[i, c])
-            cand = np.full((Q, M), _INF)
-            if d < Q:
-                cand[d:] = cost[: Q - d] + add[None, :, c]
-            cand[qs > limit[None, :, c]] = _INF
-            # The new state drops the oldest option and appends c: states sharing the rest compete.
-            grouped = cand.reshape(Q, m, rows)
-            best_old = np.argmin(grouped, axis=1)
-            best = np.take_along_axis(grouped, best_old[:, None, :], axis=1)[:, 0, :]
-            targets = np.arange(rows) * m + c
-            better = best < new[:, targets]
-            new[:, targets] = np.where(better, best, new[:, targets])
-            back[i][:, targets] = np.where(better, best_old, back[i][:, targets])
-        cost = new
-    final = cost + _tail_cost(opts, prefetch, digits)[None, :]
-    q, s = np.unravel_index(int(np.argmin(final)), final.shape)
-    if not np.isfinite(final[q, s]):
+        source, option, shift, add, limit, new_keys = _pairs(opts, i, keys, prefetch, budget, unit, lo, buckets)
+        if len(source) == 0:
+            return None
+        order, starts, ends = _merge_states(new_keys)
+        new_keys = new_keys[order]
+        source, option, shift, add, limit = source[order], option[order], shift[order], add[order], limit[order]
+        cand, cost, lo = _relax(cost, lo, shift, add, limit, source, starts, ends)
+        keep_table = kept + cost.nbytes <= table_bytes and (not steps or steps[-1].cost is not None)
+        kept += cost.nbytes if keep_table else 0
+        steps.append(_Step(source, option, shift, add, limit, starts, ends, lo, cost if keep_table else None,
+                           None if keep_table else _back(cand, cost, starts, ends)))
+        keys = new_keys[starts]
+    # What the copies back of the last blocks expose, issued as the backward starts: their residuals.
+    tail = keys[:, lags:].sum(axis=1) if prefetch else np.zeros(len(keys))
+    final = cost + tail[:, None]
+    q, t = np.unravel_index(int(np.argmin(final.T)), final.T.shape)  # the least bucket, then state, of the least cost
+    if not np.isfinite(final[t, q]):
         return None
+    q += lo
     picks = [0] * n
     for i in range(n - 1, -1, -1):
-        c = s % m
-        picks[i] = c
-        oldest = int(back[i, q, s])
-        q -= int(delta[i, c])
-        s = oldest * rows + s // m
+        p = _pick(steps[i], steps[i - 1] if i else None, int(t), int(q))
+        picks[i], t, q = int(steps[i].option[p]), int(steps[i].source[p]), q - int(steps[i].shift[p])
     return picks
 
 
@@ -239,10 +365,12 @@ def _polish(plan: Plan, opts: Options, profile: Profile, hardware: Hardware, bud
     return plan
 
 
-def _solve(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
-    """:func:`_solve_all` over the options some block may take: a column no block is allowed
-    (a selective slot no block fills, a codec too lossy everywhere) only widens the DP's state
-    (``m`` options of ``max(prefetch, 1)`` blocks), so it is left out and the picks mapped back."""
+def solve_options(opts: Options, budget: int, prefetch: int, exact_blocks: int) -> list[int] | None:
+    """``optimal``'s search over given options, before it polishes the plan: options per block
+    whose exact peak fits ``budget`` at the least model cost found (:func:`_solve_all`), or None.
+    A column no block is allowed (a selective slot no block fills, a codec too lossy everywhere)
+    only widens the Lagrangian DP's state (``m`` options of ``max(prefetch, 1)`` blocks), so it is
+    left out and the picks mapped back."""
     if opts.allowed is None or opts.allowed.any(axis=0).all():
         return _solve_all(opts, budget, prefetch, exact_blocks)
     cols = np.flatnonzero(opts.allowed.any(axis=0))
@@ -334,7 +462,7 @@ def optimal(
     kw = dict(prefetch=prefetch, min_swap_bytes=profile.min_swap_bytes, name=name)
     if budget is None:
         return opts.plan([0] * opts.n, **kw)
-    picks = _solve(opts, budget, prefetch, exact_blocks)
+    picks = solve_options(opts, budget, prefetch, exact_blocks)
     if picks is None:
         # A selective option holds at least what its plain RECOMPUTE holds at every point of the
         # step, so the least peak is the block-level options' (a smaller search).
@@ -352,7 +480,7 @@ def minimum_peak(opts: Options, prefetch: int, exact_blocks: int = 200) -> int:
     lo, hi = 0, model_peak(opts, [0] * opts.n, prefetch)
     while lo < hi:
         mid = (lo + hi) // 2
-        if _solve(opts, mid, prefetch, exact_blocks) is not None:
+        if solve_options(opts, mid, prefetch, exact_blocks) is not None:
             hi = mid
         else:
             lo = mid + 1

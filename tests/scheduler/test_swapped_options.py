@@ -193,13 +193,13 @@ def test_op_level_plans_with_swapped_options_fit_under_the_simulator(seed):
 
 
 def test_when_the_dp_cannot_fit_the_lagrangian_plan_does(monkeypatch):
-    """The DP's bucketed budget (NOTE [bucketed budget]) made to miss every time: ``_solve`` falls
+    """The DP's bucketed budget (NOTE [bucketed budget]) made to miss every time: ``solve_options`` falls
     back to the Lagrangian plan, which meets the exact peak, instead of giving up."""
     prof, hw = synthetic(10, 12, seed=5), preset("h100-sxm")
     opts = build_options(prof, hw, selective=4)
     (budget,) = _budgets(prof, 0.5)  # (the Lagrangian plan prices resident bytes only: it cannot reach the least peak)
     monkeypatch.setattr(optimal_module, "solve_dp", lambda opts, target, prefetch, buckets: [0] * opts.n)
-    picks = optimal_module._solve(opts, budget, 2, exact_blocks=200)
+    picks = optimal_module.solve_options(opts, budget, 2, exact_blocks=200)
     assert picks is not None and model_peak(opts, picks, 2) <= budget
 
 
@@ -231,7 +231,7 @@ def test_dp_matches_the_milp_with_swapped_options(seed):
     prof, hw = synthetic(8, 10, seed=40 + seed), preset("h100-sxm")
     opts = build_options(prof, hw, selective=3, selective_swaps=2)
     for budget in _budgets(prof, 0.5, 0.2, 0.05):
-        picks = optimal_module._solve(opts, budget, 2, exact_blocks=200)
+        picks = optimal_module.solve_options(opts, budget, 2, exact_blocks=200)
         milp_picks, milp_cost = solve_milp(opts, budget, 2)
         assert model_peak(opts, milp_picks, 2) <= budget
         assert model_cost(opts, milp_picks, 2) == pytest.approx(milp_cost, rel=1e-6, abs=1e-12)
@@ -275,6 +275,6 @@ def test_columns_no_block_may_take_leave_the_dps_answer_unchanged():
     opts = build_options(prof, preset("h100-sxm"), selective=4)
     assert not opts.allowed.any(axis=0).all()
     budget = int(_keep_peak(prof) * 0.25)
-    picks = optimal_module._solve(opts, budget, 2, exact_blocks=200)
+    picks = optimal_module.solve_options(opts, budget, 2, exact_blocks=200)
     assert picks == optimal_module._solve_all(opts, budget, 2, exact_blocks=200)
     assert all(opts.allows(i, k) for i, k in enumerate(picks))
