@@ -136,16 +136,21 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
       saves or the block returns (so no backward and no later block ever reads those bytes);
     - every op that reads its storages (``readers[k]``, all later than ``k``) is cached, left out
       itself, or ``passive``: an op that makes only views (what reads it through the view is a
-      reader of the same storage, so it is in ``readers[k]`` too).
+      reader of the same storage, so it is in ``readers[k]`` too);
+    - and at least one of them is cached or left out. An output no op reads (or only views of it)
+      is not left out: what reads it then reads it where no dispatch is seen (a Triton kernel
+      launched directly, ``.tolist()``), or it is dead code, rare enough not to chase.
     One pass from the last op back decides it (readers come later). The planner prices the re-run
     with these ops' time saved (``rerun_saved_s``), from the profile's ``OpProfile.reads``; the
-    runtime decides the same with this function from what the block's forward did, and refuses a
-    re-run in which a computing op reads a left-out output or autograd saves one."""
+    runtime decides the same with this function from what the block's forward did (NOTE [the
+    re-run leaves ops out] in ``ooc.op_profile``), and refuses a re-run in which a computing op
+    reads a left-out output or autograd saves one."""
     dead: set[int] = set()
     for k in reversed(range(len(readers))):
         if k in cached or not skippable[k]:
             continue
-        if all(r in cached or r in dead or passive[r] for r in readers[k]):
+        needed = [r for r in readers[k] if not passive[r]]
+        if needed and all(r in cached or r in dead for r in needed):
             dead.add(k)
     return frozenset(dead)
 
