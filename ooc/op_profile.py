@@ -29,6 +29,26 @@ schedule's RELEASE drops the device bytes and its SWAP_IN brings them back befor
 backward, where ``Replay`` loads them like kept ones (NOTE [swapped cached ops] in
 ``ooc.scheduler.schedule``). An output the block returns cannot be swapped (``ForwardCache.finish``
 refuses it): it is the next block's input and stays on the device.
+
+NOTE [the re-run leaves ops out]
+The re-run also leaves out the uncached ops whose outputs only cached ops read (NOTE [ops a re-run
+skips] in ``ooc.scheduler.oplevel``, whose ``dead_ops`` decides it here as for the planner).
+:class:`ForwardCache` sees, per op of the forward, the storages it creates and those its tensor
+arguments lie in (a view's storage is its base's), whether it only makes views (``_only_views``),
+which storages autograd saves (``note_saved``, from the block's pack hook) and which the block
+returns (``finish``), and at the end of the forward computes the left-out set. An op is a
+candidate only if, besides, none of its storages is alive after the forward (nothing stashed it in
+an attribute or a list, nor holds it for its backward outside autograd's saved tensors).
+:class:`Replay` hands out, for a left-out op, uninitialised tensors of the forward's sizes,
+strides, offsets, dtypes and storage sizes, allocated as the op would (the re-run's memory walk is
+that of a full re-run), and no kernel runs; left-out ops draw no random numbers (they are
+cacheable), so every later draw is the same. It then refuses, with :class:`RecomputeError`, rather
+than hand on a wrong value: an op that is not cached and not a view op reading a left-out storage
+(checked before it runs), a view op that turned out to copy, and autograd saving a left-out storage
+(the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
+launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads;
+``check_recompute=True`` compares the re-run's saved tensors with the forward's and catches what such
+a read changes.
 """
 
 from __future__ import annotations
@@ -41,10 +61,12 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ooc.errors import ProfileError
+from ooc.scheduler.oplevel import dead_ops
 from ooc.scheduler.profile import OpProfile
 
 _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
@@ -102,6 +124,22 @@ def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
         if arg.alias_info is not None and arg.alias_info.is_write:
             written += _tensors(args[k] if k < len(args) else kwargs.get(arg.name))
     return written
+
+
+def _read_storages(args: tuple, kwargs: dict) -> set[int]:
+    """Addresses of the (non-empty) storages an op's tensor arguments lie in: what it may read."""
+    return {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None and s.nbytes()}
+
+
+def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool:
+    """The op only makes views of its arguments (``inputs``: their storages): it writes nothing, and
+    returns tensors only, each in one of those storages. It reads no values (NOTE [the re-run
+    leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
+    (whose shape it may have read from values), is no view op."""
+    leaves = tree_leaves(out)
+    return not func._schema.is_mutable and bool(leaves) and all(
+        isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() in inputs
+        for t in leaves)
 
 
 class OpCounter(TorchDispatchMode):
@@ -176,6 +214,9 @@ class OpRecorder(OpCounter):
         self.created: list[dict[int, int]] = []
         """Per op: storage address -> bytes, for the new storages it created on the block's device."""
         self.saved: list[set[int]] = []
+        self.reads: list[tuple[int, ...]] = []
+        """Per op: the earlier ops whose storages it reads (none for an op that only makes views:
+        what reads through the view reads the storage itself), ``OpProfile.reads``."""
         self.why_not: list[str | None] = []
         self.returned: set[int] = set()
         """The ops whose storages the block returns (``note_returned``)."""
@@ -195,6 +236,9 @@ class OpRecorder(OpCounter):
             if creator is not None and self.why_not[creator] is None:
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
         inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+        read = _read_storages(args, kwargs)
+        self.reads.append(() if _only_views(func, read, out) else
+                          tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
         for t in _tensors(out):
             storage = _storage(t)
@@ -296,9 +340,10 @@ def measure_ops(
         times = [statistics.median(column) for column in zip(*(r.seconds() for r in runs))]
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
-                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned)
-            for k, (op, seconds, created, saved, why) in enumerate(zip(last.names, times, last.created, last.saved,
-                                                                       last.why_not))
+                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned,
+                      reads=reads)
+            for k, (op, seconds, created, saved, why, reads) in enumerate(zip(last.names, times, last.created, last.saved,
+                                                                              last.why_not, last.reads))
         ))
     return profiles
 
@@ -309,6 +354,37 @@ def _first_difference(a: list[str], b: list[str]) -> str:
 
 
 # -- executing (selective recompute) -----------------------------------------------------------------
+
+
+class _Layout:
+    """What one op returned in the forward, to hand out uninitialised in a re-run that leaves it out
+    (NOTE [the re-run leaves ops out]): the output's tree; per leaf, a non-tensor's value or a
+    tensor's (storage number, size, stride, offset, dtype); per storage, its bytes and device."""
+
+    __slots__ = ("spec", "leaves", "storages")
+
+    def __init__(self, out: Any) -> None:
+        leaves, self.spec = tree_flatten(out)
+        numbers: dict[object, int] = {}
+        self.storages: list[tuple[int, torch.device]] = []
+        self.leaves: list[tuple[bool, Any]] = []
+        for t in leaves:
+            if not isinstance(t, torch.Tensor):
+                self.leaves.append((False, t))
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else object()  # empty storages may share address 0
+            if key not in numbers:
+                numbers[key] = len(self.storages)
+                self.storages.append((storage.nbytes(), t.device))
+            self.leaves.append((True, (numbers[key], t.shape, t.stride(), t.storage_offset(), t.dtype)))
+
+    def allocate(self) -> tuple[Any, list[torch.UntypedStorage]]:
+        """Tensors like the forward's, uninitialised (no kernel runs), and their new storages."""
+        storages = [torch.UntypedStorage(nbytes, device=device) for nbytes, device in self.storages]
+        out = [torch.empty(0, dtype=v[4], device=storages[v[0]].device).set_(storages[v[0]], v[3], v[1], v[2])
+               if is_tensor else v for is_tensor, v in self.leaves]
+        return tree_unflatten(out, self.spec), storages
 
 
 class ForwardCache(OpCounter):
@@ -344,14 +420,35 @@ class ForwardCache(OpCounter):
         """Block outputs in a cached storage: (an alias sharing their version counter, its version
         after the forward, the op)."""
         self.done = False
+        # What the re-run may leave out (NOTE [the re-run leaves ops out]):
+        self.reads: list[set[int]] = []
+        """Per op: the earlier ops whose storages its tensor arguments lie in."""
+        self.views: list[bool] = []
+        """Per op: it only makes views of its arguments (``_only_views``), reading no values."""
+        self.left_out: dict[int, _Layout] = {}
+        """The ops the re-run leaves out, after the forward, and what each returned."""
+        self._candidates: dict[int, tuple[_Layout, list[StorageWeakRef]]] = {}
+        """Uncached, cacheable ops that create storages: their outputs' layout, their new storages."""
+        self._creator: dict[int, int] = {}
+        """Storage address -> the latest op that created a storage there (that of every live storage)."""
+        self._saved: set[int] = set()
+        """The ops whose storages autograd saves (``note_saved``)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
             for t in _mutated(func, args, kwargs):
                 if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                     raise self._modified(op, f"by op {index} ({func}) later in its forward")
+        read = _read_storages(args, kwargs)
         out = func(*args, **kwargs)
         self.funcs.append(func)
+        self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
+        self.views.append(_only_views(func, read, out))
+        created = {s.data_ptr(): s for t in _tensors(out)
+                   if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
+        self._creator.update(dict.fromkeys(created, index))
+        if created and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
+            self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
         if index in self.cached:
             reason = why_not_cacheable(func, args, kwargs, out)
             if reason is not None:
@@ -375,13 +472,21 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
+        storage cannot be left out of the re-run."""
+        if (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
+            self._saved.add(op)
+
     def finish(self, out: Any) -> None:
         """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
-        that lie in a cached storage, the one way it can be modified before the re-run."""
+        that lie in a cached storage, the one way it can be modified before the re-run; decide which
+        ops the re-run leaves out (NOTE [the re-run leaves ops out])."""
         self.done = True
         if self.count <= self.last:
             raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
                              "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+        self._decide_left_out(out)
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                 if op in self.swapped:
@@ -395,6 +500,21 @@ class ForwardCache(OpCounter):
                     )
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
                 self.escaped.append((alias, alias._version, op))
+
+    def _decide_left_out(self, out: Any) -> None:
+        returned = {op for t in _tensors(out) if (s := _storage(t)) is not None and (op := self._creator.get(s.data_ptr())) is not None}
+        readers: list[list[int]] = [[] for _ in self.funcs]
+        for r, reads in enumerate(self.reads):
+            for k in reads:
+                readers[k].append(r)
+        skippable = [False] * len(self.funcs)
+        for k, (_, storages) in self._candidates.items():
+            # Alive after the forward (not returned, not saved): held where the re-run's stand-in
+            # would end up too (an attribute, a list, a custom Function's ctx): not left out.
+            skippable[k] = k not in self._saved and k not in returned and all(s.expired() for s in storages)
+        dead = dead_ops(self.cached, readers, skippable, self.views)
+        self.left_out = {k: self._candidates[k][0] for k in sorted(dead)}
+        self._candidates = {}
 
     def check_unchanged(self) -> None:
         """Before a re-run: no block output in a cached storage was modified in place since the forward."""
@@ -420,6 +540,8 @@ class Replay(OpCounter):
         self.load = load
         self.ptrs: set[int] = set()
         """Storages of the cached outputs handed out: already counted, never counted again."""
+        self.fakes: dict[int, tuple[int, StorageWeakRef]] = {}
+        """Storage address -> (the left-out op, the uninitialised storage handed out for it)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
@@ -430,8 +552,12 @@ class Replay(OpCounter):
                 f"{expected or f'only {len(cache.funcs)} ops'} there, so the cached outputs cannot be matched; "
                 f"{_NOT_DETERMINISTIC}"
             )
+        if (layout := cache.left_out.get(index)) is not None:
+            out, storages = layout.allocate()
+            self.fakes.update((s.data_ptr(), (index, StorageWeakRef(s))) for s in storages if s.nbytes())
+            return out
         if index not in cache.outputs:
-            return func(*args, **kwargs)
+            return self._run(index, func, args, kwargs)
 
         spec, leaves = cache.outputs[index]
         out = []
@@ -442,3 +568,41 @@ class Replay(OpCounter):
                 leaf = tensor.detach()  # a fresh alias each time: autograd sets the re-run's graph on it
             out.append(leaf)
         return tree_unflatten(out, spec)
+
+    def _run(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Run an op that is neither cached nor left out; refuse one that would read a left-out
+        output's uninitialised bytes (NOTE [the re-run leaves ops out])."""
+        if not self.fakes:
+            return func(*args, **kwargs)
+        read = _read_storages(args, kwargs)
+        left_out = next((op for p in read if (op := self._left_out_at(p)) is not None), None)
+        if left_out is None:
+            return func(*args, **kwargs)
+        if not self.cache.views[index]:  # refused before it runs: garbage indices could crash a kernel
+            raise self._refused(left_out, f"op {index} ({func}) reads it")
+        out = func(*args, **kwargs)
+        if not _only_views(func, read, out):
+            raise self._refused(left_out, f"op {index} ({func}), a view in the forward, copies it")
+        return out
+
+    def check_saved(self, tensor: torch.Tensor) -> None:
+        """The re-run's pack hook: autograd must not save a left-out op's output (the forward's did not)."""
+        if (storage := _storage(tensor)) is not None and storage.nbytes() and \
+                (op := self._left_out_at(storage.data_ptr())) is not None:
+            raise self._refused(op, "autograd saves it for the backward")
+
+    def _left_out_at(self, ptr: int) -> int | None:
+        """The left-out op whose uninitialised storage lies at ``ptr`` (alive: the address is not reused)."""
+        entry = self.fakes.get(ptr)
+        return entry[0] if entry is not None and not entry[1].expired() else None
+
+    def _refused(self, op: int, what: str) -> Exception:
+        cache = self.cache
+        readers = [r for r, reads in enumerate(cache.reads) if op in reads and r in cache.cached]
+        return cache.error(
+            f"block {cache.block}: its re-run leaves out op {op} ({cache.funcs[op]}), whose output only cached ops "
+            f"{readers} read in the forward, and hands on uninitialised bytes for it (NOTE [the re-run leaves ops "
+            f"out] in ooc.op_profile), but in the re-run {what}; {_NOT_DETERMINISTIC}. If the forward is "
+            f"deterministic, leave op {readers[-1] if readers else op} out of cached_ops (the re-run then computes "
+            f"op {op}) and report this to ooc"
+        )

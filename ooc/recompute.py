@@ -316,6 +316,8 @@ class RecomputeFrame:
 
     def pack_forward(self, tensor: torch.Tensor) -> _Holder:
         with self._uncounted(self.cache):
+            if self.cache is not None:
+                self.cache.note_saved(tensor)  # its op cannot be left out of the re-run
             return self._pack_forward(tensor)
 
     def _pack_forward(self, tensor: torch.Tensor) -> _Holder:
@@ -394,6 +396,8 @@ class RecomputeFrame:
                 return pack_one(tensor)
 
         def pack_one(tensor: torch.Tensor) -> object:
+            if replay is not None:
+                replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
             index = self.counts.get(gid, 0)
             self.counts[gid] = index + 1
             # Detached: a packed output that points back to its own node would be a reference cycle
