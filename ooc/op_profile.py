@@ -46,9 +46,12 @@ cacheable), so every later draw is the same. It then refuses, with :class:`Recom
 than hand on a wrong value: an op that is not cached and not a view op reading a left-out storage
 (checked before it runs), a view op that turned out to copy, and autograd saving a left-out storage
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
-launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads;
-``check_recompute=True`` compares the re-run's saved tensors with the forward's and catches what such
-a read changes.
+launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
+Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
+saves, or the block returns) such a buffer before any op wrote it, the forward shows that a kernel
+ran unseen (``ForwardCache.unseen``), and the re-run leaves nothing out. The rest
+(``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
+backward, are compared with the forward's.
 """
 
 from __future__ import annotations
@@ -68,6 +71,10 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 from ooc.errors import ProfileError
 from ooc.scheduler.oplevel import dead_ops
 from ooc.scheduler.profile import OpProfile
+
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
+                            "aten::new_empty", "aten::new_empty_strided"})
+"""Ops that allocate without writing (NOTE [the re-run leaves ops out])."""
 
 _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
                       "runs); plan this block without cached_ops, or as keep or swap")
@@ -433,6 +440,10 @@ class ForwardCache(OpCounter):
         """Storage address -> the latest op that created a storage there (that of every live storage)."""
         self._saved: set[int] = set()
         """The ops whose storages autograd saves (``note_saved``)."""
+        self._blank: set[int] = set()
+        """Storages an ``empty`` op made that no op has written yet (``_note_unseen_writes``)."""
+        self.unseen: str | None = None
+        """Why the forward shows a write that no op dispatched (then the re-run leaves nothing out)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
@@ -446,6 +457,7 @@ class ForwardCache(OpCounter):
         self.views.append(_only_views(func, read, out))
         created = {s.data_ptr(): s for t in _tensors(out)
                    if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
+        self._note_unseen_writes(index, func, args, kwargs, read, created)
         self._creator.update(dict.fromkeys(created, index))
         if created and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
             self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
@@ -472,11 +484,27 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
+    def _note_unseen_writes(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
+                            read: set[int], created: dict[int, torch.UntypedStorage]) -> None:
+        """NOTE [the re-run leaves ops out]: a kernel launched without dispatch (Triton, a CUDA
+        extension) mostly writes into a buffer from ``torch.empty``; an op that reads such a buffer
+        before any op wrote it shows that one ran in this block, and may have read any output."""
+        written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
+        self._blank -= written | created.keys()
+        if func._schema.name in _UNINITIALISED:
+            self._blank |= created.keys()
+        elif self.unseen is None and self._blank & (read - written) and not self.views[index]:
+            self.unseen = f"op {index} ({func}) reads a buffer from torch.empty that no op wrote"
+
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
         storage cannot be left out of the re-run."""
-        if (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
+        if (storage := _storage(tensor)) is None:
+            return
+        if (op := self._creator.get(storage.data_ptr())) is not None:
             self._saved.add(op)
+        if self.unseen is None and storage.data_ptr() in self._blank:
+            self.unseen = "autograd saves a buffer from torch.empty that no op wrote"
 
     def finish(self, out: Any) -> None:
         """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
@@ -502,6 +530,9 @@ class ForwardCache(OpCounter):
                 self.escaped.append((alias, alias._version, op))
 
     def _decide_left_out(self, out: Any) -> None:
+        if self.unseen is None and any((s := _storage(t)) is not None and s.data_ptr() in self._blank for t in _tensors(out)):
+            self.unseen = "the block returns a buffer from torch.empty that no op wrote"
+        self._candidates = {} if self.unseen is not None else self._candidates
         returned = {op for t in _tensors(out) if (s := _storage(t)) is not None and (op := self._creator.get(s.data_ptr())) is not None}
         readers: list[list[int]] = [[] for _ in self.funcs]
         for r, reads in enumerate(self.reads):

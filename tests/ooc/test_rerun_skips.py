@@ -237,6 +237,10 @@ class _Scores(nn.Module):
             scores.add_(1)
         if self.read == "stash":
             self.stashed = scores.detach()
+        if self.read == "unseen-kernel":  # as a Triton kernel launched directly: no op dispatched
+            doubled = torch.empty_like(probs)
+            doubled.detach().numpy()[:] = scores.detach().numpy() * 2
+            return doubled * self.scale
         if self.read in ("saved", "rerun-saves"):
             return _SaveFirst.apply(scores if self.read == "saved" or rerun else probs, probs)
         # Doubling saves nothing (autograd saving a left-out output is the other refusal); the
@@ -329,11 +333,12 @@ def test_the_plain_case_leaves_the_mm_out(read: str, caches) -> None:
     assert _left_out_and_grads(read, caches) == (["aten.mm.default"], True)
 
 
-@pytest.mark.parametrize("read", ["item", "in-place", "stash", "saved"])
+@pytest.mark.parametrize("read", ["item", "in-place", "stash", "saved", "unseen-kernel"])
 def test_an_output_read_or_held_outside_the_cache_is_not_left_out(read: str, caches) -> None:
-    """Another op reads the scores (``.sum().item()``, an in-place add), the block
-    stashes them in an attribute (alive after the forward), or a custom Function saves them without
-    reading them: the re-run computes the mm, and the gradients (and the stashed scores) are exact."""
+    """Another op reads the scores (``.sum().item()``, an in-place add), the block stashes them in an
+    attribute (alive after the forward), a custom Function saves them without reading them, or a
+    kernel no dispatch sees reads them into a buffer from ``torch.empty``: the re-run computes the
+    mm, and the gradients (and the stashed scores) are exact."""
     assert _left_out_and_grads(read, caches) == ([], True)
 
 
