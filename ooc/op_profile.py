@@ -49,7 +49,8 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
 Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
 saves, or the block returns) such a buffer before any op wrote it, the forward shows that a kernel
-ran unseen (``ForwardCache.unseen``), and the re-run leaves nothing out. The rest
+ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
+``reads`` for it, so the planner prices it so). The rest
 (``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
 backward, are compared with the forward's.
 """
@@ -59,7 +60,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
@@ -149,6 +150,38 @@ def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool
         for t in leaves)
 
 
+class _UnseenWrites:
+    """Whether a block's forward ran a kernel no dispatch shows (NOTE [the re-run leaves ops out]).
+
+    Such a kernel (Triton, a CUDA extension) mostly writes into a buffer from ``torch.empty``: an op
+    that reads such a buffer before any op wrote it (or autograd saving it, or the block returning
+    it) shows that one ran, and it may have read any output, so no op may be left out of a re-run."""
+
+    def __init__(self) -> None:
+        self.blank: set[int] = set()
+        """Storages an ``empty`` op made that no op has written yet."""
+        self.reason: str | None = None
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict, read: set[int],
+           created: Collection[int], view: bool) -> None:
+        """Op ``index`` ran, reading ``read`` and creating ``created`` (storage addresses)."""
+        written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
+        self.blank -= written | set(created)
+        if func._schema.name in _UNINITIALISED:
+            self.blank |= set(created)
+        elif not view and self.blank & (read - written):
+            self.seen(f"op {index} ({func}) reads")
+
+    def used(self, tensor: torch.Tensor, how: str) -> None:
+        """``how`` (autograd saves, the block returns) uses ``tensor``."""
+        if (storage := _storage(tensor)) is not None and storage.nbytes() and storage.data_ptr() in self.blank:
+            self.seen(how)
+
+    def seen(self, how: str) -> None:
+        if self.reason is None:
+            self.reason = f"{how} a buffer from torch.empty that no op wrote"
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops dispatched while it is on (NOTE [counting a block's ops]) and hands each to ``op``."""
 
@@ -230,6 +263,8 @@ class OpRecorder(OpCounter):
         self._creator: dict[int, int] = {}
         """Storage address -> the latest op that created a storage there: while a storage lives, no
         other op can create one at its address, so this names the creator of every live storage."""
+        self.unseen = _UnseenWrites()
+        """Whether a kernel ran unseen (then ``reads`` is not what the ops read, and not recorded)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         started = self.clock.start()
@@ -244,8 +279,8 @@ class OpRecorder(OpCounter):
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
         inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
         read = _read_storages(args, kwargs)
-        self.reads.append(() if _only_views(func, read, out) else
-                          tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
+        view = _only_views(func, read, out)
+        self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
         for t in _tensors(out):
             storage = _storage(t)
@@ -253,12 +288,14 @@ class OpRecorder(OpCounter):
                 continue
             created[storage.data_ptr()] = storage.nbytes()
             self._creator[storage.data_ptr()] = index
+        self.unseen.op(index, func, args, kwargs, read, created, view)
         self.created.append(created)
         self.saved.append(set())
         return out
 
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` for the block's backward: credit its storage to the op that made it."""
+        self.unseen.used(tensor, "autograd saves")
         storage = _storage(tensor)
         if storage is not None and tensor.device == self.device and (op := self._creator.get(storage.data_ptr())) is not None:
             self.saved[op].add(storage.data_ptr())
@@ -267,6 +304,7 @@ class OpRecorder(OpCounter):
         """The block returned ``out``: mark the ops that created its storages (``OpProfile.returned``:
         the next block's input, which a plan may cache but not swap)."""
         for t in _tensors(out):
+            self.unseen.used(t, "the block returns")
             storage = _storage(t)
             if storage is not None and (op := self._creator.get(storage.data_ptr())) is not None:
                 self.returned.add(op)
@@ -348,7 +386,7 @@ def measure_ops(
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
                       saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned,
-                      reads=reads)
+                      reads=None if last.unseen.reason else reads)
             for k, (op, seconds, created, saved, why, reads) in enumerate(zip(last.names, times, last.created, last.saved,
                                                                               last.why_not, last.reads))
         ))
@@ -440,10 +478,8 @@ class ForwardCache(OpCounter):
         """Storage address -> the latest op that created a storage there (that of every live storage)."""
         self._saved: set[int] = set()
         """The ops whose storages autograd saves (``note_saved``)."""
-        self._blank: set[int] = set()
-        """Storages an ``empty`` op made that no op has written yet (``_note_unseen_writes``)."""
-        self.unseen: str | None = None
-        """Why the forward shows a write that no op dispatched (then the re-run leaves nothing out)."""
+        self.unseen = _UnseenWrites()
+        """Whether a kernel ran unseen (then the re-run leaves nothing out)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
@@ -457,7 +493,7 @@ class ForwardCache(OpCounter):
         self.views.append(_only_views(func, read, out))
         created = {s.data_ptr(): s for t in _tensors(out)
                    if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
-        self._note_unseen_writes(index, func, args, kwargs, read, created)
+        self.unseen.op(index, func, args, kwargs, read, created, self.views[index])
         self._creator.update(dict.fromkeys(created, index))
         if created and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
             self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
@@ -484,27 +520,12 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
-    def _note_unseen_writes(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict,
-                            read: set[int], created: dict[int, torch.UntypedStorage]) -> None:
-        """NOTE [the re-run leaves ops out]: a kernel launched without dispatch (Triton, a CUDA
-        extension) mostly writes into a buffer from ``torch.empty``; an op that reads such a buffer
-        before any op wrote it shows that one ran in this block, and may have read any output."""
-        written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
-        self._blank -= written | created.keys()
-        if func._schema.name in _UNINITIALISED:
-            self._blank |= created.keys()
-        elif self.unseen is None and self._blank & (read - written) and not self.views[index]:
-            self.unseen = f"op {index} ({func}) reads a buffer from torch.empty that no op wrote"
-
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
         storage cannot be left out of the re-run."""
-        if (storage := _storage(tensor)) is None:
-            return
-        if (op := self._creator.get(storage.data_ptr())) is not None:
+        self.unseen.used(tensor, "autograd saves")
+        if (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
             self._saved.add(op)
-        if self.unseen is None and storage.data_ptr() in self._blank:
-            self.unseen = "autograd saves a buffer from torch.empty that no op wrote"
 
     def finish(self, out: Any) -> None:
         """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
@@ -530,9 +551,10 @@ class ForwardCache(OpCounter):
                 self.escaped.append((alias, alias._version, op))
 
     def _decide_left_out(self, out: Any) -> None:
-        if self.unseen is None and any((s := _storage(t)) is not None and s.data_ptr() in self._blank for t in _tensors(out)):
-            self.unseen = "the block returns a buffer from torch.empty that no op wrote"
-        self._candidates = {} if self.unseen is not None else self._candidates
+        for t in _tensors(out):
+            self.unseen.used(t, "the block returns")
+        if self.unseen.reason is not None:
+            self._candidates = {}
         returned = {op for t in _tensors(out) if (s := _storage(t)) is not None and (op := self._creator.get(s.data_ptr())) is not None}
         readers: list[list[int]] = [[] for _ in self.funcs]
         for r, reads in enumerate(self.reads):

@@ -363,3 +363,17 @@ def test_a_rerun_that_reads_or_saves_a_left_out_output_is_refused(read: str, wha
             out.backward()
     finally:
         ooc.unwrap(model)
+
+
+@pytest.mark.parametrize("read", ["", "unseen-kernel"])
+def test_a_profile_records_no_reads_for_a_block_with_an_unseen_kernel(read: str) -> None:
+    """The measured profile of the block whose unseen kernel reads the scores records no ``reads``
+    (the planner then prices its re-run leaving nothing out); the plain block's predict the mm."""
+    torch.manual_seed(0)
+    model = _Model(read)
+    prof = ooc.profile(model, torch.randn(3, 6), blocks=model.blocks, ops=True, codec_errors=False, reps=1)
+    ops = prof.blocks[0].ops
+    softmax = [k for k, op in enumerate(ops) if op.name == SOFTMAX]
+    assert [ops[k].name for k in rerun_skipped(ops, softmax)] == ([] if read else ["aten.mm.default"])
+    assert all((op.reads is None) == bool(read) for op in ops)
+    assert all(op.reads is not None for op in prof.blocks[1].ops)
