@@ -85,6 +85,20 @@ def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
 
+def _op_tensors(*parts: Any) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or outputs (``parts``: its args tuple, kwargs dict,
+    its output): a schema nests them one list deep at most, so no pytree walk (a few microseconds
+    per op, on every op of a selective block)."""
+    found: list[torch.Tensor] = []
+    for part in parts:
+        for value in part.values() if isinstance(part, dict) else part if isinstance(part, (tuple, list)) else (part,):
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (tuple, list)):
+                found += [t for t in value if isinstance(t, torch.Tensor)]
+    return found
+
+
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return t.untyped_storage() if t.layout == torch.strided else None
 
@@ -110,10 +124,10 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
         return "it draws random numbers (skipping it would shift every later random op)"
     if func._schema.is_mutable:
         return "it modifies a tensor in place"
-    outputs = _tensors(out)
+    outputs = _op_tensors(out)
     if not outputs:
         return "it returns no tensor"
-    inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None and s.nbytes()}
+    inputs = {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
     for t in outputs:
         storage = _storage(t)
         if storage is None:
@@ -127,16 +141,18 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
 
 def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes to in place (its schema's ``Tensor(a!)`` arguments)."""
-    written = []
+    written: list[torch.Tensor] = []
+    if not func._schema.is_mutable:
+        return written
     for k, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
-            written += _tensors(args[k] if k < len(args) else kwargs.get(arg.name))
+            written += _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
     return written
 
 
 def _read_storages(args: tuple, kwargs: dict) -> set[int]:
     """Addresses of the (non-empty) storages an op's tensor arguments lie in: what it may read."""
-    return {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None and s.nbytes()}
+    return {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
 
 
 def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool:
@@ -144,7 +160,7 @@ def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool
     returns tensors only, each in one of those storages. It reads no values (NOTE [the re-run
     leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
     (whose shape it may have read from values), is no view op."""
-    leaves = tree_leaves(out)
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
     return not func._schema.is_mutable and bool(leaves) and all(
         isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() in inputs
         for t in leaves)
@@ -491,11 +507,12 @@ class ForwardCache(OpCounter):
         self.funcs.append(func)
         self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
         self.views.append(_only_views(func, read, out))
-        created = {s.data_ptr(): s for t in _tensors(out)
+        created = {s.data_ptr(): s for t in _op_tensors(out)
                    if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
         self.unseen.op(index, func, args, kwargs, read, created, self.views[index])
         self._creator.update(dict.fromkeys(created, index))
-        if created and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
+        # Only an op some cached op reads, directly or through left-out ones, is left out: none after the last.
+        if created and index < self.last and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
             self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
         if index in self.cached:
             reason = why_not_cacheable(func, args, kwargs, out)
