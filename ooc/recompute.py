@@ -29,8 +29,9 @@ What ooc adds to torch's mechanism:
 - A block that modifies one of its tensor arguments in place, or whose argument is modified in place
   before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
 - Selective recompute (``cached_ops``): the forward keeps the outputs of some ops and the re-run
-  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``);
-  those of ``swapped_ops`` wait on the host in between, moved by the swap engine.
+  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``),
+  and leaves out the ops whose outputs only those read (NOTE [the re-run leaves ops out]); those of
+  ``swapped_ops`` wait on the host in between, moved by the swap engine.
 
 NOTE [the re-run sees the forward's state]
 Autograd checks that a saved tensor was not modified in place before backward reads it (its
