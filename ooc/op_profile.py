@@ -29,6 +29,30 @@ schedule's RELEASE drops the device bytes and its SWAP_IN brings them back befor
 backward, where ``Replay`` loads them like kept ones (NOTE [swapped cached ops] in
 ``ooc.scheduler.schedule``). An output the block returns cannot be swapped (``ForwardCache.finish``
 refuses it): it is the next block's input and stays on the device.
+
+NOTE [the re-run leaves ops out]
+The re-run also leaves out the uncached ops whose outputs only cached ops read (NOTE [ops a re-run
+skips] in ``ooc.scheduler.oplevel``, whose ``dead_ops`` decides it here as for the planner).
+:class:`ForwardCache` sees, per op of the forward, the storages it creates and those its tensor
+arguments lie in (a view's storage is its base's), whether it only makes views (``_only_views``),
+which storages autograd saves (``note_saved``, from the block's pack hook) and which the block
+returns (``finish``), and at the end of the forward computes the left-out set. An op is a
+candidate only if, besides, none of its storages is alive after the forward (nothing stashed it in
+an attribute or a list, nor holds it for its backward outside autograd's saved tensors).
+:class:`Replay` hands out, for a left-out op, uninitialised tensors of the forward's sizes,
+strides, offsets, dtypes and storage sizes, allocated as the op would (the re-run's memory walk is
+that of a full re-run), and no kernel runs; left-out ops draw no random numbers (they are
+cacheable), so every later draw is the same. It then refuses, with :class:`RecomputeError`, rather
+than hand on a wrong value: an op that is not cached and not a view op reading a left-out storage
+(checked before it runs), a view op that turned out to copy, and autograd saving a left-out storage
+(the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
+launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
+Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
+saves, or the block returns) such a buffer before any op wrote it, the forward shows that a kernel
+ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
+``reads`` for it, so the planner prices it so). The rest
+(``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
+backward, are compared with the forward's.
 """
 
 from __future__ import annotations
@@ -36,16 +60,22 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ooc.errors import ProfileError
+from ooc.scheduler.oplevel import dead_ops
 from ooc.scheduler.profile import OpProfile
+
+_UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
+                            "aten::new_empty", "aten::new_empty_strided"})
+"""Ops that allocate without writing (NOTE [the re-run leaves ops out])."""
 
 _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
                       "runs); plan this block without cached_ops, or as keep or swap")
@@ -53,6 +83,20 @@ _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
+
+
+def _op_tensors(*parts: Any) -> list[torch.Tensor]:
+    """The tensors among an aten op's arguments or outputs (``parts``: its args tuple, kwargs dict,
+    its output): a schema nests them one list deep at most, so no pytree walk (a few microseconds
+    per op, on every op of a selective block)."""
+    found: list[torch.Tensor] = []
+    for part in parts:
+        for value in part.values() if isinstance(part, dict) else part if isinstance(part, (tuple, list)) else (part,):
+            if isinstance(value, torch.Tensor):
+                found.append(value)
+            elif isinstance(value, (tuple, list)):
+                found += [t for t in value if isinstance(t, torch.Tensor)]
+    return found
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -80,10 +124,10 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
         return "it draws random numbers (skipping it would shift every later random op)"
     if func._schema.is_mutable:
         return "it modifies a tensor in place"
-    outputs = _tensors(out)
+    outputs = _op_tensors(out)
     if not outputs:
         return "it returns no tensor"
-    inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None and s.nbytes()}
+    inputs = {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
     for t in outputs:
         storage = _storage(t)
         if storage is None:
@@ -97,11 +141,61 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
 
 def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes to in place (its schema's ``Tensor(a!)`` arguments)."""
-    written = []
+    written: list[torch.Tensor] = []
+    if not func._schema.is_mutable:
+        return written
     for k, arg in enumerate(func._schema.arguments):
         if arg.alias_info is not None and arg.alias_info.is_write:
-            written += _tensors(args[k] if k < len(args) else kwargs.get(arg.name))
+            written += _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
     return written
+
+
+def _read_storages(args: tuple, kwargs: dict) -> set[int]:
+    """Addresses of the (non-empty) storages an op's tensor arguments lie in: what it may read."""
+    return {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
+
+
+def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool:
+    """The op only makes views of its arguments (``inputs``: their storages): it writes nothing, and
+    returns tensors only, each in one of those storages. It reads no values (NOTE [the re-run
+    leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
+    (whose shape it may have read from values), is no view op."""
+    leaves = out if isinstance(out, (tuple, list)) else (out,)
+    return not func._schema.is_mutable and bool(leaves) and all(
+        isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() in inputs
+        for t in leaves)
+
+
+class _UnseenWrites:
+    """Whether a block's forward ran a kernel no dispatch shows (NOTE [the re-run leaves ops out]).
+
+    Such a kernel (Triton, a CUDA extension) mostly writes into a buffer from ``torch.empty``: an op
+    that reads such a buffer before any op wrote it (or autograd saving it, or the block returning
+    it) shows that one ran, and it may have read any output, so no op may be left out of a re-run."""
+
+    def __init__(self) -> None:
+        self.blank: set[int] = set()
+        """Storages an ``empty`` op made that no op has written yet."""
+        self.reason: str | None = None
+
+    def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict, read: set[int],
+           created: Collection[int], view: bool) -> None:
+        """Op ``index`` ran, reading ``read`` and creating ``created`` (storage addresses)."""
+        written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
+        self.blank -= written | set(created)
+        if func._schema.name in _UNINITIALISED:
+            self.blank |= set(created)
+        elif not view and self.blank & (read - written):
+            self.seen(f"op {index} ({func}) reads")
+
+    def used(self, tensor: torch.Tensor, how: str) -> None:
+        """``how`` (autograd saves, the block returns) uses ``tensor``."""
+        if (storage := _storage(tensor)) is not None and storage.nbytes() and storage.data_ptr() in self.blank:
+            self.seen(how)
+
+    def seen(self, how: str) -> None:
+        if self.reason is None:
+            self.reason = f"{how} a buffer from torch.empty that no op wrote"
 
 
 class OpCounter(TorchDispatchMode):
@@ -176,12 +270,17 @@ class OpRecorder(OpCounter):
         self.created: list[dict[int, int]] = []
         """Per op: storage address -> bytes, for the new storages it created on the block's device."""
         self.saved: list[set[int]] = []
+        self.reads: list[tuple[int, ...]] = []
+        """Per op: the earlier ops whose storages it reads (none for an op that only makes views:
+        what reads through the view reads the storage itself), ``OpProfile.reads``."""
         self.why_not: list[str | None] = []
         self.returned: set[int] = set()
         """The ops whose storages the block returns (``note_returned``)."""
         self._creator: dict[int, int] = {}
         """Storage address -> the latest op that created a storage there: while a storage lives, no
         other op can create one at its address, so this names the creator of every live storage."""
+        self.unseen = _UnseenWrites()
+        """Whether a kernel ran unseen (then ``reads`` is not what the ops read, and not recorded)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         started = self.clock.start()
@@ -195,6 +294,9 @@ class OpRecorder(OpCounter):
             if creator is not None and self.why_not[creator] is None:
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
         inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
+        read = _read_storages(args, kwargs)
+        view = _only_views(func, read, out)
+        self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
         for t in _tensors(out):
             storage = _storage(t)
@@ -202,12 +304,14 @@ class OpRecorder(OpCounter):
                 continue
             created[storage.data_ptr()] = storage.nbytes()
             self._creator[storage.data_ptr()] = index
+        self.unseen.op(index, func, args, kwargs, read, created, view)
         self.created.append(created)
         self.saved.append(set())
         return out
 
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` for the block's backward: credit its storage to the op that made it."""
+        self.unseen.used(tensor, "autograd saves")
         storage = _storage(tensor)
         if storage is not None and tensor.device == self.device and (op := self._creator.get(storage.data_ptr())) is not None:
             self.saved[op].add(storage.data_ptr())
@@ -216,6 +320,7 @@ class OpRecorder(OpCounter):
         """The block returned ``out``: mark the ops that created its storages (``OpProfile.returned``:
         the next block's input, which a plan may cache but not swap)."""
         for t in _tensors(out):
+            self.unseen.used(t, "the block returns")
             storage = _storage(t)
             if storage is not None and (op := self._creator.get(storage.data_ptr())) is not None:
                 self.returned.add(op)
@@ -296,9 +401,10 @@ def measure_ops(
         times = [statistics.median(column) for column in zip(*(r.seconds() for r in runs))]
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
-                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned)
-            for k, (op, seconds, created, saved, why) in enumerate(zip(last.names, times, last.created, last.saved,
-                                                                       last.why_not))
+                      saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned,
+                      reads=None if last.unseen.reason else reads)
+            for k, (op, seconds, created, saved, why, reads) in enumerate(zip(last.names, times, last.created, last.saved,
+                                                                              last.why_not, last.reads))
         ))
     return profiles
 
@@ -309,6 +415,37 @@ def _first_difference(a: list[str], b: list[str]) -> str:
 
 
 # -- executing (selective recompute) -----------------------------------------------------------------
+
+
+class _Layout:
+    """What one op returned in the forward, to hand out uninitialised in a re-run that leaves it out
+    (NOTE [the re-run leaves ops out]): the output's tree; per leaf, a non-tensor's value or a
+    tensor's (storage number, size, stride, offset, dtype); per storage, its bytes and device."""
+
+    __slots__ = ("spec", "leaves", "storages")
+
+    def __init__(self, out: Any) -> None:
+        leaves, self.spec = tree_flatten(out)
+        numbers: dict[object, int] = {}
+        self.storages: list[tuple[int, torch.device]] = []
+        self.leaves: list[tuple[bool, Any]] = []
+        for t in leaves:
+            if not isinstance(t, torch.Tensor):
+                self.leaves.append((False, t))
+                continue
+            storage = t.untyped_storage()
+            key = storage.data_ptr() if storage.nbytes() else object()  # empty storages may share address 0
+            if key not in numbers:
+                numbers[key] = len(self.storages)
+                self.storages.append((storage.nbytes(), t.device))
+            self.leaves.append((True, (numbers[key], t.shape, t.stride(), t.storage_offset(), t.dtype)))
+
+    def allocate(self) -> tuple[Any, list[torch.UntypedStorage]]:
+        """Tensors like the forward's, uninitialised (no kernel runs), and their new storages."""
+        storages = [torch.UntypedStorage(nbytes, device=device) for nbytes, device in self.storages]
+        out = [torch.empty(0, dtype=v[4], device=storages[v[0]].device).set_(storages[v[0]], v[3], v[1], v[2])
+               if is_tensor else v for is_tensor, v in self.leaves]
+        return tree_unflatten(out, self.spec), storages
 
 
 class ForwardCache(OpCounter):
@@ -344,14 +481,39 @@ class ForwardCache(OpCounter):
         """Block outputs in a cached storage: (an alias sharing their version counter, its version
         after the forward, the op)."""
         self.done = False
+        # What the re-run may leave out (NOTE [the re-run leaves ops out]):
+        self.reads: list[set[int]] = []
+        """Per op: the earlier ops whose storages its tensor arguments lie in."""
+        self.views: list[bool] = []
+        """Per op: it only makes views of its arguments (``_only_views``), reading no values."""
+        self.left_out: dict[int, _Layout] = {}
+        """The ops the re-run leaves out, after the forward, and what each returned."""
+        self._candidates: dict[int, tuple[_Layout, list[StorageWeakRef]]] = {}
+        """Uncached, cacheable ops that create storages: their outputs' layout, their new storages."""
+        self._creator: dict[int, int] = {}
+        """Storage address -> the latest op that created a storage there (that of every live storage)."""
+        self._saved: set[int] = set()
+        """The ops whose storages autograd saves (``note_saved``)."""
+        self.unseen = _UnseenWrites()
+        """Whether a kernel ran unseen (then the re-run leaves nothing out)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
             for t in _mutated(func, args, kwargs):
                 if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                     raise self._modified(op, f"by op {index} ({func}) later in its forward")
+        read = _read_storages(args, kwargs)
         out = func(*args, **kwargs)
         self.funcs.append(func)
+        self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
+        self.views.append(_only_views(func, read, out))
+        created = {s.data_ptr(): s for t in _op_tensors(out)
+                   if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
+        self.unseen.op(index, func, args, kwargs, read, created, self.views[index])
+        self._creator.update(dict.fromkeys(created, index))
+        # Only an op some cached op reads, directly or through left-out ones, is left out: none after the last.
+        if created and index < self.last and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
+            self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
         if index in self.cached:
             reason = why_not_cacheable(func, args, kwargs, out)
             if reason is not None:
@@ -375,13 +537,22 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
+    def note_saved(self, tensor: torch.Tensor) -> None:
+        """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
+        storage cannot be left out of the re-run."""
+        self.unseen.used(tensor, "autograd saves")
+        if (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
+            self._saved.add(op)
+
     def finish(self, out: Any) -> None:
         """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
-        that lie in a cached storage, the one way it can be modified before the re-run."""
+        that lie in a cached storage, the one way it can be modified before the re-run; decide which
+        ops the re-run leaves out (NOTE [the re-run leaves ops out])."""
         self.done = True
         if self.count <= self.last:
             raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
                              "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+        self._decide_left_out(out)
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                 if op in self.swapped:
@@ -395,6 +566,25 @@ class ForwardCache(OpCounter):
                     )
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
                 self.escaped.append((alias, alias._version, op))
+
+    def _decide_left_out(self, out: Any) -> None:
+        for t in _tensors(out):
+            self.unseen.used(t, "the block returns")
+        if self.unseen.reason is not None:
+            self._candidates = {}
+        returned = {op for t in _tensors(out) if (s := _storage(t)) is not None and (op := self._creator.get(s.data_ptr())) is not None}
+        readers: list[list[int]] = [[] for _ in self.funcs]
+        for r, reads in enumerate(self.reads):
+            for k in reads:
+                readers[k].append(r)
+        skippable = [False] * len(self.funcs)
+        for k, (_, storages) in self._candidates.items():
+            # Alive after the forward (not returned, not saved): held where the re-run's stand-in
+            # would end up too (an attribute, a list, a custom Function's ctx): not left out.
+            skippable[k] = k not in self._saved and k not in returned and all(s.expired() for s in storages)
+        dead = dead_ops(self.cached, readers, skippable, self.views)
+        self.left_out = {k: self._candidates[k][0] for k in sorted(dead)}
+        self._candidates = {}
 
     def check_unchanged(self) -> None:
         """Before a re-run: no block output in a cached storage was modified in place since the forward."""
@@ -420,6 +610,8 @@ class Replay(OpCounter):
         self.load = load
         self.ptrs: set[int] = set()
         """Storages of the cached outputs handed out: already counted, never counted again."""
+        self.fakes: dict[int, tuple[int, StorageWeakRef]] = {}
+        """Storage address -> (the left-out op, the uninitialised storage handed out for it)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
@@ -430,8 +622,12 @@ class Replay(OpCounter):
                 f"{expected or f'only {len(cache.funcs)} ops'} there, so the cached outputs cannot be matched; "
                 f"{_NOT_DETERMINISTIC}"
             )
+        if (layout := cache.left_out.get(index)) is not None:
+            out, storages = layout.allocate()
+            self.fakes.update((s.data_ptr(), (index, StorageWeakRef(s))) for s in storages if s.nbytes())
+            return out
         if index not in cache.outputs:
-            return func(*args, **kwargs)
+            return self._run(index, func, args, kwargs)
 
         spec, leaves = cache.outputs[index]
         out = []
@@ -442,3 +638,41 @@ class Replay(OpCounter):
                 leaf = tensor.detach()  # a fresh alias each time: autograd sets the re-run's graph on it
             out.append(leaf)
         return tree_unflatten(out, spec)
+
+    def _run(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        """Run an op that is neither cached nor left out; refuse one that would read a left-out
+        output's uninitialised bytes (NOTE [the re-run leaves ops out])."""
+        if not self.fakes:
+            return func(*args, **kwargs)
+        read = _read_storages(args, kwargs)
+        left_out = next((op for p in read if (op := self._left_out_at(p)) is not None), None)
+        if left_out is None:
+            return func(*args, **kwargs)
+        if not self.cache.views[index]:  # refused before it runs: garbage indices could crash a kernel
+            raise self._refused(left_out, f"op {index} ({func}) reads it")
+        out = func(*args, **kwargs)
+        if not _only_views(func, read, out):
+            raise self._refused(left_out, f"op {index} ({func}), a view in the forward, copies it")
+        return out
+
+    def check_saved(self, tensor: torch.Tensor) -> None:
+        """The re-run's pack hook: autograd must not save a left-out op's output (the forward's did not)."""
+        if (storage := _storage(tensor)) is not None and storage.nbytes() and \
+                (op := self._left_out_at(storage.data_ptr())) is not None:
+            raise self._refused(op, "autograd saves it for the backward")
+
+    def _left_out_at(self, ptr: int) -> int | None:
+        """The left-out op whose uninitialised storage lies at ``ptr`` (alive: the address is not reused)."""
+        entry = self.fakes.get(ptr)
+        return entry[0] if entry is not None and not entry[1].expired() else None
+
+    def _refused(self, op: int, what: str) -> Exception:
+        cache = self.cache
+        readers = [r for r, reads in enumerate(cache.reads) if op in reads and r in cache.cached]
+        return cache.error(
+            f"block {cache.block}: its re-run leaves out op {op} ({cache.funcs[op]}), whose output only cached ops "
+            f"{readers} read in the forward, and hands on uninitialised bytes for it (NOTE [the re-run leaves ops "
+            f"out] in ooc.op_profile), but in the re-run {what}; {_NOT_DETERMINISTIC}. If the forward is "
+            f"deterministic, leave op {readers[-1] if readers else op} out of cached_ops (the re-run then computes "
+            f"op {op}) and report this to ooc"
+        )

@@ -29,8 +29,9 @@ What ooc adds to torch's mechanism:
 - A block that modifies one of its tensor arguments in place, or whose argument is modified in place
   before its backward, cannot be re-run from that argument: that raises too, never a wrong gradient.
 - Selective recompute (``cached_ops``): the forward keeps the outputs of some ops and the re-run
-  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``);
-  those of ``swapped_ops`` wait on the host in between, moved by the swap engine.
+  takes them instead of running those ops again (NOTE [selective recompute] in ``ooc.op_profile``),
+  and leaves out the ops whose outputs only those read (NOTE [the re-run leaves ops out]); those of
+  ``swapped_ops`` wait on the host in between, moved by the swap engine.
 
 NOTE [the re-run sees the forward's state]
 Autograd checks that a saved tensor was not modified in place before backward reads it (its
@@ -316,6 +317,8 @@ class RecomputeFrame:
 
     def pack_forward(self, tensor: torch.Tensor) -> _Holder:
         with self._uncounted(self.cache):
+            if self.cache is not None:
+                self.cache.note_saved(tensor)  # its op cannot be left out of the re-run
             return self._pack_forward(tensor)
 
     def _pack_forward(self, tensor: torch.Tensor) -> _Holder:
@@ -394,6 +397,8 @@ class RecomputeFrame:
                 return pack_one(tensor)
 
         def pack_one(tensor: torch.Tensor) -> object:
+            if replay is not None:
+                replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
             index = self.counts.get(gid, 0)
             self.counts[gid] = index + 1
             # Detached: a packed output that points back to its own node would be a reference cycle

@@ -137,12 +137,14 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
     - some op that computes reads its storages, and every op that reads them (``readers[k]``, all
       later than ``k``) is cached, left out itself, or ``passive``: an op that makes only views
       (what reads it through the view is a reader of the same storage, so it is in ``readers[k]``
-      too). An output no computing op reads is not left out: the block may store it aside (an
-      attribute, a hook's list), where a re-run must put what the forward put.
+      too). An output no computing op reads is not left out: what reads it then reads it where no
+      dispatch is seen (a Triton kernel launched directly, ``.tolist()``), or the block stores it
+      aside (an attribute, a hook's list), where a re-run must put what the forward put.
     One pass from the last op back decides it (readers come later). The planner prices the re-run
     with these ops' time saved (``rerun_saved_s``), from the profile's ``OpProfile.reads``; the
-    runtime decides the same with this function from what the block's forward did, and refuses a
-    re-run in which a computing op reads a left-out output or autograd saves one."""
+    runtime decides the same with this function from what the block's forward did (NOTE [the
+    re-run leaves ops out] in ``ooc.op_profile``), and refuses a re-run in which a computing op
+    reads a left-out output or autograd saves one."""
     dead: set[int] = set()
     for k in reversed(range(len(readers))):
         if k in cached or not skippable[k]:

@@ -41,7 +41,8 @@ class OpProfile:
       A measured profile marks it; where no op is marked, planners take the block's last op as the
       one returned.
     - ``reads``: the earlier ops of the block whose storages this op reads (increasing indices; the
-      block's inputs and parameters are not ops), what tells a re-run which uncached ops it may leave
+      block's inputs and parameters are not ops; an op that only makes views reads none: what reads
+      through its view reads the storage itself), what tells a re-run which uncached ops it may leave
       out (NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``); ``None``: not recorded (a profile
       from before this field), and then a re-run is priced as running every uncached op.
     """

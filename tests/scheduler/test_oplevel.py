@@ -208,3 +208,17 @@ def test_selective_options_follow_the_plain_recomputes_offered():
     no_swap = build_options(prof, hw, (BlockPlan(Policy.KEEP), BlockPlan(Policy.RECOMPUTE)), selective=3)
     assert no_swap.m == 2 + 3
     assert all(not no_swap.choice(i, k).swaps_anything for i in range(4) for k in range(no_swap.m) if no_swap.allows(i, k))
+
+
+def test_an_output_no_op_reads_is_not_left_out_of_a_rerun():
+    """NOTE [ops a re-run skips]: an op read by a cached op is left out, through a view too; one that
+    only a view op reads, or nothing, is not (what reads it is not seen), nor is anything with
+    nothing cached."""
+    from ooc.scheduler.oplevel import dead_ops
+
+    # 0 -> 1 (cached); 2 -> 3 (a view nothing reads); 4 (unread); 5 -> 6 (a view) and 5 -> 7 (cached, through the view)
+    readers = [[1], [], [3], [], [], [6, 7], [], []]
+    skippable = [True, False, True, False, True, True, False, False]
+    passive = [False, False, False, True, False, False, True, False]
+    assert dead_ops(frozenset({1, 7}), readers, skippable, passive) == {0, 5}
+    assert dead_ops(frozenset(), readers, skippable, passive) == frozenset()
