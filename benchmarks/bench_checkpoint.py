@@ -8,8 +8,6 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - mean step time with a save every 10 steps and every step vs no checkpoints, in interleaved blocks of
   10 steps, each including the wait for its last write (goals: <= 3.5%, the CheckFreq figure, and
   <= 10%);
-- the same two with the writer at a lower priority (``--writer-nice``, default 10: NOTE [writer
-  priority] in ``ooc.checkpoint``);
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
 - the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
@@ -28,7 +26,7 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 ``--profile`` also prints where the writer thread spends its time over the timed lazy saves
 (cProfile, by own time: checksums, writes, fsyncs, serialization).
 
-Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile] [--writer-nice 10]``. The step
+Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``. The step
 figures vary by several points from run to run with 2 rounds; the README quotes ``--rounds 6``. With
 ``OMP_NUM_THREADS=1`` the training runs on one core and the writer has the other (as on a GPU host,
 whose cores the training mostly leaves idle); the header line says how many threads torch used.
@@ -112,7 +110,6 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
     parser.add_argument("--profile", action="store_true", help="print where the writer thread spends its time")
-    parser.add_argument("--writer-nice", type=int, default=10, help="the writer's priority in the 'nice' rows (Checkpointer(writer_nice=))")
     args = parser.parse_args()
     rounds = args.rounds or (8 if args.quick else 2)
 
@@ -223,10 +220,8 @@ def main() -> None:
         # drifts). A block's time includes waiting for its last write, so every write is paid for.
         # "skip": a save asked for every step with if_busy="skip" (NOTE [skipped saves]); the block's
         # last save waits, as a run's last save should.
-        # "10 nice" / "1 nice": the same with the writer at a lower priority (NOTE [writer priority]).
-        modes = {0: 0, 10: 10, 1: 1, "skip": 1, "10 nice": 10, "1 nice": 1}
-        savers = {mode: Checkpointer(root / f"every{mode}".replace(" ", "-"), model, opt, keep=2,
-                                     writer_nice=args.writer_nice if "nice" in str(mode) else 0) if every else None
+        modes = {0: 0, 10: 10, 1: 1, "skip": 1}
+        savers = {mode: Checkpointer(root / f"every{mode}", model, opt, keep=2) if every else None
                   for mode, every in modes.items()}
         # The extra host memory of a version: what the updates copy aside before the writer has read
         # it (alive until the version is written), summed per snapshot, largest per mode.
@@ -291,10 +286,6 @@ def main() -> None:
          f"no saves {ms(base)}", f"{(times[10] / base - 1) * 100:+.1f}%", "<= 3.5%"],
         [f"mean step, a save every step ({copied[1]} buckets copied by the update thread)", ms(times[1]),
          f"no saves {ms(base)}", f"{(times[1] / base - 1) * 100:+.1f}%", "<= 10%"],
-        [f"mean step, a save every 10 steps, writer_nice={args.writer_nice} ({copied['10 nice']} buckets copied)",
-         ms(times["10 nice"]), f"no saves {ms(base)}", f"{(times['10 nice'] / base - 1) * 100:+.1f}%", "<= 3.5%"],
-        [f"mean step, a save every step, writer_nice={args.writer_nice} ({copied['1 nice']} buckets copied)",
-         ms(times["1 nice"]), f"no saves {ms(base)}", f"{(times['1 nice'] / base - 1) * 100:+.1f}%", "<= 10%"],
         [f"mean step, a save asked every step, if_busy='skip' ({written_versions} of {asked} written, "
          f"{copied['skip']} buckets copied)", ms(times["skip"]), f"no saves {ms(base)}",
          f"{(times['skip'] / base - 1) * 100:+.1f}%", ""],

@@ -75,17 +75,6 @@ then holds the GIL while it sets up the write. Handing a job to a waiting thread
 Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
 a Checkpointer dropped without ``close`` is let go of that long after its last save.
 
-NOTE [writer priority]
-With ``writer_nice`` the writer thread raises its own nice value by that much as it starts (Linux
-sets a nice value per thread: ``setpriority`` on the thread's id), and the threads it starts (its
-I/O thread, the fsyncs) inherit it. Where the training keeps every core busy (a CPU run), the
-writer's CPU time (copies into the bounce buffers, checksums) otherwise comes out of the steps; at
-a lower priority it takes the cores' idle moments first, and the training waits for it only where
-it must (an update gated on a slice being read, a ``save`` while the last is still being written),
-when the training's own threads sleep and leave it the core. On a GPU host, whose training leaves
-cores idle, it changes nothing. Where the platform has no per-thread priority or refuses it, the
-thread runs at the default priority.
-
 NOTE [lazy snapshots]
 With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
 DataStates: ``save`` copies only what no bucket holds (buffers, parameters kept on their device,
@@ -154,17 +143,6 @@ _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", tor
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
            torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
 """torch dtype -> safetensors dtype name."""
-
-
-def _lower_priority(nice: int) -> None:
-    """Raise the calling thread's nice value by ``nice`` (NOTE [writer priority])."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    thread = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, thread, min(19, os.getpriority(os.PRIO_PROCESS, thread) + nice))
-    except OSError:  # no per-thread priority here, or not permitted: the default priority
-        pass
 
 
 def _optimizer_file(rank: int) -> str:
@@ -566,19 +544,14 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
-    ``writer_nice``: how much lower than the training the writer thread runs (0-19, NOTE [writer
-    priority]).
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
-                 lazy: bool = True, writer_nice: int = 0) -> None:
+                 lazy: bool = True) -> None:
         if keep is not None and keep < 1:
             raise ValueError(f"keep must be >= 1 (or None to keep every version), got {keep}")
-        if not isinstance(writer_nice, int) or isinstance(writer_nice, bool) or not 0 <= writer_nice <= 19:
-            raise ValueError(f"writer_nice must be an int from 0 (the training's priority) to 19 (the lowest), got {writer_nice!r}")
-        self.writer_nice = writer_nice
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
@@ -665,7 +638,6 @@ class Checkpointer:
     def _serve(self) -> None:
         """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
         or :meth:`close` (NOTE [writer thread])."""
-        _lower_priority(self.writer_nice)
         while True:
             try:
                 job = self._jobs.get(timeout=_IDLE_SECONDS)

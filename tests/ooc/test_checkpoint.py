@@ -875,38 +875,3 @@ def test_skip_if_busy_writes_nothing_while_the_previous_version_is_written(tmp_p
     ckpt.close()
     opt.close()
     opt2.close()
-
-
-@pytest.mark.skipif(not hasattr(os, "setpriority"), reason="no per-thread priority on this platform")
-def test_the_writer_runs_at_the_priority_asked_and_its_versions_restore(tmp_path: Path) -> None:
-    """NOTE [writer priority]: the writer thread runs at ``writer_nice`` above the training's nice
-    value; the training thread keeps its own."""
-    model, opt, sched = _setup()
-    seen: dict[str, int] = {}
-
-    def note_priority(point: str) -> None:
-        seen[threading.current_thread().name] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    ckpt = Checkpointer(tmp_path, model, opt, writer_nice=7)
-    ckpt._hook = note_priority
-    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    try:
-        _train(model, opt, sched, range(2), ckpt)
-        ckpt.wait()
-        expected, expected_state = _weights(model), _opt_state(opt)
-    finally:
-        ckpt.close()
-        opt.close()
-    assert seen.get("ooc-checkpoint-writer") == min(19, mine + 7), seen
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine
-    _assert_restores(tmp_path, 2, expected, expected_state)
-
-
-@pytest.mark.parametrize("nice", [-1, 20, 1.5, True])
-def test_a_bad_writer_nice_is_refused(tmp_path: Path, nice: object) -> None:
-    model, opt, _ = _setup()
-    try:
-        with pytest.raises(ValueError, match="writer_nice must be an int from 0"):
-            Checkpointer(tmp_path, model, opt, writer_nice=nice)
-    finally:
-        opt.close()
