@@ -102,6 +102,40 @@ def _copy_issue_seconds(backend: Backend, reps: int) -> float:
     return max(0.0, (with_copies - alone) / ops)
 
 
+def _op_intercept_seconds(backend: Backend, reps: int) -> float:
+    """``Hardware.op_intercept_s``: the time a selectively recomputed block's ops take in ooc's
+    dispatch modes beyond running them, its forward (``ForwardCache``) and its re-run (``Replay``)
+    together, per op, on a chain of small ops (their own time is what a plain forward takes). 0 on
+    a GPU, where it is host time the kernels hide."""
+    if backend.device.type == "cuda":
+        return 0.0
+    from ooc.op_profile import ForwardCache, Replay
+
+    x = torch.randn(16, requires_grad=True)
+
+    def chain() -> torch.Tensor:
+        y = x
+        for _ in range(32):
+            y = torch.tanh(y) * 1.5
+        return y
+
+    def recorded_and_replayed() -> int:
+        cache = ForwardCache("calibration", (0,), keep=lambda t: t, error=RuntimeError)
+        with torch.enable_grad():
+            with cache:
+                out = chain()
+            cache.finish(out)
+            with Replay(cache, load=lambda t: t):
+                chain()
+        return cache.count
+
+    ops = recorded_and_replayed()
+    with torch.enable_grad():
+        plain = median_seconds(chain, reps)
+    selective = median_seconds(recorded_and_replayed, reps)
+    return max(0.0, (selective - 2 * plain) / ops)
+
+
 def calibration_device(spec: str) -> str:
     """Where ``ooc calibrate --backend spec`` measures: ``"auto"`` is the GPU when there is one
     (a GPU host is calibrated for its GPU, not its CPU); ``"cuda"`` the GPU; anything else the CPU."""
@@ -170,6 +204,7 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
         copy_latency_s=latency_s,
         compute_slowdown=slowdown,
         copy_issue_s=_copy_issue_seconds(backend, reps),
+        op_intercept_s=_op_intercept_seconds(backend, reps),
         host_contention=host_contention(backend, reps),
         source=f"calibrated on {backend!r} with {nbytes} byte copies, median of {reps}",
     )

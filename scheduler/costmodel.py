@@ -28,7 +28,7 @@ from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.oplevel import selective_sets, swapped_sets
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, Profile
-from ooc.scheduler.schedule import block_bytes, cached_ops_cost
+from ooc.scheduler.schedule import block_bytes, selective_rerun_s
 
 BASE_OPTIONS: tuple[BlockPlan, ...] = (
     BlockPlan(Policy.KEEP),
@@ -127,8 +127,8 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
 
     A selective option's numbers are those of its plain RECOMPUTE (same ``swap_input``, taken from
     ``base``) with the cached outputs held from the forward (``A``), the re-run allocating less by
-    the cached outputs autograd saves (``Rc``) and skipping the cached ops (``recompute_s``,
-    ``comp``): ``block_bytes`` and the RECOMPUTE op's duration of ``ooc.scheduler.schedule``, in
+    the cached outputs autograd saves (``Rc``) and skipping the cached ops, less what recording
+    and replaying its ops costs (``recompute_s``, ``comp``): ``block_bytes`` and the RECOMPUTE op's duration of ``ooc.scheduler.schedule``, in
     arrays, without a :class:`BlockPlan` per option (a test holds them equal). The swapped variants
     (NOTE [window swaps] in ``ooc.scheduler.oplevel``, :func:`~ooc.scheduler.oplevel.swapped_sets`)
     are few, so each is a :class:`BlockPlan` whose numbers are the schedule's own (``_numbers``)."""
@@ -154,6 +154,7 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
         if key not in memo:
             memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, b.forward_s))
         sets, row = memo[key], []
+        intercept = len(b.ops) * hardware.op_intercept_s if hardware is not None else 0.0
         for v in variants:
             for j in range(count):
                 col = len(row)
@@ -161,7 +162,8 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
                     allowed[i, col] = True
                     A[i, col] += sets[j].bytes
                     Rc[i, col] -= sets[j].autograd_bytes
-                    skipped[i, col] = min(sets[j].saved_s, b.forward_s)  # a cache lookup is free
+                    # A cache lookup is free; recording and replaying the ops is not (selective_rerun_s).
+                    skipped[i, col] = min(sets[j].saved_s, b.forward_s) - intercept
                 row.append((v, sets[j].ops if j < len(sets) else (), ()))
         if swaps:
             found = _swapped_variants(b, sets, variants, swaps, float(base.next_forward_s[i]), hardware)
@@ -204,10 +206,7 @@ def _numbers(c: BlockPlan, b: BlockProfile, hardware: Hardware | None) -> tuple[
     and (recompute_s, t_out, t_in, comp) from its ops' durations (``_with_duration``)."""
     bytes_ = block_bytes(c, b)
     X, D = bytes_.swapped, bytes_.decoded
-    rec = 0.0
-    if c.policy is Policy.RECOMPUTE:
-        skipped = cached_ops_cost(c, b)[2] if c.cached_ops else 0.0
-        rec = max(0.0, b.forward_s - skipped)  # a cache lookup is free
+    rec = selective_rerun_s(c, b, hardware) if c.policy is Policy.RECOMPUTE else 0.0
     comp = b.backward_s + rec
     t_out = t_in = 0.0
     if X and hardware is not None:

@@ -40,6 +40,12 @@ class Hardware:
     """Extra compute time, as a fraction, while a copy moves bytes (0 with dedicated copy engines)."""
     copy_issue_s: float = 0.0
     """Compute-stream time per copy issued and waited for (launch, events; a thread hand-off on CPU)."""
+    op_intercept_s: float = 0.0
+    """Compute time per op of a selectively recomputed block that ooc's dispatch modes add, its
+    forward and its re-run together (recording each op, then replaying from the cache: NOTE
+    [selective recompute] in ``ooc.op_profile``). On the CPU backend it adds to the steps; on a GPU
+    it is host time, hidden under the kernels while the host runs ahead of them, so the GPU presets
+    leave it 0. ``ooc calibrate`` measures it."""
     net: float = 0.0
     """All-reduce bus bandwidth between data-parallel ranks, bytes/s (0: not described)."""
     net_latency_s: float = 0.0
@@ -191,13 +197,15 @@ PRESETS: dict[str, Hardware] = {
         host_optimizer=8.5 * GB,
         copy_latency_s=35e-6,
         copy_issue_s=90e-6,
+        op_intercept_s=13e-6,
         compute_slowdown=0.9,
         flops=50e9,
         memory_bytes_per_s=8 * GB,
         net=1.0 * GB,
         net_latency_s=50e-6,
         host_contention=1.0,
-        source="`ooc calibrate --backend cpu` on this project's 2-core CI machine, 2026-11-22 (run it for yours); "
+        source="`ooc calibrate --backend cpu` on this project's 2-core CI machine, 2026-11-22 (op_intercept_s: "
+        "2026-11-26; run it for yours); "
         "net: a 100 MB gloo all-reduce between two local ranks takes ~0.1 s; host_contention: compute and the "
         "host update share the two cores",
     ),

@@ -130,6 +130,19 @@ def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, 
             rerun_saved_s(ops, plan_block.cached_ops))
 
 
+def selective_rerun_s(plan_block, profile_block: BlockProfile, hw: Hardware | None) -> float:
+    """Seconds a RECOMPUTE block's re-run takes: its forward again, less what a selective one skips
+    (a cache lookup is free; NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``), plus what
+    recording and replaying its ops costs a selective one (``Hardware.op_intercept_s`` per op,
+    counted here: the forward and the re-run are one block's, and the cost model adds its time
+    the same way)."""
+    if not plan_block.cached_ops:
+        return profile_block.forward_s
+    skipped = cached_ops_cost(plan_block, profile_block)[2]
+    intercept = len(profile_block.ops) * hw.op_intercept_s if hw is not None else 0.0
+    return max(0.0, profile_block.forward_s - skipped) + intercept
+
+
 def swapped_ops_bytes(plan_block, profile_block: BlockProfile) -> tuple[int, int]:
     """The bytes and storages a selective RECOMPUTE's swapped cached outputs move each way.
 
@@ -403,8 +416,7 @@ def _with_duration(op: Op, prof: list, profile: Profile, hw: Hardware, plan: Pla
     if op.kind is OpKind.FORWARD:
         duration = prof[op.block].forward_s + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.RECOMPUTE:
-        skipped = cached_ops_cost(plan.blocks[op.block], prof[op.block])[2] if plan.blocks[op.block].cached_ops else 0.0
-        duration = max(0.0, prof[op.block].forward_s - skipped) + op.copies * hw.copy_issue_s  # a cache lookup is free
+        duration = selective_rerun_s(plan.blocks[op.block], prof[op.block], hw) + op.copies * hw.copy_issue_s
     elif op.kind is OpKind.DECODE:
         # dequantization reads the codes and writes the full tensor
         duration = op.copies * hw.copy_issue_s + 2 * (op.alloc_bytes + op.transient_bytes) / hw.d2d

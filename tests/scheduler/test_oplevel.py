@@ -222,3 +222,31 @@ def test_an_output_no_op_reads_is_not_left_out_of_a_rerun():
     passive = [False, False, False, True, False, False, True, False]
     assert dead_ops(frozenset({1, 7}), readers, skippable, passive) == {0, 5}
     assert dead_ops(frozenset(), readers, skippable, passive) == frozenset()
+
+
+def test_op_level_prices_recording_and_replaying_the_ops():
+    """``Hardware.op_intercept_s``: a selective block's ops cost that much each (forward and re-run
+    together). Where it exceeds what caching skips, the planner recomputes the block plainly, and
+    the simulator agrees that this is faster."""
+    ops = (OpProfile("mm", 60e-6, MiB, MiB),) + tuple(
+        OpProfile(f"op{k}", 1e-6, MiB, MiB if k % 2 else 0, cacheable=k != 39) for k in range(1, 40))
+    saved = sum(op.saved_bytes for op in ops) + MiB
+    block = BlockProfile("b", sum(op.forward_s for op in ops), 2e-4, saved, saved, MiB, MiB, MiB, 0, 0, ops=ops)
+    prof = Profile(tuple(replace(block, name=f"b{i}") for i in range(6)), outside_forward_s=1e-4)
+    budget = build_schedule(Plan.uniform("keep", 6), prof).peak_bytes // 2
+    free = replace(preset("h100-sxm"), op_intercept_s=0.0)
+    costly = replace(free, op_intercept_s=20e-6)
+    assert any(b.cached_ops for b in op_level(prof, free, budget).blocks)
+    plan = op_level(prof, costly, budget)
+    assert not any(b.cached_ops for b in plan.blocks)
+    selective = op_level(prof, free, budget)
+    assert predict(plan, prof, costly).step_time_s < predict(selective, prof, costly).step_time_s
+    # The schedule charges it to the re-run: per op of the block, once.
+    cached = Plan.of([BlockPlan(Policy.RECOMPUTE, cached_ops=(0,))] + ["keep"] * 5)
+    rerun = lambda hw: next(op.duration_s for op in build_schedule(cached, prof, hw).ops if op.kind is OpKind.RECOMPUTE)  # noqa: E731
+    assert rerun(costly) - rerun(free) == pytest.approx(40 * 20e-6, rel=1e-9)
+
+
+def test_the_cpu_preset_carries_an_op_intercept():
+    assert preset("cpu").op_intercept_s > 0
+    assert preset("h100-sxm").op_intercept_s == 0.0  # host time the kernels hide

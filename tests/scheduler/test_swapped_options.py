@@ -3,6 +3,7 @@ NOTE [swapped cached ops] in ``ooc.scheduler.schedule``): which cached outputs t
 options the chain planner is handed, the plans it makes, and the MILP and LP bound over them."""
 
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -131,12 +132,13 @@ def test_swapped_sets_beat_the_unswapped_points_holding_as_little():
 # --- the options agree with the schedule -----------------------------------------------------
 
 
-@pytest.mark.parametrize("seed", range(3))
-def test_each_option_is_what_the_schedule_makes_of_its_single_block_plan(seed):
+@pytest.mark.parametrize("seed, intercept", [(0, 0.0), (1, 0.0), (2, 0.0), (0, 3e-5), (1, 3e-5)])
+def test_each_option_is_what_the_schedule_makes_of_its_single_block_plan(seed, intercept):
     """Every option of every block, as the one non-KEEP block of a plan: the model's peak is the
     schedule's, its bytes are ``block_bytes``'s, its copy times the SWAP_OUT/SWAP_IN durations,
-    and the compute it adds is what the schedule's compute ops add over keep-all."""
-    prof, hw = synthetic(6, 10, seed=seed), preset("h100-sxm")
+    and the compute it adds is what the schedule's compute ops add over keep-all (with what
+    recording and replaying a selective block's ops costs, ``op_intercept_s``, or without)."""
+    prof, hw = synthetic(6, 10, seed=seed), replace(preset("h100-sxm"), op_intercept_s=intercept)
     opts = build_options(prof, hw, selective=4)
     keep_compute = sum(op.duration_s for op in build_schedule(Plan.uniform("keep", 6), prof, hw).ops
                        if op.resource.value == "compute")
