@@ -48,8 +48,9 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
 Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
-saves, or the block returns) such a buffer before any op wrote it, the forward shows that a kernel
-ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
+saves, or the block returns) such a buffer before any op wrote it (an in-place op other than a copy
+or a fill reads what it writes; a seen op that writes only part of it still clears it, a known
+gap), the forward shows that a kernel ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
 ``reads`` for it, so the planner prices it so). The rest
 (``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
 backward, are compared with the forward's.
