@@ -425,3 +425,37 @@ def test_hf_models_measured_peak_is_the_schedules(which: str, attn: str, caches)
         finally:
             ooc.unwrap(model)
         assert (report.peak_bytes, report.current_bytes) == (build_schedule(plan, prof).peak_bytes, 0), plan
+
+
+class _EmptyRead(nn.Module):
+    """``scores = x @ w`` read by the softmax (the cached op) and by an op whose output holds no byte
+    on the block's device (``new_zeros(0)``; on a GPU, ``.cpu()`` of the scores, for a log, is one too)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 6) / 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scores = x @ self.w
+        self.empty = scores.new_zeros(0)
+        return F.softmax(scores, dim=-1) * 2
+
+
+def test_the_profile_predicts_the_left_out_ops_past_an_op_with_no_bytes(caches) -> None:  # noqa: ANN001
+    """An op that reads the scores and holds no byte on the device is a computing reader at run time
+    (it is no view): the planner must not take it for a view, nor price the mm as skipped."""
+    from ooc.scheduler.oplevel import rerun_skipped
+
+    torch.manual_seed(0)
+    model = nn.Sequential(_EmptyRead(), nn.Linear(6, 6))
+    x = torch.randn(3, 6)
+    prof = ooc.profile(model, x, blocks=list(model), ops=True, codec_errors=False, reps=1)
+    ops = prof.blocks[0].ops
+    softmax = [k for k, op in enumerate(ops) if op.name == SOFTMAX]
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=tuple(softmax)), "keep"]), backend="cpu",
+             blocks=list(model))
+    try:
+        model(x.requires_grad_()).sum().backward()
+    finally:
+        ooc.unwrap(model)
+    assert sorted(rerun_skipped(ops, softmax)) == sorted(caches[-1].left_out)
