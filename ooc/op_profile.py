@@ -48,8 +48,9 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
 Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
-saves, or the block returns) such a buffer before any op wrote it, the forward shows that a kernel
-ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
+saves, or the block returns) such a buffer before any op wrote it (an in-place op other than a copy
+or a fill reads what it writes; a seen op that writes only part of it still clears it, a known
+gap), the forward shows that a kernel ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
 ``reads`` for it, so the planner prices it so). The rest
 (``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
 backward, are compared with the forward's.
@@ -76,6 +77,11 @@ from ooc.scheduler.profile import OpProfile
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
                             "aten::new_empty", "aten::new_empty_strided"})
 """Ops that allocate without writing (NOTE [the re-run leaves ops out])."""
+
+_OVERWRITES = frozenset({"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
+                         "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::geometric_",
+                         "aten::cauchy_", "aten::log_normal_"})
+"""In-place ops that write their ``self`` without reading what was there (``_overwritten``)."""
 
 _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
                       "runs); plan this block without cached_ops, or as keep or swap")
@@ -150,6 +156,19 @@ def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
     return written
 
 
+def _overwritten(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> set[int]:
+    """Addresses of the storages an op writes without reading their old values: its ``out=``
+    arguments, or the ``self`` of a copy or fill. Any other op that writes a tensor in place
+    (``add_``, ``relu_``) reads it too."""
+    whole = func._schema.name in _OVERWRITES
+    found: set[int] = set()
+    for k, arg in enumerate(func._schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write and (whole or arg.kwarg_only):
+            found |= {s.data_ptr() for t in _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
+                      if (s := _storage(t)) is not None}
+    return found
+
+
 def _read_storages(args: tuple, kwargs: dict) -> set[int]:
     """Addresses of the (non-empty) storages an op's tensor arguments lie in: what it may read."""
     return {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
@@ -182,10 +201,14 @@ class _UnseenWrites:
            created: Collection[int], view: bool) -> None:
         """Op ``index`` ran, reading ``read`` and creating ``created`` (storage addresses)."""
         written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
+        # An in-place op other than a copy or a fill reads what it writes (an unseen kernel's
+        # output, then ``add_`` on it): only what it overwrites unread is not a read.
+        reads_blank = not view and bool(self.blank & read) and bool(
+            self.blank & (read - (_overwritten(func, args, kwargs) if func._schema.is_mutable else set())))
         self.blank -= written | set(created)
         if func._schema.name in _UNINITIALISED:
             self.blank |= set(created)
-        elif not view and self.blank & (read - written):
+        elif reads_blank:
             self.seen(f"op {index} ({func}) reads")
 
     def used(self, tensor: torch.Tensor, how: str) -> None:
@@ -377,6 +400,10 @@ def measure_ops(
             installed.append((module, module.__dict__.get("forward")))
             module.forward = measured(i, module.forward)
         for _ in range(reps + 1):
+            # Under the caller's autocast, the first forward's casts of the weights stay cached for
+            # the next ones, which would then dispatch fewer ops than a training step's forward (a
+            # step enters autocast anew, and casts again): every plan's op indices would be off.
+            torch.clear_autocast_cache()
             with torch.enable_grad():
                 run()
             if device.type == "cuda":

@@ -264,6 +264,7 @@ class RecomputeFrame:
         self.spec: Any = None
         self.tensor_slots: list[int] = []
         self.requires_grad: list[bool] = []
+        self.is_leaf: list[bool] = []
         self.versions: list[tuple[torch.Tensor, int] | None] = []
         self.load_input: Callable[[object], torch.Tensor] = lambda packed: packed  # type: ignore[assignment, return-value]
         self.holders: list[weakref.ref[_Holder]] = []
@@ -294,6 +295,7 @@ class RecomputeFrame:
         self.load_input = load_input
         self.tensor_slots = [k for k, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
         self.requires_grad = [leaves[k].requires_grad for k in self.tensor_slots]
+        self.is_leaf = [leaves[k].is_leaf for k in self.tensor_slots]
         self.state = BlockState(self.module, leaves)
         self.leaves = list(leaves)
         for k in self.tensor_slots:
@@ -387,6 +389,12 @@ class RecomputeFrame:
             if self.requires_grad[n] and not tensor.requires_grad:
                 # Ops save different tensors depending on which inputs require grad: match the first run.
                 tensor = tensor.detach().requires_grad_()
+                if not self.is_leaf[n]:
+                    # Nor a leaf where the first run's was none: autocast caches its casts of leaves that
+                    # require grad (as of weights), so a block that casts its input for two linears
+                    # would cast it once, and a selective re-run would count other ops. A view is none.
+                    with torch.enable_grad():
+                        tensor = tensor.view_as(tensor)
             leaves[k] = tensor
         return tree_unflatten(leaves, self.spec)
 

@@ -150,7 +150,9 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
     memo: dict[tuple, tuple] = {}
     slots = []
     for i, b in enumerate(profile.blocks):
-        key = (b.saved_bytes - b.input_bytes, b.forward_s, *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable, op.returned) for op in b.ops))
+        # Everything ``selective_sets`` reads of the ops: what each reads too (the ops its re-run skips).
+        key = (b.saved_bytes - b.input_bytes, b.forward_s,
+               *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable, op.returned, op.reads) for op in b.ops))
         if key not in memo:
             memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, b.forward_s))
         sets, row = memo[key], []

@@ -119,7 +119,10 @@ def rerun_skipped(ops: Sequence[OpProfile], cached: Collection[int]) -> frozense
             readers[k].append(r)
     skippable = [op.cacheable and op.output_bytes > 0 and op.saved_bytes == 0 and k not in returned
                  for k, op in enumerate(ops)]
-    passive = [op.cacheable and op.output_bytes == 0 for op in ops]
+    # A profile records no reads for a view op (what reads through the view reads the storage), so
+    # every reader it records computes: one that holds no byte on the device (an empty result, a
+    # copy to the host) is no view (it is cacheable, a view is not), and the runtime runs it.
+    passive = [False] * len(ops)
     return dead_ops(frozenset(cached), readers, skippable, passive)
 
 
