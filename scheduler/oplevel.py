@@ -101,17 +101,26 @@ def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
     return free, items
 
 
-def _prefix(ops: Sequence[OpProfile], free: list[int], items: list[int], length: int) -> CachedSet:
-    chosen = _without_skipped(ops, sorted(free + items[:length]))
-    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), rerun_saved_s(ops, chosen),
+def _prefix(ops: Sequence[OpProfile], free: list[int], items: list[int], length: int,
+            graph: tuple | None = None) -> CachedSet:
+    """The first ``length`` items with the free ops (``graph``: the block's ``_rerun_graph``)."""
+    chosen = _without_skipped(graph, sorted(free + items[:length]))
+    return CachedSet(tuple(chosen), sum(ops[k].output_bytes for k in chosen), _saved_s(ops, graph, chosen),
                      sum(ops[k].saved_bytes for k in chosen))
 
 
 def rerun_skipped(ops: Sequence[OpProfile], cached: Collection[int]) -> frozenset[int]:
     """The uncached ops a selective re-run with ``cached`` leaves out (NOTE [ops a re-run skips]);
     empty when the profile did not record what each op reads (``OpProfile.reads``)."""
+    graph = _rerun_graph(ops)
+    return dead_ops(frozenset(cached), *graph) if graph is not None else frozenset()
+
+
+def _rerun_graph(ops: Sequence[OpProfile]) -> tuple[list[list[int]], list[bool], list[bool]] | None:
+    """What ``dead_ops`` reads of a block's profile (its readers, skippable and passive ops), made
+    once per block; ``None`` when the profile did not record what each op reads."""
     if not ops or any(op.reads is None for op in ops):
-        return frozenset()
+        return None
     returned = _returned(ops)
     readers: list[list[int]] = [[] for _ in ops]
     for r, op in enumerate(ops):
@@ -123,7 +132,7 @@ def rerun_skipped(ops: Sequence[OpProfile], cached: Collection[int]) -> frozense
     # every reader it records computes: one that holds no byte on the device (an empty result, a
     # copy to the host) is no view (it is cacheable, a view is not), and the runtime runs it.
     passive = [False] * len(ops)
-    return dead_ops(frozenset(cached), readers, skippable, passive)
+    return readers, skippable, passive
 
 
 def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable: Sequence[bool],
@@ -161,20 +170,32 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
 def rerun_saved_s(ops: Sequence[OpProfile], cached: Collection[int]) -> float:
     """Forward seconds a selective re-run with ``cached`` does not spend: the cached ops and the ops
     it leaves out (NOTE [ops a re-run skips]); none with nothing cached (a plain re-run)."""
+    return _saved_s(ops, _rerun_graph(ops), cached)
+
+
+def _saved_s(ops: Sequence[OpProfile], graph: tuple | None, cached: Collection[int]) -> float:
     if not cached:
         return 0.0
-    return sum(ops[k].forward_s for k in set(cached) | rerun_skipped(ops, cached))
+    skipped = dead_ops(frozenset(cached), *graph) if graph is not None else frozenset()
+    return sum(ops[k].forward_s for k in set(cached) | skipped)
 
 
-def _without_skipped(ops: Sequence[OpProfile], cached: list[int]) -> list[int]:
-    """``cached`` less the ops a re-run caching the others would leave out anyway (the later ones
-    first: dropping one may leave an earlier one unread); it skips the same ops, holding less."""
-    if not cached or any(op.reads is None for op in ops):
+def _without_skipped(graph: tuple | None, cached: list[int]) -> list[int]:
+    """``cached`` less the ops a re-run caching the others would leave out anyway; it skips the
+    same ops, holding less. One pass from the last op back, as ``dead_ops`` (whose rule it is, with
+    cached ops eligible too): whether an op can go depends only on the later ops that read it, so
+    dropping one never changes the fate of a later one."""
+    if not cached or graph is None:
         return cached
-    kept = set(cached)
-    for d in sorted(cached, reverse=True):
-        if ops[d].saved_bytes == 0 and ops[d].output_bytes > 0 and d in rerun_skipped(ops, kept - {d}):
-            kept.discard(d)
+    readers, skippable, passive = graph
+    kept, dead = set(cached), set()
+    for k in reversed(range(len(readers))):
+        if not skippable[k]:
+            continue
+        computing = [r for r in readers[k] if not passive[r]]
+        if computing and all(r in kept or r in dead for r in computing):
+            kept.discard(k)
+            dead.add(k)
     return sorted(kept)
 
 
@@ -222,7 +243,8 @@ def selective_sets(ops: Sequence[OpProfile], count: int = 4, keep: tuple[int, fl
         return ()
     free, items = _hull_order(ops)
     first = 0 if free else 1
-    candidates = _undominated([_prefix(ops, free, items, length) for length in range(first, len(items) + 1)])
+    graph = _rerun_graph(ops)
+    candidates = _undominated([_prefix(ops, free, items, length, graph) for length in range(first, len(items) + 1)])
     if len(candidates) <= count:
         return tuple(candidates)
     # The origin: the free ops alone (a candidate), or nothing cached (plain RECOMPUTE, not one).
@@ -336,6 +358,7 @@ def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int
         return []
     free, items = _hull_order(ops)
     returned = _returned(ops)
+    graph = _rerun_graph(ops)
     plain = [(sum(ops[k].output_bytes for k in free), sum(ops[k].forward_s for k in free))]
     plain += [(s.bytes, s.saved_s) for s in sets]
     lengths = sorted({0, *(len(s.ops) - len(free) for s in sets)})
@@ -348,7 +371,7 @@ def swapped_sets(ops: Sequence[OpProfile], sets: Sequence[CachedSet], count: int
             if k not in returned and copy_s <= room:
                 chosen.append(k)
                 room -= copy_s
-        cached = _prefix(ops, free, chosen, len(chosen))
+        cached = _prefix(ops, free, chosen, len(chosen), graph)
         swapped = window_swaps(ops, cached.ops, window_s=window_s, bandwidth=bandwidth, latency_s=latency_s, taken_s=taken_s)
         if not swapped or cached.ops in found:
             continue

@@ -221,3 +221,20 @@ def test_an_option_drops_a_cached_output_its_reader_makes_redundant():
     sets = selective_sets(ops, 4)
     assert [(s.ops, s.bytes) for s in sets] == [((1,), 10 * MiB)]
     assert sets[0].saved_s == pytest.approx(110e-6)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dropping_redundant_cached_outputs_in_one_pass_is_dropping_them_one_by_one(seed):
+    """``_without_skipped`` decides in one pass what trying each cached op from the last back, with
+    the rule itself, decides (the way it was written first: cubic in the ops per block)."""
+    from ooc.scheduler.oplevel import _rerun_graph, _without_skipped
+
+    r = random.Random(seed)
+    ops = _random_ops(r, r.randint(2, 14))
+    cacheable = [k for k, op in enumerate(ops) if op.cacheable]
+    cached = sorted(r.sample(cacheable, r.randint(0, len(cacheable))))
+    kept = set(cached)
+    for d in sorted(cached, reverse=True):
+        if ops[d].saved_bytes == 0 and ops[d].output_bytes > 0 and d in rerun_skipped(ops, kept - {d}):
+            kept.discard(d)
+    assert _without_skipped(_rerun_graph(ops), cached) == sorted(kept)
