@@ -124,9 +124,9 @@ def _storage_key(t: torch.Tensor) -> _Key | None:
         return None
     try:
         storage = t.untyped_storage()
-    except (RuntimeError, NotImplementedError):
+        ptr = storage.data_ptr()
+    except (RuntimeError, NotImplementedError):  # no storage, or no data (a FakeTensor a compiler left)
         return None
-    ptr = storage.data_ptr()
     return (ptr, storage.nbytes(), storage) if ptr else None
 
 

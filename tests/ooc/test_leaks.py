@@ -9,6 +9,7 @@ import weakref
 import pytest
 import torch
 import torch.nn as nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 import ooc
 from ooc.models import GPT
@@ -32,7 +33,7 @@ def _live_storages() -> dict[int, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # gc also finds deprecated torch objects that warn when inspected
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    storages = (t.untyped_storage() for t in tensors if not t.is_meta)
+    storages = (t.untyped_storage() for t in tensors if not t.is_meta and not isinstance(t, FakeTensor))
     return {s.data_ptr(): s.nbytes() for s in storages if s.nbytes() > 0}
 
 

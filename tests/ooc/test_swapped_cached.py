@@ -17,6 +17,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._pytree import tree_leaves
 
 import ooc
@@ -588,7 +589,7 @@ def _live_storages() -> dict[int, int]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tensors = [o for o in gc.get_objects() if isinstance(o, torch.Tensor)]
-    storages = (t.untyped_storage() for t in tensors if not t.is_meta)
+    storages = (t.untyped_storage() for t in tensors if not t.is_meta and not isinstance(t, FakeTensor))
     return {s.data_ptr(): s.nbytes() for s in storages if s.nbytes() > 0}
 
 
