@@ -316,14 +316,13 @@ class OpRecorder(OpCounter):
             creator = None if storage is None else self._creator.get(storage.data_ptr())
             if creator is not None and self.why_not[creator] is None:
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
-        inputs = {s.data_ptr() for t in _tensors((args, kwargs)) if (s := _storage(t)) is not None}
         read = _read_storages(args, kwargs)
         view = _only_views(func, read, out)
         self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
         for t in _tensors(out):
             storage = _storage(t)
-            if storage is None or t.device != self.device or not storage.nbytes() or storage.data_ptr() in inputs:
+            if storage is None or t.device != self.device or not storage.nbytes() or storage.data_ptr() in read:
                 continue
             created[storage.data_ptr()] = storage.nbytes()
             self._creator[storage.data_ptr()] = index
