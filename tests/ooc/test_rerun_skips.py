@@ -21,7 +21,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ooc
 import ooc.op_profile
 from ooc.models import GPT
-from ooc.op_profile import ForwardCache
 from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
 from ooc.scheduler import build_schedule
@@ -39,20 +38,6 @@ from tests.helpers import (
 )
 
 SOFTMAX = "aten._softmax.default"
-
-
-@pytest.fixture
-def caches(monkeypatch) -> list[ForwardCache]:  # noqa: ANN001
-    """Every ForwardCache that finishes a forward while the test runs, in order."""
-    seen: list[ForwardCache] = []
-    finish = ForwardCache.finish
-
-    def recorded(self: ForwardCache, out) -> None:  # noqa: ANN001
-        finish(self, out)
-        seen.append(self)
-
-    monkeypatch.setattr(ForwardCache, "finish", recorded)
-    return seen
 
 
 class _Dispatched(TorchDispatchMode):

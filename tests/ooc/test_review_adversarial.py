@@ -9,22 +9,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
-from ooc.op_profile import ForwardCache, OpRecorder
+from ooc.op_profile import OpRecorder
 
 SOFTMAX = "aten._softmax.default"
-
-
-@pytest.fixture
-def caches(monkeypatch) -> list[ForwardCache]:  # noqa: ANN001
-    seen: list[ForwardCache] = []
-    finish = ForwardCache.finish
-
-    def recorded(self: ForwardCache, out) -> None:  # noqa: ANN001
-        finish(self, out)
-        seen.append(self)
-
-    monkeypatch.setattr(ForwardCache, "finish", recorded)
-    return seen
 
 
 def _unseen_double(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -82,20 +69,27 @@ def _softmax_plan(block: nn.Module) -> ooc.Plan:
     return ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(recorder.names.index(SOFTMAX),)), "keep"])
 
 
-def _grads(how: str, wrap: bool, caches) -> tuple[list[torch.Tensor], list[str]]:  # noqa: ANN001
-    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    model = _Model(how)
-    if wrap:
-        ooc.wrap(model, _softmax_plan(_Unseen(how)), backend="cpu", blocks=model.blocks)
+def _step_grads(model: nn.Module, plan: ooc.Plan | None, x: torch.Tensor) -> list[torch.Tensor]:
+    """One backward of ``model`` on ``x`` (wrapped with ``plan`` around its ``blocks``, unless
+    ``None``): the input's gradient, then the parameters'."""
+    if plan is not None:
+        ooc.wrap(model, plan, backend="cpu", blocks=model.blocks)
     try:
         inputs = x.clone().requires_grad_()
         model(inputs).square().sum().backward()
     finally:
-        if wrap:
+        if plan is not None:
             ooc.unwrap(model)
+    return [inputs.grad, *(p.grad for p in model.parameters())]
+
+
+def _grads(how: str, wrap: bool, caches) -> tuple[list[torch.Tensor], list[str]]:  # noqa: ANN001
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    model = _Model(how)
+    grads = _step_grads(model, _softmax_plan(_Unseen(how)) if wrap else None, x)
     left_out = [str(caches[-1].funcs[k]) for k in caches[-1].left_out] if wrap else []
-    return [inputs.grad, *(p.grad for p in model.parameters())], left_out
+    return grads, left_out
 
 
 @pytest.mark.parametrize("how", [
@@ -252,15 +246,7 @@ def test_a_compiled_function_reading_an_output_a_cached_op_reads(caches, poisone
         model = _CompiledModel()
         model(x.clone().requires_grad_()).sum().backward()  # compiled outside ooc's modes
         model.zero_grad(set_to_none=True)
-        if wrap:
-            ooc.wrap(model, _softmax_plan(_Unseen("")), backend="cpu", blocks=model.blocks)
-        try:
-            inputs = x.clone().requires_grad_()
-            model(inputs).square().sum().backward()
-        finally:
-            if wrap:
-                ooc.unwrap(model)
-        grads.append([inputs.grad, *(p.grad for p in model.parameters())])
+        grads.append(_step_grads(model, _softmax_plan(_Unseen("")) if wrap else None, x))
     left_out = [str(caches[-1].funcs[k]) for k in caches[-1].left_out]
     torch._dynamo.reset()  # drop the compiled code and the fake tensors it holds (later tests count live tensors)
     assert all(torch.equal(a, b) for a, b in zip(*grads)), left_out

@@ -150,9 +150,10 @@ def test_no_option_holds_a_cached_output_its_rerun_would_skip_anyway():
     assert softmax in sets[-1].ops and scores not in sets[-1].ops
 
 
-def test_the_planners_numbers_are_the_schedules_with_skipped_ops():
-    prof = Profile(gpt2_xl(1024, 8, HW).blocks[:3], outside_forward_s=1e-3)
-    opts = build_options(prof, HW, selective=4)
+def _assert_selective_options_skip_what_their_reruns_skip(prof: Profile, opts) -> list[tuple[int, int]]:  # noqa: ANN001
+    """Each block's selective options cost its backward plus its forward less what the re-run
+    skips (``HW`` charges nothing for recording ops); the (block, option) pairs checked."""
+    checked = []
     for i, b in enumerate(prof.blocks):
         for k in range(len(opts.choices), opts.m):
             if not opts.allows(i, k):
@@ -160,7 +161,29 @@ def test_the_planners_numbers_are_the_schedules_with_skipped_ops():
             c = opts.choice(i, k)
             skipped = rerun_saved_s(b.ops, c.cached_ops)
             assert opts.recompute_s[i, k] >= 0
-            assert opts.comp[i, k] == pytest.approx(b.backward_s + max(0.0, b.forward_s - skipped), rel=1e-12)
+            assert opts.comp[i, k] == pytest.approx(b.backward_s + max(0.0, b.forward_s - skipped), rel=1e-12), \
+                (b.name, c.cached_ops)
+            checked.append((i, k))
+    return checked
+
+
+def test_the_planners_numbers_are_the_schedules_with_skipped_ops():
+    prof = Profile(gpt2_xl(1024, 8, HW).blocks[:3], outside_forward_s=1e-3)
+    assert _assert_selective_options_skip_what_their_reruns_skip(prof, build_options(prof, HW, selective=4))
+
+
+def test_blocks_that_differ_only_in_what_their_ops_read_get_their_own_options():
+    """Two blocks with the same op numbers, one whose profile records no ``reads`` (its forward ran
+    a kernel no dispatch showed): the second's options are its own, not the first's (whose re-run
+    would skip ops the second's does not), and priced as the schedule prices them."""
+    b = gpt2_xl(1024, 8, HW).blocks[1]
+    blind = replace(b, name="blind", ops=tuple(replace(op, reads=None) for op in b.ops))
+    prof = Profile((b, blind), outside_forward_s=1e-3)
+    opts = build_options(prof, HW, selective=4)
+    assert _assert_selective_options_skip_what_their_reruns_skip(prof, opts)
+    # Not vacuous: the first block's options rely on skipping.
+    assert any(rerun_skipped(b.ops, opts.choice(0, k).cached_ops) for k in range(len(opts.choices), opts.m)
+               if opts.allows(0, k))
 
 
 def test_analytic_profiles_record_what_each_op_reads():
