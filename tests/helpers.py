@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -88,6 +89,17 @@ def tiny_llama(attn: str) -> nn.Module:
         vocab_size=97, hidden_size=32, intermediate_size=64, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, attn_implementation=attn, use_cache=False)
     return transformers.LlamaForCausalLM(config).train()
+
+
+def tiny_llama_op_profile(attn: str) -> tuple[Callable[[], nn.Module], torch.Tensor, ooc.scheduler.Profile]:
+    """``tiny_llama`` with ``attn`` attention: its factory, a 2 x 12 batch of token ids (the same
+    every call), and the op-level profile of a model it makes, seeded, on that batch as its labels
+    too; needs transformers."""
+    make = functools.partial(tiny_llama, attn)
+    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
+    return make, x, prof
 
 
 def small_resnet() -> nn.Module:

@@ -7,7 +7,6 @@ output (or save one) raises instead of handing on its uninitialised bytes."""
 from __future__ import annotations
 
 import collections
-import functools
 import json
 import random
 from collections.abc import Iterator
@@ -33,7 +32,7 @@ from tests.helpers import (
     image_batch,
     small_resnet,
     stable_seed,
-    tiny_llama,
+    tiny_llama_op_profile,
     train_side_by_side,
 )
 
@@ -121,11 +120,8 @@ def test_gpt_rerun_leaves_out_the_scores_the_cached_softmax_reads(backend: str, 
 def test_hf_llama_eager_rerun_leaves_out_the_scores_the_cached_softmax_reads(caches, monkeypatch) -> None:
     """HF Llama's eager attention: scores (bmm), * scaling (mul), + causal mask (add)."""
     pytest.importorskip("transformers")
-    make = functools.partial(tiny_llama, "eager")
-    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    make, x, prof = tiny_llama_op_profile("eager")
     loss = lambda m: m(input_ids=x, labels=x).loss  # noqa: E731
-    torch.manual_seed(0)
-    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
     _check_left_out(make, loss, prof, ["aten.bmm.default", "aten.mul.Tensor", "aten.add.Tensor"], caches, monkeypatch, "cpu")
     plan = _caching(prof, SOFTMAX)
     results = train_side_by_side(make, lambda m, b: m(input_ids=b, labels=b).loss, [x, x.flip(1)],
@@ -167,10 +163,7 @@ def test_the_measured_profile_predicts_what_the_rerun_leaves_out(which: str, gpt
         make, prof, loss_fn, batches = small_resnet, cnn_profile, ce_loss, [(x, y), (x.flip(0), y)]
     else:
         pytest.importorskip("transformers")
-        make = functools.partial(tiny_llama, which.split("-")[1])
-        x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-        torch.manual_seed(0)
-        prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
+        make, x, prof = tiny_llama_op_profile(which.split("-")[1])
         loss_fn, batches = (lambda m, b: m(input_ids=b, labels=b).loss), [x, x.flip(1)]
     rng = random.Random(stable_seed("predicts", which))
     some = 0

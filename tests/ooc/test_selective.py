@@ -4,7 +4,6 @@ the tracker counts the cache as the planner models it (NOTE [selective recompute
 
 from __future__ import annotations
 
-import functools
 import random
 
 import pytest
@@ -25,7 +24,7 @@ from tests.helpers import (
     image_batch,
     small_resnet,
     stable_seed,
-    tiny_llama,
+    tiny_llama_op_profile,
     train_side_by_side,
 )
 
@@ -168,11 +167,7 @@ def test_cnn_with_batchnorm_random_cached_subsets_equal_plain(seed: int, cnn_pro
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
 def test_hf_llama_random_cached_subsets_equal_plain(attn: str) -> None:
     pytest.importorskip("transformers")
-    make = functools.partial(tiny_llama, attn)
-
-    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
-    torch.manual_seed(0)
-    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
+    make, x, prof = tiny_llama_op_profile(attn)
     sdpa = [op for b in prof.blocks for op in b.ops if "scaled_dot_product" in op.name]
     assert (attn == "sdpa") == bool(sdpa) and all(op.cacheable for op in sdpa)
     for seed in range(3):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import gc
 import random
 import warnings
@@ -37,7 +36,7 @@ from tests.helpers import (
     image_op_profile,
     small_resnet,
     stable_seed,
-    tiny_llama,
+    tiny_llama_op_profile,
     train_side_by_side,
 )
 
@@ -274,12 +273,8 @@ def test_hf_vit_swapped_cached_outputs_equal_plain() -> None:
 def test_hf_llama_swapped_cached_outputs_equal_plain(attn: str) -> None:
     """Decoder layers called with keyword arguments (rotary embeddings, masks), grouped-query attention."""
     pytest.importorskip("transformers")
-    make = functools.partial(tiny_llama, attn)
-
-    x = torch.randint(0, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    make, x, prof = tiny_llama_op_profile(attn)
     loss = lambda m, b: m(input_ids=b, labels=b).loss  # noqa: E731
-    torch.manual_seed(0)
-    prof = ooc.profile(make(), {"input_ids": x, "labels": x}, ops=True, codec_errors=False, reps=1)
     returned = _returned_ops(make, lambda m: loss(m, x), lambda m: m.model.layers)
     assert len(returned) == len(prof) and all(returned)
     plan = _random_plan(prof, returned, random.Random(stable_seed("llama", attn)), "WwC")
