@@ -451,6 +451,11 @@ class RecomputeFrame:
                 )
             self.cache.check_unchanged()
             replay = Replay(self.cache, self.load_input)
+            # A backward inside the forward's autocast (its nesting never back at 0) finds the
+            # forward's casts of the weights still cached: the re-run would dispatch no _to_copy for
+            # them and count other ops than the forward, which cast each weight anew (a step enters
+            # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
+            torch.clear_autocast_cache()
         pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
         with nvtx.range(self.range_name), self.timer("recompute"):
             with (
