@@ -299,6 +299,10 @@ class OpRecorder(OpCounter):
         self.why_not: list[str | None] = []
         self.returned: set[int] = set()
         """The ops whose storages the block returns (``note_returned``)."""
+        self.outlive: set[int] = set()
+        """The ops a storage of which is alive after the forward, neither returned nor saved
+        (``note_returned``; ``OpProfile.outlives_forward``)."""
+        self._refs: list[list[StorageWeakRef]] = []
         self._creator: dict[int, int] = {}
         """Storage address -> the latest op that created a storage there: while a storage lives, no
         other op can create one at its address, so this names the creator of every live storage."""
@@ -320,14 +324,17 @@ class OpRecorder(OpCounter):
         view = _only_views(func, read, out)
         self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
+        refs: list[StorageWeakRef] = []
         for t in _tensors(out):
             storage = _storage(t)
             if storage is None or t.device != self.device or not storage.nbytes() or storage.data_ptr() in read:
                 continue
             created[storage.data_ptr()] = storage.nbytes()
             self._creator[storage.data_ptr()] = index
+            refs.append(StorageWeakRef(storage))
         self.unseen.op(index, func, args, kwargs, read, created, view)
         self.created.append(created)
+        self._refs.append(refs)
         self.saved.append(set())
         return out
 
@@ -340,12 +347,17 @@ class OpRecorder(OpCounter):
 
     def note_returned(self, out: Any) -> None:
         """The block returned ``out``: mark the ops that created its storages (``OpProfile.returned``:
-        the next block's input, which a plan may cache but not swap)."""
+        the next block's input, which a plan may cache but not swap), and the ops whose storages are
+        alive nonetheless (``OpProfile.outlives_forward``: the measuring pack hook holds no saved
+        tensor, so what holds one is autocast's cache, an attribute, a custom Function's context)."""
         for t in _tensors(out):
             self.unseen.used(t, "the block returns")
             storage = _storage(t)
             if storage is not None and (op := self._creator.get(storage.data_ptr())) is not None:
                 self.returned.add(op)
+        self.outlive = {k for k, refs in enumerate(self._refs)
+                        if k not in self.returned and not self.saved[k] and not all(r.expired() for r in refs)}
+        self._refs = []
 
     def seconds(self) -> list[float]:
         return [self.clock.seconds(s) for s in self.stamps]
@@ -428,7 +440,7 @@ def measure_ops(
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
                       saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned,
-                      reads=None if last.unseen.reason else reads)
+                      reads=None if last.unseen.reason else reads, outlives_forward=k in last.outlive)
             for k, (op, seconds, created, saved, why, reads) in enumerate(zip(last.names, times, last.created, last.saved,
                                                                               last.why_not, last.reads))
         ))

@@ -127,7 +127,7 @@ def _rerun_graph(ops: Sequence[OpProfile]) -> tuple[list[list[int]], list[bool],
         for k in op.reads:
             readers[k].append(r)
     skippable = [op.cacheable and op.output_bytes > 0 and op.saved_bytes == 0 and k not in returned
-                 for k, op in enumerate(ops)]
+                 and not op.outlives_forward for k, op in enumerate(ops)]
     # A profile records no reads for a view op (what reads through the view reads the storage), so
     # every reader it records computes: one that holds no byte on the device (an empty result, a
     # copy to the host) is no view (it is cacheable, a view is not), and the runtime runs it.
@@ -145,7 +145,9 @@ def dead_ops(cached: frozenset[int], readers: Sequence[Sequence[int]], skippable
     uninitialised tensor of the same shape, strides and dtype instead (allocated as the op would,
     so the re-run's memory walk is unchanged, and no kernel runs). Op ``k`` is left out when:
     - it is ``skippable[k]``: deterministic (cacheable), creates storages, none of which autograd
-      saves or the block returns (so no backward and no later block ever reads those bytes);
+      saves or the block returns (so no backward and no later block ever reads those bytes), nor
+      anything else holds after the forward (``OpProfile.outlives_forward``: autocast's cache, an
+      attribute; what holds the forward's output would hold the re-run's);
     - some op that computes reads its storages, and every op that reads them (``readers[k]``, all
       later than ``k``) is cached, left out itself, or ``passive``: an op that makes only views
       (what reads it through the view is a reader of the same storage, so it is in ``readers[k]``

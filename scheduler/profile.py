@@ -45,6 +45,10 @@ class OpProfile:
       through its view reads the storage itself), what tells a re-run which uncached ops it may leave
       out (NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``); ``None``: not recorded (a profile
       from before this field), and then a re-run is priced as running every uncached op.
+    - ``outlives_forward``: a storage the op creates is still alive after the block's forward
+      though autograd does not save it and the block does not return it (autocast's cache holds its
+      cast of a weight; the block keeps it in an attribute or a custom Function's context): a re-run
+      never leaves the op out, since what holds the forward's output would hold the re-run's.
     """
 
     name: str
@@ -54,6 +58,7 @@ class OpProfile:
     cacheable: bool = True
     returned: bool = False
     reads: tuple[int, ...] | None = None
+    outlives_forward: bool = False
 
     def __post_init__(self) -> None:
         checks.text(self.name, "an op's name", ProfileError, hint=_FIX)
@@ -71,6 +76,7 @@ class OpProfile:
             object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, where=where, hint=_FIX))
         checks.flag(self.cacheable, "cacheable", ProfileError, hint=_FIX)
         checks.flag(self.returned, "returned", ProfileError, hint=_FIX)
+        checks.flag(self.outlives_forward, "outlives_forward", ProfileError, hint=_FIX)
         if self.saved_bytes > self.output_bytes:
             raise ProfileError(f"{where}saved_bytes exceeds output_bytes; {_FIX}")
 

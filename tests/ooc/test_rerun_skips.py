@@ -152,12 +152,23 @@ def test_measured_reads_are_the_ops_whose_storages_an_op_reads(gpt_profile) -> N
     assert ops[-1].returned and len(ops[-1].reads) == 2  # the residual add: the first add and the MLP's output
 
 
-@pytest.mark.parametrize("which", ["gpt", "cnn", "llama-sdpa", "llama-eager"])
+@pytest.mark.parametrize("which", ["gpt", "gpt-autocast", "cnn", "llama-sdpa", "llama-eager"])
 def test_the_measured_profile_predicts_what_the_rerun_leaves_out(which: str, gpt_profile, cnn_profile, caches) -> None:
     """Random cached sets: the runtime leaves out exactly ``rerun_skipped`` of the measured profile,
-    something in most plans, and the gradients equal plain PyTorch."""
+    something in most plans, and the gradients equal plain PyTorch. Under autocast the weights'
+    casts stay in autocast's cache after the forward: the runtime runs them, the profile says so."""
     if which == "gpt":
         make, prof, loss_fn, batches = (lambda: GPT(NANO)), gpt_profile, gpt_loss, [gpt_batch(seed=s) for s in range(2)]
+    elif which == "gpt-autocast":
+        def loss_fn(m: nn.Module, b: object) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return gpt_loss(m, b)
+
+        torch.manual_seed(0)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            prof = ooc.profile(GPT(NANO), gpt_batch(), ops=True, codec_errors=False, reps=1)
+        assert any(op.outlives_forward for b in prof.blocks for op in b.ops)
+        make, batches = (lambda: GPT(NANO)), [gpt_batch(seed=s) for s in range(2)]
     elif which == "cnn":
         x, y = image_batch()
         make, prof, loss_fn, batches = small_resnet, cnn_profile, ce_loss, [(x, y), (x.flip(0), y)]
@@ -343,15 +354,20 @@ def test_a_rerun_that_reads_or_saves_a_left_out_output_is_refused(read: str, wha
         ooc.unwrap(model)
 
 
-@pytest.mark.parametrize("read", ["", "unseen-kernel"])
-def test_a_profile_records_no_reads_for_a_block_with_an_unseen_kernel(read: str) -> None:
-    """The measured profile of the block whose unseen kernel reads the scores records no ``reads``
-    (the planner then prices its re-run leaving nothing out); the plain block's predict the mm."""
+@pytest.mark.parametrize("read", ["", "unseen-kernel", "stash"])
+def test_a_profile_predicts_no_skip_the_runtime_declines(read: str, caches) -> None:
+    """The measured profile of the block whose unseen kernel reads the scores records no ``reads``;
+    that of the block that stashes its scores marks the mm ``outlives_forward``: either way the
+    planner prices its re-run leaving nothing out, as the runtime runs it. The plain block's predict
+    the mm, and the runtime leaves out what the profile predicts."""
     torch.manual_seed(0)
     model = _Model(read)
     prof = ooc.profile(model, torch.randn(3, 6), blocks=model.blocks, ops=True, codec_errors=False, reps=1)
     ops = prof.blocks[0].ops
     softmax = [k for k, op in enumerate(ops) if op.name == SOFTMAX]
     assert [ops[k].name for k in rerun_skipped(ops, softmax)] == ([] if read else ["aten.mm.default"])
-    assert all((op.reads is None) == bool(read) for op in ops)
-    assert all(op.reads is not None for op in prof.blocks[1].ops)
+    assert all((op.reads is None) == (read == "unseen-kernel") for op in ops)
+    assert [op.name for op in ops if op.outlives_forward] == (["aten.mm.default"] if read == "stash" else [])
+    assert all(op.reads is not None and not op.outlives_forward for op in prof.blocks[1].ops)
+    left_out, exact = _left_out_and_grads(read, caches)
+    assert (left_out, exact) == ([ops[k].name for k in rerun_skipped(ops, softmax)], True)

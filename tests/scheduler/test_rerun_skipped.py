@@ -96,6 +96,7 @@ def test_what_autograd_saves_the_block_returns_or_a_random_op_makes_is_never_lef
     assert rerun_skipped(replace_op(ops, 0, saved_bytes=MiB), {1}) == set()
     assert rerun_skipped(replace_op(ops, 0, cacheable=False), {1}) == set()
     assert rerun_skipped(replace_op(ops, 0, returned=True), {1}) == set()
+    assert rerun_skipped(replace_op(ops, 0, outlives_forward=True), {1}) == set()  # held, as autocast's weight casts
     assert rerun_skipped(replace_op(ops, 0, output_bytes=0), {1}) == set()  # a view: nothing to skip
     # Read by an op that runs in the re-run (not cached, and itself needed: random, say): needed.
     assert rerun_skipped(ops + (OpProfile("sample", 1e-6, 4, cacheable=False, reads=(0,)),), {1}) == set()
@@ -214,6 +215,16 @@ def test_reads_round_trip_and_old_profiles_load(tmp_path):
             del op["reads"]
     path.write_text(json.dumps(data))
     assert all(op.reads is None for op in Profile.load(path).blocks[0].ops)
+
+
+def test_outlives_forward_round_trips_and_is_a_flag(tmp_path):
+    block = _gpt_block()
+    prof = Profile((replace(block, ops=replace_op(block.ops, 0, outlives_forward=True)),))
+    path = tmp_path / "p.json"
+    prof.save(path)
+    assert Profile.load(path).blocks[0].ops[0].outlives_forward
+    with pytest.raises(ProfileError, match="outlives_forward"):
+        replace_op(block.ops, 0, outlives_forward="yes")
 
 
 @pytest.mark.parametrize("reads, match", [
