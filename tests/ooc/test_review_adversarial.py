@@ -54,6 +54,11 @@ class _Unseen(nn.Module):
             _unseen_double(scores, buf[:, :6])
             buf[:, 6:] = buf[:, :6]
             buf = buf[:, 6:]
+        elif self.how == "returned-half":  # a seen copy writes the left half, the kernel the right; no op reads it
+            buf = torch.empty_like(probs)
+            buf[:, :3] = probs[:, :3] * self.scale[:3]
+            _unseen_double(scores[:, 3:], buf[:, 3:])
+            return buf
         elif self.how == "covered-in-two":  # two seen copies write the whole buffer, no kernel
             buf = torch.empty_like(probs)
             buf[:, :2] = x[:, :2]
@@ -124,10 +129,12 @@ def _grads(how: str, wrap: bool, caches) -> tuple[list[torch.Tensor], list[str]]
     "half-copied",
     "strided-gaps",
     "copied-within",
+    "returned-half",
 ])
 def test_an_unseen_kernel_into_an_empty_buffer_is_seen_whatever_follows(how: str, caches, poisoned) -> None:
     """The unseen kernel's buffer is read by an in-place op, or was partly written by a seen op (a
-    block of columns, every other column), or is read by a seen copy into its other half: the forward
+    block of columns, every other column; the block returns it unread), or is read by a seen copy into
+    its other half: the forward
     still shows that a kernel ran unseen, the re-run leaves nothing out, the gradients are exact."""
     plain, _ = _grads(how, False, caches)
     wrapped, left_out = _grads(how, True, caches)
