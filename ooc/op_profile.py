@@ -48,10 +48,11 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
 Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
-saves, or the block returns) such a buffer before any op wrote it (an in-place op other than a copy
-or a fill reads what it writes; a seen op that writes only part of it still clears it, a known
-gap), the forward shows that a kernel ran unseen (``_UnseenWrites``), and the re-run leaves nothing out (a measured profile records no
-``reads`` for it, so the planner prices it so). The rest
+saves, or the block returns) bytes of such a buffer that no seen op wrote (an in-place op other than
+a copy or a fill reads what it writes; seen writes are tracked per byte, so a seen op that writes
+part of it leaves the rest blank), the forward shows that a kernel ran unseen (``_UnseenWrites``),
+and the re-run leaves nothing out (a measured profile records no ``reads`` for it, so the planner
+prices it so). The rest
 (``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
 backward, are compared with the forward's.
 """
@@ -81,7 +82,7 @@ _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_stri
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
                          "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::geometric_",
                          "aten::cauchy_", "aten::log_normal_"})
-"""In-place ops that write their ``self`` without reading what was there (``_overwritten``)."""
+"""In-place ops that write their ``self`` without reading what was there (``_read_tensors``)."""
 
 _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control flow, or state changed between the "
                       "runs); plan this block without cached_ops, or as keep or swap")
@@ -156,16 +157,17 @@ def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[tor
     return written
 
 
-def _overwritten(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> set[int]:
-    """Addresses of the storages an op writes without reading their old values: its ``out=``
-    arguments, or the ``self`` of a copy or fill. Any other op that writes a tensor in place
-    (``add_``, ``relu_``) reads it too."""
+def _read_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    """The tensors among an op's arguments whose values it reads: all but its ``out=`` arguments and
+    the ``self`` of a copy or fill, which it writes without reading what was there. Any other op that
+    writes a tensor in place (``add_``, ``relu_``, ``index_put_``) reads it too."""
+    if not func._schema.is_mutable:
+        return _op_tensors(args, kwargs)
     whole = func._schema.name in _OVERWRITES
-    found: set[int] = set()
+    found: list[torch.Tensor] = []
     for k, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write and (whole or arg.kwarg_only):
-            found |= {s.data_ptr() for t in _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
-                      if (s := _storage(t)) is not None}
+        if not (arg.alias_info is not None and arg.alias_info.is_write and (whole or arg.kwarg_only)):
+            found += _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
     return found
 
 
@@ -185,40 +187,104 @@ def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool
         for t in leaves)
 
 
+def _covers(t: torch.Tensor, nbytes: int) -> bool:
+    """``t`` covers every byte of its storage (``nbytes`` long), in any order of its dimensions: it
+    is dense and as long as the storage. Allocates nothing (it runs on every write to a blank storage)."""
+    if t.storage_offset() or t.numel() * t.element_size() != nbytes:
+        return False
+    expected = 1
+    for size, stride in sorted(((n, s) for n, s in zip(t.shape, t.stride()) if n != 1), key=lambda d: d[1]):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def _bytes(mask: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """The bytes of ``mask`` (uint8, one per byte of ``t``'s storage) that ``t``'s elements occupy,
+    shape ``t.shape + (t.element_size(),)``: exact for any strided view, overlapping ones too."""
+    size = t.element_size()
+    return mask.as_strided((*t.shape, size), (*(s * size for s in t.stride()), 1), t.storage_offset() * size)
+
+
 class _UnseenWrites:
     """Whether a block's forward ran a kernel no dispatch shows (NOTE [the re-run leaves ops out]).
 
     Such a kernel (Triton, a CUDA extension) mostly writes into a buffer from ``torch.empty``: an op
-    that reads such a buffer before any op wrote it (or autograd saving it, or the block returning
-    it) shows that one ran, and it may have read any output, so no op may be left out of a re-run."""
+    that reads bytes of such a buffer that no op wrote (or autograd saving them, or the block
+    returning them) shows that one ran, and it may have read any output, so no op may be left out of a
+    re-run. Seen writes are tracked per byte: a seen op that writes part of the buffer leaves the rest
+    blank (an unseen kernel may fill it)."""
 
     def __init__(self) -> None:
-        self.blank: set[int] = set()
-        """Storages an ``empty`` op made that no op has written yet."""
+        self.blank: dict[int, torch.Tensor | None] = {}
+        """Storages an ``empty`` op made that seen ops have not wholly written yet, by address: None
+        while no op wrote any of it, else a uint8 mask with one element per byte (1: written)."""
+        self._refs: dict[int, StorageWeakRef] = {}
+        """The storages that have a mask: a mask whose storage died is dropped (``_mask``)."""
         self.reason: str | None = None
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict, read: set[int],
            created: Collection[int], view: bool) -> None:
-        """Op ``index`` ran, reading ``read`` and creating ``created`` (storage addresses)."""
-        written = {s.data_ptr() for t in _mutated(func, args, kwargs) if (s := _storage(t)) is not None}
-        # An in-place op other than a copy or a fill reads what it writes (an unseen kernel's
-        # output, then ``add_`` on it): only what it overwrites unread is not a read.
-        reads_blank = not view and bool(self.blank & read) and bool(
-            self.blank & (read - (_overwritten(func, args, kwargs) if func._schema.is_mutable else set())))
-        self.blank -= written | set(created)
+        """Op ``index`` ran, its tensor arguments lying in ``read`` and creating ``created`` (storage
+        addresses); ``view``: it only makes views (``_only_views``), reading no values."""
+        reads_blank = not view and not self.blank.keys().isdisjoint(read) and any(
+            self._unwritten(t) for t in _read_tensors(func, args, kwargs))
+        if self.blank and func._schema.is_mutable:
+            for t in _mutated(func, args, kwargs):
+                self._write(t)
+        for ptr in created:
+            self._forget(ptr)
         if func._schema.name in _UNINITIALISED:
-            self.blank |= set(created)
+            self.blank.update(dict.fromkeys(created))
         elif reads_blank:
             self.seen(f"op {index} ({func}) reads")
 
     def used(self, tensor: torch.Tensor, how: str) -> None:
         """``how`` (autograd saves, the block returns) uses ``tensor``."""
-        if (storage := _storage(tensor)) is not None and storage.nbytes() and storage.data_ptr() in self.blank:
+        if self._unwritten(tensor):
             self.seen(how)
 
     def seen(self, how: str) -> None:
         if self.reason is None:
             self.reason = f"{how} a buffer from torch.empty that no op wrote"
+
+    def _unwritten(self, t: torch.Tensor) -> bool:
+        """Some byte of ``t`` lies in a blank storage where no seen op wrote."""
+        if (storage := _storage(t)) is None or not storage.nbytes() or storage.data_ptr() not in self.blank or not t.numel():
+            return False
+        mask = self._mask(storage, create=False)
+        return mask is None or not bool(_bytes(mask, t).all())
+
+    def _write(self, t: torch.Tensor) -> None:
+        """A seen op wrote all of ``t``."""
+        if (storage := _storage(t)) is None or (ptr := storage.data_ptr()) not in self.blank or not t.numel():
+            return
+        if _covers(t, storage.nbytes()):
+            self._forget(ptr)
+            return
+        mask = self._mask(storage, create=True)
+        _bytes(mask, t).fill_(1)
+        if bool(mask.all()):
+            self._forget(ptr)
+
+    def _mask(self, storage: torch.UntypedStorage, create: bool) -> torch.Tensor | None:
+        """The blank storage's mask; a new one (nothing written) if it has none and ``create``, or
+        if its mask is another storage's (an address reused by a storage no op was seen to create)."""
+        ptr = storage.data_ptr()
+        mask = self.blank[ptr]
+        if mask is not None and mask.numel() != storage.nbytes():
+            mask = None
+        if mask is None and create:
+            for dead in [p for p, ref in self._refs.items() if ref.expired()]:
+                self._forget(dead)
+            mask = self.blank[ptr] = torch.zeros(storage.nbytes(), dtype=torch.uint8, device="cpu")
+            self._refs[ptr] = StorageWeakRef(storage)
+        return mask
+
+    def _forget(self, ptr: int) -> None:
+        self.blank.pop(ptr, None)
+        self._refs.pop(ptr, None)
 
 
 class OpCounter(TorchDispatchMode):
