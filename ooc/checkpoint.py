@@ -97,6 +97,20 @@ shape: the same slots come round each version); those the next version does not 
 it is written. The host memory of the copies aside, which a version held only while it was written,
 stays held between versions (at most the last version's copies: a version that copies nothing aside
 frees them all; :meth:`Checkpointer.close` frees them).
+
+NOTE [recycled files]
+On a local file system a new file costs the disk its allocation, and deleting one (mounted with
+``discard``) a trim: here a 1.5 GiB version took 0.64 s written into new files against 0.40 s
+written over existing ones, and deleting a version 0.22 s more. So retention does not delete the
+newest version it retires: it removes the version's commit records and fsyncs the folder (from then
+on it is no version, whatever happens next), then renames the folder to ``.spare-<step>``, which
+:meth:`Checkpointer.versions` never reads. The next version renames each file it writes out of the
+spare and writes over it in place (opened without ``O_TRUNC``, truncated to its size at the end);
+its own commit record names only the new bytes and their checksums. A crash while a file is written
+over leaves it in the new, uncommitted folder, and the committed versions are untouched. What a
+spare holds that the next version did not take is deleted at the next retirement; the first
+Checkpointer on a directory and :meth:`Checkpointer.close` delete spares, so between runs the
+directory holds its versions only (during a run, one retired version's space more).
 """
 
 from __future__ import annotations
@@ -138,6 +152,8 @@ READABLE_FORMATS = (2, 3, 4)
 _IDLE_SECONDS = 5.0
 """The writer thread ends after this long without a save (NOTE [writer thread])."""
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
+_SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
+"""A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
 MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -249,11 +265,13 @@ class _Sink:
     def __init__(self, path: Path) -> None:
         self.direct = hasattr(os, "O_DIRECT")
         try:
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | getattr(os, "O_DIRECT", 0), 0o644)
+            # Not O_TRUNC: a recycled file is written over in its blocks (NOTE [recycled files]);
+            # _write_file truncates it to what it wrote.
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
         except OSError as exc:
             if exc.errno != errno.EINVAL:
                 raise
-            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             self.direct = False
         self.written = self.advised = 0
 
@@ -353,8 +371,8 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
             padded = -filled % _ALIGN if sink.direct else 0
             buffer[filled:filled + padded] = 0
             sink.write(memoryview(buffer[:filled + padded]))
-            if padded:
-                os.ftruncate(sink.fd, size)
+        if os.fstat(sink.fd).st_size != size:
+            os.ftruncate(sink.fd, size)  # the padding of the last block, or a longer recycled file's tail
         os.fsync(sink.fd)
     finally:
         if io is not None:
@@ -866,6 +884,7 @@ class Checkpointer:
             else:
                 chunks = [_torch_bytes(payload)]
             self._hook(f"write:{name}")
+            self._recycle(folder / name)
             try:
                 size, digest = _write_file(folder / name, chunks)
             finally:
@@ -910,9 +929,40 @@ class Checkpointer:
             return
         keep = {v.step for v in complete[-self.keep:]} if self.keep is not None else {v.step for v in complete}
         newest = complete[-1].step
-        for step, path in self._folders():
-            if step not in keep and step < newest:
+        doomed = [(step, path) for step, path in self._folders() if step not in keep and step < newest]
+        if doomed:
+            for spare in self._spares():  # what the version just written did not take (NOTE [recycled files])
+                shutil.rmtree(spare, ignore_errors=True)
+        committed = {v.step for v in complete}
+        for k, (step, path) in enumerate(doomed):
+            if k == len(doomed) - 1 and step in committed:
+                self._retire(step, path)
+            else:
                 shutil.rmtree(path, ignore_errors=True)
+
+    def _retire(self, step: int, path: Path) -> None:
+        """Make a complete version that retention deletes the next version's spare (NOTE [recycled
+        files]): its commit records go first, durably, then the folder is renamed out of sight."""
+        for record in path.glob("manifest-rank*.json"):
+            record.unlink()
+        _fsync_dir(path)
+        self._hook("retired")
+        os.replace(path, self.directory / f".spare-{step:09d}")
+
+    def _spares(self) -> list[Path]:
+        return sorted(p for p in self.directory.iterdir() if _SPARE_RE.match(p.name)) if self.directory.is_dir() else []
+
+    def _recycle(self, path: Path) -> None:
+        """Move a spare's file of ``path``'s name to ``path``, to be written over (NOTE [recycled
+        files]); without one (or if another rank's cleanup removed it meanwhile), ``path`` is new."""
+        if path.exists():
+            return
+        for spare in self._spares():
+            try:
+                os.rename(spare / path.name, path)
+                return
+            except OSError:
+                continue
 
     def _clean(self) -> None:
         """Remove temporary files and incomplete versions a crashed writer left (rank 0, before
@@ -924,6 +974,8 @@ class Checkpointer:
             else:
                 for tmp in path.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
+        for spare in self._spares():
+            shutil.rmtree(spare, ignore_errors=True)
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -1079,6 +1131,9 @@ class Checkpointer:
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
             self._aside.keep([])  # NOTE [reused copies aside]
+            if self.rank == 0:
+                for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
+                    shutil.rmtree(spare, ignore_errors=True)
             self._closed = True
 
 

@@ -172,6 +172,9 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
         ckpt.save(step)
     ckpt.wait()
     assert [v.step for v in ckpt.versions()] == [3, 4]
+    # The newest version retired is the next one's spare (NOTE [recycled files]), deleted by close().
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare-000000002", "step-000000003", "step-000000004"]
+    ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003", "step-000000004"]
     opt.close()
 
@@ -248,6 +251,68 @@ def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Pa
     opt.close()
 
 
+def _inodes(folder: Path) -> dict[str, int]:
+    return {p.name: p.stat().st_ino for p in folder.iterdir() if p.suffix in (".safetensors", ".pt")}
+
+
+def test_a_retired_versions_files_are_written_over_by_the_next(tmp_path: Path) -> None:
+    """NOTE [recycled files]: with keep=1 the version retention retires becomes a spare, not a
+    version; the next version's files are its files written over (the same inodes), and that version
+    restores exactly; close() leaves the versions only."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=1)
+    inodes = {}
+    for step in range(1, 4):
+        _train(model, opt, sched, range(step - 1, step))
+        ckpt.save(step)
+        ckpt.wait()
+        inodes[step] = _inodes(ckpt.latest().path)
+        assert [v.step for v in list_versions(tmp_path)] == [step]
+        assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".spare-")] == (
+            [f".spare-{step - 1:09d}"] if step > 1 else [])
+    assert inodes[3] == inodes[1] and inodes[2] != inodes[1] and len(inodes[1]) == 3
+    expected = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003"]
+    _assert_restores(tmp_path, 3, *expected)
+    opt.close()
+
+
+@pytest.mark.parametrize("point", [*FAIL_POINTS, "retired"])
+def test_exception_at_each_point_of_a_recycling_save_leaves_the_previous_version(tmp_path: Path, point: str) -> None:
+    """As the commit-point test, where the failing save writes over a spare's files and its
+    retention retires the previous version: whatever fails, the newest committed version restores
+    exactly, nothing half-written is a version, and a new Checkpointer cleans up."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=1)
+    for step in (1, 2):
+        _train(model, opt, sched, range(step - 1, step))
+        ckpt.save(step)
+        ckpt.wait()
+    saved2 = (_weights(model), _opt_state(opt))
+    _train(model, opt, sched, range(2, 3))
+    saved3 = (_weights(model), _opt_state(opt))
+
+    def hook(at: str) -> None:
+        if at == point:
+            raise RuntimeError(f"injected at {at}")
+
+    ckpt._hook = hook
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match=f"injected at {point}"):
+        ckpt.wait()
+    committed = point in ("renamed", "committed", "retired")
+    assert [v.step for v in list_versions(tmp_path)] == ([2, 3] if point in ("renamed", "committed") else
+                                                        [3] if committed else [2])
+    _assert_restores(tmp_path, None, *(saved3 if committed else saved2))
+    assert not list(tmp_path.rglob("*.tmp"))
+    ckpt.close()
+    Checkpointer(tmp_path, model, opt, keep=1).close()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".spare-")]
+    assert all((p / "manifest-rank0.json").exists() for p in tmp_path.iterdir())
+    opt.close()
+
+
 def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The commit record is renamed into place only after each file it names, the version's folder
     and the directory are fsynced (each once: not per tensor); the folder again after the rename."""
@@ -319,6 +384,7 @@ def test_write_file_writes_any_chunks_exactly(tmp_path: Path, monkeypatch, refus
                   [rng.randrange(1, 40000) for _ in range(20)]):
         chunks = [rng.randbytes(n) for n in sizes]
         path = tmp_path / "f.bin"
+        path.write_bytes(rng.randbytes(sum(sizes) + rng.choice([0, 1, 5000])))  # written over (NOTE [recycled files])
         size, crc = ckpt_mod._write_file(path, [chunks[0], *(memoryview(c) for c in chunks[1:])])
         data = b"".join(chunks)
         assert path.read_bytes() == data and size == len(data) and crc == xxhash.xxh3_64_hexdigest(data)
