@@ -142,7 +142,6 @@ import torch
 import xxhash
 from torch import nn
 
-from ooc.backend.arena import page_aligned_zeros
 from ooc.errors import OocError
 from ooc.optim.stages import Stage
 
@@ -304,14 +303,7 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
     16 hex digits (NOTE [checksums]; tests replace this to simulate a full disk).
 
     NOTE [direct writes]
-    A chunk that starts at a page boundary in memory, is a whole number of ``_ALIGN`` blocks long and
-    lands at an aligned offset of the file is written with ``O_DIRECT`` straight from the caller's
-    memory, on this thread, before the next chunk is asked for: no copy at all, the checksum read
-    from the source. The host optimizer's masters and moments are page-aligned for this
-    (``page_aligned_zeros``), and a safetensors file puts its tensors of whole blocks first, from an
-    aligned offset (``_safetensors_chunks``): on gpt2 two thirds of a version's bytes, whose copy was
-    the writer's largest CPU cost. Other chunks
-    are copied into one of two page-aligned bounce buffers (numpy's copy, without the
+    The chunks are copied into one of two page-aligned bounce buffers (numpy's copy, without the
     GIL), checksummed there while it is in the cache, and each full buffer is written with
     ``O_DIRECT`` by an I/O thread while this one fills the other: from the buffer to the disk,
     without the kernel's copy into the page cache and its writeback later (what cost the writer most
@@ -332,21 +324,6 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
     try:
         for chunk in chunks:
             source = np.frombuffer(chunk, np.uint8)
-            if sink.direct and filled % _ALIGN == 0 and _aligned(source):
-                if pending is not None:
-                    pending.result()  # the writes in order
-                    pending = None
-                if filled:  # whole blocks (the file offset is aligned): they go first
-                    digest.update(buffers[current][:filled])
-                    size += filled
-                    sink.write(memoryview(buffers[current][:filled]))
-                    filled = 0
-                digest.update(source)
-                size += len(source)
-                # On this thread, before the next chunk is asked for: the caller may change these
-                # bytes once it has handed on the next (a live tensor's slice, NOTE [lazy snapshots]).
-                sink.write(memoryview(source))
-                continue
             at = 0
             while at < len(source):
                 buffer = buffers[current]
@@ -381,11 +358,6 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
     return size, digest.hexdigest()
 
 
-def _aligned(source: np.ndarray) -> bool:
-    """Whether a direct write can take ``source`` as it is (NOTE [direct writes])."""
-    return len(source) > 0 and len(source) % _ALIGN == 0 and source.ctypes.data % _ALIGN == 0
-
-
 def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
     """Bytes ``start:stop`` of ``t`` (any shape), row-major; without a copy for a contiguous host
     tensor. A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
@@ -409,20 +381,16 @@ def _safetensors_chunks(tensors: dict[str, torch.Tensor], snapshot: _Snapshot | 
     of ``snapshot`` is held immutable while each of its slices is consumed (written and hashed)."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
     offset = 0
-    # Tensors of whole _ALIGN blocks first (in their order), from an aligned offset: each then
-    # lands aligned, and a page-aligned one is written without a copy (NOTE [direct writes]).
-    names = sorted(tensors, key=lambda name: tensors[name].numel() * tensors[name].element_size() % _ALIGN != 0)
-    for name in names:
-        t = tensors[name]
+    for name, t in tensors.items():
         if t.dtype not in _DTYPES:
             raise CheckpointError(f"cannot save tensor {name!r} of dtype {t.dtype} in safetensors")
         nbytes = t.numel() * t.element_size()
         header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-(8 + len(encoded)) % _ALIGN)  # the format allows trailing spaces
+    encoded += b" " * (-len(encoded) % 8)
     yield struct.pack("<Q", len(encoded)) + encoded
-    for name in names:
+    for name in list(tensors):
         nbytes = tensors[name].numel() * tensors[name].element_size()
         starts = range(0, nbytes, _SLICE_BYTES) if nbytes else range(1)
         for start in starts:
@@ -512,8 +480,6 @@ class _AsideBuffers:
             free = self._free.get((tensor.dtype, tuple(tensor.shape), tensor.stride()))
             buffer = free.pop() if free else None
         if buffer is None:
-            if tensor.is_contiguous():  # page-aligned: written from without a copy (NOTE [direct writes])
-                return page_aligned_zeros(tensor.shape, tensor.dtype).copy_(tensor.detach())
             return tensor.detach().to("cpu", copy=True)
         # A device tensor's copy into pageable host memory returns once the bytes are there, as
         # ``.to("cpu")`` does; the listener then waits for the read (NOTE [lazy snapshots]).

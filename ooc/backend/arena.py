@@ -24,8 +24,6 @@ from __future__ import annotations
 
 import bisect
 import collections
-import math
-import mmap
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -225,20 +223,3 @@ def aligned_chunk(nbytes: int, *, pin_memory: bool = False) -> torch.Tensor:
     raw = torch.empty(nbytes + ALIGN, dtype=torch.uint8, pin_memory=pin_memory)
     lead = -raw.data_ptr() % ALIGN
     return raw[lead:lead + nbytes]
-
-
-MAPPED_MIN_BYTES = 64 << 10
-"""Host state tensors of at least this many bytes get a mapping of their own (``page_aligned_zeros``)."""
-
-
-def page_aligned_zeros(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros of ``shape`` and ``dtype`` in pageable host memory that starts at a page boundary: a
-    private anonymous mapping of their own, which the tensor keeps alive. What a checkpoint's direct
-    writes take without a copy (NOTE [direct writes] in ``ooc.checkpoint``); torch's allocator
-    aligns to 64 bytes only. Below ``MAPPED_MIN_BYTES`` (biases, norms: not worth a mapping each, and
-    a process has a limited number) they come from torch's allocator."""
-    nbytes = math.prod(shape) * dtype.itemsize
-    if nbytes < MAPPED_MIN_BYTES:
-        return torch.zeros(shape, dtype=dtype)
-    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zero-filled as faulted in
-    return torch.frombuffer(mapping, dtype=torch.uint8).view(dtype).view(shape)

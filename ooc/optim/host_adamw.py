@@ -24,7 +24,6 @@ import torch.nn as nn
 from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, resolve_backend
-from ooc.backend.arena import page_aligned_zeros
 from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_failures
 from ooc.errors import BlockError, OocError
@@ -262,8 +261,7 @@ class HostAdamW(torch.optim.Optimizer):
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
         # Not pinned: masters and moments never cross PCIe (the staging and gradient buffers do).
-        # Page-aligned: a checkpoint writes them to disk without a copy (NOTE [direct writes]).
-        return page_aligned_zeros(p.shape, torch.float32)
+        return torch.zeros(p.shape, dtype=torch.float32)
 
     def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
         state = {

@@ -6,7 +6,6 @@ import errno
 import fcntl
 import hashlib
 import json
-import mmap
 import os
 import random
 import struct
@@ -16,7 +15,6 @@ import zlib
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 import pytest
 import safetensors.torch
 import torch
@@ -31,13 +29,9 @@ from ooc.optim.stages import Stage
 CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)  # dropout: a resume must restore the RNG
 
 
-WIDE = replace(CFG, n_embd=128)
-"""Weights and moments of 64 KiB and more: page-aligned host state (NOTE [direct writes])."""
-
-
-def _setup(dtype: torch.dtype = torch.float32, *, pipeline: bool = True, seed: int = 0, cfg=CFG):  # noqa: ANN001
+def _setup(dtype: torch.dtype = torch.float32, *, pipeline: bool = True, seed: int = 0):
     torch.manual_seed(seed)
-    model = GPT(cfg).to(dtype)
+    model = GPT(CFG).to(dtype)
     opt = HostAdamW(model.parameters(), lr=3e-3, weight_decay=0.1, model=model, pipeline=pipeline)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
     return model, opt, sched
@@ -84,10 +78,10 @@ def _same_state(a: dict, b: dict) -> bool:
 
 
 def _assert_restores(directory: Path, step: int | None, expected: dict, expected_state: dict,
-                     dtype: torch.dtype = torch.float32, cfg=CFG) -> None:  # noqa: ANN001
+                     dtype: torch.dtype = torch.float32) -> None:
     """A fresh model and optimizer (other initial weights) restored from ``directory`` hold exactly
     ``expected`` weights and ``expected_state``."""
-    model, opt, _ = _setup(dtype, seed=3, cfg=cfg)
+    model, opt, _ = _setup(dtype, seed=3)
     Checkpointer(directory, model, opt).restore(step)
     try:
         assert _same(_weights(model), expected)
@@ -388,139 +382,6 @@ def test_write_file_writes_any_chunks_exactly(tmp_path: Path, monkeypatch, refus
         size, crc = ckpt_mod._write_file(path, [chunks[0], *(memoryview(c) for c in chunks[1:])])
         data = b"".join(chunks)
         assert path.read_bytes() == data and size == len(data) and crc == xxhash.xxh3_64_hexdigest(data)
-
-
-def _page_aligned(data: bytes) -> memoryview:
-    """``data`` in memory of its own that starts at a page boundary."""
-    mapping = mmap.mmap(-1, len(data))
-    mapping.write(data)
-    return memoryview(mapping)
-
-
-def _addresses(monkeypatch) -> list[tuple[int, int]]:  # noqa: ANN001
-    """(address, length) of what each os.write is handed, from now on."""
-    seen: list[tuple[int, int]] = []
-    real = os.write
-
-    def write(fd: int, data) -> int:  # noqa: ANN001
-        view = memoryview(data)
-        seen.append((np.frombuffer(view, np.uint8).ctypes.data if view.nbytes else 0, view.nbytes))
-        return real(fd, data)
-
-    monkeypatch.setattr(os, "write", write)
-    return seen
-
-
-@pytest.mark.parametrize("refused", [None, "open", "write"])
-def test_write_file_writes_page_aligned_chunks_from_where_they_are(tmp_path: Path, monkeypatch, refused: str | None) -> None:  # noqa: ANN001
-    """NOTE [direct writes]: a page-aligned chunk of whole blocks that lands at an aligned offset is
-    written from its own memory, whatever came before it (the bounce buffer's whole blocks go first).
-    The bytes and the XXH3-64 are the chunks', also where the file system refuses O_DIRECT."""
-    if refused is None and not _takes_direct_io(tmp_path):
-        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
-    rng = random.Random(1)
-    block = ckpt_mod._ALIGN
-    for _ in range(12):
-        chunks: list[bytes | memoryview] = []
-        for _ in range(rng.randint(1, 8)):
-            if rng.random() < 0.5:
-                chunks.append(_page_aligned(rng.randbytes(block * rng.choice([1, 2, 5, 9]))))
-            else:
-                chunks.append(rng.randbytes(rng.choice([block, 2 * block, rng.randrange(1, 3 * block)])))
-        path = tmp_path / "f.bin"
-        with monkeypatch.context() as m:
-            m.setattr(ckpt_mod, "_BOUNCE_BYTES", 4 * block)
-            if refused:
-                _refuse_direct_io(m, refused)
-            seen = _addresses(m)
-            size, digest = ckpt_mod._write_file(path, chunks)
-        data = b"".join(bytes(c) for c in chunks)
-        assert path.read_bytes() == data and size == len(data) and digest == xxhash.xxh3_64_hexdigest(data)
-        if refused is None:
-            offset, straight = 0, []
-            for c in chunks:
-                if isinstance(c, memoryview) and offset % block == 0:
-                    straight.append((np.frombuffer(c, np.uint8).ctypes.data, c.nbytes))
-                offset += len(c)
-            assert [w for w in seen if w in straight] == straight, [len(c) for c in chunks]
-
-
-def _live_state(opt) -> dict[int, str]:  # noqa: ANN001
-    """Address -> name of each host state tensor of whole _ALIGN blocks (masters, moments)."""
-    return {t.data_ptr(): f"{n}.{k}" for n, (p, state) in enumerate(opt.state.items())
-            for k, t in state.items() if k != "step" and t.numel() * 4 % ckpt_mod._ALIGN == 0}
-
-
-def test_the_host_state_is_written_from_the_live_tensors(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """HostAdamW's masters and moments are page-aligned (NOTE [direct writes]): a lazy save writes
-    each of 64 KiB or more from the live tensor itself, slice by slice, and the version restores
-    exactly."""
-    if not _takes_direct_io(tmp_path):
-        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
-    model, opt, sched = _setup(cfg=WIDE)
-    _train(model, opt, sched, range(2))
-    expected, expected_state = _weights(model), _opt_state(opt)
-    big = {a: n for a, n in _live_state(opt).items() if n.split(".")[1] != "step"}
-    sizes = {t.data_ptr(): t.numel() * 4 for state in opt.state.values() for k, t in state.items() if k != "step"}
-    big = {a: n for a, n in big.items() if sizes[a] >= 64 << 10}
-    assert len(big) >= 8 and all(a % ckpt_mod._ALIGN == 0 for a in big)
-    seen = _addresses(monkeypatch)
-    ckpt = Checkpointer(tmp_path, model, opt)
-    ckpt.save(2)
-    ckpt.wait()
-    monkeypatch.undo()
-    straight = {a: n for a, n in seen}
-    assert all(straight.get(a) == min(sizes[a], ckpt_mod._SLICE_BYTES) for a in big), big
-    _assert_restores(tmp_path, None, expected, expected_state, cfg=WIDE)
-    ckpt.close()
-    opt.close()
-
-
-def test_an_update_waits_for_the_direct_write_from_its_live_state(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
-    """The writer is held inside the direct write from block 0's live state that it writes last (the
-    next chunk is a bucket's that the backward updates later: NOTE [write order]): block 0's next
-    update must wait until that write returns (the disk reads the bytes while it is in progress),
-    and the version holds the state at save()."""
-    if not _takes_direct_io(tmp_path):
-        pytest.skip(f"the file system of {tmp_path} refuses O_DIRECT")
-    model, opt, sched = _setup(cfg=WIDE)
-    dry, ckpt = Checkpointer(tmp_path / "dry", model, opt), Checkpointer(tmp_path / "real", model, opt)
-    _train(model, opt, sched, range(2))  # both learn the order of the updates
-    expected, expected_state = _weights(model), _opt_state(opt)
-    weight = model.blocks[0].attn.qkv.weight
-    bucket = next(b for b in opt.buckets if any(p is weight for p in b.params))
-    mine = {t.data_ptr() for p in bucket.params for k, t in opt.state[p].items() if k != "step"}
-    with monkeypatch.context() as m:  # where the writer writes block 0's state, in order
-        seen = _addresses(m)
-        dry.save(2)
-        dry.close()
-    last = [a for a, _ in seen if a in mine][-1]
-    writing, release, updated = threading.Event(), threading.Event(), []
-    real = os.write
-
-    def held_write(fd: int, data) -> int:  # noqa: ANN001
-        view = memoryview(data)
-        if view.nbytes and np.frombuffer(view, np.uint8).ctypes.data == last and not release.is_set():
-            writing.set()
-            release.wait(60)
-        return real(fd, data)
-
-    def listener(index: int, stage: Stage) -> None:  # runs after the checkpointer's, before the update
-        if index == bucket.index and stage is Stage.EXCHANGE:
-            updated.append(release.is_set())
-
-    opt.stage_listeners.append(listener)
-    monkeypatch.setattr(os, "write", held_write)
-    ckpt.save(2)
-    assert writing.wait(60)
-    threading.Timer(0.2, release.set).start()
-    _train(model, opt, sched, range(2, 4))
-    ckpt.wait()
-    monkeypatch.undo()
-    assert updated == [True, True]
-    _assert_restores(tmp_path / "real", 2, expected, expected_state, cfg=WIDE)
-    ckpt.close()
-    opt.close()
 
 
 def test_large_files_are_written_directly_in_aligned_blocks(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
@@ -852,8 +713,7 @@ def test_a_kept_buffer_goes_only_to_a_tensor_laid_out_as_it_is() -> None:
 
 def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:
     """NOTE [write order]: the optimizer file before the model file, and in each the tensors of the
-    bucket the last step updated first, first (the next step's first update is the earliest deadline);
-    first those of whole _ALIGN blocks, from an aligned offset, then the others (NOTE [direct writes])."""
+    bucket the last step updated first, first (the next step's first update is the earliest deadline)."""
     model, opt, sched = _setup()
     updated: list[int] = []
     opt.stage_listeners.append(lambda bucket, stage: updated.append(bucket) if stage is Stage.EXCHANGE else None)
@@ -872,13 +732,8 @@ def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path
     for file, name_of in (("optimizer-rank0.safetensors", lambda key: key.rsplit(".", 1)[0]), ("model.safetensors", str)):
         header = json.loads((folder / file).read_bytes()[8:8 + struct.unpack("<Q", (folder / file).read_bytes()[:8])[0]])
         keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
-        start = 8 + struct.unpack("<Q", (folder / file).read_bytes()[:8])[0]
-        whole = [(header[k]["data_offsets"][1] - header[k]["data_offsets"][0]) % ckpt_mod._ALIGN == 0 for k in keys]
-        assert start % ckpt_mod._ALIGN == 0 and whole == sorted(whole, reverse=True) and 0 < sum(whole) < len(keys), file
-        for group in (True, False):
-            ranks = [last_step.index(bucket_of[id(params[name_of(k)])]) for k, w in zip(keys, whole) if w == group
-                     and name_of(k) in params]
-            assert ranks == sorted(ranks) and len(set(ranks)) > 1, file
+        ranks = [last_step.index(bucket_of[id(params[name_of(k)])]) for k in keys if name_of(k) in params]
+        assert ranks == sorted(ranks) and len(set(ranks)) > 1, file
         forward_order = [name for name in model.state_dict() if name in params]
         assert [name_of(k) for k in keys if name_of(k) in params] != forward_order, file  # the last block's first
     ckpt.close()

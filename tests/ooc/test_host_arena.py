@@ -16,17 +16,7 @@ import torch.nn as nn
 
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
-from ooc.backend.arena import (
-    ALIGN,
-    MAPPED_MIN_BYTES,
-    MAX_GROWTH,
-    MIN_CHUNK,
-    HostArena,
-    address_of,
-    aligned_chunk,
-    chunk_bytes,
-    page_aligned_zeros,
-)
+from ooc.backend.arena import ALIGN, MAX_GROWTH, MIN_CHUNK, HostArena, address_of, aligned_chunk, chunk_bytes
 from ooc.backend.cpu import CpuEvent
 from ooc.backend.order import StreamOrderError
 from ooc.optim import HostAdamW
@@ -217,37 +207,3 @@ def test_the_swap_pool_and_the_optimizer_share_the_arena_and_give_back_their_byt
         assert checked.arena.used_bytes == 0
     finally:
         ooc.unwrap(model)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.uint8])
-def test_page_aligned_zeros_start_at_a_page_and_hold_their_memory(dtype: torch.dtype) -> None:
-    """From MAPPED_MIN_BYTES up: zeros at a page boundary in a mapping the tensor keeps alive
-    (written, collected, read again); below it, torch's zeros."""
-    import gc
-    import mmap
-
-    shape = (3, MAPPED_MIN_BYTES // dtype.itemsize // 2 + 1)
-    big = page_aligned_zeros(shape, dtype)
-    assert big.shape == shape and big.dtype == dtype and big.is_contiguous() and big.data_ptr() % mmap.PAGESIZE == 0
-    assert not big.any()
-    big.fill_(1)
-    gc.collect()
-    assert bool((big == 1).all())
-    small = page_aligned_zeros((5, 7), dtype)
-    assert small.shape == (5, 7) and not small.any()
-
-
-def test_host_adamw_state_is_page_aligned() -> None:
-    """Masters and moments of MAPPED_MIN_BYTES and more start at a page: a checkpoint writes them
-    to disk without a copy (NOTE [direct writes] in ooc.checkpoint)."""
-    import mmap
-
-    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4)).to(torch.bfloat16)
-    opt = HostAdamW(model.parameters(), lr=1e-3, pipeline=False)
-    try:
-        model(torch.randn(2, 256, dtype=torch.bfloat16)).float().sum().backward()
-        opt.step()
-        big = [t for state in opt.state.values() for k, t in state.items() if k != "step" and t.nbytes >= MAPPED_MIN_BYTES]
-        assert len(big) == 3 and all(t.data_ptr() % mmap.PAGESIZE == 0 for t in big)  # master, exp_avg, exp_avg_sq
-    finally:
-        opt.close()
