@@ -18,6 +18,9 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - write bandwidth (a version's bytes over the time from ``save()`` to its commit, checksums and fsyncs
   included) vs the disk's, measured with ``dd oflag=direct conv=fsync`` of as many bytes in the
   same folder;
+- the time from save() to a version committed and the one before retired, with no training beside
+  it, written over the files of the version retired before (NOTE [recycled files]) vs into new
+  files, deleting the retired one (the path before);
 - extra host memory: the peak resident set while a save is written, above the one before it, vs the
   bytes of the state (the lazy snapshot writes from the live tensors; it copies a bucket aside only
   when the bucket's update comes before its write, which the blocking measurement never lets happen;
@@ -40,6 +43,7 @@ import io
 import os
 import pstats
 import resource
+import shutil
 import statistics
 import subprocess
 import sys
@@ -215,6 +219,24 @@ def main() -> None:
         lazy.close()
         eager.close()
 
+        # The time from save() to a version committed and the one before retired, with no training
+        # beside it: written over the files of the version retired before (NOTE [recycled files]) vs
+        # into new files, the retired version deleted (the path before), in turns.
+        quiet_wall: dict[str, list[float]] = {"recycled": [], "new files": []}
+        alone = {path: Checkpointer(root / path.replace(" ", "-"), model, opt, keep=1) for path in quiet_wall}
+        alone["new files"]._recycle = lambda path: None
+        alone["new files"]._retire = lambda step, path: shutil.rmtree(path)
+        for i in range(args.saves + 2):
+            for path, saver in alone.items():
+                opt.synchronize()
+                started = time.perf_counter()
+                saver.save(i)
+                saver.wait()
+                if i >= 2:  # a spare exists from the second save's retirement on
+                    quiet_wall[path].append(time.perf_counter() - started)
+        for saver in alone.values():
+            saver.close()
+
         # Mean step time over blocks of 10 steps with no saves, a save at the block's first step, and
         # a save every step, the three interleaved round by round (a machine shared with other work
         # drifts). A block's time includes waiting for its last write, so every write is paid for.
@@ -293,6 +315,9 @@ def main() -> None:
          ms(version_bytes / disk), f"step (wall) {ms(base)}", f"{version_bytes / disk / base * 100:.0f}%", ""],
         ["writer's CPU time per version (copy, CRC, kernel; writer + I/O thread), vs a step's (all threads)",
          ms(med(writer_cpu)), f"step (CPU) {ms(med(step_cpu))}", f"{med(writer_cpu) / med(step_cpu) * 100:.0f}%", ""],
+        ["a version, save() to committed and the one before retired, no training: over the retired one's files",
+         ms(med(quiet_wall["recycled"])), f"into new files, the retired deleted {ms(med(quiet_wall['new files']))}",
+         f"{med(quiet_wall['recycled']) / med(quiet_wall['new files']) * 100:.0f}%", ""],
         ["write bandwidth, save() to commit (lazy)", gbs(version_bytes, med(written["lazy"])), f"{dd_cmd}: {gbs(1, 1 / disk)}",
          f"{version_bytes / med(written['lazy']) / disk * 100:.0f}%", ""],
         ["write bandwidth, torch.save+fsync", gbs(sync_bytes, sync), f"{dd_cmd}: {gbs(1, 1 / disk)}",
