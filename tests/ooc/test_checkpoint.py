@@ -221,19 +221,24 @@ FAIL_POINTS = ["snapshot", "write:model.safetensors", "write:model.safetensors.i
                "committed"]
 
 
-@pytest.mark.parametrize("point", FAIL_POINTS)
-def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Path, point: str) -> None:
-    model, opt, sched, ckpt = _two_versions(tmp_path)
-    previous = ckpt.latest()
+def _save_failing_at(ckpt: Checkpointer, step: int, point: str) -> None:
+    """``save(step)`` with an exception injected at the writer's ``point``, which ``wait`` raises."""
 
     def hook(at: str) -> None:
         if at == point:
             raise RuntimeError(f"injected at {at}")
 
     ckpt._hook = hook
-    ckpt.save(3)
+    ckpt.save(step)
     with pytest.raises(CheckpointError, match=f"injected at {point}"):
         ckpt.wait()
+
+
+@pytest.mark.parametrize("point", FAIL_POINTS)
+def test_exception_at_each_commit_point_leaves_the_previous_version(tmp_path: Path, point: str) -> None:
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    previous = ckpt.latest()
+    _save_failing_at(ckpt, 3, point)
     latest = ckpt.latest()
     if point in ("renamed", "committed"):  # the rename is the commit: the version exists (what failed came after)
         assert latest.step == 3
@@ -286,15 +291,7 @@ def test_exception_at_each_point_of_a_recycling_save_leaves_the_previous_version
     saved2 = (_weights(model), _opt_state(opt))
     _train(model, opt, sched, range(2, 3))
     saved3 = (_weights(model), _opt_state(opt))
-
-    def hook(at: str) -> None:
-        if at == point:
-            raise RuntimeError(f"injected at {at}")
-
-    ckpt._hook = hook
-    ckpt.save(3)
-    with pytest.raises(CheckpointError, match=f"injected at {point}"):
-        ckpt.wait()
+    _save_failing_at(ckpt, 3, point)
     committed = point in ("renamed", "committed", "retired")
     assert [v.step for v in list_versions(tmp_path)] == ([2, 3] if point in ("renamed", "committed") else
                                                         [3] if committed else [2])
