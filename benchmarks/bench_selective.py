@@ -17,7 +17,8 @@ patches), at 50% and 25% of the keep-all saved activations (``sum(saved_bytes)``
   compiled with budget 1.0 (its own baseline);
 - references: ``ooc recompute-all`` and ``torch checkpoint-all``.
 Step time is the median of interleaved steps, relative to the plain model (compiled rows: to the
-compiled one). ``alloc peak`` is the CPU allocator's peak over one step above what was allocated
+compiled one); ``predicted`` is the cost model's figure for ooc's rows (the ``cpu`` preset), relative
+to its keep-all plan. ``alloc peak`` is the CPU allocator's peak over one step above what was allocated
 before it (``torch.profiler`` memory events: everything the step allocates, gradients and
 transients included, the same measure for every row); ``ooc peak`` is ooc's tracker (saved
 activations on the device, what the budget bounds). Gradients of every eager row are checked
@@ -50,6 +51,7 @@ from ooc.runtime import runtime_of  # noqa: E402
 from ooc.scheduler import build_schedule  # noqa: E402
 from ooc.scheduler.hardware import preset  # noqa: E402
 from ooc.scheduler.planners import PLANNERS  # noqa: E402
+from ooc.scheduler.simulate import predict  # noqa: E402
 
 MATMULS = ("aten.mm.", "aten.addmm.", "aten.bmm.", "aten.baddbmm.", "aten._scaled_dot_product")
 MiB = 2**20
@@ -219,6 +221,9 @@ def bench_model(name: str, base: nn.Module, batch: Any, fractions: list[float], 
             compiled_rows = {}
             compile_note = f"torch.compile rows left out: {type(exc).__name__}: {str(exc).splitlines()[0][:160]}"
 
+    keep_s = predict(ooc.Plan.uniform("keep", n, min_swap_bytes=0), prof, hardware).step_time_s
+    predicted = {label: predict(runtime_of(model).plan, prof, hardware).step_time_s / keep_s
+                 for label, (model, wrapped) in variants.items() if wrapped}
     fns = {label: functools.partial(step, model, batch) for label, (model, _) in variants.items()}
     fns.update({label: functools.partial(step, fn, batch) for label, fn in compiled_rows.items()})
     medians = interleaved_medians(fns, reps=reps)
@@ -229,18 +234,18 @@ def bench_model(name: str, base: nn.Module, batch: Any, fractions: list[float], 
         fits = "" if label not in budgets else ("yes" if ooc_peak <= budgets[label] else "NO")
         rows.append([name, label, plan_letters(runtime_of(model).plan) if wrapped else "",
                      f"{medians[label] * 1e3:.1f}", f"{medians[label] / medians['plain']:.3f}",
-                     f"{peak / MiB:.1f}", "" if ooc_peak is None else f"{ooc_peak / MiB:.2f}",
+                     f"{predicted[label]:.3f}" if label in predicted else "", f"{peak / MiB:.1f}", "" if ooc_peak is None else f"{ooc_peak / MiB:.2f}",
                      "" if label not in budgets else f"{budgets[label] / MiB:.2f}", fits])
     for label in compiled_rows:
         peak = allocator_peak(fns[label])
         base_s = medians["torch.compile budget 100%"]
-        rows.append([name, label, "", f"{medians[label] * 1e3:.1f}", f"{medians[label] / base_s:.3f} (vs compiled)",
+        rows.append([name, label, "", f"{medians[label] * 1e3:.1f}", f"{medians[label] / base_s:.3f} (vs compiled)", "",
                      f"{peak / MiB:.1f}", "", "", ""])
     for model, wrapped in variants.values():
         if wrapped:
             ooc.unwrap(model)
     if compile_note:
-        rows.append([name, compile_note, "", "", "", "", "", "", ""])
+        rows.append([name, compile_note, "", "", "", "", "", "", "", ""])
     print(f"# {name}: {n} blocks, keep-all saved activations {keep_all / MiB:.2f} MiB (ooc profile), "
           f"{sum(len(b.ops) for b in prof.blocks)} ops")
     return rows
@@ -255,7 +260,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     print(machine_header("bench_selective: selective recompute vs block-level ooc, torch SAC and torch.compile's budget"))
-    rows = [["model", "config", "plan", "step ms", "vs plain", "alloc peak MiB", "ooc peak MiB", "budget MiB", "fits"]]
+    rows = [["model", "config", "plan", "step ms", "vs plain", "predicted", "alloc peak MiB", "ooc peak MiB", "budget MiB",
+             "fits"]]
     wanted = {"gpt": "demo GPT", "vit": "ViT"}
     chosen = [wanted[m] for m in args.models.split(",")]
     for name, (model, batch) in models().items():
