@@ -62,6 +62,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -600,6 +601,8 @@ class ForwardCache(OpCounter):
         """The ops whose storages autograd saves (``note_saved``)."""
         self.unseen = _UnseenWrites()
         """Whether a kernel ran unseen (then the re-run leaves nothing out)."""
+        self._casts: dict[int, weakref.ref] = {}
+        """Op -> the leaf it casts, for the casts autocast caches (NOTE [a weight another block cast])."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
@@ -608,6 +611,8 @@ class ForwardCache(OpCounter):
                     raise self._modified(op, f"by op {index} ({func}) later in its forward")
         read = _read_storages(args, kwargs)
         out = func(*args, **kwargs)
+        if _a_cached_cast(func, args):
+            self._casts[index] = weakref.ref(args[0])
         self.funcs.append(func)
         self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
         self.views.append(_only_views(func, read, out))
@@ -640,6 +645,11 @@ class ForwardCache(OpCounter):
             hold = self.swap if index in self.swapped else self.keep
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
+
+    def cast(self, index: int, leaf: torch.Tensor) -> bool:
+        """Whether op ``index`` of the forward cast ``leaf`` (NOTE [a weight another block cast])."""
+        ref = self._casts.get(index)
+        return ref is not None and ref() is leaf
 
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
@@ -704,6 +714,12 @@ class ForwardCache(OpCounter):
         )
 
 
+def _a_cached_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """``func`` is a cast autocast caches: ``_to_copy`` of a leaf that requires grad, under autocast."""
+    return (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and bool(args)
+            and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad)
+
+
 class Replay(OpCounter):
     """The re-run of a selectively recomputed block: counts the ops as the forward did, checks each
     one, and returns a cached op's outputs instead of running it (NOTE [selective recompute])."""
@@ -720,6 +736,13 @@ class Replay(OpCounter):
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
         expected = cache.funcs[index] if index < len(cache.funcs) else None
+        if _a_cached_cast(func, args) and not cache.cast(index, args[0]):
+            # NOTE [a weight another block cast]: autocast caches its casts of leaves that require grad
+            # (weights). A weight shared with an earlier block (tied layers) was cast there: this
+            # block's forward found the cast cached and dispatched none, but its re-run starts from an
+            # empty cache and casts it. That cast is no op of the forward's: run it uncounted.
+            self.count -= 1
+            return func(*args, **kwargs)
         if func is not expected:
             raise cache.error(
                 f"block {cache.block}: op {index} of its re-run is {func} but its forward ran "

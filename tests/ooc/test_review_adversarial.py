@@ -539,3 +539,53 @@ def test_the_profile_predicts_the_left_out_ops_past_an_op_with_no_bytes(caches) 
     finally:
         ooc.unwrap(model)
     assert sorted(rerun_skipped(ops, softmax)) == sorted(caches[-1].left_out)
+
+
+class _TiedSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.lin(x), dim=-1) * x
+
+
+@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("first", ["keep", "recompute"])
+def test_a_weight_shared_by_two_blocks_under_autocast(first: str, inside: bool, caches) -> None:  # noqa: ANN001
+    """Two blocks share a weight (ALBERT, tied layers): under autocast the second block's forward finds
+    the first's cast of it cached and dispatches no _to_copy, but its re-run (autocast's cache empty,
+    or emptied) casts it: the re-run runs that cast uncounted instead of raising RecomputeError, and the
+    gradients are plain PyTorch's, bit for bit (backward after the autocast, or inside it)."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(_TiedSoftmax(), _TiedSoftmax(), nn.Linear(6, 6))
+        model[1].lin.weight = model[0].lin.weight
+        return model
+
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profiled = make()
+        prof = ooc.profile(profiled, x, blocks=list(profiled), ops=True, codec_errors=False, reps=1)
+    softmax = [tuple(k for k, op in enumerate(b.ops) if op.name == SOFTMAX) for b in prof.blocks]
+    plan = ooc.Plan.of([ooc.BlockPlan(first, cached_ops=softmax[0] if first == "recompute" else ()),
+                        ooc.BlockPlan("recompute", cached_ops=softmax[1]), "keep"])
+    grads = []
+    for wrap in (False, True):
+        model = make()
+        if wrap:
+            ooc.wrap(model, plan, backend="cpu", blocks=list(model))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().sum()
+                if inside:
+                    loss.backward()
+            if not inside:
+                loss.backward()
+        finally:
+            if wrap:
+                ooc.unwrap(model)
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert caches and all(c.left_out for c in caches)
