@@ -47,7 +47,8 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 (checked before it runs), a view op that turned out to copy, and autograd saving a left-out storage
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
-Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
+Such a kernel mostly writes into a buffer from ``torch.empty`` (or grown by ``resize_``, as
+``torch.empty(..., out=)`` does: ``_RESIZES``): where an op reads (or autograd
 saves, or the block returns) bytes of such a buffer that no seen op wrote (an in-place op other than
 a copy or a fill reads what it writes; seen writes are tracked per byte, so a seen op that writes
 part of it leaves the rest blank), the forward shows that a kernel ran unseen (``_UnseenWrites``),
@@ -79,6 +80,11 @@ from ooc.scheduler.profile import OpProfile
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
                             "aten::new_empty", "aten::new_empty_strided"})
 """Ops that allocate without writing (NOTE [the re-run leaves ops out])."""
+
+_RESIZES = frozenset({"aten::resize_", "aten::resize_as_"})
+"""In-place ops that allocate like ``empty`` (NOTE [the re-run leaves ops out]): a resize that grows
+its ``self`` past its storage moves it into a new one, uninitialised past the old bytes (which it
+copies, reading no values); one that does not writes nothing (``torch.empty(..., out=)`` resizes)."""
 
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
                          "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::geometric_",
@@ -229,14 +235,17 @@ class _UnseenWrites:
            created: Collection[int], view: bool) -> None:
         """Op ``index`` ran, its tensor arguments lying in ``read`` and creating ``created`` (storage
         addresses); ``view``: it only makes views (``_only_views``), reading no values."""
-        reads_blank = not view and not self.blank.keys().isdisjoint(read) and any(
+        # An allocation reads and writes no values; its new storage is blank (a grown one wholly:
+        # the old bytes it copied count as unwritten, which at worst leaves nothing out).
+        allocates = func._schema.name in _UNINITIALISED or func._schema.name in _RESIZES
+        reads_blank = not view and not allocates and not self.blank.keys().isdisjoint(read) and any(
             self._unwritten(t) for t in _read_tensors(func, args, kwargs))
-        if self.blank and func._schema.is_mutable:
+        if self.blank and func._schema.is_mutable and not allocates:
             for t in _mutated(func, args, kwargs):
                 self._write(t)
         for ptr in created:
             self._forget(ptr)
-        if func._schema.name in _UNINITIALISED:
+        if allocates:
             self.blank.update(dict.fromkeys(created))
         elif reads_blank:
             self.seen(f"op {index} ({func}) reads")
@@ -377,6 +386,7 @@ class OpRecorder(OpCounter):
         """Whether a kernel ran unseen (then ``reads`` is not what the ops read, and not recorded)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        read = _read_storages(args, kwargs)  # before it runs: a resize_ moves its self into a new storage
         started = self.clock.start()
         out = func(*args, **kwargs)
         self.stamps.append(self.clock.stop(started))
@@ -387,7 +397,6 @@ class OpRecorder(OpCounter):
             creator = None if storage is None else self._creator.get(storage.data_ptr())
             if creator is not None and self.why_not[creator] is None:
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
-        read = _read_storages(args, kwargs)
         view = _only_views(func, read, out)
         self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
