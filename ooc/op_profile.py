@@ -674,7 +674,8 @@ class ForwardCache(OpCounter):
         self.done = True
         if self.count <= self.last:
             raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
-                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))"
+                             + _AUTOCAST_HINT * _in_autocast())
         self._decide_left_out(out)
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
@@ -721,6 +722,15 @@ class ForwardCache(OpCounter):
             f"place {when}, so the re-run cannot take it from the cache; leave op {op} out of cached_ops, or make "
             "that operation out of place"
         )
+
+
+_AUTOCAST_HINT = ("; under autocast, a forward after another inside the same torch.autocast (gradient "
+                  "accumulation) finds the weights' casts still in autocast's cache and runs fewer ops than a "
+                  "step's: enter torch.autocast once per forward")
+
+
+def _in_autocast() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
 def _a_cached_cast(func: torch._ops.OpOverload, args: tuple) -> bool:

@@ -601,3 +601,23 @@ def test_a_weight_shared_by_two_blocks_under_autocast(first: str, inside: bool, 
         grads.append([p.grad for p in model.parameters()])
     assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
     assert caches and all(c.left_out for c in caches)
+
+
+def test_two_forwards_in_one_autocast_say_why_the_plan_does_not_fit() -> None:
+    """Gradient accumulation inside one ``torch.autocast``: the second forward finds the weights' casts
+    of the first in autocast's cache and runs fewer ops than a step's (what the plan's op indices
+    count), so its plan cannot fit; the error says so and what to do, not only to re-profile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_TiedSoftmax(), nn.Linear(6, 6))
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prof = ooc.profile(model, x, blocks=list(model), ops=True, codec_errors=False, reps=1)
+    last = len(prof.blocks[0].ops) - 1
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(last,)), "keep"]), backend="cpu", blocks=list(model))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()  # the first forward fits
+            with pytest.raises(ooc.recompute.RecomputeError, match="autocast"):
+                model(x).float().sum().backward()
+    finally:
+        ooc.unwrap(model)
