@@ -86,6 +86,11 @@ _RESIZES = frozenset({"aten::resize_", "aten::resize_as_"})
 its ``self`` past its storage moves it into a new one, uninitialised past the old bytes (which it
 copies, reading no values); one that does not writes nothing (``torch.empty(..., out=)`` resizes)."""
 
+_NO_VALUES = frozenset({"aten::set_", "aten::t_", "aten::transpose_", "aten::swapdims_", "aten::swapaxes_",
+                        "aten::squeeze_", "aten::unsqueeze_", "aten::as_strided_", "aten::detach_"})
+"""In-place ops that change only a tensor's metadata (its storage, sizes, strides): they read and
+write no values, and a ``set_`` onto a storage creates none."""
+
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
                          "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::geometric_",
                          "aten::cauchy_", "aten::log_normal_"})
@@ -238,12 +243,13 @@ class _UnseenWrites:
         # An allocation reads and writes no values; its new storage is blank (a grown one wholly:
         # the old bytes it copied count as unwritten, which at worst leaves nothing out).
         allocates = func._schema.name in _UNINITIALISED or func._schema.name in _RESIZES
-        reads_blank = not view and not allocates and not self.blank.keys().isdisjoint(read) and any(
+        values = not allocates and func._schema.name not in _NO_VALUES
+        reads_blank = not view and values and not self.blank.keys().isdisjoint(read) and any(
             self._unwritten(t) for t in _read_tensors(func, args, kwargs))
-        if self.blank and func._schema.is_mutable and not allocates:
+        if self.blank and func._schema.is_mutable and values:
             for t in _mutated(func, args, kwargs):
                 self._write(t)
-        for ptr in created:
+        for ptr in created if func._schema.name not in _NO_VALUES else ():
             self._forget(ptr)
         if allocates:
             self.blank.update(dict.fromkeys(created))

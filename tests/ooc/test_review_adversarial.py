@@ -67,6 +67,10 @@ class _Unseen(nn.Module):
         elif self.how == "out-of-empty":  # torch.empty(..., out=) resizes its out: blank too
             buf = torch.empty(probs.shape, out=probs.new_empty(0))
             _unseen_double(scores, buf)
+        elif self.how == "set-to-empty":  # a tensor set_ onto an empty buffer's storage
+            store = torch.empty(probs.shape).untyped_storage()
+            buf = probs.new_empty(0).set_(store, 0, probs.shape, probs.stride())
+            _unseen_double(scores, buf)
         elif self.how == "covered-in-two":  # two seen copies write the whole buffer, no kernel
             buf = torch.empty_like(probs)
             buf[:, :2] = x[:, :2]
@@ -140,6 +144,7 @@ def _grads(how: str, wrap: bool, caches) -> tuple[list[torch.Tensor], list[str]]
     "returned-half",
     "resized",
     "out-of-empty",
+    "set-to-empty",
 ])
 def test_an_unseen_kernel_into_an_empty_buffer_is_seen_whatever_follows(how: str, caches, poisoned) -> None:
     """The unseen kernel's buffer is read by an in-place op, or was partly written by a seen op (a
@@ -180,15 +185,18 @@ def test_seen_writes_that_cover_what_is_read_leave_the_scores_out(how: str, cach
     (lambda b: b[2:].fill_(1), lambda b: b[2:].copy_(b[:2]), True),
     (lambda b: b.fill_(1).resize_(8, 6), lambda b: b[4:] + 1, True),
     (lambda b: b.resize_(2, 6), lambda b: b + 1, True),
+    (lambda b: torch.empty(0).set_(b.untyped_storage(), 0, (2, 6), (6, 1)), lambda b: b + 1, True),
+    (lambda b: b.fill_(1).t_(), lambda b: b + 1, False),
 ], ids=["whole", "whole-transposed", "whole-permuted", "rows-read-all", "rows-read-rows", "strided-read-written",
         "strided-read-gap", "bytes-read-written", "bytes-read-one-more", "out-read-written", "in-place-on-written",
         "in-place-on-unwritten", "copy-from-written", "copy-from-unwritten", "resize-grown-read-new",
-        "resize-shrunk-no-write"])
+        "resize-shrunk-no-write", "set-onto-it-no-write", "transposed-in-place-written"])
 def test_seen_writes_clear_exactly_the_bytes_they_write(write, read, flagged: bool, monkeypatch) -> None:  # noqa: ANN001
     """A buffer from torch.empty (4 x 6 floats) is blank where no seen op wrote it, at byte grain and
     in any layout; an op that reads a blank byte (an in-place op other than a copy reads what it writes)
     shows an unseen kernel. A write of the whole buffer, in any order of its dimensions, keeps no record.
-    A resize_ writes nothing, and one that grows the buffer moves it into new uninitialised bytes."""
+    A resize_ writes nothing, and one that grows the buffer moves it into new uninitialised bytes; a
+    set_ onto its storage and a t_ change only metadata."""
     from ooc.op_profile import _UnseenWrites
 
     if write(torch.empty(4, 6)).numel() == 24:
