@@ -740,7 +740,8 @@ def _in_autocast() -> bool:
 
 
 def _a_cached_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
-    """``func`` is a cast autocast caches: ``_to_copy`` of a leaf that requires grad, under autocast."""
+    """``func`` is a cast autocast would cache: ``_to_copy`` of a leaf that requires grad (below autocast,
+    where a dispatch mode runs, whether autocast is on cannot be read; a cast outside it is recorded alike)."""
     return (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and bool(args)
             and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad)
 
