@@ -47,7 +47,8 @@ than hand on a wrong value: an op that is not cached and not a view op reading a
 (checked before it runs), a view op that turned out to copy, and autograd saving a left-out storage
 (the re-run's pack hook). What it cannot see is a read that dispatches nothing (a Triton kernel
 launched directly on the tensor, ``.tolist()``, ``.numpy()``) of an output a cached op also reads.
-Such a kernel mostly writes into a buffer from ``torch.empty``: where an op reads (or autograd
+Such a kernel mostly writes into a buffer from ``torch.empty`` (or grown by ``resize_``, as
+``torch.empty(..., out=)`` does: ``_RESIZES``): where an op reads (or autograd
 saves, or the block returns) bytes of such a buffer that no seen op wrote (an in-place op other than
 a copy or a fill reads what it writes; seen writes are tracked per byte, so a seen op that writes
 part of it leaves the rest blank), the forward shows that a kernel ran unseen (``_UnseenWrites``),
@@ -62,6 +63,7 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+import weakref
 from collections.abc import Callable, Collection, Iterator
 from typing import Any
 
@@ -78,6 +80,16 @@ from ooc.scheduler.profile import OpProfile
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
                             "aten::new_empty", "aten::new_empty_strided"})
 """Ops that allocate without writing (NOTE [the re-run leaves ops out])."""
+
+_RESIZES = frozenset({"aten::resize_", "aten::resize_as_"})
+"""In-place ops that allocate like ``empty`` (NOTE [the re-run leaves ops out]): a resize that grows
+its ``self`` past its storage moves it into a new one, uninitialised past the old bytes (which it
+copies, reading no values); one that does not writes nothing (``torch.empty(..., out=)`` resizes)."""
+
+_NO_VALUES = frozenset({"aten::set_", "aten::t_", "aten::transpose_", "aten::swapdims_", "aten::swapaxes_",
+                        "aten::squeeze_", "aten::unsqueeze_", "aten::as_strided_", "aten::detach_"})
+"""In-place ops that change only a tensor's metadata (its storage, sizes, strides): they read and
+write no values, and a ``set_`` onto a storage creates none."""
 
 _OVERWRITES = frozenset({"aten::copy_", "aten::fill_", "aten::zero_", "aten::normal_", "aten::uniform_",
                          "aten::random_", "aten::bernoulli_", "aten::exponential_", "aten::geometric_",
@@ -228,14 +240,18 @@ class _UnseenWrites:
            created: Collection[int], view: bool) -> None:
         """Op ``index`` ran, its tensor arguments lying in ``read`` and creating ``created`` (storage
         addresses); ``view``: it only makes views (``_only_views``), reading no values."""
-        reads_blank = not view and not self.blank.keys().isdisjoint(read) and any(
+        # An allocation reads and writes no values; its new storage is blank (a grown one wholly:
+        # the old bytes it copied count as unwritten, which at worst leaves nothing out).
+        allocates = func._schema.name in _UNINITIALISED or func._schema.name in _RESIZES
+        values = not allocates and func._schema.name not in _NO_VALUES
+        reads_blank = not view and values and not self.blank.keys().isdisjoint(read) and any(
             self._unwritten(t) for t in _read_tensors(func, args, kwargs))
-        if self.blank and func._schema.is_mutable:
+        if self.blank and func._schema.is_mutable and values:
             for t in _mutated(func, args, kwargs):
                 self._write(t)
-        for ptr in created:
+        for ptr in created if func._schema.name not in _NO_VALUES else ():
             self._forget(ptr)
-        if func._schema.name in _UNINITIALISED:
+        if allocates:
             self.blank.update(dict.fromkeys(created))
         elif reads_blank:
             self.seen(f"op {index} ({func}) reads")
@@ -376,6 +392,7 @@ class OpRecorder(OpCounter):
         """Whether a kernel ran unseen (then ``reads`` is not what the ops read, and not recorded)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        read = _read_storages(args, kwargs)  # before it runs: a resize_ moves its self into a new storage
         started = self.clock.start()
         out = func(*args, **kwargs)
         self.stamps.append(self.clock.stop(started))
@@ -386,7 +403,6 @@ class OpRecorder(OpCounter):
             creator = None if storage is None else self._creator.get(storage.data_ptr())
             if creator is not None and self.why_not[creator] is None:
                 self.why_not[creator] = f"op {index} ({func}) modifies its output in place later"
-        read = _read_storages(args, kwargs)
         view = _only_views(func, read, out)
         self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
@@ -600,6 +616,8 @@ class ForwardCache(OpCounter):
         """The ops whose storages autograd saves (``note_saved``)."""
         self.unseen = _UnseenWrites()
         """Whether a kernel ran unseen (then the re-run leaves nothing out)."""
+        self._casts: dict[int, weakref.ref] = {}
+        """Op -> the leaf it casts, for the casts autocast caches (NOTE [a weight another block cast])."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if func._schema.is_mutable:
@@ -608,6 +626,8 @@ class ForwardCache(OpCounter):
                     raise self._modified(op, f"by op {index} ({func}) later in its forward")
         read = _read_storages(args, kwargs)
         out = func(*args, **kwargs)
+        if _a_cached_cast(func, args):
+            self._casts[index] = weakref.ref(args[0])
         self.funcs.append(func)
         self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
         self.views.append(_only_views(func, read, out))
@@ -641,6 +661,11 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
+    def cast(self, index: int, leaf: torch.Tensor) -> bool:
+        """Whether op ``index`` of the forward cast ``leaf`` (NOTE [a weight another block cast])."""
+        ref = self._casts.get(index)
+        return ref is not None and ref() is leaf
+
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
         storage cannot be left out of the re-run."""
@@ -655,7 +680,8 @@ class ForwardCache(OpCounter):
         self.done = True
         if self.count <= self.last:
             raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
-                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))")
+                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))"
+                             + _AUTOCAST_HINT * _in_autocast())
         self._decide_left_out(out)
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
@@ -704,6 +730,22 @@ class ForwardCache(OpCounter):
         )
 
 
+_AUTOCAST_HINT = ("; under autocast, a forward after another inside the same torch.autocast (gradient "
+                  "accumulation) finds the weights' casts still in autocast's cache and runs fewer ops than a "
+                  "step's: enter torch.autocast once per forward")
+
+
+def _in_autocast() -> bool:
+    return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
+
+
+def _a_cached_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
+    """``func`` is a cast autocast would cache: ``_to_copy`` of a leaf that requires grad (below autocast,
+    where a dispatch mode runs, whether autocast is on cannot be read; a cast outside it is recorded alike)."""
+    return (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and bool(args)
+            and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad)
+
+
 class Replay(OpCounter):
     """The re-run of a selectively recomputed block: counts the ops as the forward did, checks each
     one, and returns a cached op's outputs instead of running it (NOTE [selective recompute])."""
@@ -720,6 +762,13 @@ class Replay(OpCounter):
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         cache = self.cache
         expected = cache.funcs[index] if index < len(cache.funcs) else None
+        if _a_cached_cast(func, args) and not cache.cast(index, args[0]):
+            # NOTE [a weight another block cast]: autocast caches its casts of leaves that require grad
+            # (weights). A weight shared with an earlier block (tied layers) was cast there: this
+            # block's forward found the cast cached and dispatched none, but its re-run starts from an
+            # empty cache and casts it. That cast is no op of the forward's: run it uncounted.
+            self.count -= 1
+            return func(*args, **kwargs)
         if func is not expected:
             raise cache.error(
                 f"block {cache.block}: op {index} of its re-run is {func} but its forward ran "

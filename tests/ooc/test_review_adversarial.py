@@ -61,6 +61,16 @@ class _Unseen(nn.Module):
             buf[:, :3] = probs[:, :3] * self.scale[:3]
             _unseen_double(scores[:, 3:], buf[:, 3:])
             return buf
+        elif self.how == "resized":  # grown by resize_ (as torch.empty(..., out=) and older code do): as blank
+            buf = probs.new_empty(0).resize_(probs.shape)
+            _unseen_double(scores, buf)
+        elif self.how == "out-of-empty":  # torch.empty(..., out=) resizes its out: blank too
+            buf = torch.empty(probs.shape, out=probs.new_empty(0))
+            _unseen_double(scores, buf)
+        elif self.how == "set-to-empty":  # a tensor set_ onto an empty buffer's storage
+            store = torch.empty(probs.shape).untyped_storage()
+            buf = probs.new_empty(0).set_(store, 0, probs.shape, probs.stride())
+            _unseen_double(scores, buf)
         elif self.how == "covered-in-two":  # two seen copies write the whole buffer, no kernel
             buf = torch.empty_like(probs)
             buf[:, :2] = x[:, :2]
@@ -132,6 +142,9 @@ def _grads(how: str, wrap: bool, caches) -> tuple[list[torch.Tensor], list[str]]
     "strided-gaps",
     "copied-within",
     "returned-half",
+    "resized",
+    "out-of-empty",
+    "set-to-empty",
 ])
 def test_an_unseen_kernel_into_an_empty_buffer_is_seen_whatever_follows(how: str, caches, poisoned) -> None:
     """The unseen kernel's buffer is read by an in-place op, or was partly written by a seen op (a
@@ -170,13 +183,20 @@ def test_seen_writes_that_cover_what_is_read_leave_the_scores_out(how: str, cach
     (lambda b: b[:2].fill_(1), lambda b: b[1:3].add_(1), True),
     (lambda b: b[:2].fill_(1), lambda b: b[2:].copy_(b[:2]), False),
     (lambda b: b[2:].fill_(1), lambda b: b[2:].copy_(b[:2]), True),
+    (lambda b: b.fill_(1).resize_(8, 6), lambda b: b[4:] + 1, True),
+    (lambda b: b.resize_(2, 6), lambda b: b + 1, True),
+    (lambda b: torch.empty(0).set_(b.untyped_storage(), 0, (2, 6), (6, 1)), lambda b: b + 1, True),
+    (lambda b: b.fill_(1).t_(), lambda b: b + 1, False),
 ], ids=["whole", "whole-transposed", "whole-permuted", "rows-read-all", "rows-read-rows", "strided-read-written",
         "strided-read-gap", "bytes-read-written", "bytes-read-one-more", "out-read-written", "in-place-on-written",
-        "in-place-on-unwritten", "copy-from-written", "copy-from-unwritten"])
+        "in-place-on-unwritten", "copy-from-written", "copy-from-unwritten", "resize-grown-read-new",
+        "resize-shrunk-no-write", "set-onto-it-no-write", "transposed-in-place-written"])
 def test_seen_writes_clear_exactly_the_bytes_they_write(write, read, flagged: bool, monkeypatch) -> None:  # noqa: ANN001
     """A buffer from torch.empty (4 x 6 floats) is blank where no seen op wrote it, at byte grain and
     in any layout; an op that reads a blank byte (an in-place op other than a copy reads what it writes)
-    shows an unseen kernel. A write of the whole buffer, in any order of its dimensions, keeps no record."""
+    shows an unseen kernel. A write of the whole buffer, in any order of its dimensions, keeps no record.
+    A resize_ writes nothing, and one that grows the buffer moves it into new uninitialised bytes; a
+    set_ onto its storage and a t_ change only metadata."""
     from ooc.op_profile import _UnseenWrites
 
     if write(torch.empty(4, 6)).numel() == 24:
@@ -539,3 +559,73 @@ def test_the_profile_predicts_the_left_out_ops_past_an_op_with_no_bytes(caches) 
     finally:
         ooc.unwrap(model)
     assert sorted(rerun_skipped(ops, softmax)) == sorted(caches[-1].left_out)
+
+
+class _TiedSoftmax(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.softmax(self.lin(x), dim=-1) * x
+
+
+@pytest.mark.parametrize("inside", [False, True])
+@pytest.mark.parametrize("first", ["keep", "recompute"])
+def test_a_weight_shared_by_two_blocks_under_autocast(first: str, inside: bool, caches) -> None:  # noqa: ANN001
+    """Two blocks share a weight (ALBERT, tied layers): under autocast the second block's forward finds
+    the first's cast of it cached and dispatches no _to_copy, but its re-run (autocast's cache empty,
+    or emptied) casts it: the re-run runs that cast uncounted instead of raising RecomputeError, and the
+    gradients are plain PyTorch's, bit for bit (backward after the autocast, or inside it)."""
+
+    def make() -> nn.Module:
+        torch.manual_seed(0)
+        model = nn.Sequential(_TiedSoftmax(), _TiedSoftmax(), nn.Linear(6, 6))
+        model[1].lin.weight = model[0].lin.weight
+        return model
+
+    x = torch.randn(3, 6, generator=torch.Generator().manual_seed(1))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profiled = make()
+        prof = ooc.profile(profiled, x, blocks=list(profiled), ops=True, codec_errors=False, reps=1)
+    softmax = [tuple(k for k, op in enumerate(b.ops) if op.name == SOFTMAX) for b in prof.blocks]
+    plan = ooc.Plan.of([ooc.BlockPlan(first, cached_ops=softmax[0] if first == "recompute" else ()),
+                        ooc.BlockPlan("recompute", cached_ops=softmax[1]), "keep"])
+    grads = []
+    for wrap in (False, True):
+        model = make()
+        if wrap:
+            ooc.wrap(model, plan, backend="cpu", blocks=list(model))
+        try:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = model(x).float().square().sum()
+                if inside:
+                    loss.backward()
+            if not inside:
+                loss.backward()
+        finally:
+            if wrap:
+                ooc.unwrap(model)
+        grads.append([p.grad for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*grads, strict=True))
+    assert caches and all(c.left_out for c in caches)
+
+
+def test_two_forwards_in_one_autocast_say_why_the_plan_does_not_fit() -> None:
+    """Gradient accumulation inside one ``torch.autocast``: the second forward finds the weights' casts
+    of the first in autocast's cache and runs fewer ops than a step's (what the plan's op indices
+    count), so its plan cannot fit; the error says so and what to do, not only to re-profile."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_TiedSoftmax(), nn.Linear(6, 6))
+    x = torch.randn(3, 6)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        prof = ooc.profile(model, x, blocks=list(model), ops=True, codec_errors=False, reps=1)
+    last = len(prof.blocks[0].ops) - 1
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(last,)), "keep"]), backend="cpu", blocks=list(model))
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(x).float().sum().backward()  # the first forward fits
+            with pytest.raises(ooc.recompute.RecomputeError, match="autocast"):
+                model(x).float().sum().backward()
+    finally:
+        ooc.unwrap(model)
