@@ -21,7 +21,7 @@ import torch
 import xxhash
 
 import ooc.checkpoint as ckpt_mod
-from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+from ooc.checkpoint import MODEL_FILE, Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW
 from ooc.optim.stages import Stage
@@ -301,6 +301,78 @@ def test_exception_at_each_point_of_a_recycling_save_leaves_the_previous_version
     Checkpointer(tmp_path, model, opt, keep=1).close()
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".spare-")]
     assert all((p / "manifest-rank0.json").exists() for p in tmp_path.iterdir())
+    opt.close()
+
+
+def _keep_one_saving(directory: Path, steps: range):
+    """A keep=1 Checkpointer on ``directory`` that has saved ``steps`` (each the step's version)."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(directory, model, opt, keep=1)
+    _save_steps(model, opt, sched, ckpt, steps)
+    return model, opt, sched, ckpt
+
+
+def _save_steps(model, opt, sched, ckpt: Checkpointer, steps: range) -> None:  # noqa: ANN001
+    for step in steps:
+        _train(model, opt, sched, range(step - 1, step))
+        ckpt.save(step)
+        ckpt.wait()
+
+
+def test_a_retired_file_a_reader_maps_is_not_written_over(tmp_path: Path) -> None:
+    """NOTE [recycled files]: a reader that mapped a retired version's file (safetensors' load_file
+    does: its tensors are the file's pages) keeps its bytes, as after a delete: the next version
+    writes that file anew and takes only the spare's files nobody holds."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 2))
+    first = ckpt.latest().path
+    inodes = _inodes(first)
+    mapped = safetensors.torch.load_file(first / MODEL_FILE)
+    expected = {k: v.clone() for k, v in mapped.items()}
+    _save_steps(model, opt, sched, ckpt, range(2, 4))  # 1 retired at 2, written over by 3
+    assert _same(mapped, expected)
+    third = _inodes(ckpt.latest().path)
+    assert third[MODEL_FILE] != inodes[MODEL_FILE] and third["optimizer-rank0.safetensors"] == inodes["optimizer-rank0.safetensors"]
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path, 3, *saved)
+    opt.close()
+
+
+def test_a_retired_file_linked_elsewhere_is_not_written_over(tmp_path: Path) -> None:
+    """A hard link to a version's file (a backup made with ``cp -al`` or ``rsync --link-dest``)
+    keeps its bytes when retention retires the version, as after a delete (NOTE [recycled files])."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path / "ck", range(1, 2))
+    backup = tmp_path / "backup.safetensors"
+    os.link(ckpt.latest().path / MODEL_FILE, backup)
+    expected = backup.read_bytes()
+    _save_steps(model, opt, sched, ckpt, range(2, 4))
+    assert backup.read_bytes() == expected
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path / "ck", 3, *saved)
+    opt.close()
+
+
+def test_a_retired_read_only_file_is_not_written_over(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """A retired version's file this process may not write (made read-only; as root, simulated) is
+    left to be deleted, not taken: the next save writes a new file and succeeds (NOTE [recycled files])."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 2))
+    read_only = {p.stat().st_ino for p in ckpt.latest().path.iterdir()}
+    for p in ckpt.latest().path.iterdir():
+        p.chmod(0o444)
+    real_open = os.open
+
+    def open_(path, flags, *args):  # noqa: ANN001, ANN202
+        if flags & (os.O_WRONLY | os.O_RDWR) and os.path.exists(path) and os.stat(path).st_ino in read_only:
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_)
+    _save_steps(model, opt, sched, ckpt, range(2, 4))
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    monkeypatch.undo()
+    _assert_restores(tmp_path, 3, *saved)
     opt.close()
 
 
