@@ -932,9 +932,12 @@ class Checkpointer:
         committed = {v.step for v in complete}
         for k, (step, path) in enumerate(doomed):
             if k == len(doomed) - 1 and step in committed:
-                self._retire(step, path)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    self._retire(step, path)
+                    continue
+                except OSError:
+                    pass  # another Checkpointer's cleanup took the folder meanwhile: delete what is left
+            shutil.rmtree(path, ignore_errors=True)
 
     def _retire(self, step: int, path: Path) -> None:
         """Make a complete version that retention deletes the next version's spare (NOTE [recycled

@@ -376,6 +376,28 @@ def test_a_retired_read_only_file_is_not_written_over(tmp_path: Path, monkeypatc
     opt.close()
 
 
+def test_a_retirement_another_checkpointer_cleans_away_does_not_fail_the_committed_save(tmp_path: Path) -> None:
+    """A Checkpointer opened on the directory (to restore, or by another run) removes incomplete
+    folders; one doing so while the training one retires a version (its records gone, the folder
+    not yet a spare) leaves retention nothing to rename: the version just committed is reported
+    written, as when retention deleted (NOTE [recycled files])."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
+    other_model, other_opt, _ = _setup(seed=5)
+
+    def hook(at: str) -> None:
+        if at == "retired":
+            Checkpointer(tmp_path, other_model, other_opt, keep=None).restore()
+
+    ckpt._hook = hook
+    _save_steps(model, opt, sched, ckpt, range(3, 4))
+    assert [v.step for v in list_versions(tmp_path)] == [3]
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path, 3, *saved)
+    opt.close()
+    other_opt.close()
+
+
 def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The commit record is renamed into place only after each file it names, the version's folder
     and the directory are fsynced (each once: not per tensor); the folder again after the rename."""
