@@ -8,7 +8,11 @@ import hashlib
 import json
 import os
 import random
+import re
+import signal
 import struct
+import subprocess
+import sys
 import threading
 import time
 import zlib
@@ -27,6 +31,7 @@ from ooc.optim import HostAdamW
 from ooc.optim.stages import Stage
 
 CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)  # dropout: a resume must restore the RNG
+_VERSION = re.compile(r"^step-\d{9,}$")
 
 
 def _setup(dtype: torch.dtype = torch.float32, *, pipeline: bool = True, seed: int = 0):
@@ -396,6 +401,62 @@ def test_a_retirement_another_checkpointer_cleans_away_does_not_fail_the_committ
     _assert_restores(tmp_path, 3, *saved)
     opt.close()
     other_opt.close()
+
+
+_KILLED_WHILE_RECYCLING = """
+import os, signal, sys
+from pathlib import Path
+import torch
+import ooc.checkpoint as C
+sys.path.insert(0, sys.argv[3])
+from test_checkpoint import _opt_state, _setup, _train, _weights
+
+directory, at = Path(sys.argv[1]), sys.argv[2]
+C._BOUNCE_BYTES = 4 * 4096  # several writes to each file
+model, opt, sched = _setup()
+ckpt = C.Checkpointer(directory, model, opt, keep=1)
+for step in (1, 2, 3):
+    _train(model, opt, sched, range(step - 1, step))
+    torch.save((_weights(model), _opt_state(opt)), directory.parent / f"expected-{step}.pt")
+    if step == 3:
+        for path in next(directory.glob(".spare-*")).iterdir():
+            with open(path, "ab") as f:
+                f.write(os.urandom(50000))  # longer than what is written over it: truncated at the end
+        kill = lambda *args: os.kill(os.getpid(), signal.SIGKILL)
+        real_rename, real_write = os.rename, os.write
+        if at == "taken":
+            os.rename = lambda a, b: (real_rename(a, b), ".spare-" in str(a) and kill())
+        elif at == "overwriting":
+            os.write = lambda fd, data: (real_write(fd, data[:len(data) // 2]), kill())
+        elif at == "truncating":
+            os.ftruncate = kill
+        else:
+            ckpt._hook = lambda point: point == at and kill()
+    ckpt.save(step)
+    ckpt.wait()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("at", ["taken", "overwriting", "truncating", "files-written", "renamed", "retired"])
+def test_kill_9_while_writing_over_a_spare_leaves_the_previous_version(tmp_path: Path, at: str) -> None:
+    """SIGKILL at each moment of a save that writes over a spare's (longer) files (NOTE [recycled
+    files]): once a spare file is renamed into the new folder, halfway through writing over it,
+    before its truncation, before the commit, after it, and between the retired version's records
+    going and its rename. The newest committed version restores exactly, and the next Checkpointer
+    leaves only versions."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    done = subprocess.run([sys.executable, "-c", _KILLED_WHILE_RECYCLING, str(directory), at, str(Path(__file__).parent)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+    latest = 3 if at in ("renamed", "retired") else 2
+    assert list_versions(directory)[-1].step == latest
+    _assert_restores(directory, None, *torch.load(tmp_path / f"expected-{latest}.pt", weights_only=False))
+    model, opt, _ = _setup()
+    Checkpointer(directory, model, opt).close()
+    assert all(_VERSION.match(p.name) and (p / "manifest-rank0.json").exists() for p in directory.iterdir())
+    opt.close()
 
 
 def test_every_file_and_folder_is_fsynced_once_before_the_commit(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
