@@ -403,6 +403,53 @@ def test_a_retirement_another_checkpointer_cleans_away_does_not_fail_the_committ
     other_opt.close()
 
 
+@pytest.mark.parametrize("spare", ["longer", "shorter"])
+@pytest.mark.parametrize("refused", [None, "open"])
+def test_a_full_disk_while_writing_over_a_spare_leaves_the_previous_version(tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                           spare: str, refused: str | None) -> None:
+    """The disk fills while a file taken from a spare, longer or shorter than what is written over
+    it, is half written (a short write, then ENOSPC; with direct I/O or without): the save fails
+    naming the full disk, the previous version restores exactly, and the next save works."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
+    saved = (_weights(model), _opt_state(opt))
+    spare_files = list(next(tmp_path.glob(".spare-*")).iterdir())
+    taken = {path.stat().st_ino for path in spare_files}
+    for path in spare_files:
+        if spare == "longer":
+            with open(path, "ab") as f:
+                f.write(os.urandom(50000))
+        else:
+            os.truncate(path, path.stat().st_size // 3)
+    if refused:
+        _refuse_direct_io(monkeypatch, refused)
+    monkeypatch.setattr(ckpt_mod, "_BOUNCE_BYTES", 4 * 4096)
+    real_write, writes = os.write, []
+
+    def filling(fd: int, data) -> int:  # noqa: ANN001
+        writes.append(os.fstat(fd).st_ino in taken)
+        if len(writes) == 2:
+            return real_write(fd, data[:len(data) // 2 + 1])  # short, and not a whole block
+        if len(writes) == 3:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", filling)
+    _train(model, opt, sched, range(2, 3))
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match="No space left"):
+        ckpt.wait()
+    assert writes == [True] * 3  # in a file taken from the spare
+    assert [v.step for v in list_versions(tmp_path)] == [2] and not (tmp_path / "step-000000003").exists()
+    _assert_restores(tmp_path, None, *saved)
+    monkeypatch.setattr(os, "write", real_write)
+    ckpt.save(3)
+    ckpt.wait()
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path, 3, *saved)
+    opt.close()
+
+
 @pytest.mark.xfail(strict=True, reason="a Checkpointer's cleanup (rank 0, at its start) removes every incomplete "
                    "folder, a version another Checkpointer on the directory is writing too: that save fails. Telling "
                    "an in-flight folder from a crash's needs a lock the writers hold (flock on the folder), not yet")
