@@ -6,6 +6,7 @@ import errno
 import fcntl
 import hashlib
 import json
+import mmap
 import os
 import random
 import re
@@ -326,17 +327,22 @@ def _save_steps(model, opt, sched, ckpt: Checkpointer, steps: range) -> None:  #
 
 def test_a_retired_file_a_reader_maps_is_not_written_over(tmp_path: Path) -> None:
     """NOTE [recycled files]: a reader that mapped a retired version's file (safetensors' load_file
-    does: its tensors are the file's pages) keeps its bytes, as after a delete: the next version
-    writes that file anew and takes only the spare's files nobody holds."""
+    does: its tensors are the file's pages; or mmap itself) keeps its bytes, as after a delete: the
+    next version writes that file anew and takes only the spare's files nobody holds."""
     model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 2))
     first = ckpt.latest().path
     inodes = _inodes(first)
-    mapped = safetensors.torch.load_file(first / MODEL_FILE)
-    expected = {k: v.clone() for k, v in mapped.items()}
+    loaded = safetensors.torch.load_file(first / MODEL_FILE)
+    expected = {k: v.clone() for k, v in loaded.items()}
+    with open(first / "state-rank0.pt", "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, prot=mmap.PROT_READ)
+    state = bytes(mapped)
     _save_steps(model, opt, sched, ckpt, range(2, 4))  # 1 retired at 2, written over by 3
-    assert _same(mapped, expected)
+    assert _same(loaded, expected) and bytes(mapped) == state
     third = _inodes(ckpt.latest().path)
-    assert third[MODEL_FILE] != inodes[MODEL_FILE] and third["optimizer-rank0.safetensors"] == inodes["optimizer-rank0.safetensors"]
+    assert third[MODEL_FILE] != inodes[MODEL_FILE] and third["state-rank0.pt"] != inodes["state-rank0.pt"]
+    assert third["optimizer-rank0.safetensors"] == inodes["optimizer-rank0.safetensors"]
+    mapped.close()
     saved = (_weights(model), _opt_state(opt))
     ckpt.close()
     _assert_restores(tmp_path, 3, *saved)
