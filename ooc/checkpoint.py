@@ -110,11 +110,13 @@ its own commit record names only the new bytes and their checksums. Only a file 
 is taken (:func:`_unshared`): a reader that mapped a retired version's file (safetensors'
 ``load_file`` does: its tensors are the file's pages), or holds it open, or a hard link to it (a
 backup made with ``cp -al``) would see its bytes change under it, where a delete leaves them be;
-such a file stays in the spare to be deleted, and its name is written into a new file. A crash while a file is written
-over leaves it in the new, uncommitted folder, and the committed versions are untouched. What a
-spare holds that the next version did not take is deleted at the next retirement; the first
-Checkpointer on a directory and :meth:`Checkpointer.close` delete spares, so between runs the
-directory holds its versions only (during a run, one retired version's space more).
+such a file stays in the spare to be deleted, and its name is written into a new file. (A lease
+answers for this machine's readers; one on another host of a shared file system is seen only where
+that file system's leases span hosts, else not.) A crash while a file is written over leaves it in
+the new, uncommitted folder, and the committed versions are untouched. What a spare holds that the
+next version did not take is deleted at the next retirement; the first Checkpointer on a directory
+and :meth:`Checkpointer.close` delete spares, so between runs the directory holds its versions only
+(during a run, one retired version's space more).
 """
 
 from __future__ import annotations
@@ -936,7 +938,7 @@ class Checkpointer:
                     self._retire(step, path)
                     continue
                 except OSError:
-                    pass  # another Checkpointer's cleanup took the folder meanwhile: delete what is left
+                    pass  # e.g. another Checkpointer's cleanup took the folder meanwhile: delete what is left
             shutil.rmtree(path, ignore_errors=True)
 
     def _retire(self, step: int, path: Path) -> None:
