@@ -106,11 +106,17 @@ newest version it retires: it removes the version's commit records and fsyncs th
 on it is no version, whatever happens next), then renames the folder to ``.spare-<step>``, which
 :meth:`Checkpointer.versions` never reads. The next version renames each file it writes out of the
 spare and writes over it in place (opened without ``O_TRUNC``, truncated to its size at the end);
-its own commit record names only the new bytes and their checksums. A crash while a file is written
-over leaves it in the new, uncommitted folder, and the committed versions are untouched. What a
-spare holds that the next version did not take is deleted at the next retirement; the first
-Checkpointer on a directory and :meth:`Checkpointer.close` delete spares, so between runs the
-directory holds its versions only (during a run, one retired version's space more).
+its own commit record names only the new bytes and their checksums. Only a file nothing else shares
+is taken (:func:`_unshared`): a reader that mapped a retired version's file (safetensors'
+``load_file`` does: its tensors are the file's pages), or holds it open, or a hard link to it (a
+backup made with ``cp -al``) would see its bytes change under it, where a delete leaves them be;
+such a file stays in the spare to be deleted, and its name is written into a new file. (A lease
+answers for this machine's readers; one on another host of a shared file system is seen only where
+that file system's leases span hosts, else not.) A crash while a file is written over leaves it in
+the new, uncommitted folder, and the committed versions are untouched. What a spare holds that the
+next version did not take is deleted at the next retirement; the first Checkpointer on a directory
+and :meth:`Checkpointer.close` delete spares, so between runs the directory holds its versions only
+(during a run, one retired version's space more).
 """
 
 from __future__ import annotations
@@ -126,6 +132,7 @@ import queue
 import random
 import re
 import shutil
+import signal
 import struct
 import threading
 import time
@@ -356,6 +363,31 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
             io.shutdown(wait=True)  # no write outlives the call: the buffers are the next file's
         os.close(sink.fd)
     return size, digest.hexdigest()
+
+
+def _unshared(path: Path) -> bool:
+    """Whether ``path`` (a spare's file) may be written over in place (NOTE [recycled files]): this
+    process may write it, it has no other link, and no process holds it open or mapped. Linux grants a
+    write lease only then; where leases are not to be had (another OS, a network file system), no."""
+    if not hasattr(fcntl, "F_SETLEASE"):
+        return False
+    try:
+        fd = os.open(path, os.O_WRONLY)
+    except OSError:
+        return False  # gone (another rank's cleanup), or not ours to write
+    try:
+        if os.fstat(fd).st_nlink != 1:
+            return False
+        # A process opening the file while the lease is held would have it broken, which signals
+        # the holder (SIGIO by default, which ends a process): SIGURG's default is to do nothing.
+        fcntl.fcntl(fd, fcntl.F_SETSIG, signal.SIGURG)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_WRLCK)
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    except OSError:
+        return False  # EAGAIN: open or mapped elsewhere; EINVAL: no leases here
+    finally:
+        os.close(fd)
 
 
 def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
@@ -932,9 +964,12 @@ class Checkpointer:
         committed = {v.step for v in complete}
         for k, (step, path) in enumerate(doomed):
             if k == len(doomed) - 1 and step in committed:
-                self._retire(step, path)
-            else:
-                shutil.rmtree(path, ignore_errors=True)
+                try:
+                    self._retire(step, path)
+                    continue
+                except OSError:
+                    pass  # e.g. another Checkpointer's cleanup took the folder meanwhile: delete what is left
+            shutil.rmtree(path, ignore_errors=True)
 
     def _retire(self, step: int, path: Path) -> None:
         """Make a complete version that retention deletes the next version's spare (NOTE [recycled
@@ -954,6 +989,8 @@ class Checkpointer:
         if path.exists():
             return
         for spare in self._spares():
+            if not _unshared(spare / path.name):
+                continue
             try:
                 os.rename(spare / path.name, path)
                 return
