@@ -110,9 +110,10 @@ its own commit record names only the new bytes and their checksums. Only a file 
 is taken (:func:`_unshared`): a reader that mapped a retired version's file (safetensors'
 ``load_file`` does: its tensors are the file's pages), or holds it open, or a hard link to it (a
 backup made with ``cp -al``) would see its bytes change under it, where a delete leaves them be;
-such a file stays in the spare to be deleted, and its name is written into a new file. (A lease
-answers for this machine's readers; one on another host of a shared file system is seen only where
-that file system's leases span hosts, else not.) A crash while a file is written over leaves it in
+such a file stays in the spare to be deleted, and its name is written into a new file. A lease
+answers for this machine's readers only, so files are reused only on a local file system
+(``_LOCAL_FILE_SYSTEMS``: not NFS, Lustre, GPFS or FUSE, where a reader on another host would see the
+bytes change; there versions are written into new files as before). A crash while a file is written over leaves it in
 the new, uncommitted folder, and the committed versions are untouched. What a spare holds that the
 next version did not take is deleted at the next retirement; the first Checkpointer on a directory
 and :meth:`Checkpointer.close` delete spares, so between runs the directory holds its versions only
@@ -365,6 +366,28 @@ def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, 
     return size, digest.hexdigest()
 
 
+_LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "f2fs", "tmpfs", "zfs", "jfs", "bcachefs"})
+"""File systems whose readers are all on this host, so a lease sees every one (NOTE [recycled files])."""
+
+
+def _file_system(directory: Path) -> str | None:
+    """The type of the file system ``directory`` is on (Linux's mount table), or None if unknown."""
+    try:
+        lines = Path("/proc/self/mountinfo").read_text().splitlines()
+    except OSError:
+        return None
+    target, best, kind = str(directory.resolve()), -1, None
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        mount = fields[4].replace("\\040", " ")
+        inside = target == mount or target.startswith(mount.rstrip("/") + "/")
+        if inside and len(mount) > best:
+            best, kind = len(mount), fields[fields.index("-") + 1]
+    return kind
+
+
 def _unshared(path: Path) -> bool:
     """Whether ``path`` (a spare's file) may be written over in place (NOTE [recycled files]): this
     process may write it, it has no other link, and no process holds it open or mapped. Linux grants a
@@ -613,6 +636,9 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         self._beside_pool: ThreadPoolExecutor | None = None
+        self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
+        """Whether a version may be written over a retired one's files: only on a local file system,
+        where a lease sees every reader (NOTE [recycled files])."""
         """The writer thread, while it waits for saves (NOTE [writer thread])."""
         self._writer_lock = threading.Lock()
         self._written = threading.Event()
@@ -786,8 +812,8 @@ class Checkpointer:
         by those deadlines, earliest first: in each file the buckets the last step updated first,
         first. The model file (the weights, a third of the bytes or less) is written by a second
         thread beside the optimizer file (moments and masters), not after it: written after, every
-        bucket's weights were still unread at its update and copied aside (on gpt2, 0.5 of the
-        0.9 GiB copied aside per version, saving every 10 steps). A safetensors file may list its
+        bucket's weights were still unread at its update and copied aside (on gpt2 saving every 10
+        steps, every bucket of every version). A safetensors file may list its
         tensors in any order (readers go by each one's offsets); tensors no bucket holds were
         copied in ``save`` and go last."""
         order = self._update_order or self._updating
@@ -986,7 +1012,7 @@ class Checkpointer:
     def _recycle(self, path: Path) -> None:
         """Move a spare's file of ``path``'s name to ``path``, to be written over (NOTE [recycled
         files]); without one (or if another rank's cleanup removed it meanwhile), ``path`` is new."""
-        if path.exists():
+        if path.exists() or not self._recycles:
             return
         for spare in self._spares():
             if not _unshared(spare / path.name):

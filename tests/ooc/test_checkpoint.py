@@ -283,6 +283,29 @@ def test_a_retired_versions_files_are_written_over_by_the_next(tmp_path: Path) -
     opt.close()
 
 
+@pytest.mark.parametrize("kind", ["nfs", "lustre", "fuse.sshfs", None])
+def test_on_a_shared_or_unknown_file_system_versions_go_into_new_files(tmp_path: Path, monkeypatch, kind) -> None:  # noqa: ANN001
+    """NOTE [recycled files]: a lease sees this host's readers only, so where another host may read
+    (or the file system is unknown) no retired file is written over: every version has new files."""
+    monkeypatch.setattr(ckpt_mod, "_file_system", lambda directory: kind)
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=1)
+    inodes = []
+    for step in range(1, 4):
+        _train(model, opt, sched, range(step - 1, step))
+        ckpt.save(step)
+        ckpt.wait()
+        inodes.append(set(_inodes(ckpt.latest().path).values()))
+    assert not inodes[2] & inodes[0]
+    ckpt.close()
+    opt.close()
+
+
+def test_the_file_system_of_a_folder_is_read_from_the_mount_table(tmp_path: Path) -> None:
+    assert ckpt_mod._file_system(Path("/proc/self")) == "proc"
+    assert ckpt_mod._file_system(tmp_path / "not" / "made") == ckpt_mod._file_system(tmp_path)
+
+
 @pytest.mark.parametrize("point", [*FAIL_POINTS, "retired"])
 def test_exception_at_each_point_of_a_recycling_save_leaves_the_previous_version(tmp_path: Path, point: str) -> None:
     """As the commit-point test, where the failing save writes over a spare's files and its
@@ -432,6 +455,8 @@ def test_a_full_disk_while_writing_over_a_spare_leaves_the_previous_version(tmp_
     real_write, writes = os.write, []
 
     def filling(fd: int, data) -> int:  # noqa: ANN001
+        if not os.readlink(f"/proc/self/fd/{fd}").endswith("optimizer-rank0.safetensors"):
+            return real_write(fd, data)  # the model file, written beside it (NOTE [write order])
         writes.append(os.fstat(fd).st_ino in taken)
         if len(writes) == 2:
             return real_write(fd, data[:len(data) // 2 + 1])  # short, and not a whole block
