@@ -567,6 +567,9 @@ class _Snapshot:
         """Bucket -> its live slots not read to their end yet."""
         self._reading: dict[int, int] = {}
         """Bucket -> slices of its slots the writer is reading now."""
+        self._updating: set[int] = set()
+        """Buckets whose update waits for the slices being read, to copy aside the rest: the writer
+        starts no other slice of theirs meanwhile (else the update would wait for every one)."""
         self._cond = threading.Condition()
 
     def acquire(self, container: Any, key: Any) -> tuple[torch.Tensor, tuple[int, tuple[int, Any]] | None]:
@@ -574,6 +577,8 @@ class _Snapshot:
         slot = (id(container), key)
         with self._cond:
             bucket = self._bucket_of.get(slot)
+            while bucket in self._updating:
+                self._cond.wait()  # the update copies the slot aside (if unread): read on from the copy
             if bucket is None or slot not in self._unread.get(bucket, ()):
                 return container[key], None  # no bucket's, or copied aside already
             self._reading[bucket] = self._reading.get(bucket, 0) + 1
@@ -596,13 +601,18 @@ class _Snapshot:
         """Make the bucket's slots safe from its next update: wait while the writer reads a slice of
         one, copy aside those it has not read to their end. Returns whether anything was copied."""
         with self._cond:
-            while self._reading.get(bucket):
-                self._cond.wait()
-            unread = self._unread.pop(bucket, set())
-            for slot in unread:
-                container, key = self._refs[slot]
-                container[key] = self._aside.copy(container[key])
-                self.copies.append(container[key])
+            self._updating.add(bucket)
+            try:
+                while self._reading.get(bucket):
+                    self._cond.wait()
+                unread = self._unread.pop(bucket, set())
+                for slot in unread:
+                    container, key = self._refs[slot]
+                    container[key] = self._aside.copy(container[key])
+                    self.copies.append(container[key])
+            finally:
+                self._updating.discard(bucket)
+                self._cond.notify_all()
             return bool(unread)
 
 

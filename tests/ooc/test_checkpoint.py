@@ -1051,6 +1051,26 @@ def test_an_update_waits_for_the_write_of_its_bucket_in_progress(tmp_path: Path)
     opt.close()
 
 
+def test_an_update_waits_for_the_slice_being_read_not_for_the_next(tmp_path: Path) -> None:
+    """NOTE [lazy snapshots]: an update that finds the writer reading a slice of its bucket waits for
+    that slice only: the writer starts no other slice of the bucket meanwhile (it would wait for
+    every one), and reads on from the copy aside the update makes."""
+    state = {"a": torch.arange(4.0), "b": torch.arange(4.0) + 10}
+    live_b = state["b"]
+    snapshot = ckpt_mod._Snapshot({0: [(state, "a"), (state, "b")]}, ckpt_mod._AsideBuffers())
+    _, token = snapshot.acquire(state, "a")
+    copied: list[bool] = []
+    update = threading.Thread(target=lambda: copied.append(snapshot.before_update(0)))
+    update.start()
+    time.sleep(0.2)  # the update waits for the slice of "a" being read
+    assert not copied
+    snapshot.release(token, finished=True)
+    b, token_b = snapshot.acquire(state, "b")  # the writer's next slice: after the update's copy aside
+    snapshot.release(token_b, finished=True)
+    update.join(10)
+    assert copied == [True] and token_b is None and b is not live_b and torch.equal(b, live_b)
+
+
 def test_an_update_between_two_slices_of_a_tensor_copies_the_rest_aside(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The writer reads a live tensor a slice at a time and holds its bucket only while it reads one
     (NOTE [lazy snapshots]): paused between two slices of block 0's first weight, block 0's next
