@@ -119,3 +119,14 @@ def image_op_profile(model: nn.Module) -> ooc.scheduler.Profile:
     x, y = image_batch()
     return ooc.profile(model, (x,), loss_fn=lambda out: nn.functional.cross_entropy(out, y), ops=True,
                        codec_errors=False, min_swap_bytes=1024)
+
+
+def random_cached_plan(prof, rng) -> "ooc.Plan":  # noqa: ANN001
+    """Every block of ``prof`` recomputed, caching a random non-empty set of its cacheable ops."""
+    import ooc
+
+    blocks = []
+    for block in prof.blocks:
+        cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
+        blocks.append(ooc.BlockPlan("recompute", cached_ops=tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))))
+    return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)

@@ -410,19 +410,26 @@ def test_a_retired_read_only_file_is_not_written_over(tmp_path: Path, monkeypatc
     opt.close()
 
 
+def _restore_from_another_at(ckpt: Checkpointer, directory: Path, point: str) -> HostAdamW:
+    """At the writer's ``point``, a second Checkpointer (another model and optimizer) opens
+    ``directory`` and restores its newest version; returns that optimizer, for the test to close."""
+    other_model, other_opt, _ = _setup(seed=5)
+
+    def hook(at: str) -> None:
+        if at == point:
+            Checkpointer(directory, other_model, other_opt, keep=None).restore()
+
+    ckpt._hook = hook
+    return other_opt
+
+
 def test_a_retirement_another_checkpointer_cleans_away_does_not_fail_the_committed_save(tmp_path: Path) -> None:
     """A Checkpointer opened on the directory (to restore, or by another run) removes incomplete
     folders; one doing so while the training one retires a version (its records gone, the folder
     not yet a spare) leaves retention nothing to rename: the version just committed is reported
     written, as when retention deleted (NOTE [recycled files])."""
     model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
-    other_model, other_opt, _ = _setup(seed=5)
-
-    def hook(at: str) -> None:
-        if at == "retired":
-            Checkpointer(tmp_path, other_model, other_opt, keep=None).restore()
-
-    ckpt._hook = hook
+    other_opt = _restore_from_another_at(ckpt, tmp_path, "retired")
     _save_steps(model, opt, sched, ckpt, range(3, 4))
     assert [v.step for v in list_versions(tmp_path)] == [3]
     saved = (_weights(model), _opt_state(opt))
@@ -489,13 +496,7 @@ def test_a_checkpointer_opened_to_restore_leaves_a_save_in_flight_be(tmp_path: P
     ``ooc train --resume DIR`` does with a live run's directory) while a save is in flight: the
     save still commits."""
     model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
-    other_model, other_opt, _ = _setup(seed=5)
-
-    def hook(at: str) -> None:
-        if at == "files-written":
-            Checkpointer(tmp_path, other_model, other_opt, keep=None).restore()
-
-    ckpt._hook = hook
+    other_opt = _restore_from_another_at(ckpt, tmp_path, "files-written")
     try:
         _save_steps(model, opt, sched, ckpt, range(3, 4))
         assert [v.step for v in list_versions(tmp_path)] == [3]

@@ -30,6 +30,7 @@ from tests.helpers import (
     gpt_batch,
     gpt_loss,
     image_batch,
+    random_cached_plan,
     small_resnet,
     stable_seed,
     tiny_llama_op_profile,
@@ -132,14 +133,6 @@ def test_hf_llama_eager_rerun_leaves_out_the_scores_the_cached_softmax_reads(cac
 # -- (b) measured profiles record what each op reads, and predict the left-out set ------------------
 
 
-def _random_cached(prof, rng: random.Random) -> ooc.Plan:  # noqa: ANN001
-    blocks = []
-    for block in prof.blocks:
-        cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
-        blocks.append(ooc.BlockPlan("recompute", cached_ops=tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))))
-    return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
-
-
 def test_measured_reads_are_the_ops_whose_storages_an_op_reads(gpt_profile) -> None:
     ops = gpt_profile.blocks[1].ops
     assert all(op.reads is not None for b in gpt_profile.blocks for op in b.ops)
@@ -179,7 +172,7 @@ def test_the_measured_profile_predicts_what_the_rerun_leaves_out(which: str, gpt
     rng = random.Random(stable_seed("predicts", which))
     some = 0
     for _ in range(3):
-        plan = _random_cached(prof, rng)
+        plan = random_cached_plan(prof, rng)
         caches.clear()
         results = train_side_by_side(make, loss_fn, batches, lambda m, p=plan: ooc.wrap(m, p, backend="cpu"))
         assert results == [(True, True, True)] * 2, plan

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 import ooc
 from ooc.op_profile import OpRecorder
+from tests.helpers import random_cached_plan
 
 SOFTMAX = "aten._softmax.default"
 
@@ -288,11 +289,7 @@ def test_hf_models_random_cached_sets_equal_plain(which: str, attn: str, autocas
     rng = random.Random(f"{which}-{attn}-{autocast}")
     left = 0
     for _ in range(3):
-        blocks = []
-        for b in prof.blocks:
-            cacheable = [k for k, op in enumerate(b.ops) if op.cacheable]
-            blocks.append(ooc.BlockPlan("recompute", cached_ops=tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))))
-        plan = ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
+        plan = random_cached_plan(prof, rng)
         caches.clear()
         from tests.helpers import train_side_by_side
         results = train_side_by_side(make, loss, [batch, batch], lambda m, p=plan: ooc.wrap(m, p, backend="cpu"))
@@ -510,11 +507,7 @@ def test_hf_models_measured_peak_is_the_schedules(which: str, attn: str, caches)
     prof = ooc.profile(make(), _kwargs(which, batch), ops=True, codec_errors=False, reps=1)
     rng = random.Random(f"peak-{which}")
     for _ in range(3):
-        blocks = []
-        for b in prof.blocks:
-            cacheable = [k for k, op in enumerate(b.ops) if op.cacheable]
-            blocks.append(ooc.BlockPlan("recompute", cached_ops=tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))))
-        plan = ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
+        plan = random_cached_plan(prof, rng)
         torch.manual_seed(0)
         model = make()
         ooc.wrap(model, plan, backend="cpu")
