@@ -645,7 +645,6 @@ class Checkpointer:
         self.layout = {"world": self.world, **(layout or {})}
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
-        self._beside_pool: ThreadPoolExecutor | None = None
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
@@ -819,11 +818,9 @@ class Checkpointer:
         snapshots]): host memory and CPU time on the update's thread. The next step updates the
         buckets in the order the backward finishes them (the last block's first), as the last step
         did (recorded by the stage listener), a fraction of a step after ``save``; so the writer goes
-        by those deadlines, earliest first: in each file the buckets the last step updated first,
-        first. The model file (the weights, a third of the bytes or less) is written by a second
-        thread beside the optimizer file (moments and masters), not after it: written after, every
-        bucket's weights were still unread at its update and copied aside (on gpt2 saving every 10
-        steps, every bucket of every version). A safetensors file may list its
+        by those deadlines, earliest first: the buckets the last step updated first, first, and the
+        optimizer file (moments and masters, two thirds of the bytes or more) before the model file,
+        whose weights would otherwise hold back every moment. A safetensors file may list its
         tensors in any order (readers go by each one's offsets); tensors no bucket holds were
         copied in ``save`` and go last."""
         order = self._update_order or self._updating
@@ -912,24 +909,22 @@ class Checkpointer:
                                   "continue from it with later steps, or save to another directory")
         folder.mkdir(exist_ok=True)
         records: dict[str, dict[str, Any]] = {}
-        # A lazy snapshot's model file is written beside the optimizer file (NOTE [write order]).
-        beside = {MODEL_FILE} & files.keys() if self._snapshot is not None and len(files) > 1 else set()
-        futures = {name: self._beside().submit(self._write_named, folder, name, files[name]) for name in beside}
-        error: BaseException | None = None
-        try:
-            for name, payload in files.items():
-                if name not in beside:
-                    records[name] = self._write_named(folder, name, payload)
-        except BaseException as exc:  # noqa: BLE001 - raised below, once the other file's write has ended
-            error = exc
-        for name, future in futures.items():
+        for name, payload in files.items():
+            if name.endswith(".safetensors"):
+                chunks: Iterable[bytes | memoryview] = _safetensors_chunks(
+                    payload, self._snapshot, lambda key, name=name: self._hook(f"tensor:{name}:{key}"))
+            elif name.endswith(".json"):
+                chunks = [json.dumps(payload).encode()]  # no indent: json's C encoder
+            else:
+                chunks = [_torch_bytes(payload)]
+            self._hook(f"write:{name}")
+            self._recycle(folder / name)
             try:
-                records[name] = future.result()  # every file written before the commit (and before a cleanup)
-            except BaseException as exc:  # noqa: BLE001
-                error = error or exc
-        if error is not None:
-            raise error
-        records = {name: records[name] for name in files}
+                size, digest = _write_file(folder / name, chunks)
+            finally:
+                if isinstance(chunks, Iterator):
+                    chunks.close()  # a write that failed midway lets go of the slot it held at once
+            records[name] = {"bytes": size, "xxh3": digest}
         # Every file's bytes are durable (_write_file fsyncs each once, after its last byte); now its
         # name in the folder and the folder's in the directory, before the commit names them.
         _fsync_dirs(folder, self.directory)
@@ -945,31 +940,6 @@ class Checkpointer:
         self._hook("committed")
         if self.rank == 0:
             self._retain()
-
-    def _write_named(self, folder: Path, name: str, payload: Any) -> dict[str, Any]:
-        """Write file ``name`` of a version from ``payload``; return its record (size, XXH3-64)."""
-        if name.endswith(".safetensors"):
-            chunks: Iterable[bytes | memoryview] = _safetensors_chunks(
-                payload, self._snapshot, lambda key: self._hook(f"tensor:{name}:{key}"))
-        elif name.endswith(".json"):
-            chunks = [json.dumps(payload).encode()]  # no indent: json's C encoder
-        else:
-            chunks = [_torch_bytes(payload)]
-        self._hook(f"write:{name}")
-        self._recycle(folder / name)
-        try:
-            size, digest = _write_file(folder / name, chunks)
-        finally:
-            if isinstance(chunks, Iterator):
-                chunks.close()  # a write that failed midway lets go of the slot it held at once
-        return {"bytes": size, "xxh3": digest}
-
-    def _beside(self) -> ThreadPoolExecutor:
-        """The thread that writes a lazy snapshot's model file beside the writer thread's optimizer
-        file (NOTE [write order]); it keeps its bounce buffers from one version to the next."""
-        if self._beside_pool is None:
-            self._beside_pool = ThreadPoolExecutor(1, thread_name_prefix="ooc-checkpoint-model")
-        return self._beside_pool
 
     def _remove_partial(self, folder: Path, files: dict[str, Any]) -> None:
         """After a failed write: remove this rank's files of the uncommitted version (the folder
@@ -1197,9 +1167,6 @@ class Checkpointer:
                     self._jobs.put(None)
             if writer is not None:
                 writer.join()
-            if self._beside_pool is not None:
-                self._beside_pool.shutdown(wait=True)
-                self._beside_pool = None
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
             self._aside.keep([])  # NOTE [reused copies aside]
