@@ -390,6 +390,9 @@ class OpRecorder(OpCounter):
         other op can create one at its address, so this names the creator of every live storage."""
         self.unseen = _UnseenWrites()
         """Whether a kernel ran unseen (then ``reads`` is not what the ops read, and not recorded)."""
+        self.replayed = 0
+        """The ops dispatched when autograd saved the block's last tensor: where a re-run stops
+        (``OpProfile.replayed``; NOTE [a re-run stops at the last save] in ``ooc.scheduler.profile``)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         read = _read_storages(args, kwargs)  # before it runs: a resize_ moves its self into a new storage
@@ -421,7 +424,10 @@ class OpRecorder(OpCounter):
         return out
 
     def note_saved(self, tensor: torch.Tensor) -> None:
-        """Autograd saves ``tensor`` for the block's backward: credit its storage to the op that made it."""
+        """Autograd saves ``tensor`` for the block's backward: credit its storage to the op that made it.
+        An op's inputs are saved before it is dispatched, its outputs after: ``count`` is then the
+        ops a re-run dispatches before this save (``replayed``)."""
+        self.replayed = self.count
         self.unseen.used(tensor, "autograd saves")
         storage = _storage(tensor)
         if storage is not None and tensor.device == self.device and (op := self._creator.get(storage.data_ptr())) is not None:
@@ -522,7 +528,8 @@ def measure_ops(
         profiles.append(tuple(
             OpProfile(name=op, forward_s=seconds, output_bytes=sum(created.values()),
                       saved_bytes=sum(created[p] for p in saved), cacheable=why is None, returned=k in last.returned,
-                      reads=None if last.unseen.reason else reads, outlives_forward=k in last.outlive)
+                      reads=None if last.unseen.reason else reads, outlives_forward=k in last.outlive,
+                      replayed=k < last.replayed)
             for k, (op, seconds, created, saved, why, reads) in enumerate(zip(last.names, times, last.created, last.saved,
                                                                               last.why_not, last.reads))
         ))

@@ -16,7 +16,9 @@ outputs and weights written/read); the raw times are then scaled by one factor p
 they add up to the block's ``forward_s`` (the block-level roofline, unchanged). An op's
 ``saved_bytes`` is the part of its output that autograd saves (Korthikanti's terms, each given to
 the op that produces the tensor); the block's input, which its first op saves, is not an op's
-output, so ``sum(op.saved_bytes) + input_bytes == saved_bytes`` for every analytic block. Dropouts
+output, so ``sum(op.saved_bytes) + input_bytes == saved_bytes`` for every analytic block. The ops
+after the block's last save are not ``replayed`` (NOTE [a re-run stops at the last save]): a
+transformer block's last residual add, a CNN block's last convolution and add. Dropouts
 (and a flash attention that applies dropout inside) draw random numbers: not cacheable. Nor is the
 residual add that makes the block's output: that storage is the next block's input, so holding it
 as a cached output would count it in two blocks (and the re-run's output is discarded anyway).
@@ -45,8 +47,12 @@ def _ops(raw: list[_RawOp], reads: list[tuple[int, ...]], forward_s: float, hw: 
     ``reads``: per op, the earlier ops whose outputs it reads (``OpProfile.reads``)."""
     times = [_time(flops, nbytes, hw) for _, flops, nbytes, _, _, _ in raw]
     scale = forward_s / sum(times)
-    return tuple(OpProfile(name, t * scale, out, saved, cacheable, reads=r)
-                 for (name, _, _, out, saved, cacheable), t, r in zip(raw, times, reads, strict=True))
+    # A re-run stops at the block's last save (NOTE [a re-run stops at the last save]): after the
+    # last op whose output is saved, or before the last op that saves its inputs (the matmuls and
+    # convolutions: the ops with FLOPs), whichever comes later.
+    last_save = max([k for k, op in enumerate(raw) if op[4]] + [k - 1 for k, op in enumerate(raw) if op[1]], default=-1)
+    return tuple(OpProfile(name, t * scale, out, saved, cacheable, reads=r, replayed=k <= last_save)
+                 for k, ((name, _, _, out, saved, cacheable), t, r) in enumerate(zip(raw, times, reads, strict=True)))
 
 
 def _chain_reads(count: int) -> list[tuple[int, ...]]:

@@ -151,10 +151,12 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
     slots = []
     for i, b in enumerate(profile.blocks):
         # Everything ``selective_sets`` reads of the ops: what each reads too (the ops its re-run skips).
-        key = (b.saved_bytes - b.input_bytes, b.forward_s,
-               *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable, op.returned, op.reads) for op in b.ops))
+        replayed_s = b.replayed_s  # a plain re-run (selective_rerun_s)
+        key = (b.saved_bytes - b.input_bytes, replayed_s,
+               *((op.forward_s, op.output_bytes, op.saved_bytes, op.cacheable, op.returned, op.reads, op.replayed)
+                 for op in b.ops))
         if key not in memo:
-            memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, b.forward_s))
+            memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, replayed_s))
         sets, row = memo[key], []
         intercept = len(b.ops) * hardware.op_intercept_s if hardware is not None else 0.0
         for v in variants:
@@ -165,7 +167,7 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
                     A[i, col] += sets[j].bytes
                     Rc[i, col] -= sets[j].autograd_bytes
                     # A cache lookup is free; recording and replaying the ops is not (selective_rerun_s).
-                    skipped[i, col] = min(sets[j].saved_s, b.forward_s) - intercept
+                    skipped[i, col] = min(sets[j].saved_s, replayed_s) - intercept
                 row.append((v, sets[j].ops if j < len(sets) else (), ()))
         if swaps:
             found = _swapped_variants(b, sets, variants, swaps, float(base.next_forward_s[i]), hardware)

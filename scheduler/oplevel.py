@@ -48,8 +48,7 @@ def pareto_frontier(ops: Sequence[OpProfile]) -> list[CachedSet]:
     """Every Pareto-optimal cached set of a block's ``ops``: sorted by bytes, strictly increasing in
     both bytes and seconds saved, starting with the empty set (or the set of the free ops: cacheable
     ops that create no storage but take time, which every point includes). Exact."""
-    free = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes == 0 and op.forward_s > 0]
-    items = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes > 0 and op.forward_s > 0]
+    free, items = _worth_caching(ops)
     weight = np.zeros(1, dtype=np.int64)
     value = np.array([sum(ops[k].forward_s for k in free)])
     parents: list[np.ndarray] = []
@@ -92,11 +91,17 @@ def upper_hull(points: Sequence[CachedSet]) -> list[CachedSet]:
     return hull
 
 
-def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
+def _worth_caching(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
     """The free ops (cacheable, no storage, some time: every point caches them) and the other
-    cacheable ops with time and bytes, most seconds per byte first (ties: by index)."""
-    free = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes == 0 and op.forward_s > 0]
-    items = [k for k, op in enumerate(ops) if op.cacheable and op.output_bytes > 0 and op.forward_s > 0]
+    cacheable ops with time and bytes, in order; only ops a re-run reaches (``OpProfile.replayed``:
+    caching one after the block's last save skips nothing)."""
+    worth = [k for k, op in enumerate(ops) if op.cacheable and op.replayed and op.forward_s > 0]
+    return [k for k in worth if ops[k].output_bytes == 0], [k for k in worth if ops[k].output_bytes > 0]
+
+
+def _hull_order(ops: Sequence[OpProfile]) -> tuple[list[int], list[int]]:
+    """``_worth_caching``'s free ops and the others most seconds per byte first (ties: by index)."""
+    free, items = _worth_caching(ops)
     items.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
     return free, items
 
@@ -179,7 +184,7 @@ def _saved_s(ops: Sequence[OpProfile], graph: tuple | None, cached: Collection[i
     if not cached:
         return 0.0
     skipped = dead_ops(frozenset(cached), *graph) if graph is not None else frozenset()
-    return sum(ops[k].forward_s for k in set(cached) | skipped)
+    return sum(ops[k].forward_s for k in set(cached) | skipped if ops[k].replayed)
 
 
 def _without_skipped(graph: tuple | None, cached: list[int]) -> list[int]:
@@ -308,7 +313,8 @@ def window_swaps(ops: Sequence[OpProfile], cached: Sequence[int], *, window_s: f
     if bandwidth <= 0:
         return ()
     returned = _returned(ops)
-    candidates = [k for k in cached if k not in returned and 0 <= k < len(ops) and ops[k].output_bytes > 0]
+    candidates = [k for k in cached if k not in returned and 0 <= k < len(ops) and ops[k].output_bytes > 0
+                  and ops[k].replayed]
     candidates.sort(key=lambda k: (-ops[k].forward_s / ops[k].output_bytes, k))
     room = window_s - latency_s - taken_s
     chosen = []

@@ -49,6 +49,22 @@ class OpProfile:
       though autograd does not save it and the block does not return it (autocast's cache holds its
       cast of a weight; the block keeps it in an attribute or a custom Function's context): a re-run
       never leaves the op out, since what holds the forward's output would hold the re-run's.
+    - ``replayed``: a re-run of the block reaches this op; ``False`` for the ops after the block's
+      last saved tensor, where every re-run stops (NOTE [a re-run stops at the last save]): caching
+      such an op saves nothing, and a plain re-run does not spend its time either. The ``False`` ops
+      are the block's last ones. A profile from before this field replays every op.
+
+    NOTE [a re-run stops at the last save]
+    A re-run (plain or selective) exists to give autograd the tensors the block's backward needs, so
+    the runtime stops it once autograd has saved the last of them (``ooc.recompute``, as
+    ``torch.utils.checkpoint`` stops early). Autograd saves an op's inputs before the op runs and its
+    outputs after, so the re-run ends before the op whose input is the last saved tensor, or after
+    the op whose output is: a transformer block without dropout never runs its MLP's second matmul
+    and residual add again (its last save is that matmul's input), a CNN block its last convolution.
+    The measured profile records where the forward's last save came (``ooc.op_profile.measure_ops``);
+    the analytic profiles take the op after the last one with saved bytes. The cost model prices a
+    plain re-run at the block's ``forward_s`` less these ops' share of it (``BlockProfile.replayed_s``,
+    read by ``ooc.scheduler.schedule.selective_rerun_s``).
     """
 
     name: str
@@ -59,6 +75,7 @@ class OpProfile:
     returned: bool = False
     reads: tuple[int, ...] | None = None
     outlives_forward: bool = False
+    replayed: bool = True
 
     def __post_init__(self) -> None:
         checks.text(self.name, "an op's name", ProfileError, hint=_FIX)
@@ -77,6 +94,7 @@ class OpProfile:
         checks.flag(self.cacheable, "cacheable", ProfileError, hint=_FIX)
         checks.flag(self.returned, "returned", ProfileError, hint=_FIX)
         checks.flag(self.outlives_forward, "outlives_forward", ProfileError, hint=_FIX)
+        checks.flag(self.replayed, "replayed", ProfileError, hint=_FIX)
         if self.saved_bytes > self.output_bytes:
             raise ProfileError(f"{where}saved_bytes exceeds output_bytes; {_FIX}")
 
@@ -156,6 +174,9 @@ class BlockProfile:
             if op.reads and op.reads[-1] >= k:
                 raise ProfileError(f"block {self.name!r}: op {k} ({op.name}) reads op {op.reads[-1]}, which is not an "
                                    f"earlier op of the block; {_FIX}")
+            if op.replayed and k and not self.ops[k - 1].replayed:
+                raise ProfileError(f"block {self.name!r}: op {k} ({op.name}) is replayed but op {k - 1} before it is not: "
+                                   f"a re-run stops once, so only the block's last ops may be unreplayed; {_FIX}")
         object.__setattr__(self, "compressed", tuple((str(e[0]), *(int(v) for v in e[1:])) for e in self.compressed))
         object.__setattr__(self, "codec_error", tuple(self._codec_error_entry(e) for e in self.codec_error))
         checks.text(self.name, "a block's name", ProfileError, hint=_FIX)
@@ -190,6 +211,16 @@ class BlockProfile:
             raise ProfileError(f"{where}each codec_error entry must be [codec, error], got {entry!r}; {_FIX}")
         name = checks.text(entry[0], "a codec_error's codec", ProfileError, where=where, hint=_FIX)
         return name, checks.number(entry[1], f"codec_error of {name}", ProfileError, where=where, hint=_FIX)
+
+    @property
+    def replayed_s(self) -> float:
+        """Seconds a plain re-run takes (NOTE [a re-run stops at the last save]): ``forward_s`` times
+        the replayed ops' share of the ops' time (shares of one measurement: a measured profile
+        times its ops one by one, apart from the block's forward, and their sum differs from it)."""
+        total = sum(op.forward_s for op in self.ops)
+        if total <= 0:
+            return self.forward_s
+        return self.forward_s * sum(op.forward_s for op in self.ops if op.replayed) / total
 
     def codec_error_of(self, codec: str) -> float | None:
         """The measured gradient error of ``codec`` on this block, or ``None`` if not measured."""

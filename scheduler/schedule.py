@@ -131,16 +131,18 @@ def cached_ops_cost(plan_block, profile_block: BlockProfile) -> tuple[int, int, 
 
 
 def selective_rerun_s(plan_block, profile_block: BlockProfile, hw: Hardware | None) -> float:
-    """Seconds a RECOMPUTE block's re-run takes: its forward again, less what a selective one skips
-    (a cache lookup is free; NOTE [ops a re-run skips] in ``ooc.scheduler.oplevel``), plus what
-    recording and replaying its ops costs a selective one (``Hardware.op_intercept_s`` per op,
-    counted here: the forward and the re-run are one block's, and the cost model adds its time
-    the same way)."""
+    """Seconds a RECOMPUTE block's re-run takes: its forward again up to the block's last saved
+    tensor (NOTE [a re-run stops at the last save] in ``ooc.scheduler.profile``), less what a
+    selective one skips (a cache lookup is free; NOTE [ops a re-run skips] in
+    ``ooc.scheduler.oplevel``), plus what recording and replaying its ops costs a selective one
+    (``Hardware.op_intercept_s`` per op, counted here: the forward and the re-run are one block's,
+    and the cost model adds its time the same way)."""
+    replayed_s = profile_block.replayed_s
     if not plan_block.cached_ops:
-        return profile_block.forward_s
+        return replayed_s
     skipped = cached_ops_cost(plan_block, profile_block)[2]
     intercept = len(profile_block.ops) * hw.op_intercept_s if hw is not None else 0.0
-    return max(0.0, profile_block.forward_s - skipped) + intercept
+    return max(0.0, replayed_s - skipped) + intercept
 
 
 def swapped_ops_bytes(plan_block, profile_block: BlockProfile) -> tuple[int, int]:

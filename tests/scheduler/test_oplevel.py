@@ -160,10 +160,12 @@ def _gpt2_ratios(fraction):
     return out
 
 
-@pytest.mark.parametrize("fraction, block_level, op_level_at_most", [(0.5, 1.160, 1.10), (0.25, 1.240, 1.15), (0.1, 1.291, 1.25)])
+@pytest.mark.parametrize("fraction, block_level, op_level_at_most", [(0.5, 1.158, 1.10), (0.25, 1.237, 1.15), (0.1, 1.288, 1.25)])
 def test_op_level_beats_block_level_on_gpt2_xl(fraction, block_level, op_level_at_most):
-    """Block-level ``optimal`` is unchanged by the enriched profile (the issue's 1.160 and 1.240);
-    the op-level plan caches ops in most blocks and is faster under the same budget."""
+    """Block-level ``optimal`` on the enriched profile: the issue's 1.160, 1.240 (and 1.291 at 10%)
+    less what a re-run no longer pays for the block's last add, which it never reaches (NOTE [a
+    re-run stops at the last save]); the op-level plan caches ops in most blocks and is faster
+    under the same budget."""
     out = _gpt2_ratios(fraction)
     assert round(out["optimal"][1], 3) == block_level
     plan, ratio = out["op-level"]

@@ -152,8 +152,9 @@ def test_no_option_holds_a_cached_output_its_rerun_would_skip_anyway():
 
 
 def _assert_selective_options_skip_what_their_reruns_skip(prof: Profile, opts) -> list[tuple[int, int]]:  # noqa: ANN001
-    """Each block's selective options cost its backward plus its forward less what the re-run
-    skips (``HW`` charges nothing for recording ops); the (block, option) pairs checked."""
+    """Each block's selective options cost its backward plus its forward up to its last save (NOTE
+    [a re-run stops at the last save]) less what the re-run skips (``HW`` charges nothing for
+    recording ops); the (block, option) pairs checked."""
     checked = []
     for i, b in enumerate(prof.blocks):
         for k in range(len(opts.choices), opts.m):
@@ -162,7 +163,7 @@ def _assert_selective_options_skip_what_their_reruns_skip(prof: Profile, opts) -
             c = opts.choice(i, k)
             skipped = rerun_saved_s(b.ops, c.cached_ops)
             assert opts.recompute_s[i, k] >= 0
-            assert opts.comp[i, k] == pytest.approx(b.backward_s + max(0.0, b.forward_s - skipped), rel=1e-12), \
+            assert opts.comp[i, k] == pytest.approx(b.backward_s + max(0.0, b.replayed_s - skipped), rel=1e-12), \
                 (b.name, c.cached_ops)
             checked.append((i, k))
     return checked
