@@ -147,7 +147,8 @@ class FirstStepRecorder(StepRecorder):
     def finish(self) -> Profile:
         med = self.medians()
         return block_profiles_to_profile(
-            self.chain, self.log, med["recompute"], med["backward"], [0] * len(self.chain), self.min_swap_bytes, 0.0,
+            self.chain, self.log, med["forward"], med["backward"], [0] * len(self.chain), self.min_swap_bytes, 0.0,
+            rerun_s=med["recompute"],
             model=type(self.model).__name__, machine={"backend": self.backend.name, "device": str(self.backend.device)},
             notes="the first training step under wrap(model, budget=...): times include its warm-up",
             outside_param_bytes=outside_param_bytes(self.model, self.chain),
@@ -206,7 +207,9 @@ def profile(
     ``sample`` is one batch as the model takes it (a tensor, a tuple of args, or a dict of kwargs).
     Bytes come from a pass with every block recomputed (the least memory any plan needs). Times come
     from a pass with every block kept, when that fits (always on CPU): a kept block's backward reads
-    activations made long before, as in training, where a recomputed one finds them in cache.
+    activations made long before, as in training, where a recomputed one finds them in cache. Each
+    block's re-run time (``BlockProfile.rerun_s``: it stops at the block's last saved tensor) comes
+    from the pass with every block recomputed.
     ``codec_errors``: also measure how far each lossy codec moves each block's gradients (one more
     step, then each block differentiated once per codec; NOTE [codec error] in ``ooc.codec_error``),
     which the planner reads to keep a codec off the blocks it would harm.
@@ -232,7 +235,9 @@ def profile(
             recompute = Plan.uniform(Policy.RECOMPUTE, n, min_swap_bytes=min_swap_bytes)
             recorder, totals = _run_steps(model, chain, recompute, backend_obj, sample, loss_fn, reps)
             med, log = recorder.medians(), recorder.log
-            forward_s, backward_s = med["recompute"], med["backward"]
+            # Every block recomputed: its forward (with autograd, saving nothing) and its re-run,
+            # which stops at its last save (NOTE [a re-run stops at the last save]).
+            forward_s, backward_s, rerun_s = med["forward"], med["backward"], med["recompute"]
             outside = statistics.median(totals) - sum(med["forward"]) - sum(med["recompute"]) - sum(med["backward"])
             saved_total = sum(_sums(log, "recompute", n, min_swap_bytes)[0])
             if _keep_all_fits(backend_obj, saved_total):
@@ -258,6 +263,7 @@ def profile(
 
     return block_profiles_to_profile(
         chain, log, forward_s, backward_s, outputs, min_swap_bytes, outside,
+        rerun_s=rerun_s,
         model=name or type(model).__name__,
         machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
@@ -309,10 +315,11 @@ def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
     codec_errors: list[dict[Codec, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
-    ops: list[tuple[OpProfile, ...]] | None = None,
+    ops: list[tuple[OpProfile, ...]] | None = None, rerun_s: list[float] | None = None,
 ) -> Profile:
     """A profile from the tracker's log of an all-recompute step (bytes) and measured times;
-    ``shared``: per block, the storages other blocks hold too (``ooc.storage_sharing``)."""
+    ``shared``: per block, the storages other blocks hold too (``ooc.storage_sharing``);
+    ``rerun_s``: per block, its plain re-run's seconds (``BlockProfile.rerun_s``)."""
     n = len(chain)
     saved_bytes, swappable, swappable_count, saved_compressed = _sums(log, "recompute", n, min_swap_bytes)
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
@@ -340,6 +347,7 @@ def block_profiles_to_profile(
                 codec_error=() if codec_errors is None else tuple((c.value, e) for c, e in codec_errors[i].items()),
                 shared=() if shared is None else shared[i],
                 ops=() if ops is None else ops[i],
+                rerun_s=None if rerun_s is None else rerun_s[i],
             )
         )
     return Profile(

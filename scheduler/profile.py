@@ -166,6 +166,10 @@ class BlockProfile:
     shared: tuple[SharedStorage, ...] = ()
     """The storages this block holds that other blocks hold too (NOTE [storages shared between
     blocks]); each is also counted in ``saved_bytes`` / ``input_bytes`` above."""
+    rerun_s: float | None = None
+    """Seconds a plain re-run of the block took, measured (it stops at the block's last saved
+    tensor: NOTE [a re-run stops at the last save]); ``None``: not measured (analytic and older
+    profiles), and :attr:`replayed_s` estimates it from the ops."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
@@ -189,6 +193,8 @@ class BlockProfile:
             else:
                 continue
             object.__setattr__(self, f.name, value)
+        if self.rerun_s is not None:
+            object.__setattr__(self, "rerun_s", checks.number(self.rerun_s, "rerun_s", ProfileError, where=where, hint=_FIX))
         if self.swappable_bytes > self.saved_bytes:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
@@ -214,9 +220,12 @@ class BlockProfile:
 
     @property
     def replayed_s(self) -> float:
-        """Seconds a plain re-run takes (NOTE [a re-run stops at the last save]): ``forward_s`` times
-        the replayed ops' share of the ops' time (shares of one measurement: a measured profile
-        times its ops one by one, apart from the block's forward, and their sum differs from it)."""
+        """Seconds a plain re-run takes (NOTE [a re-run stops at the last save]): :attr:`rerun_s`
+        where measured, else ``forward_s`` times the replayed ops' share of the ops' time (shares of
+        one measurement: a measured profile times its ops one by one, apart from the block's
+        forward, and their sum differs from it), else ``forward_s``."""
+        if self.rerun_s is not None:
+            return self.rerun_s
         total = sum(op.forward_s for op in self.ops)
         if total <= 0:
             return self.forward_s

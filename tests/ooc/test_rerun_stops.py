@@ -14,6 +14,7 @@ import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
+import ooc.api
 import ooc.recompute
 from ooc.models import GPT
 from ooc.scheduler import preset
@@ -127,15 +128,15 @@ def test_a_block_without_dropout_never_reruns_its_last_matmul(which: str) -> Non
     for block in prof.blocks:
         tail = [op.name for op in block.ops if not op.replayed]
         assert any(name in ("aten.addmm.default", "aten.mm.default") for name in tail), tail
-        assert block.replayed_s < block.forward_s
     _, with_dropout, _, _ = _model("gpt")
     assert all([op.name for op in b.ops if not op.replayed] == ["aten.mul.Tensor", "aten.add.Tensor"]
                for b in with_dropout.blocks)
 
 
 def test_a_plain_rerun_is_priced_without_the_ops_it_never_reaches() -> None:
+    """Without a measured re-run (``rerun_s``), at the block's forward times the replayed ops' share."""
     _, prof, _, _ = _model("gpt-no-dropout")
-    block = prof.blocks[1]
+    block = replace(prof.blocks[1], rerun_s=None)
     plain = ooc.BlockPlan("recompute")
     share = sum(op.forward_s for op in block.ops if op.replayed) / sum(op.forward_s for op in block.ops)
     assert share < 1
@@ -219,3 +220,38 @@ def test_analytic_cnn_blocks_never_rerun_their_last_convolution() -> None:
     tails = {tuple(op.name for op in b.ops if not op.replayed) for b in prof.blocks}
     assert tails == {("conv2", "add"), ("shortcut", "add")}
     assert all(b.replayed_s < b.forward_s for b in prof.blocks)
+
+
+def test_a_measured_profile_records_each_blocks_rerun_and_the_cost_model_prices_it() -> None:
+    """``ooc.profile`` times each block's plain re-run (the pass with every block recomputed):
+    ``BlockProfile.rerun_s``, what a plain RECOMPUTE is priced at; it round-trips through JSON."""
+    torch.manual_seed(0)
+    prof = ooc.profile(GPT(NANO_NO_DROPOUT), gpt_batch(), codec_errors=False, reps=1)
+    assert all(b.rerun_s is not None and b.rerun_s > 0 for b in prof.blocks)
+    block = prof.blocks[0]
+    assert selective_rerun_s(ooc.BlockPlan("recompute"), block, None) == block.rerun_s == block.replayed_s
+    assert Profile.from_json(prof.to_json()) == prof
+    data = prof.to_dict()
+    data["blocks"][0]["rerun_s"] = -1.0
+    with pytest.raises(ProfileError, match="rerun_s"):
+        Profile.from_dict(data)
+
+
+def test_the_first_step_profile_takes_the_forwards_and_the_reruns_apart(monkeypatch) -> None:  # noqa: ANN001
+    """``wrap(model, budget=...)`` without a sample profiles its first step (every block recomputed):
+    a block's forward is its forward, not its re-run, which stops at its last save."""
+    from ooc.profiler import FirstStepRecorder
+
+    timed = {"forward": [3.0] * 4, "recompute": [2.0] * 4, "backward": [5.0] * 4}
+    monkeypatch.setattr(FirstStepRecorder, "medians", lambda self: timed)
+    profiles = []
+    plan_for_profile = ooc.api.plan_for_profile
+    monkeypatch.setattr(ooc.api, "plan_for_profile", lambda prof, *a, **k: (profiles.append(prof), plan_for_profile(prof, *a, **k))[1])
+    torch.manual_seed(0)
+    model = GPT(NANO_NO_DROPOUT)
+    ooc.wrap(model, budget=1 << 30, backend="cpu")
+    try:
+        gpt_loss(model, gpt_batch()).backward()
+    finally:
+        ooc.unwrap(model)
+    assert [(b.forward_s, b.rerun_s, b.backward_s) for b in profiles[0].blocks] == [(3.0, 2.0, 5.0)] * 4
