@@ -10,6 +10,8 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
                                     dict and the optimizer's other state (torch.save; loaded with weights_only)
     manifest-rank{r}.json           rank r's commit record: step, metadata, layout, size and XXH3-64 of
                                     each file, and the index of its optimizer tensors
+    .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
+                                    locks]); deleted once every rank has committed
 
 NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
@@ -38,7 +40,9 @@ every file it names is complete and fsynced (once, after its last byte) and the 
 directory are fsynced (together: the files' names durable too): to a temporary name in the same
 folder, fsynced, renamed into place, and the folder fsynced again (the commit durable). So a crash,
 ``kill -9``, a full disk or an exception at any moment leaves at most an incomplete folder, which
-:meth:`Checkpointer.versions` ignores and the next :class:`Checkpointer` on the directory removes.
+:meth:`Checkpointer.versions` ignores and the next :class:`Checkpointer` on the directory removes;
+an incomplete folder another Checkpointer (in this process or another) is still writing is left
+alone: its writers hold a lock on it, which dies with their process (NOTE [folder locks]).
 Retention (``keep``) deletes older versions only after a newer one is committed, and never the
 newest complete one.
 
