@@ -448,7 +448,9 @@ class _FolderLock:
     folder's ``.writing.lock`` (shared: the ranks write one folder), from before its first file
     until its commit, and with several ranks until it sees the version complete (its next write or
     :meth:`Checkpointer.close` looks): so a slower rank's folder is never unlocked between a faster
-    one's commit and its own first lock. A cleanup removes an incomplete folder only if it takes
+    one's commit and its own first lock. A newer version complete also ends the hold: each rank
+    finishes a version before its next save, so no rank writes the older one any more (one that
+    failed on a rank is retention's to remove). A cleanup removes an incomplete folder only if it takes
     ``LOCK_EX | LOCK_NB`` on that file; one whose lock it cannot take is being written and stays.
     The kernel drops a flock with the last descriptor of its open file description: a writer killed
     (``kill -9``) holds none, and the next Checkpointer removes its folder. The lock belongs to the
@@ -478,6 +480,10 @@ class _FolderLock:
     def __init__(self, folder: Path, fd: int | None) -> None:
         self.folder = folder
         self._fd = fd
+
+    def __del__(self) -> None:
+        if self._fd is not None:  # a Checkpointer dropped without close() while holding it
+            os.close(self._fd)
 
     @classmethod
     def writing(cls, folder: Path) -> _FolderLock:
@@ -1088,12 +1094,17 @@ class Checkpointer:
             self._held.append(lock)
 
     def _release_held(self, *, everything: bool) -> None:
-        """Let go of the held locks of versions every rank has committed since (``everything``: of
-        all, at close)."""
+        """Let go of the held locks of versions every rank has committed since, or older than one
+        they have (each rank finishes a version's write before its next save, so no rank writes
+        them any more; one that failed on a rank is then retention's to remove); ``everything``: of
+        all, at close."""
+        if not self._held:
+            return
+        newest = max((v.step for v in self.versions()), default=-1)
         for lock in list(self._held):
-            m = _VERSION_RE.match(lock.folder.name)
-            complete = m is not None and _committed(lock.folder, int(m.group(1))) is not None
-            if complete or everything:
+            step = int(_VERSION_RE.match(lock.folder.name).group(1))
+            complete = _committed(lock.folder, step) is not None
+            if complete or step < newest or everything:
                 lock.release(complete=complete)
                 self._held.remove(lock)
 

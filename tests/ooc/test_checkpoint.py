@@ -583,6 +583,53 @@ def test_a_cleanup_between_the_folders_mkdir_and_its_lock_does_not_fail_the_save
     opt.close()
 
 
+def test_a_rank_that_committed_keeps_the_folder_locked_until_every_rank_has(tmp_path: Path) -> None:
+    """Two ranks: rank 0 commits version 3 before rank 1 has begun writing it. A Checkpointer opened
+    on the directory meanwhile leaves the folder be, as rank 0 still holds its lock (NOTE [folder
+    locks]); rank 1 then commits into it, and the version is complete, without a lock file."""
+    ranks = [_setup() for _ in range(2)]  # equal replicas
+    ckpts = [Checkpointer(tmp_path, m, o, scheduler=s, rank=r, world=2) for r, (m, o, s) in enumerate(ranks)]
+    for model, opt, sched in ranks:
+        _train(model, opt, sched, range(3))
+    ckpts[0].save(3)
+    ckpts[0].wait()
+    assert (tmp_path / "step-000000003" / "manifest-rank0.json").exists() and not list_versions(tmp_path)
+    Checkpointer(tmp_path, torch.nn.Linear(1, 1), keep=None)
+    ckpts[1].save(3)
+    ckpts[1].wait()
+    assert [v.step for v in list_versions(tmp_path)] == [3]
+    assert not (tmp_path / "step-000000003" / ckpt_mod._LOCK_FILE).exists()
+    expected = (_weights(ranks[0][0]), _opt_state(ranks[0][1]))
+    for ckpt in ckpts:
+        ckpt.close()
+    _assert_restores(tmp_path, 3, *expected)
+    for _, opt, _ in ranks:
+        opt.close()
+
+
+def test_a_version_that_failed_on_another_rank_is_let_go_of_and_removed_after_a_newer_one(tmp_path: Path) -> None:
+    """Rank 1's write of version 3 fails after rank 0 committed its part: rank 0 holds the folder's
+    lock until a newer version is complete (no rank writes 3 any more then), and retention removes
+    the incomplete folder after the next save (NOTE [folder locks])."""
+    ranks = [_setup() for _ in range(2)]
+    ckpts = [Checkpointer(tmp_path, m, o, scheduler=s, rank=r, world=2) for r, (m, o, s) in enumerate(ranks)]
+    ckpts[0].save(3)
+    ckpts[0].wait()
+    _save_failing_at(ckpts[1], 3, "files-written")
+    ckpts[1]._hook = lambda point: None
+    assert (tmp_path / "step-000000003" / "manifest-rank0.json").exists()
+    for step in (4, 5):
+        for ckpt in ckpts:
+            ckpt.save(step)
+            ckpt.wait()
+    assert [v.step for v in list_versions(tmp_path)] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
+    for ckpt in ckpts:
+        ckpt.close()
+    for _, opt, _ in ranks:
+        opt.close()
+
+
 _HOLDS_A_FOLDER = """
 import sys, time
 from pathlib import Path
