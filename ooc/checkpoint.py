@@ -460,7 +460,7 @@ class _FolderLock:
     The race: a writer makes the folder, then opens and locks the file; a cleanup may take the lock
     in between (or make the file itself, for a crash's folder that has none). So the cleanup,
     holding the lock exclusively, checks that the file it holds is still the folder's and the folder
-    still incomplete, renames the folder to ``.removing-<name>-<random>`` (atomic: the name is free
+    still incomplete (its writers may have committed it since it was listed), renames the folder to ``.removing-<name>-<random>`` (atomic: the name is free
     from then on), lets go of the lock and deletes the renamed folder. The writer, once it holds its
     lock (it waits out a cleanup's, a rename long), checks that the file it locked is still the
     folder's ``.writing.lock`` (the same inode); if not, the folder was moved away before or while
@@ -474,8 +474,10 @@ class _FolderLock:
     (a network file system's cache), leaves it in a committed version, where the next cleanup
     deletes it (and a retired version's goes with its spare). A process forked while a version is
     written (a DataLoader's workers) shares the open file description, so the folder stays locked
-    until the child exits too. Where the file system has no flock (``_NO_FLOCK``) versions are
-    written unlocked and a cleanup removes every incomplete folder, as it cannot tell."""
+    until the child exits too. Ranks on other hosts see each other's locks where flock reaches
+    across hosts (NFS emulates it with byte-range locks; Lustre with ``-o flock``). Where the file
+    system has no flock (``_NO_FLOCK``) versions are written unlocked and a cleanup removes every
+    incomplete folder, as it cannot tell."""
 
     def __init__(self, folder: Path, fd: int | None) -> None:
         self.folder = folder

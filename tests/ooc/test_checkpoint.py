@@ -634,7 +634,7 @@ _HOLDS_A_FOLDER = """
 import sys, time
 from pathlib import Path
 import ooc.checkpoint as C
-C._FolderLock.writing(Path(sys.argv[1]))
+held = C._FolderLock.writing(Path(sys.argv[1]))  # kept: a lock let go of is released
 print("locked", flush=True)
 time.sleep(120)
 """
