@@ -10,6 +10,8 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
                                     dict and the optimizer's other state (torch.save; loaded with weights_only)
     manifest-rank{r}.json           rank r's commit record: step, metadata, layout, size and XXH3-64 of
                                     each file, and the index of its optimizer tensors
+    .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
+                                    locks]); deleted once every rank has committed
 
 NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
@@ -38,7 +40,9 @@ every file it names is complete and fsynced (once, after its last byte) and the 
 directory are fsynced (together: the files' names durable too): to a temporary name in the same
 folder, fsynced, renamed into place, and the folder fsynced again (the commit durable). So a crash,
 ``kill -9``, a full disk or an exception at any moment leaves at most an incomplete folder, which
-:meth:`Checkpointer.versions` ignores and the next :class:`Checkpointer` on the directory removes.
+:meth:`Checkpointer.versions` ignores and the next :class:`Checkpointer` on the directory removes;
+an incomplete folder another Checkpointer (in this process or another) is still writing is left
+alone: its writers hold a lock on it, which dies with their process (NOTE [folder locks]).
 Retention (``keep``) deletes older versions only after a newer one is committed, and never the
 newest complete one.
 
@@ -413,6 +417,141 @@ def _unshared(path: Path) -> bool:
         os.close(fd)
 
 
+_LOCK_FILE = ".writing.lock"
+"""The file in a version's folder its writers hold a lock on (NOTE [folder locks])."""
+_REMOVING_RE = re.compile(r"^\.removing-step-\d{9,}-[0-9a-f]+$")
+"""An incomplete folder a cleanup moved out of the way to delete it (NOTE [folder locks])."""
+_NO_FLOCK = frozenset({errno.ENOLCK, errno.ENOSYS, errno.EOPNOTSUPP})
+"""flock's errors where the file system has no locks (Lustre without ``-o flock``, some FUSE)."""
+_LOCK_TRIES = 100
+"""Times a writer makes its folder again after a cleanup moved it away (NOTE [folder locks])."""
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` names the file open as ``fd``."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
+
+
+class _FolderLock:
+    """A rank's shared lock on the version folder it writes into (NOTE [folder locks]).
+
+    NOTE [folder locks]
+    A new Checkpointer (rank 0) removes the incomplete folders a crash left, and retention those
+    older than the newest version; but another Checkpointer on the directory, in another process
+    (``ooc train --resume DIR`` pointed at a live run's directory) or in this one, may be writing
+    such a folder right then. So each rank writing a version holds ``flock(LOCK_SH)`` on the
+    folder's ``.writing.lock`` (shared: the ranks write one folder), from before its first file
+    until its commit, and with several ranks until it sees the version complete (its next write or
+    :meth:`Checkpointer.close` looks): so a slower rank's folder is never unlocked between a faster
+    one's commit and its own first lock. A newer version complete also ends the hold: each rank
+    finishes a version before its next save, so no rank writes the older one any more (one that
+    failed on a rank is retention's to remove). A cleanup removes an incomplete folder only if it takes
+    ``LOCK_EX | LOCK_NB`` on that file; one whose lock it cannot take is being written and stays.
+    The kernel drops a flock with the last descriptor of its open file description: a writer killed
+    (``kill -9``) holds none, and the next Checkpointer removes its folder. The lock belongs to the
+    open file description, not to the process (as POSIX ``fcntl`` locks would): two Checkpointers in
+    one process each open the file, and exclude each other as two processes do.
+
+    The race: a writer makes the folder, then opens and locks the file; a cleanup may take the lock
+    in between (or make the file itself, for a crash's folder that has none). So the cleanup,
+    holding the lock exclusively, checks that the file it holds is still the folder's and the folder
+    still incomplete (its writers may have committed it since it was listed), renames the folder to ``.removing-<name>-<random>`` (atomic: the name is free
+    from then on), lets go of the lock and deletes the renamed folder. The writer, once it holds its
+    lock (it waits out a cleanup's, a rename long), checks that the file it locked is still the
+    folder's ``.writing.lock`` (the same inode); if not, the folder was moved away before or while
+    it waited, and it makes the folder again. Deleting in place instead of renaming would leave a
+    window: once the cleanup had unlinked the lock file, a writer could make a new one in the
+    folder being deleted, lock it, pass its check and lose its files to the rest of the deletion.
+
+    Readers never see the lock file: versions, restores, ``export`` and ``ooc checkpoints list`` go
+    by the commit records. The rank whose commit completes the version deletes it, still holding its
+    lock; a crash between the commit and that, or a rank that does not see the others' records yet
+    (a network file system's cache), leaves it in a committed version, where the next cleanup
+    deletes it (and a retired version's goes with its spare). A process forked while a version is
+    written (a DataLoader's workers) shares the open file description, so the folder stays locked
+    until the child exits too. Ranks on other hosts see each other's locks where flock reaches
+    across hosts (NFS emulates it with byte-range locks; Lustre with ``-o flock``). Where the file
+    system has no flock (``_NO_FLOCK``) versions are written unlocked and a cleanup removes every
+    incomplete folder, as it cannot tell."""
+
+    def __init__(self, folder: Path, fd: int | None) -> None:
+        self.folder = folder
+        self._fd = fd
+
+    def __del__(self) -> None:
+        if self._fd is not None:  # a Checkpointer dropped without close() while holding it
+            os.close(self._fd)
+
+    @classmethod
+    def writing(cls, folder: Path) -> _FolderLock:
+        """Make ``folder`` if need be and hold its lock shared, to write into it."""
+        for _ in range(_LOCK_TRIES):
+            folder.mkdir(exist_ok=True)
+            try:
+                fd = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue  # a cleanup moved the folder away since the mkdir: make it again
+            try:
+                fcntl.flock(fd, fcntl.LOCK_SH)  # waits out a cleanup holding it exclusively
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                return cls(folder, None)
+            if _same_file(fd, folder / _LOCK_FILE):
+                return cls(folder, fd)
+            os.close(fd)  # the folder was moved away before the lock was ours: make it again
+        raise CheckpointError(f"could not lock {folder} to write it: a cleanup moved it away {_LOCK_TRIES} times; "
+                              "is another program deleting the checkpoint directory's folders?")
+
+    def release(self, *, complete: bool) -> None:
+        """Let go of the lock (again: nothing); ``complete``: the version is committed by every
+        rank, so delete the lock file (if it is still the one held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if complete and _same_file(fd, self.folder / _LOCK_FILE):
+                (self.folder / _LOCK_FILE).unlink(missing_ok=True)
+        finally:
+            os.close(fd)
+
+
+def _remove_unless_written(folder: Path, step: int) -> bool:
+    """Remove ``folder``, version ``step``'s and incomplete when listed, unless a writer holds its
+    lock or it is committed meanwhile (then only a lock file left in it goes); return whether it
+    was removed (NOTE [folder locks])."""
+    try:
+        fd = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # a crash's folder may have none
+    except OSError:
+        return False  # gone already (another cleanup), or not ours to change
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as exc:
+            if exc.errno not in _NO_FLOCK:
+                return False  # EWOULDBLOCK: a writer holds it
+        if not _same_file(fd, folder / _LOCK_FILE):
+            return False  # moved away or made anew since it was opened: another cleanup's, or a writer's
+        if _committed(folder, step) is not None:
+            (folder / _LOCK_FILE).unlink(missing_ok=True)
+            return False
+        removing = folder.with_name(f".removing-{folder.name}-{os.urandom(4).hex()}")
+        try:
+            os.rename(folder, removing)
+        except OSError:
+            return False
+    finally:
+        os.close(fd)
+    shutil.rmtree(removing, ignore_errors=True)
+    return True
+
+
 def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
     """Bytes ``start:stop`` of ``t`` (any shape), row-major; without a copy for a contiguous host
     tensor. A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
@@ -661,6 +800,8 @@ class Checkpointer:
         """Buffers of the last version's copies aside (NOTE [reused copies aside])."""
         self._closed = False
         """Set by :meth:`close`: ``save`` refuses."""
+        self._held: list[_FolderLock] = []
+        """Locks on versions this rank committed that other ranks had not yet (NOTE [folder locks])."""
         self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
             and hasattr(optimizer, "buckets") and not getattr(optimizer, "delayed_update", True)
         """Lazy snapshots (NOTE [lazy snapshots]): HostAdamW without delayed_update only."""
@@ -872,16 +1013,19 @@ class Checkpointer:
     def _write(self, step: int, files: dict[str, Any], tensors: dict[str, dict[str, Any]],
                metadata: dict[str, Any], pending: list[Any]) -> None:
         folder = self.directory / _name(step)
+        lock = None
         try:
             for event in pending:
                 event.synchronize()  # save()'s copies of device state have landed in host memory
             if self._snapshot is not None:
                 self._hook("snapshot")
-            self._write_version(folder, step, files, tensors, metadata)
+            self._release_held(everything=False)
+            lock = _FolderLock.writing(folder)
+            self._write_version(folder, step, files, tensors, metadata, lock)
             self._end_snapshot()  # every live slot written: the listener has nothing more to do
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread by wait()
             self._end_snapshot()
-            self._remove_partial(folder, files)
+            self._remove_partial(folder, step, files, lock)
             if isinstance(exc, CheckpointError):
                 self._error = exc
             else:
@@ -902,12 +1046,13 @@ class Checkpointer:
             self._aside.keep(copies)
 
     def _write_version(self, folder: Path, step: int, files: dict[str, Any], tensors: dict[str, dict[str, Any]],
-                       metadata: dict[str, Any]) -> None:
+                       metadata: dict[str, Any], lock: _FolderLock) -> None:
+        """Write and commit this rank's files of version ``step`` into ``folder``, whose ``lock`` it
+        holds (NOTE [folder locks]); then let go of it and apply retention."""
         record_name = f"manifest-rank{self.rank}.json"
         if (folder / record_name).exists():
             raise CheckpointError(f"version {folder} is already committed; restore an earlier one only to "
                                   "continue from it with later steps, or save to another directory")
-        folder.mkdir(exist_ok=True)
         records: dict[str, dict[str, Any]] = {}
         for name, payload in files.items():
             if name.endswith(".safetensors"):
@@ -938,20 +1083,45 @@ class Checkpointer:
         self._hook("renamed")
         _fsync_dir(folder)  # the commit durable before wait() returns and retention deletes older versions
         self._hook("committed")
+        self._committed_lock(lock, step)
         if self.rank == 0:
             self._retain()
 
-    def _remove_partial(self, folder: Path, files: dict[str, Any]) -> None:
-        """After a failed write: remove this rank's files of the uncommitted version (the folder
-        too when nothing else is in it)."""
+    def _committed_lock(self, lock: _FolderLock, step: int) -> None:
+        """This rank committed ``lock``'s version: let go of the lock if every rank has, else hold
+        it until they have (NOTE [folder locks])."""
+        if _committed(lock.folder, step) is not None:
+            lock.release(complete=True)
+        elif lock not in self._held:
+            self._held.append(lock)
+
+    def _release_held(self, *, everything: bool) -> None:
+        """Let go of the held locks of versions every rank has committed since, or older than one
+        they have (each rank finishes a version's write before its next save, so no rank writes
+        them any more; one that failed on a rank is then retention's to remove); ``everything``: of
+        all, at close."""
+        if not self._held:
+            return
+        newest = max((v.step for v in self.versions()), default=-1)
+        for lock in list(self._held):
+            step = int(_VERSION_RE.match(lock.folder.name).group(1))
+            complete = _committed(lock.folder, step) is not None
+            if complete or step < newest or everything:
+                lock.release(complete=complete)
+                self._held.remove(lock)
+
+    def _remove_partial(self, folder: Path, step: int, files: dict[str, Any], lock: _FolderLock | None) -> None:
+        """After a failed write: remove this rank's files of the uncommitted version, and the folder
+        unless another rank still writes into it (NOTE [folder locks])."""
         if (folder / f"manifest-rank{self.rank}.json").exists():
-            return  # committed; the failure came later (retention)
+            if lock is not None:
+                self._committed_lock(lock, step)  # committed; the failure came later (retention)
+            return
         for name in [*files, f".manifest-rank{self.rank}.json.tmp"]:
             (folder / name).unlink(missing_ok=True)
-        try:
-            folder.rmdir()
-        except OSError:
-            pass
+        if lock is not None:
+            lock.release(complete=False)
+        _remove_unless_written(folder, step)
 
     def _retain(self) -> None:
         """Delete all but the newest ``keep`` complete versions, and incomplete folders older than
@@ -969,7 +1139,10 @@ class Checkpointer:
                 shutil.rmtree(spare, ignore_errors=True)
         committed = {v.step for v in complete}
         for k, (step, path) in enumerate(doomed):
-            if k == len(doomed) - 1 and step in committed:
+            if step not in committed:
+                _remove_unless_written(path, step)  # a crash's, unless another Checkpointer writes it
+                continue
+            if k == len(doomed) - 1:
                 try:
                     self._retire(step, path)
                     continue
@@ -1004,17 +1177,22 @@ class Checkpointer:
                 continue
 
     def _clean(self) -> None:
-        """Remove temporary files and incomplete versions a crashed writer left (rank 0, before
-        any save: nothing is being written then)."""
+        """Remove temporary files, lock files and incomplete versions a crashed writer left (rank
+        0, before any save): an incomplete folder another Checkpointer on the directory is writing
+        stays (NOTE [folder locks])."""
         complete = {v.step for v in self.versions()}
         for step, path in self._folders():
-            if step not in complete:
-                shutil.rmtree(path, ignore_errors=True)
-            else:
+            if step not in complete or (path / _LOCK_FILE).exists():
+                _remove_unless_written(path, step)  # a committed version keeps all but its lock file
+            if step in complete:
                 for tmp in path.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
-        for spare in self._spares():
-            shutil.rmtree(spare, ignore_errors=True)
+        for leftover in self._spares() + self._removing():
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def _removing(self) -> list[Path]:
+        """Folders a cleanup moved away to delete, left by a crash meanwhile (NOTE [folder locks])."""
+        return [p for p in self.directory.iterdir() if _REMOVING_RE.match(p.name)] if self.directory.is_dir() else []
 
     # -- reading -----------------------------------------------------------------------------
 
@@ -1170,6 +1348,7 @@ class Checkpointer:
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
             self._aside.keep([])  # NOTE [reused copies aside]
+            self._release_held(everything=True)
             if self.rank == 0:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)

@@ -488,9 +488,6 @@ def test_a_full_disk_while_writing_over_a_spare_leaves_the_previous_version(tmp_
     opt.close()
 
 
-@pytest.mark.xfail(strict=True, reason="a Checkpointer's cleanup (rank 0, at its start) removes every incomplete "
-                   "folder, a version another Checkpointer on the directory is writing too: that save fails. Telling "
-                   "an in-flight folder from a crash's needs a lock the writers hold (flock on the folder), not yet")
 def test_a_checkpointer_opened_to_restore_leaves_a_save_in_flight_be(tmp_path: Path) -> None:
     """A second Checkpointer on a directory a run is saving into (to restore its newest version, as
     ``ooc train --resume DIR`` does with a live run's directory) while a save is in flight: the
@@ -503,6 +500,191 @@ def test_a_checkpointer_opened_to_restore_leaves_a_save_in_flight_be(tmp_path: P
     finally:
         opt.close()
         other_opt.close()
+
+
+def test_a_spare_another_checkpointer_deletes_while_a_save_takes_its_files_falls_back_to_new_files(
+        tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Another Checkpointer on the directory deletes the spares (at its start, or ``close``) while a
+    save takes a file out of one, between the check that the file is unshared and its rename (NOTE
+    [recycled files]): the save writes a new file instead, commits and restores exactly."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
+    real_unshared, cleaned = ckpt_mod._unshared, []
+
+    def unshared(path: Path) -> bool:
+        free = real_unshared(path)
+        if free and not cleaned:
+            cleaned.append(path.name)
+            Checkpointer(tmp_path, torch.nn.Linear(1, 1), keep=None)  # deletes the spares
+        return free
+
+    monkeypatch.setattr(ckpt_mod, "_unshared", unshared)
+    _save_steps(model, opt, sched, ckpt, range(3, 4))
+    assert cleaned and [v.step for v in list_versions(tmp_path)] == [3]
+    assert [p.name for p in tmp_path.glob(".spare-*")] == [".spare-000000002"]  # version 1's went, 2 retired
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path, 3, *saved)
+    opt.close()
+
+
+def test_retention_of_another_checkpointer_leaves_a_save_in_flight_be(tmp_path: Path) -> None:
+    """Retention deletes incomplete folders older than the newest version (a crash's): one that
+    another Checkpointer on the directory is writing right then, it leaves be (NOTE [folder locks])."""
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    _save_steps(model, opt, sched, ckpt, range(1, 3))
+    other_model, other_opt, other_sched = _setup(seed=5)
+    other = Checkpointer(tmp_path, other_model, other_opt, keep=None)
+
+    def hook(at: str) -> None:
+        if at == "files-written":  # version 3 in flight: the other commits 5 and applies retention
+            _save_steps(other_model, other_opt, other_sched, other, range(5, 6))
+
+    ckpt._hook = hook
+    try:
+        _save_steps(model, opt, sched, ckpt, range(3, 4))
+        assert [v.step for v in list_versions(tmp_path)] == [1, 2, 3, 5]
+        saved = (_weights(model), _opt_state(opt))
+        _assert_restores(tmp_path, 3, *saved)
+    finally:
+        other.close()
+        opt.close()
+        other_opt.close()
+
+
+@pytest.mark.parametrize("between", ["mkdir-open", "open-lock"])
+def test_a_cleanup_between_the_folders_mkdir_and_its_lock_does_not_fail_the_save(tmp_path: Path, monkeypatch,  # noqa: ANN001
+                                                                                 between: str) -> None:
+    """A cleanup may take a new folder's lock before its writer does (NOTE [folder locks]): it moves
+    the folder away and deletes it, and the writer, finding that the lock file it holds (or would
+    open) is not the folder's, makes the folder again; the save commits."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path, range(1, 3))
+    real_open, cleaned = os.open, []
+
+    def open_(path, flags, *args, **kwargs):  # noqa: ANN001, ANN202 - rmtree passes dir_fd
+        writer = str(path).endswith("step-000000003/" + ckpt_mod._LOCK_FILE) and not cleaned
+        if writer:
+            cleaned.append(between)  # once: the cleanup opens the file too
+        if writer and between == "mkdir-open":
+            Checkpointer(tmp_path, torch.nn.Linear(1, 1), keep=None)
+        fd = real_open(path, flags, *args, **kwargs)
+        if writer and between == "open-lock":
+            Checkpointer(tmp_path, torch.nn.Linear(1, 1), keep=None)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_)
+    _save_steps(model, opt, sched, ckpt, range(3, 4))
+    monkeypatch.undo()
+    assert cleaned and [v.step for v in list_versions(tmp_path)] == [3]
+    assert not list(tmp_path.glob(".removing-*"))
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path, 3, *saved)
+    opt.close()
+
+
+def test_a_rank_that_committed_keeps_the_folder_locked_until_every_rank_has(tmp_path: Path) -> None:
+    """Two ranks: rank 0 commits version 3 before rank 1 has begun writing it. A Checkpointer opened
+    on the directory meanwhile leaves the folder be, as rank 0 still holds its lock (NOTE [folder
+    locks]); rank 1 then commits into it, and the version is complete, without a lock file."""
+    ranks = [_setup() for _ in range(2)]  # equal replicas
+    ckpts = [Checkpointer(tmp_path, m, o, scheduler=s, rank=r, world=2) for r, (m, o, s) in enumerate(ranks)]
+    for model, opt, sched in ranks:
+        _train(model, opt, sched, range(3))
+    ckpts[0].save(3)
+    ckpts[0].wait()
+    assert (tmp_path / "step-000000003" / "manifest-rank0.json").exists() and not list_versions(tmp_path)
+    Checkpointer(tmp_path, torch.nn.Linear(1, 1), keep=None)
+    ckpts[1].save(3)
+    ckpts[1].wait()
+    assert [v.step for v in list_versions(tmp_path)] == [3]
+    assert not (tmp_path / "step-000000003" / ckpt_mod._LOCK_FILE).exists()
+    expected = (_weights(ranks[0][0]), _opt_state(ranks[0][1]))
+    for ckpt in ckpts:
+        ckpt.close()
+    _assert_restores(tmp_path, 3, *expected)
+    for _, opt, _ in ranks:
+        opt.close()
+
+
+def test_a_version_that_failed_on_another_rank_is_let_go_of_and_removed_after_a_newer_one(tmp_path: Path) -> None:
+    """Rank 1's write of version 3 fails after rank 0 committed its part: rank 0 holds the folder's
+    lock until a newer version is complete (no rank writes 3 any more then), and retention removes
+    the incomplete folder after the next save (NOTE [folder locks])."""
+    ranks = [_setup() for _ in range(2)]
+    ckpts = [Checkpointer(tmp_path, m, o, scheduler=s, rank=r, world=2) for r, (m, o, s) in enumerate(ranks)]
+    ckpts[0].save(3)
+    ckpts[0].wait()
+    _save_failing_at(ckpts[1], 3, "files-written")
+    ckpts[1]._hook = lambda point: None
+    assert (tmp_path / "step-000000003" / "manifest-rank0.json").exists()
+    for step in (4, 5):
+        for ckpt in ckpts:
+            ckpt.save(step)
+            ckpt.wait()
+    assert [v.step for v in list_versions(tmp_path)] == [4, 5]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000004", "step-000000005"]
+    for ckpt in ckpts:
+        ckpt.close()
+    for _, opt, _ in ranks:
+        opt.close()
+
+
+_HOLDS_A_FOLDER = """
+import sys, time
+from pathlib import Path
+import ooc.checkpoint as C
+held = C._FolderLock.writing(Path(sys.argv[1]))  # kept: a lock let go of is released
+print("locked", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_folder_another_process_writes_stays_until_that_process_dies(tmp_path: Path) -> None:
+    """An incomplete folder whose writer (another process) is alive is left be by a new
+    Checkpointer; once that process is killed (``kill -9``: the kernel drops its lock), the next
+    Checkpointer removes it as a crash's (NOTE [folder locks])."""
+    folder = tmp_path / "step-000000003"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDS_A_FOLDER, str(folder)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        (folder / MODEL_FILE).write_bytes(b"being written")
+        Checkpointer(tmp_path, torch.nn.Linear(1, 1))
+        assert (folder / MODEL_FILE).read_bytes() == b"being written"
+    finally:
+        holder.kill()
+        holder.wait()
+    Checkpointer(tmp_path, torch.nn.Linear(1, 1))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_lock_files_are_no_part_of_a_version_and_a_crashs_are_cleaned(tmp_path: Path) -> None:
+    """A committed version carries no lock file; one a crash left in a committed version (killed
+    between the commit and deleting it), or a folder a cleanup was deleting, changes nothing readers
+    see (versions, restore, export, ``ooc checkpoints list``), and the next Checkpointer removes
+    both (NOTE [folder locks])."""
+    directory = tmp_path / "ck"
+    model, opt, sched, ckpt = _two_versions(directory)
+    latest = ckpt.latest()
+    assert sorted(p.name for p in latest.path.iterdir()) == sorted([*latest.files, "manifest-rank0.json"])
+    listed_before = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", str(directory)],
+                                   capture_output=True, text=True, check=True).stdout
+    (latest.path / ckpt_mod._LOCK_FILE).write_bytes(b"")
+    removing = directory / ".removing-step-000000009-0a1b2c3d"
+    removing.mkdir()
+    (removing / MODEL_FILE).write_bytes(b"half")
+    assert list_versions(directory) == ckpt.versions() and ckpt.latest() == latest
+    listed = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", str(directory)],
+                            capture_output=True, text=True, check=True).stdout
+    assert listed == listed_before
+    expected = _weights(model)
+    fresh = GPT(CFG)
+    fresh.load_state_dict(safetensors.torch.load_file(ckpt.export(None, tmp_path / "weights.safetensors")))
+    assert _same(_weights(fresh), expected)
+    _assert_restores(directory, None, expected, _opt_state(opt))  # its Checkpointer cleans up first
+    assert sorted(p.name for p in directory.iterdir()) == ["step-000000001", "step-000000002"]
+    assert not (latest.path / ckpt_mod._LOCK_FILE).exists()
+    opt.close()
 
 
 _KILLED_WHILE_RECYCLING = """
@@ -546,7 +728,7 @@ def test_kill_9_while_writing_over_a_spare_leaves_the_previous_version(tmp_path:
     files]): once a spare file is renamed into the new folder, halfway through writing over it,
     before its truncation, before the commit, after it, and between the retired version's records
     going and its rename. The newest committed version restores exactly, and the next Checkpointer
-    leaves only versions."""
+    leaves only versions (the killed writer's lock died with it: NOTE [folder locks]), without lock files."""
     directory = tmp_path / "ckpt"
     directory.mkdir()
     done = subprocess.run([sys.executable, "-c", _KILLED_WHILE_RECYCLING, str(directory), at, str(Path(__file__).parent)],
@@ -558,6 +740,7 @@ def test_kill_9_while_writing_over_a_spare_leaves_the_previous_version(tmp_path:
     model, opt, _ = _setup()
     Checkpointer(directory, model, opt).close()
     assert all(_VERSION.match(p.name) and (p / "manifest-rank0.json").exists() for p in directory.iterdir())
+    assert not list(directory.rglob(ckpt_mod._LOCK_FILE))
     opt.close()
 
 
