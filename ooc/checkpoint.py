@@ -489,6 +489,38 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _state_bytes(name: str, state: dict[str, Any]) -> bytes:
+    """A state file's bytes, checked to load as :meth:`Checkpointer.restore` loads them.
+
+    NOTE [state files load with weights_only]
+    ``restore`` reads a state file with ``torch.load(weights_only=True)``: it may come from anywhere,
+    and unpickling it otherwise can run any code. That loader refuses what torch.save pickles
+    happily, such as numpy scalars and arrays (``extra={"pos": np.int64(3)}``, a position read
+    from a numpy index), slices or objects of your own. Such a version committed, then failed every
+    restore as "corrupt" though its checksum matched. So the writer loads the bytes back first (a
+    state file is small: scheduler, RNG, ``extra``) and fails the save naming the entry instead."""
+    data = _torch_bytes(state)
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the restore would fail the same way
+        reason = str(exc).partition("WeightsUnpickler error: ")[2].partition(". ")[0] or str(exc)
+        entries = [key for key, value in state.items() if not _loads_with_weights_only(value)]
+        raise CheckpointError(
+            f"{name} would not load with torch.load(weights_only=True), as restore() reads it: {reason} "
+            f"(in {' and '.join(entries) or 'it'}). Keep the extra dict and the scheduler's state to tensors, "
+            "numbers, strings, bools, None, lists, tuples and dicts (int(x), float(x) or torch.from_numpy(a) "
+            "for numpy values), or allow the type with torch.serialization.add_safe_globals") from None
+    return data
+
+
+def _loads_with_weights_only(value: Any) -> bool:
+    try:
+        torch.load(io.BytesIO(_torch_bytes(value)), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - which entry is refused, for the message
+        return False
+    return True
+
+
 def _clone(obj: Any) -> Any:
     """A deep copy of a state dict whose tensors are detached CPU copies (what the writer thread
     serializes while training goes on)."""
@@ -916,7 +948,7 @@ class Checkpointer:
             elif name.endswith(".json"):
                 chunks = [json.dumps(payload).encode()]  # no indent: json's C encoder
             else:
-                chunks = [_torch_bytes(payload)]
+                chunks = [_state_bytes(name, payload)]  # NOTE [state files load with weights_only]
             self._hook(f"write:{name}")
             self._recycle(folder / name)
             try:

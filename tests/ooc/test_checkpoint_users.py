@@ -1,0 +1,46 @@
+"""ooc.checkpoint as a new user meets it (issue 14): values a loop puts in ``extra``, ``keep``,
+restoring into the wrong model, a damaged commit record, continuing after a fallback."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+
+
+def _linear(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def _steps(directory: Path) -> list[int]:
+    return [v.step for v in list_versions(directory)]
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.float32(0.5), np.arange(3), slice(1, 2)],
+                         ids=["np.int64", "np.float32", "ndarray", "slice"])
+def test_an_extra_value_restore_cannot_read_fails_the_save_not_the_restore(tmp_path: Path, value: object) -> None:
+    """``extra={"pos": np.int64(3)}`` (a data position taken from a numpy index) pickles, but
+    ``restore`` reads the state file with ``weights_only=True``, which refuses numpy objects: the
+    version was committed and every later restore called its intact file corrupt (and with
+    ``fallback=True``, every version). The save fails instead, saying what to convert, and commits
+    nothing."""
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"pos": value})
+    ckpt.save(1)
+    with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)") as info:
+        ckpt.wait()
+    assert not isinstance(info.value, CorruptCheckpointError)
+    assert _steps(tmp_path) == [] and os.listdir(tmp_path) == []
+    extra = {"pos": 3}
+    ckpt = Checkpointer(tmp_path, _linear(), extra=extra)
+    ckpt.save(2)
+    ckpt.wait()  # a plain value saves as before
+    extra["pos"] = 0
+    Checkpointer(tmp_path, _linear(), extra=extra).restore()
+    assert extra == {"pos": 3}
