@@ -665,8 +665,9 @@ class Checkpointer:
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
                  lazy: bool = True) -> None:
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be >= 1 (or None to keep every version), got {keep}")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            # Checked here: retention runs on the writer thread, after a version is committed.
+            raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)

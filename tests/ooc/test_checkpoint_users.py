@@ -44,3 +44,11 @@ def test_an_extra_value_restore_cannot_read_fails_the_save_not_the_restore(tmp_p
     extra["pos"] = 0
     Checkpointer(tmp_path, _linear(), extra=extra).restore()
     assert extra == {"pos": 3}
+
+
+@pytest.mark.parametrize("keep", [2.5, "3", True])
+def test_keep_must_be_an_integer(tmp_path: Path, keep: object) -> None:
+    """``keep=2.5`` was accepted; the first save's retention then failed on the writer thread, and
+    the next ``wait`` reported a committed version as not written."""
+    with pytest.raises(ValueError, match="keep must be"):
+        Checkpointer(tmp_path, _linear(), keep=keep)
