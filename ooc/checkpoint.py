@@ -1107,10 +1107,23 @@ class Checkpointer:
                                   f"{', '.join(map(str, READABLE_FORMATS))}. "
                                   "Restore it with the ooc that wrote it and save it again")
         weights = self._file(v, MODEL_FILE)
+        self._check_fits(v, weights)
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
         optimizer = self._optimizer_state(v, states) if self.optimizer is not None else None
         return {"weights": weights, "state": state, "optimizer": optimizer}
+
+    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> None:
+        """Raise unless ``weights`` have the model's names and shapes: checked before anything is
+        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others."""
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in weights]
+        unexpected = [k for k in weights if k not in own]
+        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}"
+                  for k, t in own.items() if k in weights and weights[k].shape != t.shape]
+        if missing or unexpected or shapes:
+            raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected "
+                                  f"{unexpected}, other shapes {shapes}; build the model as it was saved")
 
     @staticmethod
     def _file(v: Version, name: str) -> Any:
@@ -1158,9 +1171,7 @@ class Checkpointer:
         return result
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
-        missing, unexpected = self.model.load_state_dict(payloads["weights"], strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])
             _params_from_masters(self.optimizer)

@@ -52,3 +52,28 @@ def test_keep_must_be_an_integer(tmp_path: Path, keep: object) -> None:
     the next ``wait`` reported a committed version as not written."""
     with pytest.raises(ValueError, match="keep must be"):
         Checkpointer(tmp_path, _linear(), keep=keep)
+
+
+class _Other(nn.Module):
+    """Shares ``weight`` with ``nn.Linear(3, 2)``'s names, not the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 3))
+        self.scale = nn.Parameter(torch.zeros(2))
+
+
+@pytest.mark.parametrize("other", ["keys", "shapes"])
+def test_a_version_that_does_not_fit_the_model_loads_nothing(tmp_path: Path, other: str) -> None:
+    """A model built otherwise than the saved one (other keys, or the same keys with other shapes):
+    ``restore`` raises ``CheckpointError`` saying so, and the model keeps its weights. Before, the
+    matching tensors were loaded first (other keys), or torch's own size-mismatch error came out of
+    ``load_state_dict`` (other shapes)."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(1)
+    ckpt.wait()
+    model = _Other() if other == "keys" else nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        Checkpointer(tmp_path, model).restore()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
