@@ -1040,8 +1040,9 @@ class Checkpointer:
         """Remove temporary files and incomplete versions a crashed writer left (rank 0, before
         any save: nothing is being written then)."""
         complete = {v.step for v in self.versions()}
+        damaged = _damaged(self.directory)  # NOTE [damaged records]: no crash's leftovers
         for step, path in self._folders():
-            if step not in complete:
+            if step not in complete and step not in damaged:
                 shutil.rmtree(path, ignore_errors=True)
             else:
                 for tmp in path.glob(".*.tmp"):
@@ -1072,21 +1073,27 @@ class Checkpointer:
         """Load version ``version`` (a step or a :class:`Version`; default the newest) into the
         model, optimizer, scheduler, RNG states and ``extra``; return it. Waits for a pending save.
         Every file is checked against its commit record first (a mismatch raises
-        :class:`CorruptCheckpointError` naming the file, and nothing is loaded); with
+        :class:`CorruptCheckpointError` naming the file, and nothing is loaded; so does a damaged
+        commit record, NOTE [damaged records]); with
         ``fallback=True`` the newest intact version at or before the one asked for is loaded instead."""
         self.wait()
         found = self.versions()
-        if not found:
+        damaged = _damaged(self.directory)  # NOTE [damaged records]
+        if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         if version is None:
-            candidates = found
+            step = max([v.step for v in found] + list(damaged))
         else:
             step = version.step if isinstance(version, Version) else int(version)
-            candidates = [v for v in found if v.step <= step]
-            if not candidates or candidates[-1].step != step:
+            if step not in damaged and step not in {v.step for v in found}:
                 raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
                                       f"there are {[v.step for v in found]}")
+        candidates = [v for v in found if v.step <= step]
         errors = []
+        if step in damaged:
+            if not fallback:
+                raise damaged[step]
+            errors.append(damaged[step])
         for v in reversed(candidates):
             try:
                 payloads = self._read(v)
@@ -1239,13 +1246,12 @@ def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
 def _committed(path: Path, step: int) -> Version | None:
     """The version in ``path`` if every rank's commit record is there and agrees, else None."""
     try:
-        first = json.loads((path / "manifest-rank0.json").read_text())
-        world = int(first["layout"]["world"])
-        records = [first] + [json.loads((path / f"manifest-rank{r}.json").read_text()) for r in range(1, world)]
-    except (OSError, ValueError, KeyError, TypeError):
+        records = _records(path, step)
+    except CorruptCheckpointError:
         return None
-    if any(r.get("step") != step or r.get("layout") != first["layout"] for r in records):
+    if records is None:
         return None
+    first = records[0]
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -1254,6 +1260,52 @@ def _committed(path: Path, step: int) -> Version | None:
             tensors.setdefault(key, []).append(entry)
     return Version(step=step, path=path, metadata=first.get("metadata", {}), created=first.get("created", 0.0),
                    layout=first["layout"], files=files, tensors=tensors, format=int(first.get("format", 1)))
+
+
+def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
+    """Every rank's commit record in ``path``; None while one is missing (a version not committed
+    yet, or left by a crash); raises :class:`CorruptCheckpointError` for a record that is there
+    but damaged.
+
+    NOTE [damaged records]
+    A record is written to a temporary name, fsynced and renamed into place whole: a crash leaves
+    no record, never part of one. So a record that is there but does not parse, or names another
+    step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
+    folder renamed by hand), as any other file of the version can be. It is reported as such, not
+    taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
+    skips it) and the cleanup of incomplete folders leaves it, with its intact files, be."""
+    name = "manifest-rank0.json"
+    try:
+        first = json.loads((path / name).read_text())
+        world = int(first["layout"]["world"])
+        records = [first]
+        for r in range(1, world):
+            name = f"manifest-rank{r}.json"
+            records.append(json.loads((path / name).read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(path / name, f"the commit record cannot be read ({exc!r})") from None
+    for r, record in enumerate(records):
+        if not isinstance(record, dict) or record.get("step") != step or record.get("layout") != first["layout"] \
+                or not isinstance(record.get("files"), dict):
+            raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
+                                         f"the commit record does not agree with its version {path.name}")
+    return records
+
+
+def _damaged(directory: Path) -> dict[int, CorruptCheckpointError]:
+    """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
+    records])."""
+    found = {}
+    for path in directory.iterdir() if directory.is_dir() else ():
+        m = _VERSION_RE.match(path.name)
+        if m and path.is_dir():
+            try:
+                _records(path, int(m.group(1)))
+            except CorruptCheckpointError as exc:
+                found[int(m.group(1))] = exc
+    return found
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:

@@ -77,3 +77,30 @@ def test_a_version_that_does_not_fit_the_model_loads_nothing(tmp_path: Path, oth
     with pytest.raises(CheckpointError, match="does not fit the model"):
         Checkpointer(tmp_path, model).restore()
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty"])
+def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path, damage: str) -> None:
+    """A commit record is renamed into place whole, so one that exists but does not parse was
+    damaged after its commit, as any other file can be; a crash leaves none. It was taken for a
+    crash's leftover: the next Checkpointer deleted the whole version (weights and optimizer state
+    intact) and ``restore()`` loaded the version before it without a word. Now the version stays,
+    ``restore()`` raises ``CorruptCheckpointError`` naming the record, and ``fallback=True`` loads
+    the version before."""
+    ckpt = Checkpointer(tmp_path, _linear(), keep=3)
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    record = tmp_path / "step-000000002" / "manifest-rank0.json"
+    data = bytearray(record.read_bytes())
+    if damage == "flipped":
+        data[0] ^= 0x01
+    record.write_bytes(bytes(data[:len(data) // 2] if damage == "truncated" else b"" if damage == "empty" else data))
+    files = sorted(os.listdir(record.parent))
+    ckpt = Checkpointer(tmp_path, _linear(seed=1))
+    assert sorted(os.listdir(record.parent)) == files
+    for step in (None, 2):
+        with pytest.raises(CorruptCheckpointError, match="manifest-rank0.json"):
+            ckpt.restore(step)
+    assert ckpt.restore(fallback=True).step == 1
