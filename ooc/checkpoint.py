@@ -1097,6 +1097,8 @@ class Checkpointer:
         for v in reversed(candidates):
             try:
                 payloads = self._read(v)
+                if fallback and self.optimizer is not None:
+                    self._check_others_files(v, payloads["files"])  # NOTE [every rank falls back alike]
             except CorruptCheckpointError as exc:
                 if not fallback:
                     raise
@@ -1117,8 +1119,22 @@ class Checkpointer:
         self._check_fits(v, weights)
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
-        optimizer = self._optimizer_state(v, states) if self.optimizer is not None else None
-        return {"weights": weights, "state": state, "optimizer": optimizer}
+        optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
+        return {"weights": weights, "state": state, "optimizer": optimizer,
+                "files": {MODEL_FILE, *map(_state_file, range(v.world)), *read}}
+
+    @staticmethod
+    def _check_others_files(v: Version, read: set[str]) -> None:
+        """Check the optimizer files of ``v`` this rank did not read.
+
+        NOTE [every rank falls back alike]
+        A rank reads only the optimizer files holding state it updates (NOTE [resharding]). With
+        ``restore(fallback=True)``, a version whose damaged file only other ranks read was loaded
+        here and skipped there: the ranks went on from different versions, without a word. So a
+        fallback judges a version by every optimizer file any rank may read; each rank reads the
+        same commit records and bytes, so each decides alike, with no collective."""
+        for name in sorted({sl["file"] for slices in v.tensors.values() for sl in slices} - read):
+            _checked_bytes(v.path / name, v.files[name])
 
     def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> None:
         """Raise unless ``weights`` have the model's names and shapes: checked before anything is
@@ -1138,9 +1154,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} has no {name}")
         return _load_file(v.path / name, v.files[name])
 
-    def _optimizer_state(self, v: Version, states: list[dict[str, Any]]) -> dict[str, Any]:
+    def _optimizer_state(self, v: Version, states: list[dict[str, Any]]) -> tuple[dict[str, Any], set[str]]:
         """The optimizer's ``state_dict`` for this rank: the state of the parameters it updates,
-        each tensor assembled from its slices in whichever rank's file they are (NOTE [resharding])."""
+        each tensor assembled from its slices in whichever rank's file they are (NOTE [resharding]);
+        and the names of the files read."""
         opt = self.optimizer
         metas = [s.get("optimizer") for s in states]
         if metas[0] is None:
@@ -1175,7 +1192,7 @@ class Checkpointer:
         if isinstance(info, dict):
             # Who holds which share is what restoring on other ranks changes; the rest must match.
             result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded")}
-        return result
+        return result, set(loaded)
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
         self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
