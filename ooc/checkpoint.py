@@ -128,6 +128,7 @@ import hashlib
 import io
 import json
 import mmap
+import operator
 import os
 import queue
 import random
@@ -724,6 +725,10 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
                                   "directory to save again")
+        try:
+            step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
+        except TypeError:
+            raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})") from None
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if if_busy not in ("wait", "skip"):

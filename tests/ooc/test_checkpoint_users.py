@@ -152,3 +152,19 @@ def test_a_save_below_the_newest_version_is_refused_or_kept(tmp_path: Path) -> N
     except CheckpointError:
         return
     assert not written or 1 in _steps(tmp_path)
+
+
+@pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)], ids=["np.int64", "tensor"])
+def test_a_step_of_an_integer_type_saves_as_an_int(tmp_path: Path, step: object) -> None:
+    """``for step in np.arange(n): ckpt.save(step)`` failed on the writer thread (the commit record's
+    JSON has no numpy int), reported by the next save as 'could not write checkpoint'."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    assert ckpt.save(step)
+    ckpt.wait()
+    assert _steps(tmp_path) == [3]
+
+
+def test_a_step_that_is_no_integer_is_refused_at_once(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, _linear())
+    with pytest.raises(TypeError, match="step must be an int"):
+        ckpt.save(3.0)
