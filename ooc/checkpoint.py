@@ -1173,6 +1173,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} holds the state of other parameters than this optimizer's "
                                   f"(saved {len(metas[0]['names'])}, now {len(names)}); build the model and "
                                   "optimizer as they were saved")
+        saved_groups = [len(g["params"]) for g in metas[0]["param_groups"]]
+        groups = [len(g["params"]) for g in opt.param_groups]
+        if saved_groups != groups:  # else load_state_dict refuses, after the model is loaded
+            raise CheckpointError(f"checkpoint {v.path} holds an optimizer of {len(saved_groups)} parameter group(s) of "
+                                  f"{saved_groups} parameters, this one has {len(groups)} of {groups}; build the "
+                                  "optimizer's groups as they were saved")
         other: dict[str, dict[str, Any]] = {}
         for meta in metas:
             other.update(meta["other"] if meta is not None else {})

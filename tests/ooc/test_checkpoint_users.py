@@ -168,3 +168,28 @@ def test_a_step_that_is_no_integer_is_refused_at_once(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, _linear())
     with pytest.raises(TypeError, match="step must be an int"):
         ckpt.save(3.0)
+
+
+def _groups(model: nn.Module, split: bool) -> list:
+    """The model's parameters in one group, or split in two (weight decay on the first only)."""
+    params = list(model.parameters())
+    return [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}] if split else params
+
+
+@pytest.mark.parametrize("saved_split", [False, True], ids=["one-group-saved", "two-groups-saved"])
+def test_other_parameter_groups_are_refused_before_anything_is_loaded(tmp_path: Path, saved_split: bool) -> None:
+    """An optimizer whose parameters are split into other groups than the saved one's: torch's
+    ``load_state_dict`` raised its ValueError after the model's weights were loaded. Now a
+    ``CheckpointError`` naming the groups comes first, and nothing is loaded."""
+    model = _linear()
+    opt = torch.optim.AdamW(_groups(model, saved_split), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.wait()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="parameter group"):
+        Checkpointer(tmp_path, other, torch.optim.AdamW(_groups(other, not saved_split), lr=0.1)).restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
