@@ -529,7 +529,9 @@ def _clone(obj: Any) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(_clone(v) for v in obj))
+    if isinstance(obj, (list, tuple, set)):  # a set too: the loop may change it before the writer reads it
         return type(obj)(_clone(v) for v in obj)
     return obj
 

@@ -4,6 +4,8 @@ restoring into the wrong model, a damaged commit record, continuing after a fall
 from __future__ import annotations
 
 import os
+import threading
+from collections import namedtuple
 from pathlib import Path
 
 import numpy as np
@@ -11,7 +13,9 @@ import pytest
 import torch
 from torch import nn
 
-from ooc.checkpoint import Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+from ooc.checkpoint import MODEL_FILE, Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+
+Point = namedtuple("Point", "x y")
 
 
 def _linear(seed: int = 0) -> nn.Linear:
@@ -193,3 +197,29 @@ def test_other_parameter_groups_are_refused_before_anything_is_loaded(tmp_path: 
     with pytest.raises(CheckpointError, match="parameter group"):
         Checkpointer(tmp_path, other, torch.optim.AdamW(_groups(other, not saved_split), lr=0.1)).restore()
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_extra_holds_its_values_at_save_while_the_loop_changes_them(tmp_path: Path) -> None:
+    """``save`` returns before the writer serializes ``extra``; a set in it (ids of the samples
+    seen) that the loop changes after ``save`` was written as it was by then, not as at the save."""
+    seen = {1}
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"seen": seen})
+    go = threading.Event()
+    ckpt._hook = lambda point: point == f"write:{MODEL_FILE}" and go.wait(10)
+    ckpt.save(1)
+    seen.add(2)
+    go.set()
+    ckpt.wait()
+    extra: dict = {}
+    Checkpointer(tmp_path, _linear(), extra=extra).restore()
+    assert extra == {"seen": {1}}
+
+
+def test_a_namedtuple_in_extra_is_refused_by_name(tmp_path: Path) -> None:
+    """A namedtuple in ``extra`` made ``save`` raise TypeError from inside its copy
+    (``__new__() missing ... arguments``); it is copied, then refused as any value restore cannot
+    read (NOTE [state files load with weights_only])."""
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"at": Point(1, 2)})
+    ckpt.save(1)
+    with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)"):
+        ckpt.wait()
