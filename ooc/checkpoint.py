@@ -136,6 +136,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -675,6 +676,7 @@ class Checkpointer:
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
         self.directory = Path(directory)
+        model = _compiled_module(model)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra = extra
         self.keep = keep
@@ -1255,6 +1257,15 @@ class Checkpointer:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)
             self._closed = True
+
+
+def _compiled_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or ``model`` itself: the wrapper names every tensor
+    ``_orig_mod.<name>``, the module has the names a plain model (or HF) loads the weights by."""
+    dynamo = sys.modules.get("torch._dynamo")  # a compiled model has imported it; never import it here
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
 
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:

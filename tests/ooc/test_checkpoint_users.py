@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
@@ -223,3 +224,23 @@ def test_a_namedtuple_in_extra_is_refused_by_name(tmp_path: Path) -> None:
     ckpt.save(1)
     with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)"):
         ckpt.wait()
+
+
+def test_a_compiled_models_version_holds_the_plain_names(tmp_path: Path) -> None:
+    """``torch.compile(model)`` (a supported way to run a wrapped model) names every tensor
+    ``_orig_mod.<name>``: the version's model file, README's "load them into plain PyTorch or HF",
+    did not load into the plain model, nor did the version restore into it (an evaluation script).
+    The Checkpointer saves the compiled model's module, so either restores the other."""
+    compiled = torch.compile(_linear())
+    ckpt = Checkpointer(tmp_path, compiled)
+    ckpt.save(1)
+    ckpt.wait()
+    plain = _linear(seed=1)
+    plain.load_state_dict(safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE))
+    assert torch.equal(plain.weight, compiled.weight)
+    other = _linear(seed=2)
+    Checkpointer(tmp_path, other).restore()
+    assert torch.equal(other.weight, compiled.weight)
+    again = torch.compile(_linear(seed=3))
+    Checkpointer(tmp_path, again).restore()
+    assert torch.equal(again.weight, compiled.weight)
