@@ -108,6 +108,19 @@ def test_resume_auto_without_a_version_starts_fresh(tmp_path: Path, reference) -
     _check_resumed(tmp_path / "ckpt", tmp_path / "all.json", 0, reference)
 
 
+def test_resume_auto_with_only_a_damaged_version_says_so(tmp_path: Path) -> None:
+    """NOTE [damaged records] in ooc.checkpoint: ``--resume auto`` on a directory whose one version
+    has a damaged commit record started afresh without a word (the version was not listed), and
+    the run then failed at that version's step ('already committed'). It now stops at the start,
+    naming the record."""
+    _run(_cmd("--steps", "1", "--save", "ckpt"), tmp_path)
+    record = tmp_path / "ckpt" / "step-000000001" / "manifest-rank0.json"
+    record.write_bytes(record.read_bytes()[:-1])
+    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "manifest-rank0.json" in done.stderr, done.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
     """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""
