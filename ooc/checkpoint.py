@@ -132,6 +132,7 @@ import hashlib
 import io
 import json
 import mmap
+import operator
 import os
 import queue
 import random
@@ -139,6 +140,7 @@ import re
 import shutil
 import signal
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -628,6 +630,38 @@ def _torch_bytes(obj: Any) -> bytes:
     return buf.getvalue()
 
 
+def _state_bytes(name: str, state: dict[str, Any]) -> bytes:
+    """A state file's bytes, checked to load as :meth:`Checkpointer.restore` loads them.
+
+    NOTE [state files load with weights_only]
+    ``restore`` reads a state file with ``torch.load(weights_only=True)``: it may come from anywhere,
+    and unpickling it otherwise can run any code. That loader refuses what torch.save pickles
+    happily, such as numpy scalars and arrays (``extra={"pos": np.int64(3)}``, a position read
+    from a numpy index), slices or objects of your own. Such a version committed, then failed every
+    restore as "corrupt" though its checksum matched. So the writer loads the bytes back first (a
+    state file is small: scheduler, RNG, ``extra``) and fails the save naming the entry instead."""
+    data = _torch_bytes(state)
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any refusal: the restore would fail the same way
+        reason = str(exc).partition("WeightsUnpickler error: ")[2].partition(". ")[0] or str(exc)
+        entries = [key for key, value in state.items() if not _loads_with_weights_only(value)]
+        raise CheckpointError(
+            f"{name} would not load with torch.load(weights_only=True), as restore() reads it: {reason} "
+            f"(in {' and '.join(entries) or 'it'}). Keep the extra dict and the scheduler's state to tensors, "
+            "numbers, strings, bools, None, lists, tuples and dicts (int(x), float(x) or torch.from_numpy(a) "
+            "for numpy values), or allow the type with torch.serialization.add_safe_globals") from None
+    return data
+
+
+def _loads_with_weights_only(value: Any) -> bool:
+    try:
+        torch.load(io.BytesIO(_torch_bytes(value)), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001 - which entry is refused, for the message
+        return False
+    return True
+
+
 def _clone(obj: Any) -> Any:
     """A deep copy of a state dict whose tensors are detached CPU copies (what the writer thread
     serializes while training goes on)."""
@@ -635,7 +669,9 @@ def _clone(obj: Any) -> Any:
         return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
         return {k: _clone(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple takes its fields as arguments
+        return type(obj)(*(_clone(v) for v in obj))
+    if isinstance(obj, (list, tuple, set)):  # a set too: the loop may change it before the writer reads it
         return type(obj)(_clone(v) for v in obj)
     return obj
 
@@ -772,12 +808,14 @@ class Checkpointer:
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
                  lazy: bool = True) -> None:
-        if keep is not None and keep < 1:
-            raise ValueError(f"keep must be >= 1 (or None to keep every version), got {keep}")
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            # Checked here: retention runs on the writer thread, after a version is committed.
+            raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
         self.directory = Path(directory)
+        model = _compiled_module(model)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra = extra
         self.keep = keep
@@ -832,6 +870,10 @@ class Checkpointer:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
                                   "directory to save again")
+        try:
+            step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
+        except TypeError:
+            raise TypeError(f"step must be an int, got {step!r} ({type(step).__name__})") from None
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if if_busy not in ("wait", "skip"):
@@ -1061,7 +1103,7 @@ class Checkpointer:
             elif name.endswith(".json"):
                 chunks = [json.dumps(payload).encode()]  # no indent: json's C encoder
             else:
-                chunks = [_torch_bytes(payload)]
+                chunks = [_state_bytes(name, payload)]  # NOTE [state files load with weights_only]
             self._hook(f"write:{name}")
             self._recycle(folder / name)
             try:
@@ -1181,10 +1223,13 @@ class Checkpointer:
         0, before any save): an incomplete folder another Checkpointer on the directory is writing
         stays (NOTE [folder locks])."""
         complete = {v.step for v in self.versions()}
+        damaged = _damaged(self.directory)  # NOTE [damaged records]: no crash's leftovers
         for step, path in self._folders():
-            if step not in complete or (path / _LOCK_FILE).exists():
+            if step in damaged:
+                pass  # kept and reported (NOTE [damaged records]), never removed as a crash's leftover
+            elif step not in complete or (path / _LOCK_FILE).exists():
                 _remove_unless_written(path, step)  # a committed version keeps all but its lock file
-            if step in complete:
+            if step in complete or step in damaged:
                 for tmp in path.glob(".*.tmp"):
                     tmp.unlink(missing_ok=True)
         for leftover in self._spares() + self._removing():
@@ -1217,24 +1262,32 @@ class Checkpointer:
         """Load version ``version`` (a step or a :class:`Version`; default the newest) into the
         model, optimizer, scheduler, RNG states and ``extra``; return it. Waits for a pending save.
         Every file is checked against its commit record first (a mismatch raises
-        :class:`CorruptCheckpointError` naming the file, and nothing is loaded); with
+        :class:`CorruptCheckpointError` naming the file, and nothing is loaded; so does a damaged
+        commit record, NOTE [damaged records]); with
         ``fallback=True`` the newest intact version at or before the one asked for is loaded instead."""
         self.wait()
         found = self.versions()
-        if not found:
+        damaged = _damaged(self.directory)  # NOTE [damaged records]
+        if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         if version is None:
-            candidates = found
+            step = max([v.step for v in found] + list(damaged))
         else:
             step = version.step if isinstance(version, Version) else int(version)
-            candidates = [v for v in found if v.step <= step]
-            if not candidates or candidates[-1].step != step:
+            if step not in damaged and step not in {v.step for v in found}:
                 raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
                                       f"there are {[v.step for v in found]}")
+        candidates = [v for v in found if v.step <= step]
         errors = []
+        if step in damaged:
+            if not fallback:
+                raise damaged[step]
+            errors.append(damaged[step])
         for v in reversed(candidates):
             try:
                 payloads = self._read(v)
+                if fallback and self.optimizer is not None:
+                    self._check_others_files(v, payloads["files"])  # NOTE [every rank falls back alike]
             except CorruptCheckpointError as exc:
                 if not fallback:
                     raise
@@ -1252,10 +1305,37 @@ class Checkpointer:
                                   f"{', '.join(map(str, READABLE_FORMATS))}. "
                                   "Restore it with the ooc that wrote it and save it again")
         weights = self._file(v, MODEL_FILE)
+        self._check_fits(v, weights)
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
-        optimizer = self._optimizer_state(v, states) if self.optimizer is not None else None
-        return {"weights": weights, "state": state, "optimizer": optimizer}
+        optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
+        return {"weights": weights, "state": state, "optimizer": optimizer,
+                "files": {MODEL_FILE, *map(_state_file, range(v.world)), *read}}
+
+    @staticmethod
+    def _check_others_files(v: Version, read: set[str]) -> None:
+        """Check the optimizer files of ``v`` this rank did not read.
+
+        NOTE [every rank falls back alike]
+        A rank reads only the optimizer files holding state it updates (NOTE [resharding]). With
+        ``restore(fallback=True)``, a version whose damaged file only other ranks read was loaded
+        here and skipped there: the ranks went on from different versions, without a word. So a
+        fallback judges a version by every optimizer file any rank may read; each rank reads the
+        same commit records and bytes, so each decides alike, with no collective."""
+        for name in sorted({sl["file"] for slices in v.tensors.values() for sl in slices} - read):
+            _checked_bytes(v.path / name, v.files[name])
+
+    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> None:
+        """Raise unless ``weights`` have the model's names and shapes: checked before anything is
+        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others."""
+        own = self.model.state_dict()
+        missing = [k for k in own if k not in weights]
+        unexpected = [k for k in weights if k not in own]
+        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}"
+                  for k, t in own.items() if k in weights and weights[k].shape != t.shape]
+        if missing or unexpected or shapes:
+            raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected "
+                                  f"{unexpected}, other shapes {shapes}; build the model as it was saved")
 
     @staticmethod
     def _file(v: Version, name: str) -> Any:
@@ -1263,9 +1343,10 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} has no {name}")
         return _load_file(v.path / name, v.files[name])
 
-    def _optimizer_state(self, v: Version, states: list[dict[str, Any]]) -> dict[str, Any]:
+    def _optimizer_state(self, v: Version, states: list[dict[str, Any]]) -> tuple[dict[str, Any], set[str]]:
         """The optimizer's ``state_dict`` for this rank: the state of the parameters it updates,
-        each tensor assembled from its slices in whichever rank's file they are (NOTE [resharding])."""
+        each tensor assembled from its slices in whichever rank's file they are (NOTE [resharding]);
+        and the names of the files read."""
         opt = self.optimizer
         metas = [s.get("optimizer") for s in states]
         if metas[0] is None:
@@ -1276,6 +1357,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} holds the state of other parameters than this optimizer's "
                                   f"(saved {len(metas[0]['names'])}, now {len(names)}); build the model and "
                                   "optimizer as they were saved")
+        saved_groups = [len(g["params"]) for g in metas[0]["param_groups"]]
+        groups = [len(g["params"]) for g in opt.param_groups]
+        if saved_groups != groups:  # else load_state_dict refuses, after the model is loaded
+            raise CheckpointError(f"checkpoint {v.path} holds an optimizer of {len(saved_groups)} parameter group(s) of "
+                                  f"{saved_groups} parameters, this one has {len(groups)} of {groups}; build the "
+                                  "optimizer's groups as they were saved")
         other: dict[str, dict[str, Any]] = {}
         for meta in metas:
             other.update(meta["other"] if meta is not None else {})
@@ -1300,12 +1387,10 @@ class Checkpointer:
         if isinstance(info, dict):
             # Who holds which share is what restoring on other ranks changes; the rest must match.
             result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded")}
-        return result
+        return result, set(loaded)
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
-        missing, unexpected = self.model.load_state_dict(payloads["weights"], strict=False)
-        if missing or unexpected:
-            raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected {unexpected}")
+        self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])
             _params_from_masters(self.optimizer)
@@ -1355,6 +1440,15 @@ class Checkpointer:
             self._closed = True
 
 
+def _compiled_module(model: nn.Module) -> nn.Module:
+    """The module ``torch.compile`` wrapped, or ``model`` itself: the wrapper names every tensor
+    ``_orig_mod.<name>``, the module has the names a plain model (or HF) loads the weights by."""
+    dynamo = sys.modules.get("torch._dynamo")  # a compiled model has imported it; never import it here
+    if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
+        return model._orig_mod
+    return model
+
+
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
     """The committed versions under ``directory``, oldest first."""
     root = Path(directory)
@@ -1374,13 +1468,12 @@ def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
 def _committed(path: Path, step: int) -> Version | None:
     """The version in ``path`` if every rank's commit record is there and agrees, else None."""
     try:
-        first = json.loads((path / "manifest-rank0.json").read_text())
-        world = int(first["layout"]["world"])
-        records = [first] + [json.loads((path / f"manifest-rank{r}.json").read_text()) for r in range(1, world)]
-    except (OSError, ValueError, KeyError, TypeError):
+        records = _records(path, step)
+    except CorruptCheckpointError:
         return None
-    if any(r.get("step") != step or r.get("layout") != first["layout"] for r in records):
+    if records is None:
         return None
+    first = records[0]
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, list[dict[str, Any]]] = {}
     for r in records:
@@ -1389,6 +1482,52 @@ def _committed(path: Path, step: int) -> Version | None:
             tensors.setdefault(key, []).append(entry)
     return Version(step=step, path=path, metadata=first.get("metadata", {}), created=first.get("created", 0.0),
                    layout=first["layout"], files=files, tensors=tensors, format=int(first.get("format", 1)))
+
+
+def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
+    """Every rank's commit record in ``path``; None while one is missing (a version not committed
+    yet, or left by a crash); raises :class:`CorruptCheckpointError` for a record that is there
+    but damaged.
+
+    NOTE [damaged records]
+    A record is written to a temporary name, fsynced and renamed into place whole: a crash leaves
+    no record, never part of one. So a record that is there but does not parse, or names another
+    step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
+    folder renamed by hand), as any other file of the version can be. It is reported as such, not
+    taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
+    skips it) and the cleanup of incomplete folders leaves it, with its intact files, be."""
+    name = "manifest-rank0.json"
+    try:
+        first = json.loads((path / name).read_text())
+        world = int(first["layout"]["world"])
+        records = [first]
+        for r in range(1, world):
+            name = f"manifest-rank{r}.json"
+            records.append(json.loads((path / name).read_text()))
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CorruptCheckpointError(path / name, f"the commit record cannot be read ({exc!r})") from None
+    for r, record in enumerate(records):
+        if not isinstance(record, dict) or record.get("step") != step or record.get("layout") != first["layout"] \
+                or not isinstance(record.get("files"), dict):
+            raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
+                                         f"the commit record does not agree with its version {path.name}")
+    return records
+
+
+def _damaged(directory: Path) -> dict[int, CorruptCheckpointError]:
+    """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
+    records])."""
+    found = {}
+    for path in directory.iterdir() if directory.is_dir() else ():
+        m = _VERSION_RE.match(path.name)
+        if m and path.is_dir():
+            try:
+                _records(path, int(m.group(1)))
+            except CorruptCheckpointError as exc:
+                found[int(m.group(1))] = exc
+    return found
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:

@@ -49,18 +49,24 @@ def _train(args: argparse.Namespace) -> int:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     import datetime
+    from pathlib import Path
 
-    from ooc.checkpoint import list_versions
+    from ooc.checkpoint import _damaged, list_versions
 
     found = list_versions(args.directory)
-    if not found:
+    damaged = _damaged(Path(args.directory))  # NOTE [damaged records] in ooc.checkpoint
+    if not found and not damaged:
         print(f"no complete checkpoint in {args.directory}")
         return 1
+    lines = {}
     for v in found:
         when = datetime.datetime.fromtimestamp(v.created).isoformat(timespec="seconds")
         size = sum(f["bytes"] for f in v.files.values())
-        print(f"step {v.step:>9d}  {when}  {size:>12d} B  {v.world} rank(s)  {v.path.name}  "
-              f"{json.dumps(v.metadata, sort_keys=True)}")
+        lines[v.step] = (f"step {v.step:>9d}  {when}  {size:>12d} B  {v.world} rank(s)  {v.path.name}  "
+                         f"{json.dumps(v.metadata, sort_keys=True)}")
+    for step, error in damaged.items():
+        lines[step] = f"step {step:>9d}  DAMAGED  {error}"
+    print("\n".join(lines[step] for step in sorted(lines)))
     return 0
 
 
@@ -309,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     ck = sub.add_parser("checkpoints", help="list a checkpoint directory's complete versions with their metadata")
     ck_sub = ck.add_subparsers(dest="action", required=True)
-    ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, ranks, folder, metadata")
+    ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, ranks, folder, metadata; "
+                                 "and per version whose commit record is damaged: step, DAMAGED, why")
     ck_list.add_argument("directory")
     ck_list.set_defaults(run=_checkpoints)
 

@@ -406,6 +406,8 @@ class HostAdamW(torch.optim.Optimizer):
         base class puts it, with ``step`` on the device too (the fused kernel's rule)."""
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
+        if self._pipeline.open_step():
+            self._pipeline.supersede()
         state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
         saved = state_dict["state"]
         # The base class checks the groups and maps saved ids to parameters; given no state

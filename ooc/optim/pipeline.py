@@ -301,6 +301,19 @@ class UpdatePipeline:
                 UncommittedStepWarning, stacklevel=3)
         self._reset()
 
+    def supersede(self) -> None:
+        """``load_state_dict`` with a step open (a backward no ``step()`` followed, as when a step
+        raised and the loop restores a checkpoint): the state loaded next replaces whatever the
+        step's launched updates did, so they are neither undone nor reported at the next
+        ``zero_grad()`` (with ``rollback`` that put the state from before them back over the loaded
+        one). With clipping the step's updates are held until ``step()``, and are left to
+        :meth:`discard`."""
+        if self.config.max_grad_norm is not None:
+            return
+        if self.stages.comm is not None and (self.in_backward or any(s.launched for s in self.status)):
+            self.discard("load_state_dict() after a backward without step()")  # raises: ranks cannot agree
+        self._reset()
+
     def _restore(self, index: int) -> None:
         """``rollback``: put back the bucket's host state from before this step's update, and its
         weights (the update thread is idle for this bucket: its job is done)."""

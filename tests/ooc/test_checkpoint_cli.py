@@ -108,6 +108,38 @@ def test_resume_auto_without_a_version_starts_fresh(tmp_path: Path, reference) -
     _check_resumed(tmp_path / "ckpt", tmp_path / "all.json", 0, reference)
 
 
+def test_resume_auto_with_only_a_damaged_version_says_so(tmp_path: Path) -> None:
+    """NOTE [damaged records] in ooc.checkpoint: ``--resume auto`` on a directory whose one version
+    has a damaged commit record started afresh without a word (the version was not listed), and
+    the run then failed at that version's step ('already committed'). It now stops at the start,
+    naming the record."""
+    _run(_cmd("--steps", "1", "--save", "ckpt"), tmp_path)
+    record = tmp_path / "ckpt" / "step-000000001" / "manifest-rank0.json"
+    record.write_bytes(record.read_bytes()[:-1])
+    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "manifest-rank0.json" in done.stderr, done.stderr[-3000:]
+
+
+def test_checkpoints_list_shows_a_damaged_version(tmp_path: Path) -> None:
+    """A version whose commit record is damaged is no complete version, but not a crash's leftover
+    either (NOTE [damaged records]): the list, which left it out, names it and why."""
+    from ooc.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path / "ckpt", torch.nn.Linear(2, 2))
+    for step in (1, 2):
+        ckpt.save(step)
+    ckpt.close()
+    record = tmp_path / "ckpt" / "step-000000002" / "manifest-rank0.json"
+    record.write_bytes(b"")
+    listed = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", "ckpt"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert len(lines) == 2 and lines[0].split()[:2] == ["step", "1"]
+    assert lines[1].split()[:3] == ["step", "2", "DAMAGED"] and "manifest-rank0.json" in lines[1]
+
+
 @pytest.fixture(scope="module")
 def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
     """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""

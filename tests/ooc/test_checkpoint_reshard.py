@@ -211,3 +211,43 @@ def test_one_rank_restores_on_two_sharded(tmp_path: Path) -> None:
     assert _interleave(resumed) == straight
     assert all(_same(r["weights"], final) for r in resumed)
     assert list_versions(tmp_path / "ckpt")[-1].world == 1
+
+
+
+def _save_or_fall_back(rank: int, world: int, rendezvous: str, root: str, phase: str) -> None:
+    """One sharded rank: save versions 1 and 2 (``phase="save"``), or restore with ``fallback=True``
+    and write the step it restored."""
+    os.environ["OOC_CHECK_ORDER"] = "0"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    try:
+        model, opt, sched = _setup(world=world, shard=True, dtype=torch.bfloat16)
+        ckpt = Checkpointer(Path(root) / "ckpt", model, opt, scheduler=sched, keep=None)
+        if phase == "save":
+            for step in (1, 2):
+                _train(model, opt, sched, range(step - 1, step), [rank])
+                ckpt.save(step)
+        else:
+            Path(root, f"fell-back-rank{rank}.txt").write_text(str(ckpt.restore(fallback=True).step))
+        ckpt.close()
+        opt.close()
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_sharded_ranks_fall_back_to_the_same_version(tmp_path: Path) -> None:
+    """NOTE [every rank falls back alike]: the newest version's optimizer file of rank 1 is damaged.
+    A sharded rank reads only the files of the parameters it owns, so with ``fallback=True`` rank 0
+    loaded the newest version and rank 1 the one before, and the two trained on from different
+    steps without a word. Both now fall back to the version before."""
+    mp.spawn(_save_or_fall_back, args=(2, str(tmp_path / "rendezvous-save"), str(tmp_path), "save"), nprocs=2, join=True)
+    newest = list_versions(tmp_path / "ckpt")[-1]
+    assert newest.step == 2 and {"optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= newest.files.keys()
+    damaged = newest.path / "optimizer-rank1.safetensors"
+    data = bytearray(damaged.read_bytes())
+    data[-1] ^= 0x01
+    damaged.write_bytes(bytes(data))
+    mp.spawn(_save_or_fall_back, args=(2, str(tmp_path / "rendezvous-restore"), str(tmp_path), "restore"),
+             nprocs=2, join=True)
+    assert [(tmp_path / f"fell-back-rank{r}.txt").read_text() for r in range(2)] == ["1", "1"]

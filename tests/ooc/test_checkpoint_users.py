@@ -1,0 +1,296 @@
+"""ooc.checkpoint as a new user meets it (issue 14): values a loop puts in ``extra``, ``keep``,
+restoring into the wrong model, a damaged commit record, continuing after a fallback."""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import namedtuple
+from pathlib import Path
+
+import numpy as np
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from ooc.checkpoint import MODEL_FILE, Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+
+Point = namedtuple("Point", "x y")
+
+
+def _linear(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(3, 2)
+
+
+def _steps(directory: Path) -> list[int]:
+    return [v.step for v in list_versions(directory)]
+
+
+@pytest.mark.parametrize("value", [np.int64(3), np.float32(0.5), np.arange(3), slice(1, 2)],
+                         ids=["np.int64", "np.float32", "ndarray", "slice"])
+def test_an_extra_value_restore_cannot_read_fails_the_save_not_the_restore(tmp_path: Path, value: object) -> None:
+    """``extra={"pos": np.int64(3)}`` (a data position taken from a numpy index) pickles, but
+    ``restore`` reads the state file with ``weights_only=True``, which refuses numpy objects: the
+    version was committed and every later restore called its intact file corrupt (and with
+    ``fallback=True``, every version). The save fails instead, saying what to convert, and commits
+    nothing."""
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"pos": value})
+    ckpt.save(1)
+    with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)") as info:
+        ckpt.wait()
+    assert not isinstance(info.value, CorruptCheckpointError)
+    assert _steps(tmp_path) == [] and os.listdir(tmp_path) == []
+    extra = {"pos": 3}
+    ckpt = Checkpointer(tmp_path, _linear(), extra=extra)
+    ckpt.save(2)
+    ckpt.wait()  # a plain value saves as before
+    extra["pos"] = 0
+    Checkpointer(tmp_path, _linear(), extra=extra).restore()
+    assert extra == {"pos": 3}
+
+
+@pytest.mark.parametrize("keep", [2.5, "3", True])
+def test_keep_must_be_an_integer(tmp_path: Path, keep: object) -> None:
+    """``keep=2.5`` was accepted; the first save's retention then failed on the writer thread, and
+    the next ``wait`` reported a committed version as not written."""
+    with pytest.raises(ValueError, match="keep must be"):
+        Checkpointer(tmp_path, _linear(), keep=keep)
+
+
+class _Other(nn.Module):
+    """Shares ``weight`` with ``nn.Linear(3, 2)``'s names, not the rest."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(2, 3))
+        self.scale = nn.Parameter(torch.zeros(2))
+
+
+@pytest.mark.parametrize("other", ["keys", "shapes"])
+def test_a_version_that_does_not_fit_the_model_loads_nothing(tmp_path: Path, other: str) -> None:
+    """A model built otherwise than the saved one (other keys, or the same keys with other shapes):
+    ``restore`` raises ``CheckpointError`` saying so, and the model keeps its weights. Before, the
+    matching tensors were loaded first (other keys), or torch's own size-mismatch error came out of
+    ``load_state_dict`` (other shapes)."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(1)
+    ckpt.wait()
+    model = _Other() if other == "keys" else nn.Linear(4, 2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(CheckpointError, match="does not fit the model"):
+        Checkpointer(tmp_path, model).restore()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+@pytest.mark.parametrize("damage", ["flipped", "truncated", "empty"])
+def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path, damage: str) -> None:
+    """A commit record is renamed into place whole, so one that exists but does not parse was
+    damaged after its commit, as any other file can be; a crash leaves none. It was taken for a
+    crash's leftover: the next Checkpointer deleted the whole version (weights and optimizer state
+    intact) and ``restore()`` loaded the version before it without a word. Now the version stays,
+    ``restore()`` raises ``CorruptCheckpointError`` naming the record, and ``fallback=True`` loads
+    the version before."""
+    ckpt = Checkpointer(tmp_path, _linear(), keep=3)
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    record = tmp_path / "step-000000002" / "manifest-rank0.json"
+    data = bytearray(record.read_bytes())
+    if damage == "flipped":
+        data[0] ^= 0x01
+    record.write_bytes(bytes(data[:len(data) // 2] if damage == "truncated" else b"" if damage == "empty" else data))
+    files = sorted(os.listdir(record.parent))
+    ckpt = Checkpointer(tmp_path, _linear(seed=1))
+    assert sorted(os.listdir(record.parent)) == files
+    for step in (None, 2):
+        with pytest.raises(CorruptCheckpointError, match="manifest-rank0.json"):
+            ckpt.restore(step)
+    assert ckpt.restore(fallback=True).step == 1
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "restore(fallback=True) skips a corrupt newest version but leaves it committed, so the loop that "
+    "continues from the version before it (start = restored step + 1) saves at the corrupt version's "
+    "step, and that save fails ('already committed', raised by the next save). Continuing needs a "
+    "decision: fallback moves the corrupt versions it skipped aside (kept for inspection, out of "
+    "versions()), or a save replaces a version whose files fail their checks"))
+def test_a_loop_continues_saving_after_falling_back_past_a_corrupt_version(tmp_path: Path) -> None:
+    """README's loop with ``restore(fallback=True)``: the newest version's model file is damaged,
+    the resume loads the one before and saves the steps after it, as the run that never stopped."""
+    ckpt = Checkpointer(tmp_path, _linear(), keep=3)
+    for step in (1, 2, 3):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    weights = tmp_path / "step-000000003" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0x01
+    weights.write_bytes(bytes(data))
+    model = _linear(seed=1)
+    ckpt = Checkpointer(tmp_path, model, keep=3)
+    start = ckpt.restore(fallback=True).step + 1
+    assert start == 3
+    for step in (start, start + 1):
+        ckpt.save(step)
+    ckpt.wait()
+    assert _steps(tmp_path) == [2, 3, 4]
+    assert ckpt.restore(3).step == 3
+
+
+@pytest.mark.xfail(strict=True, reason=(
+    "save(step) at a step below the newest version returns True and commits the version, then "
+    "retention (keep newest by step) retires it at once: save said the step got a version and "
+    "there is none. With keep large enough it stays, but latest() (a resume) goes on picking the "
+    "newer step of the abandoned run. A save at a step not after the newest should be refused in "
+    "save(), as a save at a committed step already is (later, from the writer)"))
+def test_a_save_below_the_newest_version_is_refused_or_kept(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, _linear(), keep=3)
+    for step in (5, 6, 7):
+        ckpt.save(step)
+        ckpt.wait()
+    try:
+        written = ckpt.save(1)
+        ckpt.wait()
+    except CheckpointError:
+        return
+    assert not written or 1 in _steps(tmp_path)
+
+
+@pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)], ids=["np.int64", "tensor"])
+def test_a_step_of_an_integer_type_saves_as_an_int(tmp_path: Path, step: object) -> None:
+    """``for step in np.arange(n): ckpt.save(step)`` failed on the writer thread (the commit record's
+    JSON has no numpy int), reported by the next save as 'could not write checkpoint'."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    assert ckpt.save(step)
+    ckpt.wait()
+    assert _steps(tmp_path) == [3]
+
+
+def test_a_step_that_is_no_integer_is_refused_at_once(tmp_path: Path) -> None:
+    ckpt = Checkpointer(tmp_path, _linear())
+    with pytest.raises(TypeError, match="step must be an int"):
+        ckpt.save(3.0)
+
+
+def _groups(model: nn.Module, split: bool) -> list:
+    """The model's parameters in one group, or split in two (weight decay on the first only)."""
+    params = list(model.parameters())
+    return [{"params": params[:1]}, {"params": params[1:], "weight_decay": 0.0}] if split else params
+
+
+@pytest.mark.parametrize("saved_split", [False, True], ids=["one-group-saved", "two-groups-saved"])
+def test_other_parameter_groups_are_refused_before_anything_is_loaded(tmp_path: Path, saved_split: bool) -> None:
+    """An optimizer whose parameters are split into other groups than the saved one's: torch's
+    ``load_state_dict`` raised its ValueError after the model's weights were loaded. Now a
+    ``CheckpointError`` naming the groups comes first, and nothing is loaded."""
+    model = _linear()
+    opt = torch.optim.AdamW(_groups(model, saved_split), lr=0.1)
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.wait()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="parameter group"):
+        Checkpointer(tmp_path, other, torch.optim.AdamW(_groups(other, not saved_split), lr=0.1)).restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+
+
+def test_extra_holds_its_values_at_save_while_the_loop_changes_them(tmp_path: Path) -> None:
+    """``save`` returns before the writer serializes ``extra``; a set in it (ids of the samples
+    seen) that the loop changes after ``save`` was written as it was by then, not as at the save."""
+    seen = {1}
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"seen": seen})
+    go = threading.Event()
+    ckpt._hook = lambda point: point == f"write:{MODEL_FILE}" and go.wait(10)
+    ckpt.save(1)
+    seen.add(2)
+    go.set()
+    ckpt.wait()
+    extra: dict = {}
+    Checkpointer(tmp_path, _linear(), extra=extra).restore()
+    assert extra == {"seen": {1}}
+
+
+def test_a_namedtuple_in_extra_is_refused_by_name(tmp_path: Path) -> None:
+    """A namedtuple in ``extra`` made ``save`` raise TypeError from inside its copy
+    (``__new__() missing ... arguments``); it is copied, then refused as any value restore cannot
+    read (NOTE [state files load with weights_only])."""
+    ckpt = Checkpointer(tmp_path, _linear(), extra={"at": Point(1, 2)})
+    ckpt.save(1)
+    with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)"):
+        ckpt.wait()
+
+
+def test_a_compiled_models_version_holds_the_plain_names(tmp_path: Path) -> None:
+    """``torch.compile(model)`` (a supported way to run a wrapped model) names every tensor
+    ``_orig_mod.<name>``: the version's model file, README's "load them into plain PyTorch or HF",
+    did not load into the plain model, nor did the version restore into it (an evaluation script).
+    The Checkpointer saves the compiled model's module, so either restores the other."""
+    compiled = torch.compile(_linear())
+    ckpt = Checkpointer(tmp_path, compiled)
+    ckpt.save(1)
+    ckpt.wait()
+    plain = _linear(seed=1)
+    plain.load_state_dict(safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE))
+    assert torch.equal(plain.weight, compiled.weight)
+    other = _linear(seed=2)
+    Checkpointer(tmp_path, other).restore()
+    assert torch.equal(other.weight, compiled.weight)
+    again = torch.compile(_linear(seed=3))
+    Checkpointer(tmp_path, again).restore()
+    assert torch.equal(again.weight, compiled.weight)
+
+
+def _gpt_host(seed: int, **options: object):  # noqa: ANN202
+    from dataclasses import replace
+
+    from ooc.models.gpt import GPT, GPT_PRESETS
+    from ooc.optim import HostAdamW
+
+    torch.manual_seed(seed)
+    model = GPT(replace(GPT_PRESETS["nano"], n_layer=2))
+    return model, HostAdamW(model.parameters(), lr=1e-2, model=model, **options)
+
+
+def _gpt_step(model: nn.Module, seed: int) -> None:
+    x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(seed))
+    model(x, x)[1].backward()
+
+
+@pytest.mark.parametrize("options", [{"rollback": True}, {}], ids=["rollback", "pipelined"])
+def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, options: dict) -> None:
+    """A step raised between ``backward()`` and ``step()`` (the moment a loop restores an earlier
+    version), then ``restore`` and ``zero_grad()``: with ``rollback=True`` the reset of the open step
+    put back the host state from before its updates over the state just restored, so training went
+    on from neither. The restored state supersedes the open step: nothing of it is undone or
+    reported, and the optimizer holds the version as a fresh one restored from it does. (With
+    ``max_grad_norm`` the restore hangs instead: ``model.state_dict()`` waits in ``synchronize`` for
+    the updates clipping holds until a ``step()`` that never comes; not fixed here.)"""
+    model, opt = _gpt_host(0, **options)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    for step in (1, 2):
+        _gpt_step(model, step)
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(step)
+    ckpt.wait()
+    _gpt_step(model, 3)  # the step that raised before opt.step()
+    ckpt.restore(1)
+    opt.zero_grad()
+    opt.synchronize()
+    fresh_model, fresh_opt = _gpt_host(5, **options)
+    Checkpointer(tmp_path, fresh_model, fresh_opt).restore(1)
+    try:
+        assert all(torch.equal(v, fresh_model.state_dict()[k]) for k, v in model.state_dict().items())
+        ours, theirs = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
+        assert ours.keys() == theirs.keys()
+        assert all(torch.equal(ours[i][f], theirs[i][f]) for i in ours for f in ours[i])
+    finally:
+        ckpt.close()
+        opt.close()
+        fresh_opt.close()
