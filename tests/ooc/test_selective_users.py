@@ -1,0 +1,65 @@
+"""Selective recompute (issue 15) under what users do around a training step: validation forwards,
+eval mode, the caller's own in-place ops. Gradients equal plain PyTorch bit for bit, or a
+:class:`~ooc.recompute.RecomputeError` says why; a forward that is never differentiated runs as
+plain PyTorch runs it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ooc
+from ooc.models import GPT
+from ooc.recompute import RecomputeError
+from tests.helpers import NANO, gpt_batch, gpt_loss
+
+
+def _last_cacheable_plan(prof) -> ooc.Plan:  # noqa: ANN001
+    """Every block recomputed, caching its last cacheable op: past the dropouts, which a forward in
+    eval mode does not run (it runs fewer ops than the training step the profile measured)."""
+    return ooc.Plan(blocks=tuple(
+        ooc.BlockPlan("recompute", cached_ops=(max(k for k, op in enumerate(b.ops) if op.cacheable),)) for b in prof.blocks),
+        min_swap_bytes=prof.min_swap_bytes)
+
+
+def test_a_validation_forward_in_eval_mode_with_grad_enabled_runs(gpt_profile) -> None:
+    """``model.eval()`` then ``model(x)`` without ``torch.no_grad()`` (a validation loss): the forward runs
+    other ops than the plan's cached_ops index, but its graph is never differentiated, so it runs as
+    plain PyTorch does (it raised RecomputeError); the training step after it equals plain PyTorch."""
+    plan = _last_cacheable_plan(gpt_profile)
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        if wrap:
+            ooc.wrap(model, plan, backend="cpu")
+        try:
+            model.eval()
+            validation = gpt_loss(model, gpt_batch(seed=1)).detach()
+            model.train()
+            torch.manual_seed(1)
+            loss = gpt_loss(model, gpt_batch())
+            loss.backward()
+        finally:
+            if wrap:
+                ooc.unwrap(model)
+        results.append((validation, loss.detach(), [p.grad for p in model.parameters()]))
+    (v1, l1, g1), (v2, l2, g2) = results
+    assert torch.equal(v1, v2) and torch.equal(l1, l2)
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+
+
+def test_a_backward_through_an_eval_mode_forward_the_plan_does_not_fit_says_why(gpt_profile) -> None:
+    """The same forward differentiated: the re-run cannot take the plan's outputs, so it raises, and
+    the message names eval mode."""
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    ooc.wrap(model, _last_cacheable_plan(gpt_profile), backend="cpu")
+    try:
+        model.eval()
+        loss = gpt_loss(model, gpt_batch())
+        with pytest.raises(RecomputeError, match=r"block blocks\.3: its plan caches op \d+ but its forward ran \d+ ops.*"
+                                                 r"eval mode"):
+            loss.backward()
+    finally:
+        ooc.unwrap(model)
