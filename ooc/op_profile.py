@@ -22,7 +22,7 @@ What can be cached (``why_not_cacheable``): an op that creates new storages, is 
 skipped random op would leave its generator where it was and shift every later draw; attention with
 ``dropout_p=0`` draws nothing), does not modify a tensor in place, and whose outputs nothing modifies
 in place afterwards (the forward's ops are checked by storage; the block's outputs that lie in a
-cached storage, by version counter before each re-run).
+cached storage, by version counter when the re-run takes them from the cache).
 The outputs of ``BlockPlan.swapped_ops`` (among the cached ones) go through the block's swap hook
 instead of its keep hook: the swap engine copies each storage to the host as its op ends, the
 schedule's RELEASE drops the device bytes and its SWAP_IN brings them back before the block's
@@ -734,10 +734,13 @@ class ForwardCache(OpCounter):
         self.left_out = {k: self._candidates[k][0] for k in sorted(dead)}
         self._candidates = {}
 
-    def check_unchanged(self) -> None:
-        """Before a re-run: no block output in a cached storage was modified in place since the forward."""
+    def check_unchanged(self, index: int) -> None:
+        """As the re-run takes op ``index``'s outputs from the cache: no block output in its storages was
+        modified in place since the forward. Checked then, not before the re-run: a re-run that stops
+        before the op (at the last tensor the block saves; the add a block returns often comes after)
+        never reads the changed bytes, as plain PyTorch never reads a returned tensor nothing saved."""
         for alias, version, op in self.escaped:
-            if alias._version != version:
+            if op == index and alias._version != version:
                 raise self.error(self._modified(op, "after the forward"))
 
     def _modified(self, op: int, when: str) -> str:
@@ -800,6 +803,7 @@ class Replay(OpCounter):
         if index not in cache.outputs:
             return self._run(index, func, args, kwargs)
 
+        cache.check_unchanged(index)
         spec, leaves = cache.outputs[index]
         out = []
         for is_tensor, leaf in leaves:

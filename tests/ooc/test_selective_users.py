@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 import ooc
 from ooc.models import GPT
 from ooc.recompute import RecomputeError
-from tests.helpers import NANO, gpt_batch, gpt_loss
+from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
 
 
 def _last_cacheable_plan(prof) -> ooc.Plan:  # noqa: ANN001
@@ -63,3 +65,44 @@ def test_a_backward_through_an_eval_mode_forward_the_plan_does_not_fit_says_why(
             loss.backward()
     finally:
         ooc.unwrap(model)
+
+
+
+class _Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(F.gelu(self.fc1(x)))  # its last op, the add, makes what it returns
+
+
+class _ShiftedChain(nn.Module):
+    """``x = block(x); x += 1``: the caller shifts each block's output in place, which plain PyTorch
+    allows (no node saved it yet: the next block saves it shifted)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([_Mlp(), _Mlp(), _Mlp()])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+            x += 1
+        return x.square().mean()
+
+
+def test_the_caller_changing_a_cached_output_the_rerun_never_reads() -> None:
+    """Every block caches its add (the output it returns), which the caller then shifts in place. The
+    re-run stops at the last tensor the block saves, before the add: it never reads the cache's
+    changed bytes, so the step runs and equals plain PyTorch (it raised RecomputeError before the
+    re-run began)."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    torch.manual_seed(0)
+    prof = ooc.profile(_ShiftedChain(), x, ops=True, codec_errors=False, reps=1)
+    adds = [[k for k, op in enumerate(b.ops) if op.name == "aten.add.Tensor"] for b in prof.blocks]
+    assert all(len(a) == 1 and b.ops[a[0]].returned and b.ops[a[0]].cacheable for a, b in zip(adds, prof.blocks))
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=tuple(a)) for a in adds))
+    results = train_side_by_side(_ShiftedChain, lambda m, b: m(b), [x, x.flip(0)], lambda m: ooc.wrap(m, plan, backend="cpu"))
+    assert results == [(True, True, True)] * 2
+
