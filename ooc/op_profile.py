@@ -659,7 +659,7 @@ class ForwardCache(OpCounter):
                 self.refused = (
                     f"block {self.block}: its plan caches op {index} ({func}), which cannot be cached: {reason}; "
                     "leave it out of cached_ops (the op-level profile, ooc.profile(..., ops=True), marks such ops "
-                    "cacheable=False)"
+                    f"cacheable=False){_OTHER_FORWARD_HINT}"
                 )
                 return out
             # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
@@ -697,7 +697,7 @@ class ForwardCache(OpCounter):
         if self.refused is None and self.count <= self.last:
             self.refused = (f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))"
-                            + _AUTOCAST_HINT * _in_autocast())
+                            + _AUTOCAST_HINT * _in_autocast() + _OTHER_FORWARD_HINT)
         if self.refused is not None:
             return  # the re-run raises (NOTE [a forward the plan does not fit])
         self._decide_left_out(out)
@@ -750,6 +750,11 @@ class ForwardCache(OpCounter):
             "that operation out of place"
         )
 
+
+_OTHER_FORWARD_HINT = ("; if the plan came from this model's op-level profile, this forward ran other ops than the "
+                       "profiled one (Hugging Face sdpa attention runs one fused kernel for a batch without padding and "
+                       "the math path op by op for one with it; a sequence of length 1 skips copies): profile on a batch "
+                       "like this one, or plan this block without cached_ops")
 
 _AUTOCAST_HINT = ("; under autocast, a forward after another inside the same torch.autocast (gradient "
                   "accumulation) finds the weights' casts still in autocast's cache and runs fewer ops than a "

@@ -106,3 +106,50 @@ def test_the_caller_changing_a_cached_output_the_rerun_never_reads() -> None:
     results = train_side_by_side(_ShiftedChain, lambda m, b: m(b), [x, x.flip(0)], lambda m: ooc.wrap(m, plan, backend="cpu"))
     assert results == [(True, True, True)] * 2
 
+
+
+def _llama_padded_profile_and_batches() -> tuple[object, ooc.Plan, dict, dict]:
+    """HF Llama with sdpa attention, profiled on a batch with padding (its mask sends attention down
+    the math path, op by op) and a plan caching each block's last cacheable op; a batch like it and
+    one without padding (the fused kernel: 11 ops fewer per block)."""
+    pytest.importorskip("transformers")
+    from tests.helpers import tiny_llama
+
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 97, (2, 12), generator=g)
+    padded = torch.ones_like(ids)
+    padded[0, :3] = 0
+    torch.manual_seed(0)
+    prof = ooc.profile(tiny_llama("sdpa"), {"input_ids": ids, "attention_mask": padded, "labels": ids}, ops=True,
+                       codec_errors=False, reps=1)
+    return (lambda: tiny_llama("sdpa")), _last_cacheable_plan(prof), \
+        {"input_ids": ids, "attention_mask": padded, "labels": ids}, \
+        {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids}
+
+
+@pytest.mark.xfail(strict=True, raises=RecomputeError, reason=(
+    "cached_ops index the profiled forward's ops; a batch whose forward runs other ops (HF sdpa attention: "
+    "with padding the math path, without it one fused kernel; eager attention: a sequence of length 1 "
+    "skips a contiguous() copy) cannot take that plan, and the re-run raises instead of running the block "
+    "without the cache (plain recompute, which gives these gradients). Training on batches with and "
+    "without padding needs a per-call fallback, or plans that name the ops they cache"))
+def test_hf_llama_sdpa_trains_on_a_batch_without_padding_after_a_profile_with_it() -> None:
+    make, plan, padded, full = _llama_padded_profile_and_batches()
+    results = train_side_by_side(make, lambda m, b: m(**b).loss, [padded, full], lambda m: ooc.wrap(m, plan, backend="cpu"))
+    assert results == [(True, True, True)] * 2
+
+
+def test_a_batch_that_runs_other_ops_than_the_profiled_one_says_so() -> None:
+    """Until that works, the error names the likely cause (it told to leave the op out of cached_ops,
+    or to make the plan from this model's op-level profile, which it was)."""
+    make, plan, _, full = _llama_padded_profile_and_batches()
+    torch.manual_seed(0)
+    model = make()
+    ooc.wrap(model, plan, backend="cpu")
+    try:
+        loss = model(**full).loss
+        with pytest.raises(RecomputeError, match=r"ran other ops than the profiled one \(Hugging Face sdpa attention runs "
+                                                 r"one fused kernel for a batch without padding"):
+            loss.backward()
+    finally:
+        ooc.unwrap(model)
