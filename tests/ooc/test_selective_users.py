@@ -1,5 +1,6 @@
 """Selective recompute (issue 15) under what users do around a training step: validation forwards,
-eval mode, the caller's own in-place ops. Gradients equal plain PyTorch bit for bit, or a
+eval mode, the caller's own in-place ops, batches unlike the profiled one, models that skip layers
+at random (LayerDrop). Gradients equal plain PyTorch bit for bit, or a
 :class:`~ooc.recompute.RecomputeError` says why; a forward that is never differentiated runs as
 plain PyTorch runs it."""
 
@@ -153,3 +154,41 @@ def test_a_batch_that_runs_other_ops_than_the_profiled_one_says_so() -> None:
             loss.backward()
     finally:
         ooc.unwrap(model)
+
+
+def _bart(layerdrop: float):  # noqa: ANN202
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BartConfig(
+        vocab_size=97, d_model=32, encoder_layers=3, decoder_layers=3, encoder_attention_heads=4, decoder_attention_heads=4,
+        encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=32, dropout=0.1, use_cache=False,
+        attn_implementation="eager", encoder_layerdrop=layerdrop, decoder_layerdrop=layerdrop)
+    return transformers.BartForConditionalGeneration(config).train()
+
+
+def test_a_model_with_layerdrop_trains_when_its_first_step_skips_a_layer() -> None:
+    """LayerDrop (HF ``layerdrop``, ``encoder_layerdrop``, ``decoder_layerdrop``; Wav2Vec2 and HuBERT
+    default to 0.1) skips layers at random in training. A first training forward that skipped one
+    made the first-forward check unwrap the model ("blocks [...] of the chain never ran ... Pass
+    blocks=[...]", which no blocks= fixes); skips in later steps trained and equalled plain PyTorch
+    already. With a plan given, the first step is taken as it comes too, selective plans included."""
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 97, (2, 12), generator=g)
+    torch.manual_seed(0)
+    prof = ooc.profile(_bart(0.0), {"input_ids": ids, "labels": ids}, ops=True, codec_errors=False, reps=1)
+    plan = _last_cacheable_plan(prof)
+    # train_side_by_side seeds each step with its index: LayerDrop skips layers in step 0.
+    results = train_side_by_side(lambda: _bart(0.5), lambda m, b: m(input_ids=b, labels=b).loss, [ids] * 3,
+                                 lambda m: ooc.wrap(m, plan, backend="cpu"))
+    assert results == [(True, True, True)] * 3
+
+
+def test_a_first_step_that_layerdrop_skipped_says_so_when_ooc_plans_from_it() -> None:
+    """Without a plan ooc measures the first step to plan from it, and every block must run in it: the
+    error names LayerDrop (it told to pass blocks=[...])."""
+    torch.manual_seed(0)
+    model = _bart(0.5)
+    ids = torch.randint(1, 97, (2, 12), generator=torch.Generator().manual_seed(0))
+    ooc.wrap(model, budget="1MiB", backend="cpu")
+    with pytest.raises(ooc.BlockError, match=r"config has encoder_layerdrop=0\.5: LayerDrop skips layers at random"):
+        model(input_ids=ids, labels=ids)
+    assert not ooc.is_wrapped(model)
