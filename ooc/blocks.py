@@ -352,16 +352,25 @@ def find_blocks(model: nn.Module, blocks: object = None, *, sample: Any = None) 
     return Chain(modules, tuple(names_by_id[id(m)] for m in modules))
 
 
-def check_first_forward(chain: Chain, calls: list[int]) -> None:
+def check_first_forward(chain: Chain, calls: list[int], *, layerdrop: str | None = None, skips: bool = False) -> None:
     """Raise :class:`BlockError` unless the blocks ran once each, in chain order.
 
     ``calls``: the block indices in the order their forwards ran during one training forward of
     the model. The runtime's schedule (releases, prefetches, the backward's order) assumes it.
+    ``layerdrop``: the model skips layers at random in training (``ooc.hf.layerdrop``); with
+    ``skips``, blocks missing from an otherwise ordered forward are what it skipped, not an error (a
+    skipped block opens no pass and runs nothing: the runtime takes any later forward as it comes).
     """
     if calls == list(range(len(chain))):
         return
+    if layerdrop is not None and skips and calls and calls == sorted(set(calls)):
+        return
     hint = ("Pass blocks=[...] to ooc.wrap: the submodules that run one after another in every forward, "
             "each once, in forward order.")
+    if layerdrop is not None:
+        hint = (f"(This model's config has {layerdrop}: LayerDrop skips layers at random in training; ooc takes "
+                "forwards that skip them once it has a plan, so pass one, or set LayerDrop to 0 for the step "
+                f"ooc measures.) {hint}")
     never = [chain.names[i] for i in range(len(chain)) if i not in calls]
     if len(never) == len(chain):
         raise BlockError(f"none of the {len(chain)} blocks ooc found ({chain.names[0]} ... {chain.names[-1]}) ran in "

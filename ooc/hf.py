@@ -33,6 +33,22 @@ def _checkpointing_flag(module: nn.Module) -> object:
     return getattr(module, "is_gradient_checkpointing", False)
 
 
+LAYERDROP = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+"""HF config fields of LayerDrop: in training each layer is skipped at random with that probability
+(Wav2Vec2 and HuBERT default to 0.1), so a forward need not run every block of the chain."""
+
+
+def layerdrop(model: nn.Module) -> str | None:
+    """The first LayerDrop setting above 0 on a config of ``model`` (``"encoder_layerdrop=0.1"``), or None."""
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        for name in LAYERDROP if config is not None else ():
+            value = getattr(config, name, None)
+            if isinstance(value, (int, float)) and value > 0:
+                return f"{name}={value}"
+    return None
+
+
 def check_no_hf_checkpointing(model: nn.Module) -> None:
     """Raise :class:`WrapError` if HF's gradient checkpointing is on: ooc would then see only the
     layers' inputs, and a recompute plan would run each layer three times."""

@@ -22,13 +22,22 @@ What can be cached (``why_not_cacheable``): an op that creates new storages, is 
 skipped random op would leave its generator where it was and shift every later draw; attention with
 ``dropout_p=0`` draws nothing), does not modify a tensor in place, and whose outputs nothing modifies
 in place afterwards (the forward's ops are checked by storage; the block's outputs that lie in a
-cached storage, by version counter before each re-run).
+cached storage, by version counter when the re-run takes them from the cache).
 The outputs of ``BlockPlan.swapped_ops`` (among the cached ones) go through the block's swap hook
 instead of its keep hook: the swap engine copies each storage to the host as its op ends, the
 schedule's RELEASE drops the device bytes and its SWAP_IN brings them back before the block's
 backward, where ``Replay`` loads them like kept ones (NOTE [swapped cached ops] in
 ``ooc.scheduler.schedule``). An output the block returns cannot be swapped (``ForwardCache.finish``
 refuses it): it is the next block's input and stays on the device.
+
+NOTE [a forward the plan does not fit]
+``cached_ops`` index the ops of the training step the profile measured. A forward that runs other
+ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts) finds
+at such an index an op that cannot be cached, or ends before it, or modifies a cached output in
+place. The forward does not raise: it records why (``ForwardCache.refused``), caches nothing more,
+and runs on as plain PyTorch; the re-run raises :class:`~ooc.recompute.RecomputeError` with that
+reason. So a forward that is never differentiated (a validation loss in eval mode without
+``torch.no_grad()``) runs as without ooc, and one that is differentiated fails before any gradient.
 
 NOTE [the re-run leaves ops out]
 The re-run also leaves out the uncached ops whose outputs only cached ops read (NOTE [ops a re-run
@@ -608,6 +617,9 @@ class ForwardCache(OpCounter):
         """Block outputs in a cached storage: (an alias sharing their version counter, its version
         after the forward, the op)."""
         self.done = False
+        self.refused: str | None = None
+        """Why the re-run cannot take its outputs from this forward (NOTE [a forward the plan does not
+        fit]): the re-run raises it; the forward, from there on, caches nothing."""
         # What the re-run may leave out (NOTE [the re-run leaves ops out]):
         self.reads: list[set[int]] = []
         """Per op: the earlier ops whose storages its tensor arguments lie in."""
@@ -627,10 +639,13 @@ class ForwardCache(OpCounter):
         """Op -> the leaf it casts, for the casts autocast caches (NOTE [a weight another block cast])."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
+        if self.refused is not None:
+            return func(*args, **kwargs)  # the re-run raises (NOTE [a forward the plan does not fit])
         if func._schema.is_mutable:
             for t in _mutated(func, args, kwargs):
                 if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
-                    raise self._modified(op, f"by op {index} ({func}) later in its forward")
+                    self.refused = self._modified(op, f"by op {index} ({func}) later in its forward")
+                    return func(*args, **kwargs)
         read = _read_storages(args, kwargs)
         out = func(*args, **kwargs)
         if _a_cached_cast(func, args):
@@ -648,11 +663,12 @@ class ForwardCache(OpCounter):
         if index in self.cached:
             reason = why_not_cacheable(func, args, kwargs, out)
             if reason is not None:
-                raise self.error(
+                self.refused = (
                     f"block {self.block}: its plan caches op {index} ({func}), which cannot be cached: {reason}; "
                     "leave it out of cached_ops (the op-level profile, ooc.profile(..., ops=True), marks such ops "
-                    "cacheable=False)"
+                    f"cacheable=False){_OTHER_FORWARD_HINT}"
                 )
+                return out
             # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
             # its own version counter, hence the checks by storage), which the cache holds without
             # holding the forward's graph.
@@ -685,10 +701,12 @@ class ForwardCache(OpCounter):
         that lie in a cached storage, the one way it can be modified before the re-run; decide which
         ops the re-run leaves out (NOTE [the re-run leaves ops out])."""
         self.done = True
-        if self.count <= self.last:
-            raise self.error(f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
-                             "make the plan from this model's op-level profile (ooc.profile(..., ops=True))"
-                             + _AUTOCAST_HINT * _in_autocast())
+        if self.refused is None and self.count <= self.last:
+            self.refused = (f"block {self.block}: its plan caches op {self.last} but its forward ran {self.count} ops; "
+                            "make the plan from this model's op-level profile (ooc.profile(..., ops=True))"
+                            + _AUTOCAST_HINT * _in_autocast() + _OTHER_FORWARD_HINT)
+        if self.refused is not None:
+            return  # the re-run raises (NOTE [a forward the plan does not fit])
         self._decide_left_out(out)
         for t in _tensors(out):
             if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
@@ -723,19 +741,27 @@ class ForwardCache(OpCounter):
         self.left_out = {k: self._candidates[k][0] for k in sorted(dead)}
         self._candidates = {}
 
-    def check_unchanged(self) -> None:
-        """Before a re-run: no block output in a cached storage was modified in place since the forward."""
+    def check_unchanged(self, index: int) -> None:
+        """As the re-run takes op ``index``'s outputs from the cache: no block output in its storages was
+        modified in place since the forward. Checked then, not before the re-run: a re-run that stops
+        before the op (at the last tensor the block saves; the add a block returns often comes after)
+        never reads the changed bytes, as plain PyTorch never reads a returned tensor nothing saved."""
         for alias, version, op in self.escaped:
-            if alias._version != version:
-                raise self._modified(op, "after the forward")
+            if op == index and alias._version != version:
+                raise self.error(self._modified(op, "after the forward"))
 
-    def _modified(self, op: int, when: str) -> Exception:
-        return self.error(
+    def _modified(self, op: int, when: str) -> str:
+        return (
             f"block {self.block}: the output of op {op} ({self.funcs[op]}), which its plan caches, is modified in "
             f"place {when}, so the re-run cannot take it from the cache; leave op {op} out of cached_ops, or make "
             "that operation out of place"
         )
 
+
+_OTHER_FORWARD_HINT = ("; if the plan came from this model's op-level profile, this forward ran other ops than the "
+                       "profiled one (Hugging Face sdpa attention runs one fused kernel for a batch without padding and "
+                       "the math path op by op for one with it; a sequence of length 1 skips copies): profile on a batch "
+                       "like this one, or plan this block without cached_ops")
 
 _AUTOCAST_HINT = ("; under autocast, a forward after another inside the same torch.autocast (gradient "
                   "accumulation) finds the weights' casts still in autocast's cache and runs fewer ops than a "
@@ -789,6 +815,7 @@ class Replay(OpCounter):
         if index not in cache.outputs:
             return self._run(index, func, args, kwargs)
 
+        cache.check_unchanged(index)
         spec, leaves = cache.outputs[index]
         out = []
         for is_tensor, leaf in leaves:

@@ -196,6 +196,11 @@ class BlockState:
                 g.set_state(state)
 
 
+_EVAL_HINT = ("; the block's forward ran with modules in eval mode (model.eval() turns dropout off), which runs other "
+              "ops than the training step its op-level profile measured: call model.train() before a forward you "
+              "differentiate, or profile and plan in eval mode")
+
+
 class _StopRecompute(BaseException):
     """Raised by the re-run's pack hook once every saved tensor the backward needs is recomputed.
 
@@ -444,12 +449,14 @@ class RecomputeFrame:
         self._check_saved_versions()
         replay = None
         if self.cache is not None:
+            if self.cache.refused is not None:
+                # NOTE [a forward the plan does not fit] in ooc.op_profile: refused now, not in the forward.
+                raise RecomputeError(self.cache.refused + _EVAL_HINT * self._ran_in_eval_mode())
             if not self.cache.done:
                 raise RecomputeError(
                     f"block {self.name} is re-run by a backward inside its own forward, before the outputs its plan "
                     "caches are all there; plan this block without cached_ops"
                 )
-            self.cache.check_unchanged()
             replay = Replay(self.cache, self.load_input)
             # A backward inside the forward's autocast (its nesting never back at 0) finds the
             # forward's casts of the weights still cached: the re-run would dispatch no _to_copy for
@@ -475,6 +482,10 @@ class RecomputeFrame:
         self._refresh_saved_versions()
         self.done.add(gid)
         self._check(gid)
+
+    def _ran_in_eval_mode(self) -> bool:
+        """Some module of the block was in eval mode in its forward (as ``BlockState`` saw it)."""
+        return self.state is not None and not all(training for _, training in self.state.training)
 
     def _check(self, gid: int) -> None:
         if self.unchecked:

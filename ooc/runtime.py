@@ -31,7 +31,7 @@ from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
-from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches
+from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, make_pack_hook, unpack
@@ -456,7 +456,8 @@ class Runtime:
             handle.remove()
         self._first_forward_hooks = []
         try:
-            check_first_forward(self.chain, calls)
+            # A deferred plan is chosen from this step's measurements: every block must run in it.
+            check_first_forward(self.chain, calls, layerdrop=layerdrop(self.model), skips=self.deferred is None)
         except BlockError as exc:
             # The chain does not describe this model's forward: leave the model as it was.
             unwrap(self.model)

@@ -348,23 +348,40 @@ def test_an_op_that_cannot_be_cached_is_refused(which, message: str) -> None:  #
     assert [op.cacheable for op in prof.blocks[0].ops] == [False, True, False, False, True]
 
 
-class _Double(nn.Module):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * 2  # saves nothing: only the cache sees a change of x
+class _SumScaled(nn.Module):
+    """Returns ``h = lin(x)`` and ``h.sum(-1) * s``: the sum reads ``h`` without saving it and the
+    product saves the sum, so the re-run reads the cached ``h`` to recompute what it saves."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.s = nn.Parameter(torch.linspace(1, 2, 4))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        h = self.lin(x)
+        return h, h.sum(-1, keepdim=True) * self.s
+
+
+class _Combine(nn.Module):
+    def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        h, g = pair
+        return h * 2 + g  # saves nothing: only the cache sees a change of h
 
 
 def test_a_cached_output_modified_after_the_forward_is_refused() -> None:
-    """The block's output is a cached op's (unsaved) output; the caller changes it in place before the backward."""
+    """The block's output is a cached op's (unsaved) output; the caller changes it in place before the
+    backward, and the re-run reads it (plain PyTorch, which saved no ``h``, gives the gradients of the
+    forward's values: a re-run from the changed ones would give others)."""
     torch.manual_seed(0)
-    model = _Pair(nn.Linear(4, 4))
-    model.blocks[1] = _Double()
+    model = nn.Module()
+    model.blocks = nn.ModuleList([_SumScaled(), _Combine()])
     x = torch.randn(3, 4, requires_grad=True)
     names = _ops_of(model.blocks[0], x)
     ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=(names.index("aten.addmm.default"),)), "keep"]),
              backend="cpu", blocks=model.blocks)
     try:
-        h = model.blocks[0](x)
-        out = model.blocks[1](h).sum()
+        h, g = model.blocks[0](x)
+        out = model.blocks[1]((h, g)).sum()
         with torch.no_grad():
             h[0] += 1  # through a view
         with pytest.raises(RecomputeError, match=r"block blocks\.0: the output of op 1 \(aten\.addmm\.default\).*"
