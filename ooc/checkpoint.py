@@ -1223,7 +1223,7 @@ class Checkpointer:
         0, before any save): an incomplete folder another Checkpointer on the directory is writing
         stays (NOTE [folder locks])."""
         complete = {v.step for v in self.versions()}
-        damaged = _damaged(self.directory)  # NOTE [damaged records]: no crash's leftovers
+        damaged = damaged_versions(self.directory)  # NOTE [damaged records]: no crash's leftovers
         for step, path in self._folders():
             if step in damaged:
                 pass  # kept and reported (NOTE [damaged records]), never removed as a crash's leftover
@@ -1267,7 +1267,7 @@ class Checkpointer:
         ``fallback=True`` the newest intact version at or before the one asked for is loaded instead."""
         self.wait()
         found = self.versions()
-        damaged = _damaged(self.directory)  # NOTE [damaged records]
+        damaged = damaged_versions(self.directory)  # NOTE [damaged records]
         if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         if version is None:
@@ -1516,7 +1516,7 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     return records
 
 
-def _damaged(directory: Path) -> dict[int, CorruptCheckpointError]:
+def damaged_versions(directory: Path) -> dict[int, CorruptCheckpointError]:
     """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
     records])."""
     found = {}
@@ -1615,4 +1615,4 @@ def _params_from_masters(optimizer: torch.optim.Optimizer) -> None:
                 p.copy_(state["master"])
 
 
-__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "Version", "list_versions"]
+__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "Version", "damaged_versions", "list_versions"]

@@ -51,10 +51,10 @@ def _checkpoints(args: argparse.Namespace) -> int:
     import datetime
     from pathlib import Path
 
-    from ooc.checkpoint import _damaged, list_versions
+    from ooc.checkpoint import damaged_versions, list_versions
 
     found = list_versions(args.directory)
-    damaged = _damaged(Path(args.directory))  # NOTE [damaged records] in ooc.checkpoint
+    damaged = damaged_versions(Path(args.directory))  # NOTE [damaged records] in ooc.checkpoint
     if not found and not damaged:
         print(f"no complete checkpoint in {args.directory}")
         return 1

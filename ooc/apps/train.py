@@ -25,7 +25,7 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.checkpoint import Checkpointer, _damaged, list_versions
+from ooc.checkpoint import Checkpointer, damaged_versions, list_versions
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
@@ -278,7 +278,7 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
         return 0
     directory = Path(cfg.save if cfg.resume == "auto" else cfg.resume)
     found = list_versions(directory)
-    if not found and not _damaged(directory):  # a damaged version: restore() names it (NOTE [damaged records])
+    if not found and not damaged_versions(directory):  # a damaged version: restore() names it (NOTE [damaged records])
         if cfg.resume == "auto":
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
