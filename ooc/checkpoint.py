@@ -822,10 +822,10 @@ class Checkpointer:
         self.layout = {"world": self.world, **(layout or {})}
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
+        """The writer thread, while it waits for saves (NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
-        """The writer thread, while it waits for saves (NOTE [writer thread])."""
         self._writer_lock = threading.Lock()
         self._written = threading.Event()
         """Set while no save is being written."""
@@ -1222,12 +1222,10 @@ class Checkpointer:
         """Remove temporary files, lock files and incomplete versions a crashed writer left (rank
         0, before any save): an incomplete folder another Checkpointer on the directory is writing
         stays (NOTE [folder locks])."""
-        complete = {v.step for v in self.versions()}
-        damaged = damaged_versions(self.directory)  # NOTE [damaged records]: no crash's leftovers
+        found, damaged = _scan(self.directory)  # damaged: kept and reported, no crash's leftovers (NOTE [damaged records])
+        complete = {v.step for v in found}
         for step, path in self._folders():
-            if step in damaged:
-                pass  # kept and reported (NOTE [damaged records]), never removed as a crash's leftover
-            elif step not in complete or (path / _LOCK_FILE).exists():
+            if step not in damaged and (step not in complete or (path / _LOCK_FILE).exists()):
                 _remove_unless_written(path, step)  # a committed version keeps all but its lock file
             if step in complete or step in damaged:
                 for tmp in path.glob(".*.tmp"):
@@ -1242,12 +1240,7 @@ class Checkpointer:
     # -- reading -----------------------------------------------------------------------------
 
     def _folders(self) -> list[tuple[int, Path]]:
-        found = []
-        for path in self.directory.iterdir() if self.directory.is_dir() else ():
-            m = _VERSION_RE.match(path.name)
-            if m and path.is_dir():
-                found.append((int(m.group(1)), path))
-        return sorted(found)
+        return _version_folders(self.directory)
 
     def versions(self) -> list[Version]:
         """The committed versions, oldest first (an incomplete or unreadable one is left out)."""
@@ -1266,8 +1259,7 @@ class Checkpointer:
         commit record, NOTE [damaged records]); with
         ``fallback=True`` the newest intact version at or before the one asked for is loaded instead."""
         self.wait()
-        found = self.versions()
-        damaged = damaged_versions(self.directory)  # NOTE [damaged records]
+        found, damaged = _scan(self.directory)  # NOTE [damaged records]
         if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         if version is None:
@@ -1451,18 +1443,38 @@ def _compiled_module(model: nn.Module) -> nn.Module:
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
     """The committed versions under ``directory``, oldest first."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
+    return _scan(Path(directory))[0]
+
+
+def damaged_versions(directory: str | os.PathLike[str]) -> dict[int, CorruptCheckpointError]:
+    """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
+    records])."""
+    return _scan(Path(directory))[1]
+
+
+def _version_folders(directory: Path) -> list[tuple[int, Path]]:
+    """Every version folder (``step-N``) under ``directory``, committed or not, by step."""
     found = []
-    for path in sorted(root.iterdir()):
+    for path in directory.iterdir() if directory.is_dir() else ():
         m = _VERSION_RE.match(path.name)
-        if not (m and path.is_dir()):
+        if m and path.is_dir():
+            found.append((int(m.group(1)), path))
+    return sorted(found)
+
+
+def _scan(directory: Path) -> tuple[list[Version], dict[int, CorruptCheckpointError]]:
+    """The committed versions under ``directory``, oldest first, and those whose commit records are
+    damaged, by step (NOTE [damaged records]): each record read once."""
+    versions, damaged = [], {}
+    for step, path in _version_folders(directory):
+        try:
+            records = _records(path, step)
+        except CorruptCheckpointError as exc:
+            damaged[step] = exc
             continue
-        version = _committed(path, int(m.group(1)))
-        if version is not None:
-            found.append(version)
-    return sorted(found, key=lambda v: v.step)
+        if records is not None:
+            versions.append(_version(path, step, records))
+    return versions, damaged
 
 
 def _committed(path: Path, step: int) -> Version | None:
@@ -1471,8 +1483,11 @@ def _committed(path: Path, step: int) -> Version | None:
         records = _records(path, step)
     except CorruptCheckpointError:
         return None
-    if records is None:
-        return None
+    return None if records is None else _version(path, step, records)
+
+
+def _version(path: Path, step: int, records: list[dict[str, Any]]) -> Version:
+    """Version ``step`` in ``path``, from every rank's commit record (``_records``)."""
     first = records[0]
     files: dict[str, dict[str, Any]] = {}
     tensors: dict[str, list[dict[str, Any]]] = {}
@@ -1514,20 +1529,6 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
             raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
                                          f"the commit record does not agree with its version {path.name}")
     return records
-
-
-def damaged_versions(directory: Path) -> dict[int, CorruptCheckpointError]:
-    """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
-    records])."""
-    found = {}
-    for path in directory.iterdir() if directory.is_dir() else ():
-        m = _VERSION_RE.match(path.name)
-        if m and path.is_dir():
-            try:
-                _records(path, int(m.group(1)))
-            except CorruptCheckpointError as exc:
-                found[int(m.group(1))] = exc
-    return found
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:
