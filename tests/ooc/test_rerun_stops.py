@@ -5,6 +5,7 @@ plain re-run for the others nor credits caching them."""
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import replace
 
@@ -83,8 +84,10 @@ def reruns(monkeypatch) -> list[object]:  # noqa: ANN001
     return seen
 
 
+@functools.cache
 def _model(which: str):  # noqa: ANN202
-    """(factory, profile, loss_fn, batches) of a test model."""
+    """(factory, profile, loss_fn, batches) of a test model, profiled once per test run (nothing
+    changes them: each test makes its own models)."""
     if which in ("gpt", "gpt-no-dropout"):
         config = NANO if which == "gpt" else NANO_NO_DROPOUT
         torch.manual_seed(0)
