@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import random
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
@@ -130,3 +131,39 @@ def random_cached_plan(prof, rng) -> "ooc.Plan":  # noqa: ANN001
         cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
         blocks.append(ooc.BlockPlan("recompute", cached_ops=tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))))
     return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
+
+
+def random_selective_plan(prof, rng: random.Random, letters: str = "CRrKS") -> ooc.Plan:  # noqa: ANN001
+    """Per block a random policy, at least one ``C``: recompute with a random subset of the cacheable
+    ops (``c``: with its input swapped)."""
+    blocks: list[ooc.BlockPlan] = []
+    while not any(b.cached_ops for b in blocks):
+        blocks = [random_selective_block(block, rng, letters) for block in prof.blocks]
+    return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
+
+
+def random_selective_block(block, rng: random.Random, letters: str) -> ooc.BlockPlan:  # noqa: ANN001
+    letter = rng.choice(letters)
+    if letter in "Cc":
+        cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
+        cached = tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))
+        return ooc.BlockPlan("recompute", cached_ops=cached, swap_input=letter == "c")
+    return {"R": ooc.BlockPlan("recompute"), "r": ooc.BlockPlan("recompute", swap_input=True),
+            "K": ooc.BlockPlan("keep"), "S": ooc.BlockPlan("swap")}[letter]
+
+
+def expected_selective_peak(prof, plan: ooc.Plan) -> tuple[int, list[int]]:  # noqa: ANN001
+    """The rule the planner models, for plans of keep and (selective) recompute blocks: between its
+    forward and its backward a block holds its saved bytes (keep) or its input plus its cached
+    storages (recompute); at its backward a recompute block adds what its re-run saves, less the
+    cached storages autograd saves again. Returns (bytes held after the forward, per-block peaks)."""
+    held, at_backward = [], []
+    for block, decision in zip(prof.blocks, plan.blocks):
+        if decision.policy is ooc.Policy.KEEP:
+            held.append(block.saved_bytes)
+            at_backward.append(block.saved_bytes)
+        else:
+            cached = [block.ops[k] for k in decision.cached_ops]
+            held.append(block.input_bytes + sum(op.output_bytes for op in cached))
+            at_backward.append(held[-1] + block.saved_bytes - sum(op.saved_bytes for op in cached))
+    return sum(held), [sum(held[:b]) + at_backward[b] for b in range(len(held))]

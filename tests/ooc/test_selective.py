@@ -19,9 +19,11 @@ from ooc.runtime import runtime_of
 from tests.helpers import (
     NANO,
     ce_loss,
+    expected_selective_peak,
     gpt_batch,
     gpt_loss,
     image_batch,
+    random_selective_plan,
     small_resnet,
     stable_seed,
     tiny_llama_op_profile,
@@ -126,29 +128,10 @@ def test_attention_without_dropout_is_cacheable_and_draws_nothing() -> None:
 # -- execution: gradients -------------------------------------------------------------------------
 
 
-def _random_plan(prof, rng: random.Random, letters: str = "CRrKS") -> ooc.Plan:  # noqa: ANN001
-    """Per block a random policy, at least one ``C``: recompute with a random subset of the cacheable
-    ops (``c``: with its input swapped)."""
-    blocks: list[ooc.BlockPlan] = []
-    while not any(b.cached_ops for b in blocks):
-        blocks = [_random_block(block, rng, letters) for block in prof.blocks]
-    return ooc.Plan(blocks=tuple(blocks), min_swap_bytes=prof.min_swap_bytes)
-
-
-def _random_block(block, rng: random.Random, letters: str) -> ooc.BlockPlan:  # noqa: ANN001
-    letter = rng.choice(letters)
-    if letter in "Cc":
-        cacheable = [k for k, op in enumerate(block.ops) if op.cacheable]
-        cached = tuple(sorted(rng.sample(cacheable, rng.randint(1, len(cacheable)))))
-        return ooc.BlockPlan("recompute", cached_ops=cached, swap_input=letter == "c")
-    return {"R": ooc.BlockPlan("recompute"), "r": ooc.BlockPlan("recompute", swap_input=True),
-            "K": ooc.BlockPlan("keep"), "S": ooc.BlockPlan("swap")}[letter]
-
-
 @pytest.mark.parametrize("seed", range(6))
 def test_gpt_with_dropout_random_cached_subsets_equal_plain(seed: int, gpt_profile) -> None:
     rng = random.Random(stable_seed("gpt", seed))
-    plan = _random_plan(gpt_profile, rng, "CCcRK")
+    plan = random_selective_plan(gpt_profile, rng, "CCcRK")
     batches = [gpt_batch(seed=s) for s in range(2)]
     results = train_side_by_side(lambda: GPT(NANO), gpt_loss, batches,
                                  lambda m: ooc.wrap(m, plan, backend="chaos", check_recompute=seed % 2 == 0))
@@ -158,7 +141,7 @@ def test_gpt_with_dropout_random_cached_subsets_equal_plain(seed: int, gpt_profi
 @pytest.mark.parametrize("seed", range(4))
 def test_cnn_with_batchnorm_random_cached_subsets_equal_plain(seed: int, cnn_profile) -> None:
     rng = random.Random(stable_seed("cnn", seed))
-    plan = _random_plan(cnn_profile, rng, "CCcS")
+    plan = random_selective_plan(cnn_profile, rng, "CCcS")
     x, y = image_batch()
     results = train_side_by_side(small_resnet, ce_loss, [(x, y), (x.flip(0), y)], lambda m: ooc.wrap(m, plan, backend="chaos"))
     assert results == [(True, True, True)] * 2, plan
@@ -171,7 +154,7 @@ def test_hf_llama_random_cached_subsets_equal_plain(attn: str) -> None:
     sdpa = [op for b in prof.blocks for op in b.ops if "scaled_dot_product" in op.name]
     assert (attn == "sdpa") == bool(sdpa) and all(op.cacheable for op in sdpa)
     for seed in range(3):
-        plan = _random_plan(prof, random.Random(stable_seed("llama", attn, seed)), "CCR")
+        plan = random_selective_plan(prof, random.Random(stable_seed("llama", attn, seed)), "CCR")
         results = train_side_by_side(make, lambda m, b: m(input_ids=b, labels=b).loss, [x, x.flip(1)],
                                      lambda m, plan=plan: ooc.wrap(m, plan, backend="cpu"))
         assert results == [(True, True, True)] * 2, plan
@@ -180,29 +163,12 @@ def test_hf_llama_random_cached_subsets_equal_plain(attn: str) -> None:
 # -- execution: memory ----------------------------------------------------------------------------
 
 
-def _expected_peak(prof, plan: ooc.Plan) -> tuple[int, list[int]]:  # noqa: ANN001
-    """The rule the planner models, for plans of keep and (selective) recompute blocks: between its
-    forward and its backward a block holds its saved bytes (keep) or its input plus its cached
-    storages (recompute); at its backward a recompute block adds what its re-run saves, less the
-    cached storages autograd saves again. Returns (bytes held after the forward, per-block peaks)."""
-    held, at_backward = [], []
-    for block, decision in zip(prof.blocks, plan.blocks):
-        if decision.policy is ooc.Policy.KEEP:
-            held.append(block.saved_bytes)
-            at_backward.append(block.saved_bytes)
-        else:
-            cached = [block.ops[k] for k in decision.cached_ops]
-            held.append(block.input_bytes + sum(op.output_bytes for op in cached))
-            at_backward.append(held[-1] + block.saved_bytes - sum(op.saved_bytes for op in cached))
-    return sum(held), [sum(held[:b]) + at_backward[b] for b in range(len(held))]
-
-
 @pytest.mark.parametrize("seed", range(4))
 def test_tracker_counts_the_cache_as_the_planner_models_it(seed: int, gpt_profile) -> None:
     torch.manual_seed(0)
     model = GPT(NANO)
-    plan = _random_plan(gpt_profile, random.Random(stable_seed("memory", seed)), "CCRK")
-    after_forward, at_backward = _expected_peak(gpt_profile, plan)
+    plan = random_selective_plan(gpt_profile, random.Random(stable_seed("memory", seed)), "CCRK")
+    after_forward, at_backward = expected_selective_peak(gpt_profile, plan)
     ooc.wrap(model, plan, backend="cpu")
     try:
         runtime = runtime_of(model)
@@ -393,7 +359,7 @@ def test_a_cached_output_modified_after_the_forward_is_refused() -> None:
 
 def test_a_retained_graph_reruns_from_the_same_cache(gpt_profile) -> None:
     """Two backwards through one graph: the second re-run takes the cached outputs again."""
-    plan = _random_plan(gpt_profile, random.Random(stable_seed("retain")), "C")
+    plan = random_selective_plan(gpt_profile, random.Random(stable_seed("retain")), "C")
     batch = gpt_batch()
     grads = []
     for wrap in (False, True):
