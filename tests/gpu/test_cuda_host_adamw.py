@@ -114,7 +114,7 @@ def test_host_adamw_on_cuda_equals_the_host_reference(variant: str, wrap: str | 
     if wrap is not None:
         ooc.wrap(model, ooc.Plan.of(MIXED, min_swap_bytes=4096), backend=backend)
     if options.pop("pipeline", False):
-        options["pipeline"] = model
+        options["model"] = model
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, **options)
     try:
         losses = _train(model, opt, accumulate=ref_options.get("accumulate", 1))

@@ -66,7 +66,7 @@ def _run(model: GPT, options: dict, data_parallel, wrapped: bool) -> list[float]
     if wrapped:
         ooc.wrap(model, ooc.Plan.of(["swap", "recompute", "keep", "swap"], min_swap_bytes=4096), backend="cuda")
     if options.pop("pipeline", False):
-        options["pipeline"] = model
+        options["model"] = model
     opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, data_parallel=data_parallel, **options)
     try:
         return _train(model, opt, options.get("accumulate", 1))
