@@ -131,16 +131,61 @@ def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return t.untyped_storage() if t.layout == torch.strided else None
 
 
+class _Schema:
+    """What an aten op's schema says about every call of it, read once per op (``_schema``): the
+    selective forward and re-run ask on each of a block's ops, and each read of a schema's fields
+    builds Python objects (a tenth of a microsecond and up apiece)."""
+
+    __slots__ = ("name", "mutable", "written", "read", "random", "dropout_p", "returns_view", "allocates", "values")
+
+    def __init__(self, func: torch._ops.OpOverload) -> None:
+        schema = func._schema
+        self.name: str = schema.name
+        self.mutable: bool = schema.is_mutable
+        arguments = list(enumerate(schema.arguments))
+        writes = [arg.alias_info is not None and arg.alias_info.is_write for _, arg in arguments]
+        self.written = tuple((k, arg.name) for k, arg in arguments if writes[k])
+        """(Position, name) of the arguments it writes in place (its schema's ``Tensor(a!)``)."""
+        whole = self.name in _OVERWRITES
+        self.read = tuple((k, arg.name) for k, arg in arguments if not (writes[k] and (whole or arg.kwarg_only)))
+        """(Position, name) of the arguments whose values it reads (``_read_tensors``)."""
+        self.random: bool = torch.Tag.nondeterministic_seeded in func.tags
+        self.dropout_p = next(((k, arg.default_value) for k, arg in arguments if arg.name == "dropout_p"), None)
+        """(Position, default) of its ``dropout_p`` argument, if it has one (``_draws_random_numbers``)."""
+        self.returns_view: bool = any(r.alias_info is not None for r in schema.returns)
+        self.allocates: bool = self.name in _UNINITIALISED or self.name in _RESIZES
+        """It allocates without writing values (``_UnseenWrites.op``)."""
+        self.values: bool = not self.allocates and self.name not in _NO_VALUES
+        """It reads or writes values, not only a tensor's metadata (``_UnseenWrites.op``)."""
+
+
+_SCHEMAS: dict[int, tuple[torch._ops.OpOverload, _Schema]] = {}
+"""Op id -> (the op, what its schema says). Keyed by ``id``: an op's ``__hash__`` is Python code (a
+third of a microsecond); the entry holds the op, so no other op ever has its id."""
+
+
+def _schema(func: torch._ops.OpOverload) -> _Schema:
+    entry = _SCHEMAS.get(id(func))
+    if entry is None:
+        entry = _SCHEMAS[id(func)] = (func, _Schema(func))
+    return entry[1]
+
+
+def _argument(args: tuple, kwargs: dict, k: int, name: str, default: Any = None) -> Any:
+    """Argument ``k`` of an op's schema, called ``name``: positional or keyword."""
+    return args[k] if k < len(args) else kwargs.get(name, default)
+
+
 def _draws_random_numbers(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> bool:
-    if torch.Tag.nondeterministic_seeded not in func.tags:
+    schema = _schema(func)
+    if not schema.random:
         return False
+    if schema.dropout_p is None:
+        return True
     # Fused attention is tagged random for its dropout; with dropout_p=0 it draws nothing (its CPU
     # and CUDA kernels take no generator offset then), so caching it shifts no later draw.
-    for k, arg in enumerate(func._schema.arguments):
-        if arg.name == "dropout_p":
-            value = args[k] if k < len(args) else kwargs.get("dropout_p", arg.default_value)
-            return value != 0
-    return True
+    k, default = schema.dropout_p
+    return _argument(args, kwargs, k, "dropout_p", default) != 0
 
 
 def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, out: Any) -> str | None:
@@ -150,7 +195,8 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
     (version counters) check those."""
     if _draws_random_numbers(func, args, kwargs):
         return "it draws random numbers (skipping it would shift every later random op)"
-    if func._schema.is_mutable:
+    schema = _schema(func)
+    if schema.mutable:
         return "it modifies a tensor in place"
     outputs = _op_tensors(out)
     if not outputs:
@@ -162,34 +208,24 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
             return f"it returns a {t.layout} tensor"
         if storage.nbytes() and storage.data_ptr() in inputs:
             return "it returns a view of its input"
-    if any(r.alias_info is not None for r in func._schema.returns):
+    if schema.returns_view:
         return "it returns a view of its input"
     return None
 
 
 def _mutated(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors an op writes to in place (its schema's ``Tensor(a!)`` arguments)."""
-    written: list[torch.Tensor] = []
-    if not func._schema.is_mutable:
-        return written
-    for k, arg in enumerate(func._schema.arguments):
-        if arg.alias_info is not None and arg.alias_info.is_write:
-            written += _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
-    return written
+    return _op_tensors(*((_argument(args, kwargs, k, name),) for k, name in _schema(func).written))
 
 
 def _read_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[torch.Tensor]:
     """The tensors among an op's arguments whose values it reads: all but its ``out=`` arguments and
     the ``self`` of a copy or fill, which it writes without reading what was there. Any other op that
     writes a tensor in place (``add_``, ``relu_``, ``index_put_``) reads it too."""
-    if not func._schema.is_mutable:
+    schema = _schema(func)
+    if not schema.mutable:
         return _op_tensors(args, kwargs)
-    whole = func._schema.name in _OVERWRITES
-    found: list[torch.Tensor] = []
-    for k, arg in enumerate(func._schema.arguments):
-        if not (arg.alias_info is not None and arg.alias_info.is_write and (whole or arg.kwarg_only)):
-            found += _op_tensors((args[k] if k < len(args) else kwargs.get(arg.name),))
-    return found
+    return _op_tensors(*((_argument(args, kwargs, k, name),) for k, name in schema.read))
 
 
 def _read_storages(args: tuple, kwargs: dict) -> set[int]:
@@ -203,7 +239,7 @@ def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool
     leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
     (whose shape it may have read from values), is no view op."""
     leaves = out if isinstance(out, (tuple, list)) else (out,)
-    return not func._schema.is_mutable and bool(leaves) and all(
+    return not _schema(func).mutable and bool(leaves) and all(
         isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() in inputs
         for t in leaves)
 
@@ -251,14 +287,14 @@ class _UnseenWrites:
         addresses); ``view``: it only makes views (``_only_views``), reading no values."""
         # An allocation reads and writes no values; its new storage is blank (a grown one wholly:
         # the old bytes it copied count as unwritten, which at worst leaves nothing out).
-        allocates = func._schema.name in _UNINITIALISED or func._schema.name in _RESIZES
-        values = not allocates and func._schema.name not in _NO_VALUES
+        schema = _schema(func)
+        allocates, values = schema.allocates, schema.values
         reads_blank = not view and values and not self.blank.keys().isdisjoint(read) and any(
             self._unwritten(t) for t in _read_tensors(func, args, kwargs))
-        if self.blank and func._schema.is_mutable and values:
+        if self.blank and schema.mutable and values:
             for t in _mutated(func, args, kwargs):
                 self._write(t)
-        for ptr in created if func._schema.name not in _NO_VALUES else ():
+        for ptr in created if schema.name not in _NO_VALUES else ():
             self._forget(ptr)
         if allocates:
             self.blank.update(dict.fromkeys(created))
@@ -641,7 +677,7 @@ class ForwardCache(OpCounter):
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if self.refused is not None:
             return func(*args, **kwargs)  # the re-run raises (NOTE [a forward the plan does not fit])
-        if func._schema.is_mutable:
+        if _schema(func).mutable:
             for t in _mutated(func, args, kwargs):
                 if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                     self.refused = self._modified(op, f"by op {index} ({func}) later in its forward")
@@ -772,10 +808,14 @@ def _in_autocast() -> bool:
     return any(torch.is_autocast_enabled(device) for device in ("cpu", "cuda"))
 
 
+_TO_COPY = torch.ops.aten._to_copy.default
+"""Held: ``torch.ops.aten._to_copy.default`` is three attribute lookups (half a microsecond, on every op)."""
+
+
 def _a_cached_cast(func: torch._ops.OpOverload, args: tuple) -> bool:
     """``func`` is a cast autocast would cache: ``_to_copy`` of a leaf that requires grad (below autocast,
     where a dispatch mode runs, whether autocast is on cannot be read; a cast outside it is recorded alike)."""
-    return (func is torch.ops.aten._to_copy.default and torch.is_autocast_cache_enabled() and bool(args)
+    return (func is _TO_COPY and torch.is_autocast_cache_enabled() and bool(args)
             and isinstance(args[0], torch.Tensor) and args[0].is_leaf and args[0].requires_grad)
 
 
