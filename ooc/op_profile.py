@@ -65,6 +65,13 @@ and the re-run leaves nothing out (a measured profile records no ``reads`` for i
 prices it so). The rest
 (``.tolist()``) ``check_recompute=True`` catches: the re-run's saved tensors, all a re-run hands the
 backward, are compared with the forward's.
+The forward drops a candidate as soon as it cannot be left out (``dead_ops`` then decides the same):
+an op that computes (no view op), is not cached and is no candidate itself runs in the re-run and
+reads what it read here; autograd saving a storage keeps its op; an unseen kernel keeps them all.
+Past the last cached op no op is cached or becomes a candidate, so later ops can only rule
+candidates out: at the last cached op the forward keeps those ``dead_ops`` finds then (a superset
+of the final set), and once none is left it records nothing more for the left-out set (each op's
+bookkeeping is host time in Python, on the critical path where kernels are short).
 """
 
 from __future__ import annotations
@@ -74,6 +81,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Collection, Iterator
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -109,6 +117,9 @@ _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control 
                       "runs); plan this block without cached_ops, or as keep or swap")
 
 
+_NONE: frozenset[int] = frozenset()
+
+
 def _tensors(tree: Any) -> list[torch.Tensor]:
     return [t for t in tree_leaves(tree) if isinstance(t, torch.Tensor)]
 
@@ -129,6 +140,17 @@ def _op_tensors(*parts: Any) -> list[torch.Tensor]:
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
     return t.untyped_storage() if t.layout == torch.strided else None
+
+
+def _outputs(out: Any) -> list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]]:
+    """An op's output tensors, each with its storage (None: not strided) and that storage's address
+    (None: no storage, or an empty one, whose address may be another's). Read once per op and
+    passed on: each ``untyped_storage()`` builds a Python object."""
+    found: list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]] = []
+    for t in _op_tensors(out):
+        storage = _storage(t)
+        found.append((t, storage, storage.data_ptr() if storage is not None and storage.nbytes() else None))
+    return found
 
 
 class _Schema:
@@ -193,20 +215,25 @@ def why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, ou
 
     Does not see later in-place changes of the output: the profile (``OpRecorder``) and the runtime
     (version counters) check those."""
+    return _why_not_cacheable(func, args, kwargs, _read_storages(args, kwargs), _outputs(out))
+
+
+def _why_not_cacheable(func: torch._ops.OpOverload, args: tuple, kwargs: dict, inputs: set[int],
+                       outputs: list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]]) -> str | None:
+    """``why_not_cacheable``, given the storages the op's arguments lie in (``_read_storages``,
+    before or after it ran: an op that writes nothing in place moves no argument to another storage)
+    and its ``_outputs``."""
     if _draws_random_numbers(func, args, kwargs):
         return "it draws random numbers (skipping it would shift every later random op)"
     schema = _schema(func)
     if schema.mutable:
         return "it modifies a tensor in place"
-    outputs = _op_tensors(out)
     if not outputs:
         return "it returns no tensor"
-    inputs = {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
-    for t in outputs:
-        storage = _storage(t)
+    for t, storage, ptr in outputs:
         if storage is None:
             return f"it returns a {t.layout} tensor"
-        if storage.nbytes() and storage.data_ptr() in inputs:
+        if ptr is not None and ptr in inputs:
             return "it returns a view of its input"
     if schema.returns_view:
         return "it returns a view of its input"
@@ -233,15 +260,17 @@ def _read_storages(args: tuple, kwargs: dict) -> set[int]:
     return {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
 
 
-def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any) -> bool:
+def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any,
+                outputs: list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]] | None = None) -> bool:
     """The op only makes views of its arguments (``inputs``: their storages): it writes nothing, and
     returns tensors only, each in one of those storages. It reads no values (NOTE [the re-run
     leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
-    (whose shape it may have read from values), is no view op."""
+    (whose shape it may have read from values), is no view op. ``outputs``: ``_outputs(out)``, if read."""
     leaves = out if isinstance(out, (tuple, list)) else (out,)
-    return not _schema(func).mutable and bool(leaves) and all(
-        isinstance(t, torch.Tensor) and (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() in inputs
-        for t in leaves)
+    if _schema(func).mutable or not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+        return False
+    # Every leaf is a tensor: ``_outputs`` lists exactly these.
+    return all(ptr is not None and ptr in inputs for _, _, ptr in (_outputs(out) if outputs is None else outputs))
 
 
 def _covers(t: torch.Tensor, nbytes: int) -> bool:
@@ -285,9 +314,13 @@ class _UnseenWrites:
            created: Collection[int], view: bool) -> None:
         """Op ``index`` ran, its tensor arguments lying in ``read`` and creating ``created`` (storage
         addresses); ``view``: it only makes views (``_only_views``), reading no values."""
+        schema = _schema(func)
+        if self.reason is not None or not (self.blank or schema.allocates):
+            # Seen already; or no blank storage to read or write, and this op makes none (nor does
+            # one it creates need forgetting: ``_refs`` holds only storages that ``blank`` holds).
+            return
         # An allocation reads and writes no values; its new storage is blank (a grown one wholly:
         # the old bytes it copied count as unwritten, which at worst leaves nothing out).
-        schema = _schema(func)
         allocates, values = schema.allocates, schema.values
         reads_blank = not view and values and not self.blank.keys().isdisjoint(read) and any(
             self._unwritten(t) for t in _read_tensors(func, args, kwargs))
@@ -303,7 +336,7 @@ class _UnseenWrites:
 
     def used(self, tensor: torch.Tensor, how: str) -> None:
         """``how`` (autograd saves, the block returns) uses ``tensor``."""
-        if self._unwritten(tensor):
+        if self.blank and self._unwritten(tensor):
             self.seen(how)
 
     def seen(self, how: str) -> None:
@@ -657,18 +690,20 @@ class ForwardCache(OpCounter):
         """Why the re-run cannot take its outputs from this forward (NOTE [a forward the plan does not
         fit]): the re-run raises it; the forward, from there on, caches nothing."""
         # What the re-run may leave out (NOTE [the re-run leaves ops out]):
-        self.reads: list[set[int]] = []
-        """Per op: the earlier ops whose storages its tensor arguments lie in."""
+        self.reads: list[AbstractSet[int]] = []
+        """Per op: the earlier ops whose storages its tensor arguments lie in (none recorded once
+        nothing can be left out, ``_tracking``)."""
         self.views: list[bool] = []
-        """Per op: it only makes views of its arguments (``_only_views``), reading no values."""
+        """Per op: it only makes views of its arguments (``_only_views``), reading no values (False
+        once nothing can be left out)."""
         self.left_out: dict[int, _Layout] = {}
         """The ops the re-run leaves out, after the forward, and what each returned."""
         self._candidates: dict[int, tuple[_Layout, list[StorageWeakRef]]] = {}
-        """Uncached, cacheable ops that create storages: their outputs' layout, their new storages."""
+        """Uncached, cacheable ops that create storages and may yet be left out (NOTE [the re-run leaves
+        ops out]): their outputs' layout, their new storages."""
         self._creator: dict[int, int] = {}
-        """Storage address -> the latest op that created a storage there (that of every live storage)."""
-        self._saved: set[int] = set()
-        """The ops whose storages autograd saves (``note_saved``)."""
+        """Storage address -> the latest op that created a storage there (that of every live storage),
+        while ``_tracking``."""
         self.unseen = _UnseenWrites()
         """Whether a kernel ran unseen (then the re-run leaves nothing out)."""
         self._casts: dict[int, weakref.ref] = {}
@@ -677,27 +712,25 @@ class ForwardCache(OpCounter):
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         if self.refused is not None:
             return func(*args, **kwargs)  # the re-run raises (NOTE [a forward the plan does not fit])
-        if _schema(func).mutable:
+        if self.storages and _schema(func).mutable:  # (none cached yet: nothing to refuse)
             for t in _mutated(func, args, kwargs):
                 if (storage := _storage(t)) is not None and (op := self.storages.get(storage.data_ptr())) is not None:
                     self.refused = self._modified(op, f"by op {index} ({func}) later in its forward")
                     return func(*args, **kwargs)
-        read = _read_storages(args, kwargs)
+        tracking, cached = self._tracking(index), index in self.cached
+        read = _read_storages(args, kwargs) if tracking or cached else _NONE
         out = func(*args, **kwargs)
         if _a_cached_cast(func, args):
             self._casts[index] = weakref.ref(args[0])
         self.funcs.append(func)
-        self.reads.append({op for p in read if (op := self._creator.get(p)) is not None})
-        self.views.append(_only_views(func, read, out))
-        created = {s.data_ptr(): s for t in _op_tensors(out)
-                   if (s := _storage(t)) is not None and s.nbytes() and s.data_ptr() not in read}
-        self.unseen.op(index, func, args, kwargs, read, created, self.views[index])
-        self._creator.update(dict.fromkeys(created, index))
-        # Only an op some cached op reads, directly or through left-out ones, is left out: none after the last.
-        if created and index < self.last and index not in self.cached and why_not_cacheable(func, args, kwargs, out) is None:
-            self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
-        if index in self.cached:
-            reason = why_not_cacheable(func, args, kwargs, out)
+        outputs = _outputs(out) if tracking or cached else []
+        if tracking:
+            self._track(index, func, args, kwargs, read, out, outputs, cached)
+        else:
+            self.reads.append(_NONE)
+            self.views.append(False)
+        if cached:
+            reason = _why_not_cacheable(func, args, kwargs, read, outputs)
             if reason is not None:
                 self.refused = (
                     f"block {self.block}: its plan caches op {index} ({func}), which cannot be cached: {reason}; "
@@ -720,6 +753,46 @@ class ForwardCache(OpCounter):
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
+    def _tracking(self, index: int) -> bool:
+        """Op ``index`` may matter to what the re-run leaves out: an op before the last cached one may
+        be left out; after it, only the candidates left may (NOTE [the re-run leaves ops out])."""
+        return index < self.last or bool(self._candidates)
+
+    def _track(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict, read: set[int], out: Any,
+               outputs: list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]], cached: bool) -> None:
+        """Record op ``index`` (``read``: its arguments' storages; ``outputs``: ``_outputs(out)``) for
+        the left-out set (NOTE [the re-run leaves ops out])."""
+        view = _only_views(func, read, out, outputs)
+        reads = {op for p in read if (op := self._creator.get(p)) is not None}
+        self.reads.append(reads)
+        self.views.append(view)
+        created = {ptr: s for _, s, ptr in outputs if ptr is not None and ptr not in read}
+        self.unseen.op(index, func, args, kwargs, read, created, view)
+        self._creator.update(dict.fromkeys(created, index))
+        if self.unseen.reason is not None:
+            self._candidates.clear()
+        # Only an op some cached op reads, directly or through left-out ones, is left out: none after the last.
+        elif (created and index < self.last and not cached
+                and _why_not_cacheable(func, args, kwargs, read, outputs) is None):
+            self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
+        elif not view and not cached:
+            for k in reads:  # this op computes in the re-run too, from what it read here
+                self._candidates.pop(k, None)
+        if index == self.last:
+            # Later ops are neither cached nor candidates, so they can only rule candidates out: those
+            # ``dead_ops`` does not find now it will not find after the forward either.
+            possible = dead_ops(self.cached, self._readers(), [k in self._candidates for k in range(index + 1)], self.views)
+            for k in [k for k in self._candidates if k not in possible]:
+                del self._candidates[k]
+
+    def _readers(self) -> list[list[int]]:
+        """Per op so far: the later ops that read its storages."""
+        readers: list[list[int]] = [[] for _ in self.funcs]
+        for r, reads in enumerate(self.reads):
+            for k in reads:
+                readers[k].append(r)
+        return readers
+
     def cast(self, index: int, leaf: torch.Tensor) -> bool:
         """Whether op ``index`` of the forward cast ``leaf`` (NOTE [a weight another block cast])."""
         ref = self._casts.get(index)
@@ -728,9 +801,13 @@ class ForwardCache(OpCounter):
     def note_saved(self, tensor: torch.Tensor) -> None:
         """Autograd saves ``tensor`` in the forward (the block's pack hook): the op that made its
         storage cannot be left out of the re-run."""
+        if not self._tracking(self.count):  # (``count``: the next op's index)
+            return
         self.unseen.used(tensor, "autograd saves")
-        if (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
-            self._saved.add(op)
+        if self.unseen.reason is not None:
+            self._candidates.clear()
+        elif (storage := _storage(tensor)) is not None and (op := self._creator.get(storage.data_ptr())) is not None:
+            self._candidates.pop(op, None)
 
     def finish(self, out: Any) -> None:
         """After the forward (``out``: what it returned): every cached op ran; watch the block outputs
@@ -759,20 +836,19 @@ class ForwardCache(OpCounter):
                 self.escaped.append((alias, alias._version, op))
 
     def _decide_left_out(self, out: Any) -> None:
+        if not self._candidates:
+            return
         for t in _tensors(out):
             self.unseen.used(t, "the block returns")
         if self.unseen.reason is not None:
             self._candidates = {}
         returned = {op for t in _tensors(out) if (s := _storage(t)) is not None and (op := self._creator.get(s.data_ptr())) is not None}
-        readers: list[list[int]] = [[] for _ in self.funcs]
-        for r, reads in enumerate(self.reads):
-            for k in reads:
-                readers[k].append(r)
+        readers = self._readers()
         skippable = [False] * len(self.funcs)
         for k, (_, storages) in self._candidates.items():
-            # Alive after the forward (not returned, not saved): held where the re-run's stand-in
-            # would end up too (an attribute, a list, a custom Function's ctx): not left out.
-            skippable[k] = k not in self._saved and k not in returned and all(s.expired() for s in storages)
+            # Alive after the forward (not returned; a saved one is no candidate): held where the
+            # re-run's stand-in would end up too (an attribute, a list, a custom Function's ctx): not left out.
+            skippable[k] = k not in returned and all(s.expired() for s in storages)
         dead = dead_ops(self.cached, readers, skippable, self.views)
         self.left_out = {k: self._candidates[k][0] for k in sorted(dead)}
         self._candidates = {}
