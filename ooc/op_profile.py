@@ -76,11 +76,10 @@ bookkeeping is host time in Python, on the critical path where kernels are short
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from collections.abc import Set as AbstractSet
 from typing import Any
 
@@ -136,6 +135,17 @@ def _op_tensors(*parts: Any) -> list[torch.Tensor]:
             elif isinstance(value, (tuple, list)):
                 found += [t for t in value if isinstance(t, torch.Tensor)]
     return found
+
+
+def _flatten(out: Any) -> tuple[list[Any], Any]:
+    """``tree_flatten(out)`` of an op's output, with None for the spec of one tensor (most ops'
+    output; ``tree_flatten`` takes a microsecond and more even then)."""
+    return ([out], None) if isinstance(out, torch.Tensor) else tree_flatten(out)
+
+
+def _unflatten(leaves: list[Any], spec: Any) -> Any:
+    """The inverse of ``_flatten``."""
+    return leaves[0] if spec is None else tree_unflatten(leaves, spec)
 
 
 def _storage(t: torch.Tensor) -> torch.UntypedStorage | None:
@@ -381,6 +391,22 @@ class _UnseenWrites:
         self._refs.pop(ptr, None)
 
 
+class _Paused:
+    """``OpCounter.paused``: a class, not a ``contextlib.contextmanager`` generator (a microsecond and
+    more per use, and the pack hooks use it for every tensor a selective block saves)."""
+
+    __slots__ = ("counter",)
+
+    def __init__(self, counter: OpCounter) -> None:
+        self.counter = counter
+
+    def __enter__(self) -> None:
+        self.counter._paused += 1
+
+    def __exit__(self, *exc: object) -> None:
+        self.counter._paused -= 1
+
+
 class OpCounter(TorchDispatchMode):
     """Counts the ops dispatched while it is on (NOTE [counting a block's ops]) and hands each to ``op``."""
 
@@ -389,14 +415,9 @@ class OpCounter(TorchDispatchMode):
         self.count = 0
         self._paused = 0
 
-    @contextlib.contextmanager
-    def paused(self) -> Iterator[None]:
+    def paused(self) -> _Paused:
         """Ops dispatched inside run uncounted (ooc's own hooks)."""
-        self._paused += 1
-        try:
-            yield
-        finally:
-            self._paused -= 1
+        return _Paused(self)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
         kwargs = kwargs or {}
@@ -630,7 +651,7 @@ class _Layout:
     __slots__ = ("spec", "leaves", "storages")
 
     def __init__(self, out: Any) -> None:
-        leaves, self.spec = tree_flatten(out)
+        leaves, self.spec = _flatten(out)
         numbers: dict[object, int] = {}
         self.storages: list[tuple[int, torch.device]] = []
         self.leaves: list[tuple[bool, Any]] = []
@@ -650,7 +671,7 @@ class _Layout:
         storages = [torch.UntypedStorage(nbytes, device=device) for nbytes, device in self.storages]
         out = [torch.empty(0, dtype=v[4], device=storages[v[0]].device).set_(storages[v[0]], v[3], v[1], v[2])
                if is_tensor else v for is_tensor, v in self.leaves]
-        return tree_unflatten(out, self.spec), storages
+        return _unflatten(out, self.spec), storages
 
 
 class ForwardCache(OpCounter):
@@ -741,7 +762,7 @@ class ForwardCache(OpCounter):
             # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
             # its own version counter, hence the checks by storage), which the cache holds without
             # holding the forward's graph.
-            leaves, spec = tree_flatten(out)
+            leaves, spec = _flatten(out)
             aliases = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
             for t in aliases:
                 if isinstance(t, torch.Tensor):
@@ -940,7 +961,7 @@ class Replay(OpCounter):
                 self.ptrs.add(tensor.untyped_storage().data_ptr())
                 leaf = tensor.detach()  # a fresh alias each time: autograd sets the re-run's graph on it
             out.append(leaf)
-        return tree_unflatten(out, spec)
+        return _unflatten(out, spec)
 
     def _run(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         """Run an op that is neither cached nor left out; refuse one that would read a left-out
@@ -960,7 +981,7 @@ class Replay(OpCounter):
 
     def check_saved(self, tensor: torch.Tensor) -> None:
         """The re-run's pack hook: autograd must not save a left-out op's output (the forward's did not)."""
-        if (storage := _storage(tensor)) is not None and storage.nbytes() and \
+        if self.fakes and (storage := _storage(tensor)) is not None and storage.nbytes() and \
                 (op := self._left_out_at(storage.data_ptr())) is not None:
             raise self._refused(op, "autograd saves it for the backward")
 
