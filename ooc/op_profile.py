@@ -158,8 +158,11 @@ def _outputs(out: Any) -> list[tuple[torch.Tensor, torch.UntypedStorage | None, 
     passed on: each ``untyped_storage()`` builds a Python object."""
     found: list[tuple[torch.Tensor, torch.UntypedStorage | None, int | None]] = []
     for t in _op_tensors(out):
-        storage = _storage(t)
-        found.append((t, storage, storage.data_ptr() if storage is not None and storage.nbytes() else None))
+        if t.layout != torch.strided:
+            found.append((t, None, None))
+        else:
+            storage = t.untyped_storage()
+            found.append((t, storage, storage.data_ptr() if storage.nbytes() else None))
     return found
 
 
@@ -267,7 +270,7 @@ def _read_tensors(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> lis
 
 def _read_storages(args: tuple, kwargs: dict) -> set[int]:
     """Addresses of the (non-empty) storages an op's tensor arguments lie in: what it may read."""
-    return {s.data_ptr() for t in _op_tensors(args, kwargs) if (s := _storage(t)) is not None and s.nbytes()}
+    return {s.data_ptr() for t in _op_tensors(args, kwargs) if t.layout == torch.strided and (s := t.untyped_storage()).nbytes()}
 
 
 def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any,
@@ -277,10 +280,15 @@ def _only_views(func: torch._ops.OpOverload, inputs: set[int], out: Any,
     leaves ops out]); an op that copies, or returns a number (``.item()``), or an empty new tensor
     (whose shape it may have read from values), is no view op. ``outputs``: ``_outputs(out)``, if read."""
     leaves = out if isinstance(out, (tuple, list)) else (out,)
-    if _schema(func).mutable or not leaves or not all(isinstance(t, torch.Tensor) for t in leaves):
+    if not leaves or _schema(func).mutable:
         return False
-    # Every leaf is a tensor: ``_outputs`` lists exactly these.
-    return all(ptr is not None and ptr in inputs for _, _, ptr in (_outputs(out) if outputs is None else outputs))
+    for t in leaves:
+        if not isinstance(t, torch.Tensor):
+            return False
+    for _, _, ptr in _outputs(out) if outputs is None else outputs:  # every leaf is a tensor: these
+        if ptr is None or ptr not in inputs:
+            return False
+    return True
 
 
 def _covers(t: torch.Tensor, nbytes: int) -> bool:
