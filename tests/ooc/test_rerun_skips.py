@@ -130,6 +130,30 @@ def test_hf_llama_eager_rerun_leaves_out_the_scores_the_cached_softmax_reads(cac
     assert results == [(True, True, True)] * 2
 
 
+def test_the_forward_records_nothing_once_nothing_can_be_left_out(gpt_profile, caches, monkeypatch) -> None:  # noqa: ANN001
+    """Past the last cached op, with no candidate left, the forward looks at no op's storages (NOTE
+    [the re-run leaves ops out]: each op's bookkeeping is host time, on the critical path where kernels
+    are short). Caching each block's first addmm (the qkv projection) leaves nothing out: the forward
+    reads the storages of the ops up to it alone, and the gradients are plain PyTorch's."""
+    first = [next(k for k, op in enumerate(b.ops) if op.name == "aten.addmm.default") for b in gpt_profile.blocks]
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=(k,)) for k in first),
+                    min_swap_bytes=gpt_profile.min_swap_bytes)
+    assert not any(rerun_skipped(b.ops, (k,)) for b, k in zip(gpt_profile.blocks, first))
+    assert all(k + 1 < len(b.ops) for b, k in zip(gpt_profile.blocks, first))  # ops after it to leave alone
+    read, calls = ooc.op_profile._read_storages, [0]
+
+    def counted(args: tuple, kwargs: dict) -> set[int]:
+        calls[0] += 1
+        return read(args, kwargs)
+
+    monkeypatch.setattr(ooc.op_profile, "_read_storages", counted)
+    results = train_side_by_side(lambda: GPT(NANO), gpt_loss, [gpt_batch(seed=s) for s in range(2)],
+                                 lambda m: ooc.wrap(m, plan, backend="cpu"))
+    assert results == [(True, True, True)] * 2
+    assert [c.left_out for c in caches] == [{}] * len(caches) and len(caches) == 2 * len(first)
+    assert calls[0] <= 2 * sum(k + 1 for k in first)
+
+
 # -- (b) measured profiles record what each op reads, and predict the left-out set ------------------
 
 
