@@ -4,6 +4,7 @@ the tracker counts the cache as the planner models it (NOTE [selective recompute
 
 from __future__ import annotations
 
+import contextlib
 import random
 
 import pytest
@@ -220,6 +221,44 @@ def test_the_rerun_skips_the_cached_ops(gpt_profile) -> None:
         ooc.unwrap(model)
         seen.append(count.calls)
     assert seen == [4 * len(addmm), 0]
+
+
+def test_the_reruns_pack_hook_detaches_past_its_paused_mode(gpt_profile, monkeypatch) -> None:  # noqa: ANN001
+    """The re-run's pack hook detaches each saved tensor that requires grad. Under the selective re-run
+    alone that detach goes to its kernel past the paused Replay (each pass through a dispatch mode is
+    microseconds of host time); under another mode it goes through both, as before, so that mode sees
+    every one."""
+    import ooc.recompute
+    from ooc.op_profile import Replay
+
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=(next(k for k, op in enumerate(b.ops)
+                                                                             if op.name == "aten.addmm.default"),))
+                                 for b in gpt_profile.blocks), min_swap_bytes=1024)
+    dispatch, paused = Replay.__torch_dispatch__, [0]
+
+    def counted(self: Replay, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN202
+        paused[0] += bool(self._paused) and func is torch.ops.aten.detach.default
+        return dispatch(self, func, types, args, kwargs)
+
+    monkeypatch.setattr(Replay, "__torch_dispatch__", counted)
+
+    def backward(outer: bool) -> tuple[int, int]:
+        """(detaches the paused Replay passed on, detaches a mode around the backward saw)."""
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        ooc.wrap(model, plan, backend="cpu")
+        loss = gpt_loss(model, gpt_batch())
+        paused[0] = 0
+        with _Count("aten.detach.default") if outer else contextlib.nullcontext() as count:
+            loss.backward()
+        ooc.unwrap(model)
+        return paused[0], count.calls if outer else 0
+
+    assert backward(outer=False) == (0, 0)
+    passed_on, seen = backward(outer=True)
+    assert passed_on > 0
+    monkeypatch.setattr(ooc.recompute, "_detach", lambda tensor, replay: tensor.detach())
+    assert backward(outer=True) == (passed_on, seen)
 
 
 class _Flip(nn.Module):
