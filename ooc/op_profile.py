@@ -117,6 +117,7 @@ _NOT_DETERMINISTIC = ("the forward is not deterministic (data-dependent control 
 
 
 _NONE: frozenset[int] = frozenset()
+"""No storages, or no ops: what the forward records for an op once nothing can be left out."""
 
 
 def _tensors(tree: Any) -> list[torch.Tensor]:
