@@ -460,7 +460,9 @@ def _measure_plans(result: StepResult, model, batch, loss_fn, prof, rows, hw, ba
         report = ooc.memory_report(model)
         ooc.unwrap(model)
         predicted = simulate(build_schedule(plan, prof, hw), hw, keep_timeline=False)
-        figures[name] = dict(plan=plan.name or str(plan), measured_ms=measured * 1e3, predicted_ms=predicted.step_time_s * 1e3,
+        letters = "".join("C" if b.cached_ops else b.policy.value[0].upper() for b in plan.blocks)  # C: caches ops
+        figures[name] = dict(plan=plan.name or str(plan), blocks=letters, cached_ops=sum(len(b.cached_ops) for b in plan.blocks),
+                             measured_ms=measured * 1e3, predicted_ms=predicted.step_time_s * 1e3,
                              tracked_peak_bytes=report.peak_bytes, predicted_peak_bytes=predicted.peak_bytes,
                              budget_bytes=budget, cuda_max_allocated=report.cuda_max_allocated,
                              measured_over_plain=measured / plain_s)
