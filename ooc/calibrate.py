@@ -144,6 +144,38 @@ def _op_intercept_seconds(backend: Backend, reps: int) -> float:
     return max(0.0, (steps["selective"] - steps["plain"] + skipped) / ops)
 
 
+def _op_issue_seconds(backend: Backend, reps: int) -> float:
+    """``Hardware.op_issue_s``: host time plain PyTorch takes per op of a training forward, on a GPU
+    (0 on the CPU backend, where the host's time is the compute): the tiny GPT's forward, 16 x 64
+    tokens, whose kernels are shorter than their issue, timed to its last kernel over the ops it
+    dispatches."""
+    if backend.device.type != "cuda":
+        return 0.0
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ooc.models.gpt import GPT
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    device = backend.device
+    torch.manual_seed(0)
+    model = GPT("tiny").to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def forward() -> None:
+        model(tokens, torch.roll(tokens, -1, dims=1))
+        torch.cuda.synchronize(device)  # the host times the forward to its last kernel
+
+    with _Count():
+        model(tokens, torch.roll(tokens, -1, dims=1))
+    return median_seconds(forward, max(reps, 3)) / max(_Count.ops, 1)
+
+
 def calibration_device(spec: str) -> str:
     """Where ``ooc calibrate --backend spec`` measures: ``"auto"`` is the GPU when there is one
     (a GPU host is calibrated for its GPU, not its CPU); ``"cuda"`` the GPU; anything else the CPU."""
@@ -213,6 +245,8 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
         compute_slowdown=slowdown,
         copy_issue_s=_copy_issue_seconds(backend, reps),
         op_intercept_s=_op_intercept_seconds(backend, reps),
+        op_issue_s=_op_issue_seconds(backend, reps),
+        host_runs_ahead=backend.device.type == "cuda",
         host_contention=host_contention(backend, reps),
         source=f"calibrated on {backend!r} with {nbytes} byte copies, median of {reps}",
     )

@@ -45,6 +45,10 @@ class Hardware:
     forward and its re-run together (recording each op, then replaying from the cache: NOTE
     [selective recompute] in ``ooc.op_profile``). ``ooc calibrate`` measures it, on a GPU too (where
     it is host time: see ``host_runs_ahead``); the GPU presets leave it 0 (not measured there)."""
+    op_issue_s: float = 0.0
+    """Host time plain PyTorch takes to issue one op of a block's forward (Python modules, dispatch,
+    the launch), where the host runs ahead (``host_runs_ahead``): with it, the kernels hide the
+    interception only where they outlast both (``intercept_s``)."""
     host_runs_ahead: bool = False
     """The host issues the kernels ahead of the device (a GPU): ``op_intercept_s`` is host time that
     costs a block only where it outlasts the block's kernels (``intercept_s``). False on the CPU
@@ -82,18 +86,24 @@ class Hardware:
     def intercept_s(self, ops: int, kernels_s: float) -> float:
         """Seconds ooc's per-op interception adds to a selectively recomputed block of ``ops`` ops
         whose forward and re-run run ``kernels_s`` of kernels: all of it where the host computes;
-        where the host runs ahead of a GPU (NOTE [host time under the kernels]), what outlasts them.
+        where the host runs ahead of a GPU, what the host's time outlasts them by beyond what plain
+        PyTorch's already did (NOTE [host time under the kernels]).
 
         NOTE [host time under the kernels]
         On a GPU a block's forward and re-run cost max(kernels, host time): the host issues each
-        kernel, and the device runs it while the host issues the next. Plain PyTorch's own issue
-        time is already in the measured kernel times (a profile measures whole ops), so what the
-        interception adds is host time beyond the kernels, ``ops * op_intercept_s - kernels_s``,
-        if positive. Measured on an H200 (GPT-2 small, 4 x 512): op-level plans whose blocks
-        cached ops ran about twice as slow as block-level plans the model, charging nothing, priced
-        as faster: small kernels leave the host exposed."""
+        kernel and the device runs it while the host issues the next. A measured profile's times
+        already hold plain PyTorch's issue (``op_issue_s`` per op and pass, two passes); the
+        interception adds ``ops * op_intercept_s`` of host time, which costs
+        max(0, issue + interception - kernels) - max(0, issue - kernels). Measured on an H200
+        (``benchmarks/bench_intercept.py``): GPT-2 small's block ops run ~22 us of kernels each and
+        the interception costs ~65 us per op, the tiny GPT's likewise: there the host was already
+        about as busy as the kernels and all of it shows; blocks whose ops run longer kernels (long
+        sequences, large widths) hide it."""
         total = ops * self.op_intercept_s
-        return max(0.0, total - kernels_s) if self.host_runs_ahead else total
+        if not self.host_runs_ahead:
+            return total
+        issue = 2 * ops * self.op_issue_s
+        return max(0.0, issue + total - kernels_s) - max(0.0, issue - kernels_s)
 
     def describe(self) -> str:
         gbs = lambda v: f"{v / GB:.1f} GB/s"  # noqa: E731

@@ -325,7 +325,7 @@ def _step_calibrate(result: StepResult, out: Path) -> None:
                           d2h_duplex_GBps=hw.d2h_duplex / gb, d2d_GBps=hw.d2d / gb, copy_latency_us=hw.copy_latency_s * 1e6,
                           host_adamw_GBps=hw.host_optimizer / gb, compute_slowdown=hw.compute_slowdown,
                           copy_issue_us=hw.copy_issue_s * 1e6, host_contention=hw.host_contention,
-                          op_intercept_us=hw.op_intercept_s * 1e6)
+                          op_intercept_us=hw.op_intercept_s * 1e6, op_issue_us=hw.op_issue_s * 1e6)
     result.check("pinned H2D bandwidth", hw.h2d / gb, "> 0 GB/s (figure for the planner)", hw.h2d > 0)
     result.summary = (f"H2D {hw.h2d / gb:.1f} GB/s, D2H {hw.d2h / gb:.1f} GB/s, both at once {hw.h2d_duplex / gb:.1f}/"
                       f"{hw.d2h_duplex / gb:.1f} GB/s, D2D {hw.d2d / gb:.0f} GB/s; saved as hardware.json")

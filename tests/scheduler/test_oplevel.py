@@ -272,6 +272,11 @@ def test_on_a_gpu_only_host_time_beyond_the_kernels_is_charged():
     assert rerun(exposed) - plain_rerun == pytest.approx(2 * kernels, rel=1e-9)
     assert exposed.intercept_s(40, kernels) == pytest.approx(2 * kernels, rel=1e-9)
     assert replace(exposed, host_runs_ahead=False).intercept_s(40, kernels) == pytest.approx(3 * kernels, rel=1e-9)
+    # Where plain PyTorch's issue alone keeps the host as busy as the kernels, all of it shows.
+    busy = replace(hidden, op_issue_s=kernels / 80)
+    assert busy.intercept_s(40, kernels) == pytest.approx(40 * hidden.op_intercept_s, rel=1e-9)
+    half = replace(hidden, op_issue_s=kernels / 160)  # issue half the kernels: the interception fills the rest
+    assert half.intercept_s(40, kernels) == pytest.approx(40 * hidden.op_intercept_s - kernels / 2, rel=1e-9)
     budget = build_schedule(Plan.uniform("keep", 6), prof).peak_bytes // 2
     assert any(b.cached_ops for b in op_level(prof, hidden, budget).blocks)
     plan = op_level(prof, exposed, budget)
