@@ -262,15 +262,33 @@ def _gpt_step(model: nn.Module, seed: int) -> None:
     model(x, x)[1].backward()
 
 
-@pytest.mark.parametrize("options", [{"rollback": True}, {}], ids=["rollback", "pipelined"])
+def _within(seconds: float, fn) -> None:  # noqa: ANN001
+    """Run ``fn()`` on a daemon thread; fail if it has not returned within ``seconds`` (a hang)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("options", [{"rollback": True}, {}, {"max_grad_norm": 1.0}], ids=["rollback", "pipelined", "clip"])
 def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, options: dict) -> None:
     """A step raised between ``backward()`` and ``step()`` (the moment a loop restores an earlier
     version), then ``restore`` and ``zero_grad()``: with ``rollback=True`` the reset of the open step
     put back the host state from before its updates over the state just restored, so training went
     on from neither. The restored state supersedes the open step: nothing of it is undone or
-    reported, and the optimizer holds the version as a fresh one restored from it does. (With
-    ``max_grad_norm`` the restore hangs instead: ``model.state_dict()`` waits in ``synchronize`` for
-    the updates clipping holds until a ``step()`` that never comes; not fixed here.)"""
+    reported, and the optimizer holds the version as a fresh one restored from it does. With
+    ``max_grad_norm`` the restore hung: ``model.state_dict()`` waited in ``synchronize`` for the
+    updates clipping holds until a ``step()`` that never comes."""
     model, opt = _gpt_host(0, **options)
     ckpt = Checkpointer(tmp_path, model, opt, keep=None)
     for step in (1, 2):
@@ -280,9 +298,13 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         ckpt.save(step)
     ckpt.wait()
     _gpt_step(model, 3)  # the step that raised before opt.step()
-    ckpt.restore(1)
-    opt.zero_grad()
-    opt.synchronize()
+
+    def restore() -> None:
+        ckpt.restore(1)
+        opt.zero_grad()
+        opt.synchronize()
+
+    _within(60, restore)
     fresh_model, fresh_opt = _gpt_host(5, **options)
     Checkpointer(tmp_path, fresh_model, fresh_opt).restore(1)
     try:
