@@ -252,8 +252,13 @@ def test_saves_read_the_directory_once(tmp_path: Path, monkeypatch) -> None:  # 
     reads = []
     real = ckpt_mod._scan
     main = threading.current_thread()
-    monkeypatch.setattr(ckpt_mod, "_scan", lambda d: (reads.append(1) if threading.current_thread() is main else None,
-                                                     real(d))[1])
+
+    def scan(directory: Path):  # noqa: ANN202
+        if threading.current_thread() is main:
+            reads.append(1)
+        return real(directory)
+
+    monkeypatch.setattr(ckpt_mod, "_scan", scan)
     _saved(tmp_path, (1,)).close()
     reads.clear()
     ckpt = Checkpointer(tmp_path, _linear())
