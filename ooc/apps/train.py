@@ -218,6 +218,8 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     start_step = _resume(cfg, model, opt, rank, world, show)
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
         if cfg.save else None
+    if saver is not None:
+        saver.check_step(_first_save(cfg, start_step))  # a --resume older than --save's versions fails now, not later
     if rank == 0:
         show(f"ooc train: GPT {cfg.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {cfg.dtype}) "
              f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
@@ -264,6 +266,13 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     opt.close()
     ooc.unwrap(model)
     return result
+
+
+def _first_save(cfg: TrainConfig, start_step: int) -> int:
+    """The step of the run's first version: later ones are above it, so if ``save`` takes it, it
+    takes them all (NOTE [saves go forward] in ooc.checkpoint)."""
+    last = start_step + cfg.steps
+    return min(last, (start_step // cfg.save_every + 1) * cfg.save_every) if cfg.save_every else last
 
 
 def _layout(cfg: TrainConfig) -> dict[str, object]:
