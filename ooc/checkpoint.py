@@ -1296,12 +1296,13 @@ class Checkpointer:
         the newest complete one (left by a crash). With several ranks, one version more than
         ``keep`` may remain until the next save (rank 0 deletes only behind a version every rank
         has committed)."""
-        complete = self.versions()
+        complete, damaged = _scan(self.directory)
         if not complete:
             return
         keep = {v.step for v in complete[-self.keep:]} if self.keep is not None else {v.step for v in complete}
         newest = complete[-1].step
-        doomed = [(step, path) for step, path in self._folders() if step not in keep and step < newest]
+        # A damaged version is kept and reported, never taken for a crash's leftover (NOTE [damaged records]).
+        doomed = [(step, path) for step, path in self._folders() if step not in keep and step < newest and step not in damaged]
         if doomed:
             for spare in self._spares():  # what the version just written did not take (NOTE [recycled files])
                 shutil.rmtree(spare, ignore_errors=True)
@@ -1640,7 +1641,9 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
     folder renamed by hand), as any other file of the version can be. It is reported as such, not
     taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
-    skips it) and the cleanup of incomplete folders leaves it, with its intact files, be."""
+    skips it) and neither the cleanup of incomplete folders nor retention deletes it, with its
+    intact files (``ooc checkpoints list`` shows it; a save moves it aside if it is newer than the
+    newest intact version, NOTE [damaged versions moved aside])."""
     name = "manifest-rank0.json"
     try:
         first = json.loads((path / name).read_text())

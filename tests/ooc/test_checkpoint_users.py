@@ -14,7 +14,14 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ooc.checkpoint import MODEL_FILE, Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+from ooc.checkpoint import (
+    MODEL_FILE,
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    damaged_versions,
+    list_versions,
+)
 
 Point = namedtuple("Point", "x y")
 
@@ -127,6 +134,21 @@ def _saved(directory: Path, steps: tuple[int, ...], keep: int | None = 3) -> Che
 
 def _moved_aside(directory: Path) -> list[str]:
     return sorted(p.name.partition(".damaged-")[0] for p in directory.iterdir() if ".damaged-" in p.name)
+
+
+def test_retention_keeps_an_older_version_with_a_damaged_record(tmp_path: Path) -> None:
+    """NOTE [damaged records]: retention took a version whose record was damaged for a crash's
+    leftover and deleted it, intact files and all, once a newer version was committed."""
+    ckpt = _saved(tmp_path, (1, 2), keep=2)
+    _damage(tmp_path / "step-000000001" / "manifest-rank0.json")
+    ckpt.close()
+    ckpt = _saved(tmp_path, (), keep=2)
+    for step in (3, 4):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000000001", "step-000000003", "step-000000004"]
+    assert list(damaged_versions(tmp_path)) == [1]
 
 
 @pytest.mark.parametrize("damage", ["file", "record"])
