@@ -1513,6 +1513,9 @@ class Checkpointer:
         return result, set(loaded)
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
+        check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load
+        if check is not None:
+            check(payloads["optimizer"])
         self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])

@@ -448,3 +448,27 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         ckpt.close()
         opt.close()
         fresh_opt.close()
+
+
+def test_a_host_adamw_of_other_options_loads_nothing(tmp_path: Path) -> None:
+    """A version saved by a HostAdamW without ``delayed_update`` restored into one with it: the
+    optimizer refused its state only after the model's weights had been loaded, leaving the model
+    at the version and the optimizer not. Now nothing is loaded."""
+    from ooc.errors import OocError
+
+    model, opt = _gpt_host(0)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    _gpt_step(model, 1)
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(1)
+    ckpt.close()
+    opt.close()
+    other, other_opt = _gpt_host(7, delayed_update=True)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        with pytest.raises(OocError, match="delayed_update"):
+            Checkpointer(tmp_path, other, other_opt).restore()
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    finally:
+        other_opt.close()
