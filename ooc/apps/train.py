@@ -292,7 +292,10 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
     loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
-    version = loader.restore()
+    try:
+        version = loader.restore()
+    finally:
+        loader.close()  # a reader only: its folder locks and writer (none started) go with it
     if rank == 0:
         show(f"resumed from {version.path} (step {version.step})")
     return version.step
