@@ -17,21 +17,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc.kernels.quant as quant  # noqa: E402
 from common import machine_header, table  # noqa: E402
-
-
-def cuda_seconds(fn, reps: int = 10) -> float:  # noqa: ANN001
-    """Median seconds of ``fn`` by CUDA events, after one warm-up (which compiles)."""
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # the host reads the elapsed time next
-        times.append(start.elapsed_time(end) / 1e3)
-    return sorted(times)[len(times) // 2]
+from ooc.calibrate import cuda_event_seconds  # noqa: E402
 
 
 def main() -> None:
@@ -43,7 +29,7 @@ def main() -> None:
         raise SystemExit("sweep_quant.py times the Triton kernels: it needs a CUDA device")
     print(machine_header("quantize/dequantize tile sweep"))
     x = torch.randn(64 * 2**20, device="cuda")
-    copy_GBps = 2 * x.nbytes / cuda_seconds(lambda: x.clone()) / 1e9
+    copy_GBps = 2 * x.nbytes / cuda_event_seconds(lambda: x.clone(), 10) / 1e9
     rows = [["codec", "groups/program", "warps", "quantize GB/s", "vs copy", "dequantize GB/s", "vs copy"]]
     best: dict[str, tuple[float, str]] = {}
     for gpp in (int(v) for v in args.gpp.split(",")):
@@ -52,8 +38,8 @@ def main() -> None:
             for codec in ("int8", "int4", "fp8_e4m3"):
                 q = quant.quantize(x, codec=codec)
                 moved = x.nbytes + q.codes.nbytes + q.scales.nbytes
-                qs = moved / cuda_seconds(lambda c=codec: quant.quantize(x, codec=c)) / 1e9
-                ds = moved / cuda_seconds(lambda q=q: quant.dequantize(q)) / 1e9
+                qs = moved / cuda_event_seconds(lambda c=codec: quant.quantize(x, codec=c), 10) / 1e9
+                ds = moved / cuda_event_seconds(lambda q=q: quant.dequantize(q), 10) / 1e9
                 rows.append([codec, str(gpp), str(warps), f"{qs:.0f}", f"{qs / copy_GBps:.2f}", f"{ds:.0f}", f"{ds / copy_GBps:.2f}"])
                 for kind, value in (("quantize", qs), ("dequantize", ds)):
                     key = f"{kind} {codec}"

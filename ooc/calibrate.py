@@ -27,6 +27,21 @@ def median_seconds(fn, reps: int, *, warmup: int = 1) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+def cuda_event_seconds(fn, reps: int) -> float:  # noqa: ANN001
+    """Median seconds of ``fn`` on the current CUDA stream, timed by CUDA events, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # the host reads the elapsed time next
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def _device_memory(backend: Backend) -> int:
     if backend.device.type == "cuda":
         return torch.cuda.get_device_properties(backend.device).total_memory

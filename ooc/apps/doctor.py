@@ -298,23 +298,6 @@ def _step_gpu_lane(result: StepResult, out: Path) -> None:
     _run_pytest(result, out, ["-m", "gpu and not slow", *GPU_LANE_ORDER, *rest], "gpu-lane.log", result.cap_s - 10, env)
 
 
-def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn`` on the current stream, timed by CUDA events, after one warm-up."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # host waits: the elapsed time is read next
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def _step_calibrate(result: StepResult, out: Path) -> None:
     from ooc.calibrate import calibrate
 
@@ -343,12 +326,13 @@ def _hardware(out: Path):  # noqa: ANN202
 def _step_kernels(result: StepResult, out: Path) -> None:
     import torch
 
+    from ooc.calibrate import cuda_event_seconds
     from ooc.kernels.quant import dequantize, quantize
 
     n = KERNEL_ELEMENTS
     x = torch.randn(n, device="cuda").view(4096, -1)
     y = torch.empty_like(x)
-    d2d = 2 * 4 * n / _cuda_seconds(lambda: y.copy_(x), 10)  # bytes read + written
+    d2d = 2 * 4 * n / cuda_event_seconds(lambda: y.copy_(x), 10)  # bytes read + written
     result.figures["d2d_GBps"] = d2d / 1e9
     codecs = ["int8", "int4"] + (["fp8_e4m3"] if torch.cuda.get_device_capability() >= (8, 9) else [])
     for codec in codecs:
@@ -356,7 +340,7 @@ def _step_kernels(result: StepResult, out: Path) -> None:
         code_bytes = q.codes.numel() * q.codes.element_size() + q.scales.numel() * 4
         moved = 4 * n + code_bytes  # quantize reads fp32, writes codes and scales; dequantize the reverse
         for kind, fn in (("quantize", lambda c=codec: quantize(x, codec=c)), ("dequantize", lambda q=q: dequantize(q, out=y))):
-            rate = moved / _cuda_seconds(fn, 10)
+            rate = moved / cuda_event_seconds(fn, 10)
             result.figures[f"{kind}_{codec}_GBps"] = rate / 1e9
             result.check(f"{kind} {codec}: fraction of the D2D copy's GB/s", rate / d2d, ">= 0.8", rate / d2d >= 0.8)
     worst = min(c.value for c in result.checks)
