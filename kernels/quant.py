@@ -22,6 +22,8 @@ from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_r
 # per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
 # input to stream; tuned for the interpreter, not yet measured on a GPU.
 GROUPS_PER_PROGRAM = 32
+NUM_WARPS = 4
+"""Warps per program of the four kernels (Triton's default); ``benchmarks/sweep_quant.py`` times others."""
 
 
 @triton.jit
@@ -263,7 +265,7 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
         codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device) if views is None else views[0]
-        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM)
+        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     else:
         pack4 = codec == "int4"
         if views is None:
@@ -271,7 +273,7 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
         else:
             codes = views[0]
         _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
-                                   GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic)
+                                   GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
 
@@ -291,8 +293,8 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
     if q.codec in FP8:
-        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM)
+        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     else:
         _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
-                                     PACK4=q.codec == "int4")
+                                     PACK4=q.codec == "int4", num_warps=NUM_WARPS)
     return result

@@ -27,6 +27,21 @@ def median_seconds(fn, reps: int, *, warmup: int = 1) -> float:  # noqa: ANN001
     return statistics.median(times)
 
 
+def cuda_event_seconds(fn, reps: int) -> float:  # noqa: ANN001
+    """Median seconds of ``fn`` on the current CUDA stream, timed by CUDA events, after one warm-up."""
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()  # the host reads the elapsed time next
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
 def _device_memory(backend: Backend) -> int:
     if backend.device.type == "cuda":
         return torch.cuda.get_device_properties(backend.device).total_memory
@@ -108,10 +123,9 @@ def _op_intercept_seconds(backend: Backend, reps: int) -> float:
     as the runtime runs it: training steps of a small GPT (``GPT("tiny")``, 16 x 64 tokens) with
     every block recomputed, against the same with each block caching its cheapest op, per op of
     the blocks, less what caching that op skips. The ops of a model's own blocks may cost more or
-    less; a toy chain of tiny ops measured a third of a transformer block's figure. 0 on a GPU,
-    where it is host time the kernels hide."""
-    if backend.device.type == "cuda":
-        return 0.0
+    less; a toy chain of tiny ops measured a third of a transformer block's figure. On a GPU the
+    tiny model's kernels are shorter than their issue, so its steps are host time and the figure is
+    the host's (NOTE [host time under the kernels] in ``ooc.scheduler.hardware``)."""
     from dataclasses import replace as with_fields
 
     import ooc
@@ -119,27 +133,62 @@ def _op_intercept_seconds(backend: Backend, reps: int) -> float:
     from ooc.scheduler.oplevel import rerun_saved_s
     from ooc.scheduler.plan import BlockPlan, Plan, Policy
 
+    device = backend.device
     torch.manual_seed(0)
-    model = GPT("tiny")
-    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0))
+    model = GPT("tiny").to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
     batch = (tokens, torch.roll(tokens, -1, dims=1))
-    profile = ooc.profile(model, batch, ops=True, codec_errors=False, reps=1)
+    profile = ooc.profile(model, batch, ops=True, codec_errors=False, reps=1, backend=backend)
     cheapest = [min((k for k, op in enumerate(b.ops) if op.cacheable and op.replayed), key=lambda k: b.ops[k].forward_s)
                 for b in profile.blocks]
     plain = Plan.uniform("recompute", len(profile))
     selective = with_fields(plain, blocks=tuple(BlockPlan(Policy.RECOMPUTE, cached_ops=(k,)) for k in cheapest))
     steps = {}
     for name, plan in (("plain", plain), ("selective", selective)):
-        wrapped = ooc.wrap(GPT("tiny"), plan, backend=backend)
+        wrapped = ooc.wrap(GPT("tiny").to(device), plan, backend=backend)
 
         def one_step(m=wrapped) -> None:
             m(*batch)[1].backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the host times whole steps: wait for their kernels
 
         steps[name] = median_seconds(one_step, max(reps, 3))
         ooc.unwrap(wrapped)
     ops = sum(len(b.ops) for b in profile.blocks)
     skipped = sum(rerun_saved_s(b.ops, (k,)) for b, k in zip(profile.blocks, cheapest))  # as the cost model prices it
     return max(0.0, (steps["selective"] - steps["plain"] + skipped) / ops)
+
+
+def _op_issue_seconds(backend: Backend, reps: int) -> float:
+    """``Hardware.op_issue_s``: host time plain PyTorch takes per op of a training forward, on a GPU
+    (0 on the CPU backend, where the host's time is the compute): the tiny GPT's forward, 16 x 64
+    tokens, whose kernels are shorter than their issue, timed to its last kernel over the ops it
+    dispatches."""
+    if backend.device.type != "cuda":
+        return 0.0
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ooc.models.gpt import GPT
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+            _Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    device = backend.device
+    torch.manual_seed(0)
+    model = GPT("tiny").to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
+
+    def forward() -> None:
+        model(tokens, torch.roll(tokens, -1, dims=1))
+        torch.cuda.synchronize(device)  # the host times the forward to its last kernel
+
+    with _Count():
+        model(tokens, torch.roll(tokens, -1, dims=1))
+    return median_seconds(forward, max(reps, 3)) / max(_Count.ops, 1)
 
 
 def calibration_device(spec: str) -> str:
@@ -211,6 +260,8 @@ def calibrate(backend: str | Backend = "auto", *, nbytes: int = 64 * 2**20, reps
         compute_slowdown=slowdown,
         copy_issue_s=_copy_issue_seconds(backend, reps),
         op_intercept_s=_op_intercept_seconds(backend, reps),
+        op_issue_s=_op_issue_seconds(backend, reps),
+        host_runs_ahead=backend.device.type == "cuda",
         host_contention=host_contention(backend, reps),
         source=f"calibrated on {backend!r} with {nbytes} byte copies, median of {reps}",
     )

@@ -143,6 +143,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -193,6 +194,7 @@ class CorruptCheckpointError(CheckpointError):
 
     def __init__(self, path: Path, reason: str) -> None:
         self.path = path
+        self.reason = reason
         super().__init__(f"checkpoint file {path} is corrupt: {reason}. Restore an older version "
                          "(restore(version=...) or restore(fallback=True)) or delete this version's folder")
 
@@ -222,6 +224,30 @@ class Version:
 
 def _name(step: int) -> str:
     return f"step-{step:09d}"
+
+
+def _refusal(directory: Path, step: int, newest: int) -> CheckpointError:
+    """The error of a save at ``step`` into ``directory``, whose newest intact version is ``newest``
+    (>= ``step``).
+
+    NOTE [saves go forward]
+    Retention keeps the newest versions by step and a resume loads the newest one: a version saved
+    below the newest was retired by its own commit's retention, though ``save`` had returned True,
+    or if kept was never resumed from. So ``save`` refuses a step at or below the newest intact
+    version before anything is written (at an intact version's own step the writer used to refuse
+    it, raised by the next ``save``). Versions known to be damaged do not count, and the save moves
+    them aside (NOTE [damaged versions moved aside]): those whose commit record is damaged, and
+    those whose files a ``restore(fallback=True)`` found damaged (listings read only the records).
+    The check is a comparison: the Checkpointer reads the directory once (its cleanup, a restore or
+    its first save) and takes each of its own commits as the newest since. Another process's
+    commits meanwhile go unseen; at the same step the writer still refuses to replace a commit."""
+    advice = ("to branch from an older version, restore it and save into a new directory (Checkpointer(new_dir, "
+              f"...), ooc train --save NEW_DIR), or remove the versions from step {step} on from {directory}")
+    if step == newest:
+        return CheckpointError(f"version {directory / _name(step)} is already committed; {advice}. A damaged "
+                               "version is moved aside by the next save once restore(fallback=True) has skipped it")
+    return CheckpointError(f"step {step} is below the newest version (step {newest}) in {directory}: retention keeps "
+                           f"the newest versions by step and a resume loads the newest, so it would be lost; {advice}")
 
 
 def _fsync_dir(path: Path) -> None:
@@ -554,6 +580,61 @@ def _remove_unless_written(folder: Path, step: int) -> bool:
     return True
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """The (device, inode) of ``path``, which a rename keeps and a new folder of its name has not;
+    None if there is nothing there."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _move_aside(folder: Path, identity: tuple[int, int]) -> Path | None:
+    """Rename ``folder``, a damaged version's whose :func:`_identity` was ``identity``, to
+    ``<name>.damaged-<unix time>``, which no listing reads; return the new path, or None if the
+    folder there is no longer that one (another rank moved it, and maybe began the new version).
+
+    NOTE [damaged versions moved aside]
+    A damaged version newer than the newest intact one blocks a run that fell back past it: a save
+    at its step was refused ("already committed"), and one below it would look older than it. So
+    a save moves such folders aside first, keeping them for inspection. With several ranks every
+    rank knows the same damaged folders (NOTE [every rank falls back alike]) and tries; the one
+    that takes the folder's lock exclusively (as a cleanup does, NOTE [folder locks]) while the
+    folder at the name is still the damaged one renames it. A writer of the new version (another
+    rank, already past its own try) makes its folder only once the name is free, and holds the new
+    folder's lock, which a try then cannot take and a look at the identity tells apart. The rename
+    is made durable by the new version's commit (its directory fsync comes before the record)."""
+    for _ in range(_LOCK_TRIES):
+        if _identity(folder) != identity:
+            return None
+        try:
+            fd = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+        except FileNotFoundError:
+            return None  # moved away since the look
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in _NO_FLOCK:
+                    time.sleep(0.01)  # another rank renaming it, or the new version's writer: look again
+                    continue
+            if not _same_file(fd, folder / _LOCK_FILE) or _identity(folder) != identity:
+                return None
+            stamp, k = int(time.time()), 0
+            target = folder.with_name(f"{folder.name}.damaged-{stamp}")
+            while target.exists():  # moved aside at this step before, this second
+                k += 1
+                target = folder.with_name(f"{folder.name}.damaged-{stamp}-{k}")
+            os.rename(folder, target)
+        finally:
+            os.close(fd)
+        (target / _LOCK_FILE).unlink(missing_ok=True)
+        return target
+    raise CheckpointError(f"could not move the damaged version {folder} aside: another process holds its "
+                          f"{_LOCK_FILE}; stop it, or move the folder away yourself")
+
+
 def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
     """Bytes ``start:stop`` of ``t`` (any shape), row-major; without a copy for a contiguous host
     tensor. A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
@@ -850,6 +931,12 @@ class Checkpointer:
         """Buckets in the order the current step updates them (NOTE [write order])."""
         self._update_order: list[int] = []
         """... and the last complete step's order."""
+        self._newest: int | None = None
+        """The newest committed step taken as intact, -1 if none (None: not read yet): a save at or
+        below it is refused (NOTE [saves go forward])."""
+        self._damaged: dict[int, tuple[tuple[int, int], CorruptCheckpointError]] = {}
+        """Step -> the (device, inode) of its folder and the error, of the versions found damaged
+        (NOTE [damaged versions moved aside])."""
         if self.lazy:
             optimizer.stage_listeners.append(self._on_stage)
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -888,6 +975,8 @@ class Checkpointer:
         if if_busy == "skip" and not self._written.is_set():
             return False
         self.wait()
+        self.check_step(step)
+        self._move_damaged_aside()
         if self.rank == 0 and self.world > 1:
             # Rank 0's retention after its commit sees only the versions every rank had committed
             # by then; by now the others have finished more (they save at the same steps).
@@ -903,6 +992,43 @@ class Checkpointer:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
         return True
+
+    def check_step(self, step: int) -> None:
+        """Raise the :class:`CheckpointError` that ``save(step)`` would for its step, one at or below
+        the newest intact version (NOTE [saves go forward]); write nothing. A run can check its first
+        save's step before it trains."""
+        if self._newest is None:
+            self._learn(*_scan(self.directory))
+        if step <= self._newest:
+            raise _refusal(self.directory, step, self._newest)
+
+    def _learn(self, found: list[Version], damaged: dict[int, CorruptCheckpointError]) -> None:
+        """Take the directory as read (``_scan``): the folders of its damaged records, and the
+        newest version not known to be damaged (NOTE [saves go forward])."""
+        for step, exc in damaged.items():
+            self._note_damaged(step, self.directory / _name(step), exc)
+        self._newest = max((v.step for v in found if v.step not in self._damaged), default=-1)
+
+    def _note_damaged(self, step: int, folder: Path, exc: CorruptCheckpointError) -> None:
+        identity = _identity(folder)
+        if identity is not None:
+            self._damaged[step] = (identity, exc)
+
+    def _move_damaged_aside(self) -> None:
+        """Move aside the folders of the versions found damaged that are newer than the newest
+        intact one, each with a warning naming it (NOTE [damaged versions moved aside])."""
+        for step in sorted(s for s in self._damaged if s > self._newest):
+            identity, exc = self._damaged[step]
+            folder = self.directory / _name(step)
+            try:
+                moved = _move_aside(folder, identity)
+            except OSError as error:
+                raise CheckpointError(f"could not move the damaged version {folder} aside ({error}); move it "
+                                      "away yourself") from error
+            del self._damaged[step]
+            if moved is not None:  # else another rank did
+                warnings.warn(f"checkpoint version {folder} is damaged ({exc.path.name}: {exc.reason}); moved it "
+                              f"aside to {moved.name}, kept for you to inspect or delete", stacklevel=3)
 
     def _serve(self) -> None:
         """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
@@ -1092,9 +1218,8 @@ class Checkpointer:
         """Write and commit this rank's files of version ``step`` into ``folder``, whose ``lock`` it
         holds (NOTE [folder locks]); then let go of it and apply retention."""
         record_name = f"manifest-rank{self.rank}.json"
-        if (folder / record_name).exists():
-            raise CheckpointError(f"version {folder} is already committed; restore an earlier one only to "
-                                  "continue from it with later steps, or save to another directory")
+        if (folder / record_name).exists():  # committed since save() looked (another process's Checkpointer)
+            raise _refusal(self.directory, step, step)
         records: dict[str, dict[str, Any]] = {}
         for name, payload in files.items():
             if name.endswith(".safetensors"):
@@ -1122,6 +1247,7 @@ class Checkpointer:
         _write_file(tmp, [json.dumps(manifest).encode()])
         self._hook("manifest-written")
         os.replace(tmp, folder / record_name)  # the commit
+        self._newest = step  # save() refused any step not above it (NOTE [saves go forward])
         self._hook("renamed")
         _fsync_dir(folder)  # the commit durable before wait() returns and retention deletes older versions
         self._hook("committed")
@@ -1170,12 +1296,13 @@ class Checkpointer:
         the newest complete one (left by a crash). With several ranks, one version more than
         ``keep`` may remain until the next save (rank 0 deletes only behind a version every rank
         has committed)."""
-        complete = self.versions()
+        complete, damaged = _scan(self.directory)
         if not complete:
             return
         keep = {v.step for v in complete[-self.keep:]} if self.keep is not None else {v.step for v in complete}
         newest = complete[-1].step
-        doomed = [(step, path) for step, path in self._folders() if step not in keep and step < newest]
+        # A damaged version is kept and reported, never taken for a crash's leftover (NOTE [damaged records]).
+        doomed = [(step, path) for step, path in self._folders() if step not in keep and step < newest and step not in damaged]
         if doomed:
             for spare in self._spares():  # what the version just written did not take (NOTE [recycled files])
                 shutil.rmtree(spare, ignore_errors=True)
@@ -1223,6 +1350,7 @@ class Checkpointer:
         0, before any save): an incomplete folder another Checkpointer on the directory is writing
         stays (NOTE [folder locks])."""
         found, damaged = _scan(self.directory)  # damaged: kept and reported, no crash's leftovers (NOTE [damaged records])
+        self._learn(found, damaged)
         complete = {v.step for v in found}
         for step, path in self._folders():
             if step not in damaged and (step not in complete or (path / _LOCK_FILE).exists()):
@@ -1284,9 +1412,12 @@ class Checkpointer:
                 if not fallback:
                     raise
                 errors.append(exc)
+                self._note_damaged(v.step, v.path, exc)  # judged alike on every rank: NOTE [every rank falls back alike]
                 continue
             self._load(v, payloads)
+            self._learn(found, damaged)
             return v
+        self._learn(found, damaged)
         raise CheckpointError(f"every checkpoint in {self.directory} is corrupt: " + "; ".join(map(str, errors)))
 
     def _read(self, v: Version) -> dict[str, Any]:
@@ -1382,6 +1513,9 @@ class Checkpointer:
         return result, set(loaded)
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
+        check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load
+        if check is not None:
+            check(payloads["optimizer"])
         self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])
@@ -1510,7 +1644,9 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
     folder renamed by hand), as any other file of the version can be. It is reported as such, not
     taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
-    skips it) and the cleanup of incomplete folders leaves it, with its intact files, be."""
+    skips it) and neither the cleanup of incomplete folders nor retention deletes it, with its
+    intact files (``ooc checkpoints list`` shows it; a save moves it aside if it is newer than the
+    newest intact version, NOTE [damaged versions moved aside])."""
     name = "manifest-rank0.json"
     try:
         first = json.loads((path / name).read_text())

@@ -35,9 +35,13 @@ NOTE [a forward the plan does not fit]
 ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts) finds
 at such an index an op that cannot be cached, or ends before it, or modifies a cached output in
 place. The forward does not raise: it records why (``ForwardCache.refused``), caches nothing more,
-and runs on as plain PyTorch; the re-run raises :class:`~ooc.recompute.RecomputeError` with that
-reason. So a forward that is never differentiated (a validation loss in eval mode without
-``torch.no_grad()``) runs as without ooc, and one that is differentiated fails before any gradient.
+and runs on as plain PyTorch; its re-run runs whole, without the cache (a plain recompute: the
+same gradients), under a :class:`~ooc.recompute.PlanMismatchWarning` naming the reason. So a
+forward that is never differentiated (a validation loss in eval mode without ``torch.no_grad()``)
+runs as without ooc, and one that is differentiated (a batch without padding where the profile's
+had some: HF sdpa runs other kernels) trains at plain recompute's cost for that block. It raised
+``RecomputeError`` before, which stopped training on batches unlike the profiled one. The outputs
+cached before the refusal stay held until the backward (the plan counted them).
 
 NOTE [the re-run leaves ops out]
 The re-run also leaves out the uncached ops whose outputs only cached ops read (NOTE [ops a re-run

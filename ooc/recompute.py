@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -195,6 +196,14 @@ class BlockState:
             for g, state in generators:
                 g.set_state(state)
 
+
+class PlanMismatchWarning(UserWarning):
+    """A selectively recomputed block's forward did not fit its plan's ``cached_ops`` (NOTE [a
+    forward the plan does not fit] in ``ooc.op_profile``): its re-run ran whole, as a plain one."""
+
+
+_FALLBACK = ("This backward re-ran the block whole, without the cache (plain recompute: the same gradients, more "
+             "time, and the outputs cached before it stopped held besides)")
 
 _EVAL_HINT = ("; the block's forward ran with modules in eval mode (model.eval() turns dropout off), which runs other "
               "ops than the training step its op-level profile measured: call model.train() before a forward you "
@@ -465,10 +474,12 @@ class RecomputeFrame:
         args, kwargs = self._arguments()
         self._check_saved_versions()
         replay = None
-        if self.cache is not None:
-            if self.cache.refused is not None:
-                # NOTE [a forward the plan does not fit] in ooc.op_profile: refused now, not in the forward.
-                raise RecomputeError(self.cache.refused + _EVAL_HINT * self._ran_in_eval_mode())
+        if self.cache is not None and self.cache.refused is not None:
+            # NOTE [a forward the plan does not fit] in ooc.op_profile: the forward ran as plain
+            # PyTorch, and so does its re-run, whole.
+            warnings.warn(f"{self.cache.refused}{_EVAL_HINT * self._ran_in_eval_mode()}. {_FALLBACK}",
+                          PlanMismatchWarning, stacklevel=2)
+        elif self.cache is not None:
             if not self.cache.done:
                 raise RecomputeError(
                     f"block {self.name} is re-run by a backward inside its own forward, before the outputs its plan "

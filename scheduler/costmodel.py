@@ -158,7 +158,6 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
         if key not in memo:
             memo[key] = selective_sets(b.ops, count, keep=(b.saved_bytes - b.input_bytes, replayed_s))
         sets, row = memo[key], []
-        intercept = len(b.ops) * hardware.op_intercept_s if hardware is not None else 0.0
         for v in variants:
             for j in range(count):
                 col = len(row)
@@ -167,7 +166,10 @@ def _add_selective(profile: Profile, base: Options, count: int, swap_input: bool
                     A[i, col] += sets[j].bytes
                     Rc[i, col] -= sets[j].autograd_bytes
                     # A cache lookup is free; recording and replaying the ops is not (selective_rerun_s).
-                    skipped[i, col] = min(sets[j].saved_s, replayed_s) - intercept
+                    saved_s = min(sets[j].saved_s, replayed_s)
+                    kernels_s = b.forward_s + replayed_s - saved_s
+                    intercept = hardware.intercept_s(len(b.ops), kernels_s) if hardware is not None else 0.0
+                    skipped[i, col] = saved_s - intercept
                 row.append((v, sets[j].ops if j < len(sets) else (), ()))
         if swaps:
             found = _swapped_variants(b, sets, variants, swaps, float(base.next_forward_s[i]), hardware)

@@ -43,9 +43,16 @@ class Hardware:
     op_intercept_s: float = 0.0
     """Compute time per op of a selectively recomputed block that ooc's dispatch modes add, its
     forward and its re-run together (recording each op, then replaying from the cache: NOTE
-    [selective recompute] in ``ooc.op_profile``). On the CPU backend it adds to the steps; on a GPU
-    it is host time, hidden under the kernels while the host runs ahead of them, so the GPU presets
-    leave it 0. ``ooc calibrate`` measures it."""
+    [selective recompute] in ``ooc.op_profile``). ``ooc calibrate`` measures it, on a GPU too (where
+    it is host time: see ``host_runs_ahead``); the GPU presets leave it 0 (not measured there)."""
+    op_issue_s: float = 0.0
+    """Host time plain PyTorch takes to issue one op of a block's forward (Python modules, dispatch,
+    the launch), where the host runs ahead (``host_runs_ahead``): with it, the kernels hide the
+    interception only where they outlast both (``intercept_s``)."""
+    host_runs_ahead: bool = False
+    """The host issues the kernels ahead of the device (a GPU): ``op_intercept_s`` is host time that
+    costs a block only where it outlasts the block's kernels (``intercept_s``). False on the CPU
+    backend, where the host's time is the compute."""
     net: float = 0.0
     """All-reduce bus bandwidth between data-parallel ranks, bytes/s (0: not described)."""
     net_latency_s: float = 0.0
@@ -71,8 +78,32 @@ class Hardware:
         for f in fields(self):
             if f.type == "float" and f.name not in _BANDWIDTHS:
                 object.__setattr__(self, f.name, checks.number(getattr(self, f.name), f.name, HardwareError, where=where, hint=_FIX))
+        if not isinstance(self.host_runs_ahead, bool):
+            raise HardwareError(f"{where}host_runs_ahead must be true or false, got {self.host_runs_ahead!r}; {_FIX}")
         if self.h2d_duplex > self.h2d or self.d2h_duplex > self.d2h:
             raise HardwareError(f"{self.name}: a duplex bandwidth cannot exceed the one-way bandwidth")
+
+    def intercept_s(self, ops: int, kernels_s: float) -> float:
+        """Seconds ooc's per-op interception adds to a selectively recomputed block of ``ops`` ops
+        whose forward and re-run run ``kernels_s`` of kernels: all of it where the host computes;
+        where the host runs ahead of a GPU, what the host's time outlasts them by beyond what plain
+        PyTorch's already did (NOTE [host time under the kernels]).
+
+        NOTE [host time under the kernels]
+        On a GPU a block's forward and re-run cost max(kernels, host time): the host issues each
+        kernel and the device runs it while the host issues the next. A measured profile's times
+        already hold plain PyTorch's issue (``op_issue_s`` per op and pass, two passes); the
+        interception adds ``ops * op_intercept_s`` of host time, which costs
+        max(0, issue + interception - kernels) - max(0, issue - kernels). Measured on an H200
+        (``benchmarks/bench_intercept.py``): GPT-2 small's block ops run ~22 us of kernels each and
+        the interception costs ~65 us per op, the tiny GPT's likewise: there the host was already
+        about as busy as the kernels and all of it shows; blocks whose ops run longer kernels (long
+        sequences, large widths) hide it."""
+        total = ops * self.op_intercept_s
+        if not self.host_runs_ahead:
+            return total
+        issue = 2 * ops * self.op_issue_s
+        return max(0.0, issue + total - kernels_s) - max(0.0, issue - kernels_s)
 
     def describe(self) -> str:
         gbs = lambda v: f"{v / GB:.1f} GB/s"  # noqa: E731
@@ -120,6 +151,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=900 * GB,
         host_optimizer=40 * GB,
         copy_latency_s=10e-6,
+        host_runs_ahead=True,
         copy_issue_s=5e-6,
         flops=112e12,
         memory_bytes_per_s=900 * GB,
@@ -139,6 +171,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=1555 * GB,
         host_optimizer=60 * GB,
         copy_latency_s=8e-6,
+        host_runs_ahead=True,
         copy_issue_s=5e-6,
         flops=312e12,
         memory_bytes_per_s=1555 * GB,
@@ -158,6 +191,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=3350 * GB,
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
+        host_runs_ahead=True,
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=3350 * GB,
@@ -177,6 +211,7 @@ PRESETS: dict[str, Hardware] = {
         d2d=4800 * GB,
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
+        host_runs_ahead=True,
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=4800 * GB,

@@ -135,14 +135,15 @@ def selective_rerun_s(plan_block, profile_block: BlockProfile, hw: Hardware | No
     tensor (NOTE [a re-run stops at the last save] in ``ooc.scheduler.profile``), less what a
     selective one skips (a cache lookup is free; NOTE [ops a re-run skips] in
     ``ooc.scheduler.oplevel``), plus what recording and replaying its ops costs a selective one
-    (``Hardware.op_intercept_s`` per op, counted here: the forward and the re-run are one block's,
-    and the cost model adds its time the same way)."""
+    (``Hardware.intercept_s``, counted here: the forward and the re-run are one block's, and the
+    cost model adds its time the same way)."""
     replayed_s = profile_block.replayed_s
     if not plan_block.cached_ops:
         return replayed_s
-    skipped = cached_ops_cost(plan_block, profile_block)[2]
-    intercept = len(profile_block.ops) * hw.op_intercept_s if hw is not None else 0.0
-    return max(0.0, replayed_s - skipped) + intercept
+    rerun_s = max(0.0, replayed_s - cached_ops_cost(plan_block, profile_block)[2])
+    if hw is None:
+        return rerun_s
+    return rerun_s + hw.intercept_s(len(profile_block.ops), profile_block.forward_s + rerun_s)
 
 
 def swapped_ops_bytes(plan_block, profile_block: BlockProfile) -> tuple[int, int]:

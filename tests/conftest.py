@@ -18,6 +18,34 @@ if not HAS_GPU:
 os.environ.setdefault("OOC_CHECK_ORDER", "1")
 
 
+def _fix_interpreter_index() -> None:
+    """NOTE [Triton 3.6 interpreter and NumPy 2.4]
+    The interpreter holds a scalar kernel argument (``M`` in ``lowbit_linear._grad_weight_kernel``)
+    as a 1-element 1-D array, and Triton 3.6 turns it into a loop bound (``range(0, M, BM)``) with
+    ``int(array)``, which NumPy >= 2.4 refuses ("only 0-dimensional arrays can be converted to Python
+    scalars"). Triton 3.7 squeezes the array first (triton-lang/triton#9172; 3.7.1 checked); this does
+    the same for Triton < 3.7 (torch 2.11's pin, 3.6.0, on the GPU image), in the interpreter only:
+    compiled kernels are untouched, and the kernel keeps its ``for`` loop (a ``while`` would not be
+    software-pipelined on a GPU).
+    """
+    import triton
+    from triton.runtime import interpreter
+
+    if tuple(int(p) for p in triton.__version__.split(".")[:2]) >= (3, 7):
+        return
+    patch_tensor = interpreter._patch_lang_tensor
+
+    def patch_tensor_squeezed(tensor, scope) -> None:
+        patch_tensor(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.squeeze()))
+
+    interpreter._patch_lang_tensor = patch_tensor_squeezed
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _fix_interpreter_index()
+
+
 # The CPU lanes: tests that need Triton's interpreter (CPU tensors through @triton.jit kernels) or
 # two gloo ranks on the CPU. On a GPU host Triton compiles for the device instead and `ooc train`
 # picks NCCL, so there they run in a subprocess with CUDA hidden (tests/gpu/test_cpu_lanes_on_gpu.py).

@@ -298,23 +298,6 @@ def _step_gpu_lane(result: StepResult, out: Path) -> None:
     _run_pytest(result, out, ["-m", "gpu and not slow", *GPU_LANE_ORDER, *rest], "gpu-lane.log", result.cap_s - 10, env)
 
 
-def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
-    """Median seconds of ``fn`` on the current stream, timed by CUDA events, after one warm-up."""
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()  # host waits: the elapsed time is read next
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
-
-
 def _step_calibrate(result: StepResult, out: Path) -> None:
     from ooc.calibrate import calibrate
 
@@ -324,7 +307,8 @@ def _step_calibrate(result: StepResult, out: Path) -> None:
     result.figures.update(h2d_GBps=hw.h2d / gb, d2h_GBps=hw.d2h / gb, h2d_duplex_GBps=hw.h2d_duplex / gb,
                           d2h_duplex_GBps=hw.d2h_duplex / gb, d2d_GBps=hw.d2d / gb, copy_latency_us=hw.copy_latency_s * 1e6,
                           host_adamw_GBps=hw.host_optimizer / gb, compute_slowdown=hw.compute_slowdown,
-                          copy_issue_us=hw.copy_issue_s * 1e6, host_contention=hw.host_contention)
+                          copy_issue_us=hw.copy_issue_s * 1e6, host_contention=hw.host_contention,
+                          op_intercept_us=hw.op_intercept_s * 1e6, op_issue_us=hw.op_issue_s * 1e6)
     result.check("pinned H2D bandwidth", hw.h2d / gb, "> 0 GB/s (figure for the planner)", hw.h2d > 0)
     result.summary = (f"H2D {hw.h2d / gb:.1f} GB/s, D2H {hw.d2h / gb:.1f} GB/s, both at once {hw.h2d_duplex / gb:.1f}/"
                       f"{hw.d2h_duplex / gb:.1f} GB/s, D2D {hw.d2d / gb:.0f} GB/s; saved as hardware.json")
@@ -342,12 +326,13 @@ def _hardware(out: Path):  # noqa: ANN202
 def _step_kernels(result: StepResult, out: Path) -> None:
     import torch
 
+    from ooc.calibrate import cuda_event_seconds
     from ooc.kernels.quant import dequantize, quantize
 
     n = KERNEL_ELEMENTS
     x = torch.randn(n, device="cuda").view(4096, -1)
     y = torch.empty_like(x)
-    d2d = 2 * 4 * n / _cuda_seconds(lambda: y.copy_(x), 10)  # bytes read + written
+    d2d = 2 * 4 * n / cuda_event_seconds(lambda: y.copy_(x), 10)  # bytes read + written
     result.figures["d2d_GBps"] = d2d / 1e9
     codecs = ["int8", "int4"] + (["fp8_e4m3"] if torch.cuda.get_device_capability() >= (8, 9) else [])
     for codec in codecs:
@@ -355,7 +340,7 @@ def _step_kernels(result: StepResult, out: Path) -> None:
         code_bytes = q.codes.numel() * q.codes.element_size() + q.scales.numel() * 4
         moved = 4 * n + code_bytes  # quantize reads fp32, writes codes and scales; dequantize the reverse
         for kind, fn in (("quantize", lambda c=codec: quantize(x, codec=c)), ("dequantize", lambda q=q: dequantize(q, out=y))):
-            rate = moved / _cuda_seconds(fn, 10)
+            rate = moved / cuda_event_seconds(fn, 10)
             result.figures[f"{kind}_{codec}_GBps"] = rate / 1e9
             result.check(f"{kind} {codec}: fraction of the D2D copy's GB/s", rate / d2d, ">= 0.8", rate / d2d >= 0.8)
     worst = min(c.value for c in result.checks)
@@ -460,7 +445,9 @@ def _measure_plans(result: StepResult, model, batch, loss_fn, prof, rows, hw, ba
         report = ooc.memory_report(model)
         ooc.unwrap(model)
         predicted = simulate(build_schedule(plan, prof, hw), hw, keep_timeline=False)
-        figures[name] = dict(plan=plan.name or str(plan), measured_ms=measured * 1e3, predicted_ms=predicted.step_time_s * 1e3,
+        letters = "".join("C" if b.cached_ops else b.policy.value[0].upper() for b in plan.blocks)  # C: caches ops
+        figures[name] = dict(plan=plan.name or str(plan), blocks=letters, cached_ops=sum(len(b.cached_ops) for b in plan.blocks),
+                             measured_ms=measured * 1e3, predicted_ms=predicted.step_time_s * 1e3,
                              tracked_peak_bytes=report.peak_bytes, predicted_peak_bytes=predicted.peak_bytes,
                              budget_bytes=budget, cuda_max_allocated=report.cuda_max_allocated,
                              measured_over_plain=measured / plain_s)

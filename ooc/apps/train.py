@@ -218,6 +218,8 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     start_step = _resume(cfg, model, opt, rank, world, show)
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
         if cfg.save else None
+    if saver is not None:
+        saver.check_step(_first_save(cfg, start_step))  # a --resume older than --save's versions fails now, not later
     if rank == 0:
         show(f"ooc train: GPT {cfg.preset} ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params, {cfg.dtype}) "
              f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
@@ -266,6 +268,13 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     return result
 
 
+def _first_save(cfg: TrainConfig, start_step: int) -> int:
+    """The step of the run's first version: later ones are above it, so if ``save`` takes it, it
+    takes them all (NOTE [saves go forward] in ooc.checkpoint)."""
+    last = start_step + cfg.steps
+    return min(last, (start_step // cfg.save_every + 1) * cfg.save_every) if cfg.save_every else last
+
+
 def _layout(cfg: TrainConfig) -> dict[str, object]:
     """What a checkpoint records of how its optimizer state was split, besides the world size."""
     return {"shard": cfg.shard}
@@ -283,7 +292,10 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
     loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
-    version = loader.restore()
+    try:
+        version = loader.restore()
+    finally:
+        loader.close()  # a reader only: its folder locks and writer (none started) go with it
     if rank == 0:
         show(f"resumed from {version.path} (step {version.step})")
     return version.step

@@ -397,6 +397,12 @@ class HostAdamW(torch.optim.Optimizer):
                 "parameter dtypes) as they were when it was saved, or start the optimizer state afresh."
             )
 
+    def check_loadable(self, state_dict: dict[str, Any]) -> None:
+        """Raise ``OocError`` unless ``state_dict`` (from :meth:`state_dict`) was saved with this
+        optimizer's options (parameter dtypes, ``delayed_update``): what ``load_state_dict`` checks
+        first, for a caller that loads other state (the model's weights) before it."""
+        self._check_compatible(state_dict.get("ooc"))
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As ``Optimizer.load_state_dict``, but each state tensor is copied exactly: the host state
         (fp32 masters and moments, whatever the parameter's dtype, and ``step``) into host memory.

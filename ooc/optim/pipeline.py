@@ -259,7 +259,7 @@ class UpdatePipeline:
         if self.in_backward:
             self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
         launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
-        if launched:
+        if launched and self.config.max_grad_norm is None:  # with clipping they wait for step(): old weights
             warnings.warn(
                 f"a forward between the backward and step(): the host updates of {', '.join(launched)} started in "
                 "the backward (pipeline=True), so this forward reads their new weights. Call step() first, or build "
@@ -429,11 +429,19 @@ class UpdatePipeline:
     def gate(self, indices: Sequence[int]) -> None:
         """Before a forward: the weights of these buckets must be the updated ones."""
         for i in indices:
-            self._wait_done(i)
+            if not self._held_for_step(i):
+                self._wait_done(i)
             for event in self.status[i].gate:
                 # The forward reads these parameters: compute must not pass their H2D copies.
                 self.stages.backend.wait_compute(event)
             self.status[i].gate = []
+
+    def _held_for_step(self, index: int) -> bool:
+        """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
+        the pipeline]): it has not touched the weights, and waiting for it before ``step()`` would
+        wait forever (a forward, ``state_dict()`` or a restore after a backward without ``step()``).
+        Its launch waited for the bucket's previous update, whose copies in the gate still holds."""
+        return self.config.max_grad_norm is not None and self.status[index].launched
 
     def synchronize(self) -> None:
         """Wait for every update issued; then the parameters hold the newest weights the mode allows

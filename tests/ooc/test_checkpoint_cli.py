@@ -140,6 +140,23 @@ def test_checkpoints_list_shows_a_damaged_version(tmp_path: Path) -> None:
     assert lines[1].split()[:3] == ["step", "2", "DAMAGED"] and "manifest-rank0.json" in lines[1]
 
 
+def test_resume_from_an_older_version_into_newer_ones_says_so_before_training(tmp_path: Path) -> None:
+    """``--resume OLD --save DIR`` where DIR holds newer versions than OLD's: the run trained, then
+    its first version was retired at once by retention (or, kept, never resumed from), without a
+    word (NOTE [saves go forward] in ooc.checkpoint). It now stops before training, saying how to
+    branch."""
+    import shutil
+
+    _run(_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
+    shutil.copytree(tmp_path / "ckpt" / "step-000000001", tmp_path / "old" / "step-000000001")
+    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "old"), cwd=tmp_path,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0, done.stdout[-3000:]
+    assert "step 2 is below the newest version (step 3)" in done.stderr and "--save NEW_DIR" in done.stderr, done.stderr
+    assert "Traceback" not in done.stderr and "loss" not in done.stdout
+    assert [v.step for v in list_versions(tmp_path / "ckpt")] == [1, 2, 3]
+
+
 @pytest.fixture(scope="module")
 def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
     """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""

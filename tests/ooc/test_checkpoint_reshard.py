@@ -215,8 +215,8 @@ def test_one_rank_restores_on_two_sharded(tmp_path: Path) -> None:
 
 
 def _save_or_fall_back(rank: int, world: int, rendezvous: str, root: str, phase: str) -> None:
-    """One sharded rank: save versions 1 and 2 (``phase="save"``), or restore with ``fallback=True``
-    and write the step it restored."""
+    """One sharded rank: save versions 1 and 2 (``phase="save"``), or restore with ``fallback=True``,
+    write the step it restored and save the step after it."""
     os.environ["OOC_CHECK_ORDER"] = "0"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
@@ -228,7 +228,10 @@ def _save_or_fall_back(rank: int, world: int, rendezvous: str, root: str, phase:
                 _train(model, opt, sched, range(step - 1, step), [rank])
                 ckpt.save(step)
         else:
-            Path(root, f"fell-back-rank{rank}.txt").write_text(str(ckpt.restore(fallback=True).step))
+            step = ckpt.restore(fallback=True).step
+            Path(root, f"fell-back-rank{rank}.txt").write_text(str(step))
+            _train(model, opt, sched, range(step, step + 1), [rank])
+            ckpt.save(step + 1)
         ckpt.close()
         opt.close()
     finally:
@@ -240,7 +243,9 @@ def test_sharded_ranks_fall_back_to_the_same_version(tmp_path: Path) -> None:
     """NOTE [every rank falls back alike]: the newest version's optimizer file of rank 1 is damaged.
     A sharded rank reads only the files of the parameters it owns, so with ``fallback=True`` rank 0
     loaded the newest version and rank 1 the one before, and the two trained on from different
-    steps without a word. Both now fall back to the version before."""
+    steps without a word. Both now fall back to the version before, and save the damaged version's
+    step again: one of them moves its folder aside (NOTE [damaged versions moved aside]), where the
+    save failed as 'already committed'."""
     mp.spawn(_save_or_fall_back, args=(2, str(tmp_path / "rendezvous-save"), str(tmp_path), "save"), nprocs=2, join=True)
     newest = list_versions(tmp_path / "ckpt")[-1]
     assert newest.step == 2 and {"optimizer-rank0.safetensors", "optimizer-rank1.safetensors"} <= newest.files.keys()
@@ -251,3 +256,6 @@ def test_sharded_ranks_fall_back_to_the_same_version(tmp_path: Path) -> None:
     mp.spawn(_save_or_fall_back, args=(2, str(tmp_path / "rendezvous-restore"), str(tmp_path), "restore"),
              nprocs=2, join=True)
     assert [(tmp_path / f"fell-back-rank{r}.txt").read_text() for r in range(2)] == ["1", "1"]
+    assert [v.step for v in list_versions(tmp_path / "ckpt")] == [1, 2]
+    assert [p.name.partition(".damaged-")[0] for p in (tmp_path / "ckpt").iterdir() if ".damaged-" in p.name] \
+        == ["step-000000002"]

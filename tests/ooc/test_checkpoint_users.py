@@ -14,7 +14,14 @@ import safetensors.torch
 import torch
 from torch import nn
 
-from ooc.checkpoint import MODEL_FILE, Checkpointer, CheckpointError, CorruptCheckpointError, list_versions
+from ooc.checkpoint import (
+    MODEL_FILE,
+    Checkpointer,
+    CheckpointError,
+    CorruptCheckpointError,
+    damaged_versions,
+    list_versions,
+)
 
 Point = namedtuple("Point", "x y")
 
@@ -111,52 +118,177 @@ def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path
     assert ckpt.restore(fallback=True).step == 1
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "restore(fallback=True) skips a corrupt newest version but leaves it committed, so the loop that "
-    "continues from the version before it (start = restored step + 1) saves at the corrupt version's "
-    "step, and that save fails ('already committed', raised by the next save). Continuing needs a "
-    "decision: fallback moves the corrupt versions it skipped aside (kept for inspection, out of "
-    "versions()), or a save replaces a version whose files fail their checks"))
-def test_a_loop_continues_saving_after_falling_back_past_a_corrupt_version(tmp_path: Path) -> None:
-    """README's loop with ``restore(fallback=True)``: the newest version's model file is damaged,
-    the resume loads the one before and saves the steps after it, as the run that never stopped."""
-    ckpt = Checkpointer(tmp_path, _linear(), keep=3)
-    for step in (1, 2, 3):
+def _damage(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def _saved(directory: Path, steps: tuple[int, ...], keep: int | None = 3) -> Checkpointer:
+    ckpt = Checkpointer(directory, _linear(), keep=keep)
+    for step in steps:
+        ckpt.save(step)
+        ckpt.wait()
+    return ckpt
+
+
+def _moved_aside(directory: Path) -> list[str]:
+    return sorted(p.name.partition(".damaged-")[0] for p in directory.iterdir() if ".damaged-" in p.name)
+
+
+def test_retention_keeps_an_older_version_with_a_damaged_record(tmp_path: Path) -> None:
+    """NOTE [damaged records]: retention took a version whose record was damaged for a crash's
+    leftover and deleted it, intact files and all, once a newer version was committed."""
+    ckpt = _saved(tmp_path, (1, 2), keep=2)
+    _damage(tmp_path / "step-000000001" / "manifest-rank0.json")
+    ckpt.close()
+    ckpt = _saved(tmp_path, (), keep=2)
+    for step in (3, 4):
         ckpt.save(step)
         ckpt.wait()
     ckpt.close()
-    weights = tmp_path / "step-000000003" / "model.safetensors"
-    data = bytearray(weights.read_bytes())
-    data[-1] ^= 0x01
-    weights.write_bytes(bytes(data))
-    model = _linear(seed=1)
-    ckpt = Checkpointer(tmp_path, model, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("step-")) == ["step-000000001", "step-000000003", "step-000000004"]
+    assert list(damaged_versions(tmp_path)) == [1]
+
+
+@pytest.mark.parametrize("damage", ["file", "record"])
+def test_a_loop_continues_saving_after_falling_back_past_a_damaged_version(tmp_path: Path, damage: str) -> None:
+    """README's loop with ``restore(fallback=True)``: the newest version's model file (or its commit
+    record) is damaged, the resume loads the one before and saves the steps after it, as the run
+    that never stopped. The save at the damaged version's step failed ('already committed', raised
+    by the next save). Now it moves the damaged folder aside, kept and named in a warning, and
+    writes the version (NOTE [damaged versions moved aside])."""
+    _saved(tmp_path, (1, 2, 3)).close()
+    damaged = tmp_path / "step-000000003" / ("model.safetensors" if damage == "file" else "manifest-rank0.json")
+    _damage(damaged)
+    ckpt = Checkpointer(tmp_path, _linear(seed=1), keep=3)
     start = ckpt.restore(fallback=True).step + 1
     assert start == 3
-    for step in (start, start + 1):
-        ckpt.save(step)
+    with pytest.warns(UserWarning, match=r"step-000000003 is damaged .*moved it aside to step-000000003\.damaged-"):
+        ckpt.save(start)
+    ckpt.save(start + 1)
     ckpt.wait()
     assert _steps(tmp_path) == [2, 3, 4]
     assert ckpt.restore(3).step == 3
+    assert _moved_aside(tmp_path) == ["step-000000003"]
+    kept = next(tmp_path.glob("step-000000003.damaged-*"))
+    assert (kept / damaged.name).read_bytes() != (tmp_path / "step-000000003" / damaged.name).read_bytes()
+    Checkpointer(tmp_path, _linear()).close()  # a new Checkpointer's cleanup leaves it be too
+    assert _moved_aside(tmp_path) == ["step-000000003"]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "save(step) at a step below the newest version returns True and commits the version, then "
-    "retention (keep newest by step) retires it at once: save said the step got a version and "
-    "there is none. With keep large enough it stays, but latest() (a resume) goes on picking the "
-    "newer step of the abandoned run. A save at a step not after the newest should be refused in "
-    "save(), as a save at a committed step already is (later, from the writer)"))
-def test_a_save_below_the_newest_version_is_refused_or_kept(tmp_path: Path) -> None:
+def test_every_damaged_version_above_the_restored_one_is_moved_aside(tmp_path: Path) -> None:
+    """Versions 2 and 3 damaged: the fallback loads 1, and the next save (at 2, below the damaged 3)
+    moves both aside; a save at the step of a version found intact is still refused."""
+    _saved(tmp_path, (1, 2, 3), keep=None).close()
+    for step in (2, 3):
+        _damage(tmp_path / f"step-00000000{step}" / "model.safetensors")
+    ckpt = Checkpointer(tmp_path, _linear(seed=1))
+    assert ckpt.restore(fallback=True).step == 1
+    with pytest.raises(CheckpointError, match="already committed"):
+        ckpt.save(1)
+    with pytest.warns(UserWarning, match="damaged"):
+        ckpt.save(2)
+    ckpt.wait()
+    assert _steps(tmp_path) == [1, 2] and _moved_aside(tmp_path) == ["step-000000002", "step-000000003"]
+
+
+@pytest.mark.parametrize("first", [0, 1], ids=["rank0-first", "rank1-first"])
+def test_two_ranks_continue_past_a_damaged_version_moved_aside_once(tmp_path: Path, first: int) -> None:
+    """Two ranks fall back past version 2 alike and save it again: the rank that saves first moves
+    the damaged folder aside and begins the new one (held midway here, its folder locked); the
+    other finds the name taken by the new folder, moves nothing and commits into it."""
+    ranks = [Checkpointer(tmp_path, _linear(), rank=r, world=2) for r in range(2)]
+    for step in (1, 2):
+        for ckpt in ranks:
+            ckpt.save(step)
+            ckpt.wait()
+    _damage(tmp_path / "step-000000002" / "model.safetensors")
+    assert [ckpt.restore(fallback=True).step for ckpt in ranks] == [1, 1]
+    held, go = threading.Event(), threading.Event()
+    ranks[first]._hook = lambda point: point == "files-written" and (held.set(), go.wait(10))
+    with pytest.warns(UserWarning, match="step-000000002 is damaged") as warned:
+        ranks[first].save(2)
+        assert held.wait(10)
+        ranks[1 - first].save(2)
+        ranks[1 - first].wait()
+        go.set()
+        ranks[first].wait()
+    assert len(warned) == 1
+    assert _steps(tmp_path) == [1, 2] and _moved_aside(tmp_path) == ["step-000000002"]
+    for ckpt in ranks:
+        ckpt.close()
+    assert Checkpointer(tmp_path, _linear(seed=1)).restore().step == 2
+
+
+def test_a_damaged_version_no_restore_judged_still_refuses_a_save_at_its_step(tmp_path: Path) -> None:
+    """A version whose files were never checked (no fallback restore skipped it) counts as intact:
+    the save at its step is refused, the error saying how to get past it, and nothing is moved."""
+    _saved(tmp_path, (1, 2)).close()
+    _damage(tmp_path / "step-000000002" / "model.safetensors")
+    ckpt = Checkpointer(tmp_path, _linear(seed=1))
+    ckpt.restore(1)
+    with pytest.raises(CheckpointError, match=r"already committed.*restore\(fallback=True\)"):
+        ckpt.save(2)
+    assert _moved_aside(tmp_path) == [] and _steps(tmp_path) == [1, 2]
+
+
+def test_a_save_below_the_newest_version_is_refused_before_anything_is_written(tmp_path: Path) -> None:
+    """``save(1)`` after versions 5, 6, 7 returned True and committed the version, then retention
+    (keep the newest by step) retired it at once: save said the step got a version and there was
+    none (with a larger ``keep`` it stayed, but a resume went on picking step 7). ``save`` now
+    refuses it at once, saying how to branch (NOTE [saves go forward]); at a committed step too,
+    which the writer refused only later, from the next save."""
+    ckpt = _saved(tmp_path, (5, 6, 7))
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointError, match=r"step 1 is below the newest version \(step 7\).*new directory"):
+        ckpt.save(1)
+    with pytest.raises(CheckpointError, match=r"step-000000007 is already committed"):
+        ckpt.save(7)
+    with pytest.raises(CheckpointError, match=r"step 6 is below"):
+        Checkpointer(tmp_path, _linear()).check_step(6)
+    assert sorted(os.listdir(tmp_path)) == before
+    assert ckpt.save(8)
+    ckpt.wait()
+    assert _steps(tmp_path) == [6, 7, 8]
+
+
+def test_a_save_below_only_damaged_or_incomplete_versions_is_written(tmp_path: Path) -> None:
+    """Steps 3 (its commit record damaged) and 4 (incomplete: no record) do not count as newer."""
+    _saved(tmp_path, (1, 2, 3)).close()
+    _damage(tmp_path / "step-000000003" / "manifest-rank0.json")
+    (tmp_path / "step-000000004").mkdir()
     ckpt = Checkpointer(tmp_path, _linear(), keep=3)
-    for step in (5, 6, 7):
+    with pytest.warns(UserWarning, match="step-000000003 is damaged"):
+        ckpt.save(3)
+    ckpt.wait()
+    assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_saves_read_the_directory_once(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The check of a save's step is a comparison with the newest step the Checkpointer knows: the
+    training thread reads the directory once, at the start (rank 0's cleanup; on another rank the
+    first save), not per save (retention reads it on the writer)."""
+    import ooc.checkpoint as ckpt_mod
+
+    reads = []
+    real = ckpt_mod._scan
+    main = threading.current_thread()
+
+    def scan(directory: Path):  # noqa: ANN202
+        if threading.current_thread() is main:
+            reads.append(1)
+        return real(directory)
+
+    monkeypatch.setattr(ckpt_mod, "_scan", scan)
+    _saved(tmp_path, (1,)).close()
+    reads.clear()
+    ckpt = Checkpointer(tmp_path, _linear())
+    assert reads == [1]  # its cleanup's
+    for step in range(2, 6):
         ckpt.save(step)
         ckpt.wait()
-    try:
-        written = ckpt.save(1)
-        ckpt.wait()
-    except CheckpointError:
-        return
-    assert not written or 1 in _steps(tmp_path)
+    assert reads == [1]
 
 
 @pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)], ids=["np.int64", "tensor"])
@@ -262,15 +394,33 @@ def _gpt_step(model: nn.Module, seed: int) -> None:
     model(x, x)[1].backward()
 
 
-@pytest.mark.parametrize("options", [{"rollback": True}, {}], ids=["rollback", "pipelined"])
+def _within(seconds: float, fn) -> None:  # noqa: ANN001
+    """Run ``fn()`` on a daemon thread; fail if it has not returned within ``seconds`` (a hang)."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"still running after {seconds} s: a hang"
+    if errors:
+        raise errors[0]
+
+
+@pytest.mark.parametrize("options", [{"rollback": True}, {}, {"max_grad_norm": 1.0}], ids=["rollback", "pipelined", "clip"])
 def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, options: dict) -> None:
     """A step raised between ``backward()`` and ``step()`` (the moment a loop restores an earlier
     version), then ``restore`` and ``zero_grad()``: with ``rollback=True`` the reset of the open step
     put back the host state from before its updates over the state just restored, so training went
     on from neither. The restored state supersedes the open step: nothing of it is undone or
-    reported, and the optimizer holds the version as a fresh one restored from it does. (With
-    ``max_grad_norm`` the restore hangs instead: ``model.state_dict()`` waits in ``synchronize`` for
-    the updates clipping holds until a ``step()`` that never comes; not fixed here.)"""
+    reported, and the optimizer holds the version as a fresh one restored from it does. With
+    ``max_grad_norm`` the restore hung: ``model.state_dict()`` waited in ``synchronize`` for the
+    updates clipping holds until a ``step()`` that never comes."""
     model, opt = _gpt_host(0, **options)
     ckpt = Checkpointer(tmp_path, model, opt, keep=None)
     for step in (1, 2):
@@ -280,9 +430,13 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         ckpt.save(step)
     ckpt.wait()
     _gpt_step(model, 3)  # the step that raised before opt.step()
-    ckpt.restore(1)
-    opt.zero_grad()
-    opt.synchronize()
+
+    def restore() -> None:
+        ckpt.restore(1)
+        opt.zero_grad()
+        opt.synchronize()
+
+    _within(60, restore)
     fresh_model, fresh_opt = _gpt_host(5, **options)
     Checkpointer(tmp_path, fresh_model, fresh_opt).restore(1)
     try:
@@ -294,3 +448,27 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         ckpt.close()
         opt.close()
         fresh_opt.close()
+
+
+def test_a_host_adamw_of_other_options_loads_nothing(tmp_path: Path) -> None:
+    """A version saved by a HostAdamW without ``delayed_update`` restored into one with it: the
+    optimizer refused its state only after the model's weights had been loaded, leaving the model
+    at the version and the optimizer not. Now nothing is loaded."""
+    from ooc.errors import OocError
+
+    model, opt = _gpt_host(0)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    _gpt_step(model, 1)
+    opt.step()
+    opt.zero_grad()
+    ckpt.save(1)
+    ckpt.close()
+    opt.close()
+    other, other_opt = _gpt_host(7, delayed_update=True)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    try:
+        with pytest.raises(OocError, match="delayed_update"):
+            Checkpointer(tmp_path, other, other_opt).restore()
+        assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    finally:
+        other_opt.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import warnings
 
 import pytest
 import torch
@@ -296,3 +297,36 @@ def test_pipeline_takes_a_bool_and_the_module_goes_to_model() -> None:
         HostAdamW(model.parameters(), pipeline=model)
     with pytest.raises(TypeError, match="model must be the nn.Module"):
         HostAdamW(model.parameters(), model=[model])
+
+
+def test_with_clipping_a_forward_before_step_sees_the_old_weights_and_does_not_wait() -> None:
+    """Clipping holds every update until ``step()`` (NOTE [clipping stalls the pipeline]): a forward
+    (an evaluation, say) or ``state_dict()`` between a backward and its ``step()`` waited for those
+    held updates, forever. They have not touched the weights: both go on, seeing the old ones, and
+    the step then updates as usual."""
+    model = _model()
+    before = copy.deepcopy(model.state_dict())
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, max_grad_norm=1.0)
+    x, y = gpt_batch()
+    seen: dict[str, object] = {}
+
+    def between() -> None:
+        model(x, y)[1].backward()
+        with torch.no_grad():
+            seen["loss"] = model(x, y)[1]
+        seen["state"] = model.state_dict()
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UncommittedStepWarning)  # it reads the old weights, as plain PyTorch
+            worker = threading.Thread(target=between, daemon=True)
+            worker.start()
+            worker.join(60)
+        assert not worker.is_alive(), "a forward after a backward without step() hung"
+        assert "loss" in seen, "the forward raised"
+        assert all(torch.equal(v, before[k]) for k, v in seen["state"].items())
+        opt.step()
+        opt.synchronize()
+        assert not all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    finally:
+        opt.close()

@@ -2,6 +2,7 @@
 planner, and the schedule, cost model and ``op-level`` planner that use them."""
 
 import itertools
+import json
 import random
 from dataclasses import replace
 from pathlib import Path
@@ -11,7 +12,8 @@ import pytest
 
 from ooc.scheduler import BlockPlan, BlockProfile, Plan, Profile, build_schedule, preset
 from ooc.scheduler.costmodel import build_options, model_cost, model_peak
-from ooc.scheduler.errors import InfeasibleBudget, PlanError
+from ooc.scheduler.errors import HardwareError, InfeasibleBudget, PlanError
+from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.milp import solve_milp
 from ooc.scheduler.oplevel import hull_prefixes, pareto_frontier, selective_sets, upper_hull
 from ooc.scheduler.plan import Policy
@@ -236,7 +238,7 @@ def test_op_level_prices_recording_and_replaying_the_ops():
     block = BlockProfile("b", sum(op.forward_s for op in ops), 2e-4, saved, saved, MiB, MiB, MiB, 0, 0, ops=ops)
     prof = Profile(tuple(replace(block, name=f"b{i}") for i in range(6)), outside_forward_s=1e-4)
     budget = build_schedule(Plan.uniform("keep", 6), prof).peak_bytes // 2
-    free = replace(preset("h100-sxm"), op_intercept_s=0.0)
+    free = replace(preset("h100-sxm"), op_intercept_s=0.0, host_runs_ahead=False)  # the host computes: all of it counts
     costly = replace(free, op_intercept_s=20e-6)
     assert any(b.cached_ops for b in op_level(prof, free, budget).blocks)
     plan = op_level(prof, costly, budget)
@@ -249,6 +251,48 @@ def test_op_level_prices_recording_and_replaying_the_ops():
     assert rerun(costly) - rerun(free) == pytest.approx(40 * 20e-6, rel=1e-9)
 
 
+def test_on_a_gpu_only_host_time_beyond_the_kernels_is_charged():
+    """NOTE [host time under the kernels]: where the host runs ahead, a selective block pays the
+    interception's host time only where it outlasts the block's forward and re-run kernels; the
+    schedule and the op-level planner's arrays price it alike."""
+    ops = (OpProfile("mm", 60e-6, MiB, MiB),) + tuple(
+        OpProfile(f"op{k}", 1e-6, MiB, MiB if k % 2 else 0, cacheable=k != 39) for k in range(1, 40))
+    saved = sum(op.saved_bytes for op in ops) + MiB
+    block = BlockProfile("b", sum(op.forward_s for op in ops), 2e-4, saved, saved, MiB, MiB, MiB, 0, 0, ops=ops)
+    prof = Profile(tuple(replace(block, name=f"b{i}") for i in range(6)), outside_forward_s=1e-4)
+    cached = Plan.of([BlockPlan(Policy.RECOMPUTE, cached_ops=(0,))] + ["keep"] * 5)
+    rerun = lambda hw: next(op.duration_s for op in build_schedule(cached, prof, hw).ops if op.kind is OpKind.RECOMPUTE)  # noqa: E731
+    gpu = replace(preset("h100-sxm"), op_intercept_s=0.0)
+    assert gpu.host_runs_ahead
+    plain_rerun = rerun(gpu)
+    kernels = block.forward_s + plain_rerun
+    hidden = replace(gpu, op_intercept_s=0.5 * kernels / 40)
+    assert rerun(hidden) == plain_rerun  # the kernels outlast the host: nothing added
+    exposed = replace(gpu, op_intercept_s=3 * kernels / 40)
+    assert rerun(exposed) - plain_rerun == pytest.approx(2 * kernels, rel=1e-9)
+    assert exposed.intercept_s(40, kernels) == pytest.approx(2 * kernels, rel=1e-9)
+    assert replace(exposed, host_runs_ahead=False).intercept_s(40, kernels) == pytest.approx(3 * kernels, rel=1e-9)
+    # Where plain PyTorch's issue alone keeps the host as busy as the kernels, all of it shows.
+    busy = replace(hidden, op_issue_s=kernels / 80)
+    assert busy.intercept_s(40, kernels) == pytest.approx(40 * hidden.op_intercept_s, rel=1e-9)
+    half = replace(hidden, op_issue_s=kernels / 160)  # issue half the kernels: the interception fills the rest
+    assert half.intercept_s(40, kernels) == pytest.approx(40 * hidden.op_intercept_s - kernels / 2, rel=1e-9)
+    budget = build_schedule(Plan.uniform("keep", 6), prof).peak_bytes // 2
+    assert any(b.cached_ops for b in op_level(prof, hidden, budget).blocks)
+    plan = op_level(prof, exposed, budget)
+    assert not any(b.cached_ops for b in plan.blocks)
+    assert predict(plan, prof, exposed).step_time_s < predict(op_level(prof, hidden, budget), prof, exposed).step_time_s
+
+
+def test_host_runs_ahead_is_a_bool_and_round_trips():
+    hw = replace(preset("cpu"), host_runs_ahead=True)
+    assert Hardware.from_dict(json.loads(hw.to_json())).host_runs_ahead is True
+    with pytest.raises(HardwareError, match="host_runs_ahead must be true or false"):
+        replace(hw, host_runs_ahead=1)
+
+
 def test_the_cpu_preset_carries_an_op_intercept():
     assert preset("cpu").op_intercept_s > 0
-    assert preset("h100-sxm").op_intercept_s == 0.0  # host time the kernels hide
+    assert not preset("cpu").host_runs_ahead
+    assert all(preset(name).host_runs_ahead for name in ("v100-16gb", "a100-40gb", "h100-sxm", "h200"))
+    assert preset("h100-sxm").op_intercept_s == 0.0  # not measured on that machine
