@@ -44,7 +44,8 @@ class Hardware:
     """Compute time per op of a selectively recomputed block that ooc's dispatch modes add, its
     forward and its re-run together (recording each op, then replaying from the cache: NOTE
     [selective recompute] in ``ooc.op_profile``). ``ooc calibrate`` measures it, on a GPU too (where
-    it is host time: see ``host_runs_ahead``); the GPU presets leave it 0 (not measured there)."""
+    it is host time: see ``host_runs_ahead``); the H100 and H200 presets carry the figure measured on
+    an H200 machine's host (NOTE [host time under the kernels])."""
     op_issue_s: float = 0.0
     """Host time plain PyTorch takes to issue one op of a block's forward (Python modules, dispatch,
     the launch), where the host runs ahead (``host_runs_ahead``): with it, the kernels hide the
@@ -192,6 +193,8 @@ PRESETS: dict[str, Hardware] = {
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
         host_runs_ahead=True,
+        op_intercept_s=53e-6,
+        op_issue_s=18e-6,
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=3350 * GB,
@@ -199,7 +202,8 @@ PRESETS: dict[str, Hardware] = {
         net_latency_s=20e-6,
         host_net=5 * GB,
         source="H100 SXM 80GB HBM3 3.35 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned; "
-        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
+        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s; op_intercept_s and op_issue_s: "
+        "ooc calibrate on an H200 machine's host, 2026-11-26",
     ),
     "h200": Hardware(
         name="h200",
@@ -212,6 +216,8 @@ PRESETS: dict[str, Hardware] = {
         host_optimizer=100 * GB,
         copy_latency_s=6e-6,
         host_runs_ahead=True,
+        op_intercept_s=53e-6,
+        op_issue_s=18e-6,
         copy_issue_s=5e-6,
         flops=790e12,
         memory_bytes_per_s=4800 * GB,
@@ -219,7 +225,8 @@ PRESETS: dict[str, Hardware] = {
         net_latency_s=20e-6,
         host_net=5 * GB,
         source="H200 141GB HBM3e 4.8 TB/s; bf16 dense ~790 TFLOP/s measured; PCIe Gen5 ~52 GB/s pinned; "
-        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s",
+        "400 Gb/s NDR InfiniBand between nodes (NCCL); gloo between hosts ~5 GB/s; op_intercept_s and op_issue_s: "
+        "ooc calibrate on an H200 machine's host, 2026-11-26",
     ),
     "cpu": Hardware(
         name="cpu",

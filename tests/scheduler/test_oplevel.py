@@ -177,7 +177,9 @@ def test_op_level_beats_block_level_on_gpt2_xl(fraction, block_level, op_level_a
 
 
 def test_op_level_plans_a_thousand_blocks_of_fifty_ops():
-    prof, hw = synthetic(1000, 50, seed=9), preset("h100-sxm")
+    # Interception free: the synthetic ops are short, so priced they would not pay for it; here the
+    # planner's search at that size is what is tested.
+    prof, hw = synthetic(1000, 50, seed=9), replace(preset("h100-sxm"), op_intercept_s=0.0)
     keep = build_schedule(Plan.uniform("keep", 1000), prof).peak_bytes
     plan = op_level(prof, hw, keep // 4)
     assert build_schedule(plan, prof).peak_bytes <= keep // 4
@@ -262,7 +264,7 @@ def test_on_a_gpu_only_host_time_beyond_the_kernels_is_charged():
     prof = Profile(tuple(replace(block, name=f"b{i}") for i in range(6)), outside_forward_s=1e-4)
     cached = Plan.of([BlockPlan(Policy.RECOMPUTE, cached_ops=(0,))] + ["keep"] * 5)
     rerun = lambda hw: next(op.duration_s for op in build_schedule(cached, prof, hw).ops if op.kind is OpKind.RECOMPUTE)  # noqa: E731
-    gpu = replace(preset("h100-sxm"), op_intercept_s=0.0)
+    gpu = replace(preset("h100-sxm"), op_intercept_s=0.0, op_issue_s=0.0)
     assert gpu.host_runs_ahead
     plain_rerun = rerun(gpu)
     kernels = block.forward_s + plain_rerun
@@ -295,4 +297,4 @@ def test_the_cpu_preset_carries_an_op_intercept():
     assert preset("cpu").op_intercept_s > 0
     assert not preset("cpu").host_runs_ahead
     assert all(preset(name).host_runs_ahead for name in ("v100-16gb", "a100-40gb", "h100-sxm", "h200"))
-    assert preset("h100-sxm").op_intercept_s == 0.0  # not measured on that machine
+    assert preset("h100-sxm").op_intercept_s > preset("h100-sxm").op_issue_s > 0  # an H200 host's, measured
