@@ -132,6 +132,12 @@ class _BucketState:
     backed_up: bool = False
     """``rollback``: the backup holds the state from before this step's update (set on the update
     thread; cleared at launch)."""
+    read_while_held: bool = False
+    """Clipping: a forward read the weights while this step's update was held for ``step()``
+    (NOTE [reads of held weights])."""
+    after: tuple[Event, ...] = ()
+    """Clipping: compute events the update's copies in wait for (set by ``step()`` before it
+    releases the update; NOTE [reads of held weights])."""
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -362,6 +368,7 @@ class UpdatePipeline:
         for status in self.status:
             status.arrived = set()
             status.launched = False
+            status.read_while_held = False
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
@@ -408,6 +415,12 @@ class UpdatePipeline:
     def finish_step(self) -> None:
         """``step()``: launch what no hook launched (unused parameters, no model), and close the step."""
         self.raise_error()
+        read = [s for s in self.status if s.read_while_held]
+        if read:
+            # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
+            event = self.stages.backend.record_compute()
+            for status in read:
+                status.after, status.read_while_held = (event,), False
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -429,7 +442,9 @@ class UpdatePipeline:
     def gate(self, indices: Sequence[int]) -> None:
         """Before a forward: the weights of these buckets must be the updated ones."""
         for i in indices:
-            if not self._held_for_step(i):
+            if self._held_for_step(i):
+                self.status[i].read_while_held = True
+            else:
                 self._wait_done(i)
             for event in self.status[i].gate:
                 # The forward reads these parameters: compute must not pass their H2D copies.
@@ -440,7 +455,14 @@ class UpdatePipeline:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
         the pipeline]): it has not touched the weights, and waiting for it before ``step()`` would
         wait forever (a forward, ``state_dict()`` or a restore after a backward without ``step()``).
-        Its launch waited for the bucket's previous update, whose copies in the gate still holds."""
+        Its launch waited for the bucket's previous update, whose copies in the gate still holds.
+
+        NOTE [reads of held weights]
+        Such a forward reads the weights the held update's copies in will overwrite once ``step()``
+        releases it, and those copies wait on no compute event of their own (NOTE [the pipeline of
+        one bucket]: the exchange waited for the one after the bucket's backward, which this forward
+        follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
+        event after them, and the update's copies in wait for it (``_BucketState.after``)."""
         return self.config.max_grad_norm is not None and self.status[index].launched
 
     def synchronize(self) -> None:
@@ -556,6 +578,7 @@ class UpdatePipeline:
             # No compute event to wait on: this thread waited (EXCHANGE) for the copy-out's compute
             # event, recorded after the bucket's backward, so that backward no longer reads the old
             # weights. The next forward waits for these copies at the gate.
-            status.gate = self.stages.copy_in(job.bucket)
+            status.gate = self.stages.copy_in(job.bucket, after=status.after)
+            status.after = ()
             self._ended(job.bucket, Stage.COPY_IN)
         status.done.set()
