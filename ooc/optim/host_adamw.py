@@ -258,6 +258,12 @@ class HostAdamW(torch.optim.Optimizer):
         index is a position in this tuple."""
         return self._buckets
 
+    def held_buckets(self) -> list[int]:
+        """Indices (in :attr:`buckets`) of the buckets whose update of the open step waits for
+        ``step()`` (``max_grad_norm``: NOTE [clipping stalls the pipeline] in ooc.optim.pipeline):
+        their EXCHANGE has ended, yet their state and weights change at ``step()``."""
+        return self._pipeline.held()
+
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
         # Not pinned: masters and moments never cross PCIe (the staging and gradient buffers do).

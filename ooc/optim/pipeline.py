@@ -465,6 +465,10 @@ class UpdatePipeline:
         event after them, and the update's copies in wait for it (``_BucketState.after``)."""
         return self.config.max_grad_norm is not None and self.status[index].launched
 
+    def held(self) -> list[int]:
+        """The buckets whose update of this step is held until ``step()`` (``_held_for_step``)."""
+        return [i for i in range(len(self.status)) if self._held_for_step(i)]
+
     def synchronize(self) -> None:
         """Wait for every update issued; then the parameters hold the newest weights the mode allows
         (with ``delayed_update``, the ones of the previous update)."""

@@ -518,6 +518,45 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         fresh_opt.close()
 
 
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+def test_a_save_between_a_backward_and_a_clipped_step_holds_the_state_before_it(tmp_path: Path, backend: str) -> None:
+    """With ``max_grad_norm`` the backward's updates wait for ``step()`` (their EXCHANGE has ended):
+    a save between the two (it hung until the gate stopped waiting for them) took the buckets
+    lazily, and no stage listener copied them aside before ``step()`` updated them while the writer
+    read (held here at its first read): the version held the weights and moments after the step.
+    Now those buckets are copied at ``save`` (NOTE [lazy snapshots])."""
+    import copy
+
+    model, opt = _gpt_host(0, max_grad_norm=1.0, backend=backend)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    _gpt_step(model, 1)
+    opt.step()
+    opt.zero_grad()
+    _gpt_step(model, 2)
+    opt.synchronize()
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+    assert opt.held_buckets() == list(range(len(opt.buckets)))
+    held, go = threading.Event(), threading.Event()
+    ckpt._hook = lambda point: point == "snapshot" and (held.set(), go.wait(20))
+    ckpt.save(1)
+    assert held.wait(20)
+    opt.step()
+    opt.synchronize()
+    assert opt.held_buckets() == []
+    go.set()
+    ckpt.wait()
+    fresh, fresh_opt = _gpt_host(5, max_grad_norm=1.0)
+    try:
+        Checkpointer(tmp_path, fresh, fresh_opt).restore(1)
+        assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in weights.items())
+        theirs = fresh_opt.state_dict()["state"]
+        assert all(torch.equal(state[i][f], theirs[i][f]) for i in state for f in state[i])
+    finally:
+        ckpt.close()
+        opt.close()
+        fresh_opt.close()
+
+
 def test_a_host_adamw_of_other_options_loads_nothing(tmp_path: Path) -> None:
     """A version saved by a HostAdamW without ``delayed_update`` restored into one with it: the
     optimizer refused its state only after the model's weights had been loaded, leaving the model
