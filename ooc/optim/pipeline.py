@@ -173,6 +173,12 @@ class UpdatePipeline:
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
+        self._others: dict[int, torch.Tensor] = {}
+        """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
+        self._coef: torch.Tensor | None = None
+        self._clipped = threading.Event()
+        """Clipping: ``_coef`` holds the clip factor of the last ``finish_step`` (set by the update thread)."""
+        self._clipped.set()
         self.inline = config.inline and stages.comm is None
         self._exchange_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._update_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -412,9 +418,13 @@ class UpdatePipeline:
         else:
             self._update_q.put(job)
 
-    def finish_step(self) -> None:
-        """``step()``: launch what no hook launched (unused parameters, no model), and close the step."""
+    def finish_step(self, others: dict[int, torch.Tensor] | None = None) -> None:
+        """``step()``: launch what no hook launched (unused parameters, no model), and close the step.
+        ``others``: with clipping, the norms of gradients no bucket holds (``Stages.clip``); the
+        clip factor is then :meth:`clip_factor`'s."""
         self.raise_error()
+        self._others = others or {}
+        self._clipped.clear()
         read = [s for s in self.status if s.read_while_held]
         if read:
             # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
@@ -464,6 +474,13 @@ class UpdatePipeline:
         follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
         event after them, and the update's copies in wait for it (``_BucketState.after``)."""
         return self.config.max_grad_norm is not None and self.status[index].launched
+
+    def clip_factor(self) -> torch.Tensor | None:
+        """With clipping, after ``finish_step``: wait for the step's clip factor (None: no gradient)."""
+        while not self._clipped.wait(_WAIT_SLICE_S):
+            self.raise_error()
+        self.raise_error()
+        return self._coef
 
     def held(self) -> list[int]:
         """The buckets whose update of this step is held until ``step()`` (``_held_for_step``)."""
@@ -555,7 +572,8 @@ class UpdatePipeline:
             return
         if item is Signal.END_OF_STEP:
             if self.config.max_grad_norm is not None:
-                self.stages.clip(self._step_jobs)
+                self._coef = self.stages.clip(self._step_jobs, self._others)
+                self._clipped.set()
                 for job in self._step_jobs:
                     self._update(job)
             self._step_jobs = []

@@ -394,16 +394,15 @@ def test_with_clipping_a_forward_before_step_is_ordered_before_the_update(case: 
     assert _same_weights(model, plain)
 
 
-@pytest.mark.xfail(strict=True, reason="device_params_below with max_grad_norm: the global norm (Stages.clip, on the "
-                   "update thread) leaves out the device-kept parameters' gradients, and _step_device_params "
-                   "steps them unclipped; fixing it needs their norms in the host's global norm and the "
-                   "clip factor back on the training thread before step() updates them (and with data parallelism, "
-                   "their all-reduce first)")
-def test_clipping_with_small_parameters_on_the_device_equals_clip_grad_norm() -> None:
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+def test_clipping_with_small_parameters_on_the_device_equals_clip_grad_norm(backend: str) -> None:
+    """``device_params_below`` with ``max_grad_norm``: the global norm left out the device-kept
+    parameters' gradients and ``step()`` updated them unclipped. Their norms now count at their
+    places and the factor scales them too, as ``clip_grad_norm_`` over every parameter."""
     plain = _model()
     model = copy.deepcopy(plain)
     opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000,
-                    max_grad_norm=0.5)
+                    max_grad_norm=0.5, backend=backend)
     try:
         assert _pipelined(model, opt, steps=3) == _reference(plain, steps=3, clip=0.5)
         assert _same_weights(model, plain)
