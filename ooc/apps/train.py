@@ -25,7 +25,7 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.checkpoint import Checkpointer, damaged_versions, list_versions
+from ooc.checkpoint import Checkpointer, CorruptCheckpointError, damaged_versions, list_versions
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
@@ -294,6 +294,12 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
     try:
         version = loader.restore()
+    except CorruptCheckpointError as exc:
+        # Its advice names the Python API (restore(fallback=True)), which the command line has not.
+        raise ValueError(
+            f"--resume {directory}: the newest version is damaged ({exc.path}: {exc.reason}); "
+            f"`ooc checkpoints list {directory}` shows which versions are. Move its folder out of {directory} "
+            "(keep it to inspect) and run again: --resume then continues from the newest intact version") from exc
     finally:
         loader.close()  # a reader only: its folder locks and writer (none started) go with it
     if rank == 0:

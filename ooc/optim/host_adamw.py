@@ -96,7 +96,9 @@ class HostAdamW(torch.optim.Optimizer):
       no ``step()`` commits (an interrupted backward, gradient inspection) is undone at the next
       forward or ``zero_grad()`` instead of being reported (NOTE [a step is a transaction]).
     - ``device_params_below``: parameters with fewer elements stay on their device with their state
-      (norm scales, biases), updated in ``step()`` by torch's AdamW there.
+      (norm scales, biases), updated in ``step()`` by torch's AdamW there. With ``max_grad_norm``
+      their gradients count in the global norm, and ``step()`` waits for the clip factor (every
+      bucket's gradient on the host) before it updates them.
     - ``data_parallel``: a :class:`ooc.distributed.DataParallel`; gradients are averaged across the
       ranks of the default process group, bucket by bucket, overlapping the backward.
 
@@ -226,7 +228,7 @@ class HostAdamW(torch.optim.Optimizer):
             reduce_on_device = comm is not None and comm.reduce_on == "device"
             layout = make_layout(
                 self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
-                norm_order=[p for p in tensors if id(p) not in small], rank=rank,
+                norm_order=tensors, rank=rank,
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
@@ -257,6 +259,12 @@ class HostAdamW(torch.optim.Optimizer):
         """The groups of parameters updated together, in canonical order; a stage listener's bucket
         index is a position in this tuple."""
         return self._buckets
+
+    def held_buckets(self) -> list[int]:
+        """Indices (in :attr:`buckets`) of the buckets whose update of the open step waits for
+        ``step()`` (``max_grad_norm``: NOTE [clipping stalls the pipeline] in ooc.optim.pipeline):
+        their EXCHANGE has ended, yet their state and weights change at ``step()``."""
+        return self._pipeline.held()
 
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
@@ -314,21 +322,36 @@ class HostAdamW(torch.optim.Optimizer):
                 "step() after a backward that did not finish (it raised or was interrupted): its gradients are "
                 "partial. Call zero_grad() and run the forward and backward again."
             )
-        self._pipeline.finish_step()
-        self._step_device_params()
+        params = self._reduced_device_grads()
+        clipped = self._pipeline.config.max_grad_norm is not None and bool(params)
+        # Clipping: the device-kept gradients count in the global norm (on the update thread, with
+        # the buckets'), and the factor it gives scales them too, as clip_grad_norm_ does.
+        norms = None
+        if clipped:
+            norms = {id(p): torch.linalg.vector_norm(p.grad).to("cpu", torch.float32) for p in params}
+            self.backend.record_compute().synchronize()  # the update thread reads them (a CUDA .to("cpu") waited already)
+        self._pipeline.finish_step(norms)
+        if clipped and (coef := self._pipeline.clip_factor()) is not None:
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.device))
+        self._step_device_params(params)
         if not self._pipelined:
             self.synchronize()
         return loss
 
-    def _step_device_params(self) -> None:
+    def _reduced_device_grads(self) -> list[torch.Tensor]:
+        """The parameters kept on their device that have a gradient, averaged across the ranks."""
         params = [p for p in self._device_params if p.grad is not None]
-        if not params:
-            return
         if self._comm is not None:
             for p in params:
                 with peer_failures():
                     torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
                 p.grad.div_(self._comm.world)
+        return params
+
+    def _step_device_params(self, params: list[torch.Tensor]) -> None:
+        if not params:
+            return
         for group in self.param_groups:
             mine = [p for p in group["params"] if any(p is q for q in params)]
             if not mine:

@@ -91,7 +91,8 @@ class Layout:
     """Where the weights the device reads live: the parameter itself, or a streamed parameter's
     host copy (NOTE [streamed parameters] in ooc.streaming)."""
     norm_order: tuple[torch.Tensor, ...]
-    """Every host-updated parameter in the optimizer's order: the order of the clipping norms."""
+    """Every parameter in the optimizer's order (the device-kept ones too, ``device_params_below``):
+    the order of the clipping norms, as ``clip_grad_norm_`` stacks them."""
     rank: int
     world: int
     sharded: bool

@@ -132,6 +132,12 @@ class _BucketState:
     backed_up: bool = False
     """``rollback``: the backup holds the state from before this step's update (set on the update
     thread; cleared at launch)."""
+    read_while_held: bool = False
+    """Clipping: a forward read the weights while this step's update was held for ``step()``
+    (NOTE [reads of held weights])."""
+    after: tuple[Event, ...] = ()
+    """Clipping: compute events the update's copies in wait for (set by ``step()`` before it
+    releases the update; NOTE [reads of held weights])."""
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -167,6 +173,12 @@ class UpdatePipeline:
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
         self._step_jobs: list[Job] = []
+        self._others: dict[int, torch.Tensor] = {}
+        """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
+        self._coef: torch.Tensor | None = None
+        self._clipped = threading.Event()
+        """Clipping: ``_coef`` holds the clip factor of the last ``finish_step`` (set by the update thread)."""
+        self._clipped.set()
         self.inline = config.inline and stages.comm is None
         self._exchange_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._update_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -362,6 +374,7 @@ class UpdatePipeline:
         for status in self.status:
             status.arrived = set()
             status.launched = False
+            status.read_while_held = False
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
@@ -405,9 +418,19 @@ class UpdatePipeline:
         else:
             self._update_q.put(job)
 
-    def finish_step(self) -> None:
-        """``step()``: launch what no hook launched (unused parameters, no model), and close the step."""
+    def finish_step(self, others: dict[int, torch.Tensor] | None = None) -> None:
+        """``step()``: launch what no hook launched (unused parameters, no model), and close the step.
+        ``others``: with clipping, the norms of gradients no bucket holds (``Stages.clip``); the
+        clip factor is then :meth:`clip_factor`'s."""
         self.raise_error()
+        self._others = others or {}
+        self._clipped.clear()
+        read = [s for s in self.status if s.read_while_held]
+        if read:
+            # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
+            event = self.stages.backend.record_compute()
+            for status in read:
+                status.after, status.read_while_held = (event,), False
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -429,7 +452,9 @@ class UpdatePipeline:
     def gate(self, indices: Sequence[int]) -> None:
         """Before a forward: the weights of these buckets must be the updated ones."""
         for i in indices:
-            if not self._held_for_step(i):
+            if self._held_for_step(i):
+                self.status[i].read_while_held = True
+            else:
                 self._wait_done(i)
             for event in self.status[i].gate:
                 # The forward reads these parameters: compute must not pass their H2D copies.
@@ -440,8 +465,26 @@ class UpdatePipeline:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
         the pipeline]): it has not touched the weights, and waiting for it before ``step()`` would
         wait forever (a forward, ``state_dict()`` or a restore after a backward without ``step()``).
-        Its launch waited for the bucket's previous update, whose copies in the gate still holds."""
+        Its launch waited for the bucket's previous update, whose copies in the gate still holds.
+
+        NOTE [reads of held weights]
+        Such a forward reads the weights the held update's copies in will overwrite once ``step()``
+        releases it, and those copies wait on no compute event of their own (NOTE [the pipeline of
+        one bucket]: the exchange waited for the one after the bucket's backward, which this forward
+        follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
+        event after them, and the update's copies in wait for it (``_BucketState.after``)."""
         return self.config.max_grad_norm is not None and self.status[index].launched
+
+    def clip_factor(self) -> torch.Tensor | None:
+        """With clipping, after ``finish_step``: wait for the step's clip factor (None: no gradient)."""
+        while not self._clipped.wait(_WAIT_SLICE_S):
+            self.raise_error()
+        self.raise_error()
+        return self._coef
+
+    def held(self) -> list[int]:
+        """The buckets whose update of this step is held until ``step()`` (``_held_for_step``)."""
+        return [i for i in range(len(self.status)) if self._held_for_step(i)]
 
     def synchronize(self) -> None:
         """Wait for every update issued; then the parameters hold the newest weights the mode allows
@@ -529,7 +572,8 @@ class UpdatePipeline:
             return
         if item is Signal.END_OF_STEP:
             if self.config.max_grad_norm is not None:
-                self.stages.clip(self._step_jobs)
+                self._coef = self.stages.clip(self._step_jobs, self._others)
+                self._clipped.set()
                 for job in self._step_jobs:
                     self._update(job)
             self._step_jobs = []
@@ -556,6 +600,7 @@ class UpdatePipeline:
             # No compute event to wait on: this thread waited (EXCHANGE) for the copy-out's compute
             # event, recorded after the bucket's backward, so that backward no longer reads the old
             # weights. The next forward waits for these copies at the gate.
-            status.gate = self.stages.copy_in(job.bucket)
+            status.gate = self.stages.copy_in(job.bucket, after=status.after)
+            status.after = ()
             self._ended(job.bucket, Stage.COPY_IN)
         status.done.set()

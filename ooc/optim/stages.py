@@ -215,25 +215,32 @@ class Stages:
         job.grads = out
         job.on_host = True
 
-    def clip(self, jobs: Sequence[Job]) -> None:
-        """Scale every gradient of ``jobs`` (fp32, on the host) by the global norm's clip factor."""
+    def clip(self, jobs: Sequence[Job], others: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
+        """Scale every gradient of ``jobs`` (fp32, on the host) by the global norm's clip factor, and
+        return it (None: no gradient). ``others``: parameter id -> the norm (a 0-d host tensor) of
+        a gradient no bucket holds (``device_params_below``: on the device, the same on every rank),
+        counted in the global norm at the parameter's place, as ``clip_grad_norm_`` stacks them."""
         grads = {pid: g for job in jobs for pid, g in job.grads.items()}
+        others = others or {}
         order = self.layout.norm_order
         norms = torch.zeros(len(order), dtype=torch.float32)
         for i, p in enumerate(order):
             if id(p) in grads:
                 norms[i] = torch.linalg.vector_norm(grads[id(p)])
+            elif id(p) in others and (not self.layout.sharded or self.layout.rank == 0):
+                norms[i] = others[id(p)]  # sharded: one rank adds it, as an owner does its own
         if self.layout.sharded:
             self.comm.sum_vector(norms)  # each norm comes from its owner; the other ranks add zeros
         else:
-            norms = norms[[i for i, p in enumerate(order) if id(p) in grads]]
+            norms = norms[[i for i, p in enumerate(order) if id(p) in grads or id(p) in others]]
         if norms.numel() == 0:
-            return
+            return None
         total = torch.linalg.vector_norm(norms)
         # As torch.nn.utils.clip_grad_norm_: scale by max_norm / (total + 1e-6), never above 1.
         coef = torch.clamp(self.max_grad_norm / (total + 1e-6), max=1.0)
         for grad in grads.values():
             grad.mul_(coef)
+        return coef
 
     def update(self, job: Job) -> None:
         """AdamW on the masters (or own-master parameters) and moments of the job's parameters."""

@@ -157,6 +157,24 @@ def test_resume_from_an_older_version_into_newer_ones_says_so_before_training(tm
     assert [v.step for v in list_versions(tmp_path / "ckpt")] == [1, 2, 3]
 
 
+def test_resume_auto_onto_a_damaged_newest_version_says_what_to_do_from_the_command_line(tmp_path: Path) -> None:
+    """The newest version's commit record is damaged: ``--resume auto`` stops before training, as it
+    did, but its advice was the Python API's (``restore(fallback=True)``), which ``ooc train`` has
+    no flag for. It now says to move the folder out; the run that follows resumes from the version
+    before it and saves on from there."""
+    _run(_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
+    damaged = tmp_path / "ckpt" / "step-000000003"
+    (damaged / "manifest-rank0.json").write_text("{")
+    resume = _cmd("--steps", "1", "--save", "ckpt", "--resume", "auto")
+    done = subprocess.run(resume, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+    assert "newest version is damaged" in done.stderr and "Move its folder out of ckpt" in done.stderr, done.stderr
+    assert "restore(" not in done.stderr and "loss" not in done.stdout
+    damaged.rename(tmp_path / "step-000000003.bad")
+    assert "resumed from ckpt/step-000000002 (step 2)" in _run(resume, tmp_path).stdout
+    assert [v.step for v in list_versions(tmp_path / "ckpt")] == [1, 2, 3]
+
+
 @pytest.fixture(scope="module")
 def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
     """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""

@@ -291,6 +291,74 @@ def test_saves_read_the_directory_once(tmp_path: Path, monkeypatch) -> None:  # 
     assert reads == [1]
 
 
+def test_restoring_an_older_version_then_saving_the_next_step_is_refused(tmp_path: Path) -> None:
+    """Versions 3, 4, 5; ``restore(3)`` then ``save(4)`` would lose the branch at once (NOTE [saves
+    go forward]): refused before anything is written, saying how to branch."""
+    _saved(tmp_path, (3, 4, 5)).close()
+    ckpt = Checkpointer(tmp_path, _linear(seed=1), keep=3)
+    assert ckpt.restore(3).step == 3
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(CheckpointError, match=r"step 4 is below the newest version \(step 5\).*new directory"):
+        ckpt.save(4)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
+@pytest.mark.parametrize("damage", ["file", "record"])
+def test_a_fallback_then_keep_1_leaves_the_newest_and_the_damaged_version_aside(tmp_path: Path, damage: str) -> None:
+    """Retention with ``keep=1`` after a fallback past damaged version 3: the saves from 3 on leave
+    the newest version and the damaged one moved aside, nothing else."""
+    _saved(tmp_path, (1, 2, 3), keep=None).close()
+    _damage(tmp_path / "step-000000003" / ("model.safetensors" if damage == "file" else "manifest-rank0.json"))
+    ckpt = Checkpointer(tmp_path, _linear(seed=1), keep=1)
+    assert ckpt.restore(fallback=True).step == 2
+    with pytest.warns(UserWarning, match="step-000000003 is damaged"):
+        ckpt.save(3)
+    for step in (4, 5):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    assert _steps(tmp_path) == [5] and _moved_aside(tmp_path) == ["step-000000003"]
+    assert len(os.listdir(tmp_path)) == 2
+
+
+def test_a_fresh_start_after_every_version_failed_moves_them_aside(tmp_path: Path) -> None:
+    """``keep=1`` left one version, and it is damaged: ``restore(fallback=True)`` finds none intact;
+    the loop starts afresh, and its first save moves the damaged version aside."""
+    _saved(tmp_path, (1,), keep=1).close()
+    _damage(tmp_path / "step-000000001" / "model.safetensors")
+    ckpt = Checkpointer(tmp_path, _linear(seed=1), keep=1)
+    with pytest.raises(CheckpointError, match="every checkpoint"):
+        ckpt.restore(fallback=True)
+    with pytest.warns(UserWarning, match="step-000000001 is damaged"):
+        ckpt.save(1)
+    ckpt.wait()
+    ckpt.close()
+    assert _steps(tmp_path) == [1] and _moved_aside(tmp_path) == ["step-000000001"]
+
+
+def test_two_checkpointers_on_one_directory_refuse_each_others_steps(tmp_path: Path) -> None:
+    """Each reads the directory once (NOTE [saves go forward]): a step the other committed since is
+    refused by the writer (raised by ``wait``), and neither deletes the other's versions beyond
+    ``keep``."""
+    a = _saved(tmp_path, (1, 2))
+    b = Checkpointer(tmp_path, _linear(seed=1), keep=3)
+    a.save(3)
+    a.wait()
+    b.save(3)
+    with pytest.raises(CheckpointError, match="step-000000003 is already committed"):
+        b.wait()
+    b.save(4)
+    b.wait()
+    a.save(4)
+    with pytest.raises(CheckpointError, match="step-000000004 is already committed"):
+        a.wait()
+    a.save(5)
+    a.wait()
+    for ckpt in (a, b):
+        ckpt.close()
+    assert _steps(tmp_path) == [3, 4, 5]
+
+
 @pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)], ids=["np.int64", "tensor"])
 def test_a_step_of_an_integer_type_saves_as_an_int(tmp_path: Path, step: object) -> None:
     """``for step in np.arange(n): ckpt.save(step)`` failed on the writer thread (the commit record's
@@ -444,6 +512,45 @@ def test_a_restore_after_a_step_that_raised_holds_the_version(tmp_path: Path, op
         ours, theirs = opt.state_dict()["state"], fresh_opt.state_dict()["state"]
         assert ours.keys() == theirs.keys()
         assert all(torch.equal(ours[i][f], theirs[i][f]) for i in ours for f in ours[i])
+    finally:
+        ckpt.close()
+        opt.close()
+        fresh_opt.close()
+
+
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+def test_a_save_between_a_backward_and_a_clipped_step_holds_the_state_before_it(tmp_path: Path, backend: str) -> None:
+    """With ``max_grad_norm`` the backward's updates wait for ``step()`` (their EXCHANGE has ended):
+    a save between the two (it hung until the gate stopped waiting for them) took the buckets
+    lazily, and no stage listener copied them aside before ``step()`` updated them while the writer
+    read (held here at its first read): the version held the weights and moments after the step.
+    Now those buckets are copied at ``save`` (NOTE [lazy snapshots])."""
+    import copy
+
+    model, opt = _gpt_host(0, max_grad_norm=1.0, backend=backend)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    _gpt_step(model, 1)
+    opt.step()
+    opt.zero_grad()
+    _gpt_step(model, 2)
+    opt.synchronize()
+    weights, state = copy.deepcopy(model.state_dict()), copy.deepcopy(opt.state_dict()["state"])
+    assert opt.held_buckets() == list(range(len(opt.buckets)))
+    held, go = threading.Event(), threading.Event()
+    ckpt._hook = lambda point: point == "snapshot" and (held.set(), go.wait(20))
+    ckpt.save(1)
+    assert held.wait(20)
+    opt.step()
+    opt.synchronize()
+    assert opt.held_buckets() == []
+    go.set()
+    ckpt.wait()
+    fresh, fresh_opt = _gpt_host(5, max_grad_norm=1.0)
+    try:
+        Checkpointer(tmp_path, fresh, fresh_opt).restore(1)
+        assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in weights.items())
+        theirs = fresh_opt.state_dict()["state"]
+        assert all(torch.equal(state[i][f], theirs[i][f]) for i in state for f in state[i])
     finally:
         ckpt.close()
         opt.close()

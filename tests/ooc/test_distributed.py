@@ -33,6 +33,7 @@ VARIANTS = {  # name: (options of every run, micro-batches per step of the one-p
     "device-sum": (["--reduce-on", "device"], 2),
     "delayed": (["--delayed-update"], 2),
     "small-on-device": (["--device-params-below", "1000"], 2),
+    "clip-small-on-device": (["--max-grad-norm", "0.05", "--device-params-below", "1000"], 2),  # their norms count
     "in-step": (["--no-pipeline"], 2),
     "accumulate": (["--accumulate", "2"], 4),
 }

@@ -330,3 +330,81 @@ def test_with_clipping_a_forward_before_step_sees_the_old_weights_and_does_not_w
         assert not all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     finally:
         opt.close()
+
+
+def _train_evaluating(model: GPT, opt: torch.optim.Optimizer, steps: int, *, accumulate: int = 1,
+                      clip: float | None = None, evaluate: bool = True, skip: int = -1) -> list[float]:
+    """As :func:`_train`, with a forward under no_grad after every backward (an evaluation before
+    ``step()``), whose loss is read only at the end: nothing syncs the compute stream before
+    ``step()``. Step ``skip`` calls ``zero_grad()`` without ``step()``."""
+    losses, evaluated = [], []
+    for step in range(steps):
+        for micro in range(accumulate):
+            torch.manual_seed(step * 10 + micro)  # dropout: the evaluations draw from the generator too
+            loss = model(*gpt_batch(seed=step * 10 + micro))[1]
+            loss.backward()
+            losses.append(loss.item())
+            if evaluate:
+                with torch.no_grad():
+                    evaluated.append(model(*gpt_batch(seed=99))[1])
+        if clip is not None and not isinstance(opt, HostAdamW):
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        if step != skip:
+            opt.step()
+        opt.zero_grad()
+    return losses + [t.item() for t in evaluated]
+
+
+@pytest.mark.parametrize("case", [dict(), dict(accumulate=2, rollback=True), dict(wrap=True, skip=1),
+                                  dict(delayed_update=True)], ids=["plain", "accumulate-rollback", "wrapped-skip", "delayed"])
+def test_with_clipping_a_forward_before_step_is_ordered_before_the_update(case: dict) -> None:
+    """NOTE [reads of held weights]: a forward between a backward and ``step()`` reads the weights
+    that the update held for clipping overwrites once ``step()`` releases it. The stream-order
+    checker raised (the copies in waited on no event after that forward's reads: on a GPU they
+    could overwrite weights its queued kernels still read). Now training equals plain PyTorch's
+    (delayed: the same run without the forwards)."""
+    case = dict(case)
+    accumulate, wrap, skip = case.pop("accumulate", 1), case.pop("wrap", False), case.pop("skip", -1)
+    runs = []
+    for evaluate in (True, False):
+        model = _model()
+        backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.01), check_order=True)
+        if wrap:
+            ooc.wrap(model, MIXED, backend=backend)
+        opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend,
+                        max_grad_norm=0.5, accumulate=accumulate, **case)
+        try:
+            runs.append((_train_evaluating(model, opt, 3, accumulate=accumulate, evaluate=evaluate, skip=skip), model))
+            opt.synchronize()
+        finally:
+            opt.close()
+            if wrap:
+                ooc.unwrap(model)
+            backend.close()
+        if not case.get("delayed_update"):
+            break
+    (losses, model), *rest = runs
+    if rest:
+        assert losses[:3] == rest[0][0]
+        assert _same_weights(model, rest[0][1])
+        return
+    plain = _model()
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    assert losses == _train_evaluating(plain, reference, 3, accumulate=accumulate, clip=0.5, skip=skip)
+    assert _same_weights(model, plain)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "chaos"])
+def test_clipping_with_small_parameters_on_the_device_equals_clip_grad_norm(backend: str) -> None:
+    """``device_params_below`` with ``max_grad_norm``: the global norm left out the device-kept
+    parameters' gradients and ``step()`` updated them unclipped. Their norms now count at their
+    places and the factor scales them too, as ``clip_grad_norm_`` over every parameter."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000,
+                    max_grad_norm=0.5, backend=backend)
+    try:
+        assert _pipelined(model, opt, steps=3) == _reference(plain, steps=3, clip=0.5)
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()

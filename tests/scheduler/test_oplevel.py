@@ -130,6 +130,42 @@ def test_cost_model_follows_the_schedule_for_selective_options():
             assert incore + model_cost(opts, picks, 2) == pytest.approx(predict(plan, prof, hw).step_time_s, rel=1e-9)
 
 
+@pytest.mark.parametrize("intercept, issue", [(3e-5, 0.0), (3e-5, 1e-5), (1e-4, 2e-6), (3e-6, 5e-5)])
+def test_cost_model_follows_the_schedule_where_the_host_runs_ahead(intercept, issue):
+    """NOTE [host time under the kernels]: ``Hardware.intercept_s`` is not additive in the ops (a
+    max against the block's kernels, which depend on the ops the re-run skips); the planner's arrays
+    and the schedule's RECOMPUTE still price every selective block alike, plans of many at once."""
+    prof = synthetic(12, 20, seed=3)
+    hw = replace(preset("h100-sxm"), op_intercept_s=intercept, op_issue_s=issue)
+    assert hw.host_runs_ahead
+    opts = build_options(prof, hw, selective=4, selective_swaps=0)
+    base = [int(np.flatnonzero(opts.allowed[i])[0]) for i in range(opts.n)]
+
+    def swaps_nothing(i: int, k: int) -> bool:  # the additive model is exact where no copy is hidden
+        picks = base[:i] + [k] + base[i + 1:]
+        return not opts.plan(picks, prefetch=2, min_swap_bytes=prof.min_swap_bytes, name="x").blocks[i].swaps_anything
+
+    choices = [[int(k) for k in np.flatnonzero(opts.allowed[i]) if swaps_nothing(i, int(k))] for i in range(opts.n)]
+    incore = predict(Plan.uniform("keep", len(prof)), prof, hw).step_time_s
+    r = np.random.default_rng(0)
+    for _ in range(20):
+        picks = [int(r.choice(choices[i])) for i in range(opts.n)]
+        plan = opts.plan(picks, prefetch=2, min_swap_bytes=prof.min_swap_bytes, name="x")
+        assert sum(bool(b.cached_ops) for b in plan.blocks) >= 2
+        assert incore + model_cost(opts, picks, 2) == pytest.approx(predict(plan, prof, hw).step_time_s, rel=1e-9)
+
+
+def test_hardware_json_written_before_the_host_fields_loads_as_the_cpu_model():
+    """A description saved before ``op_issue_s`` and ``host_runs_ahead`` existed loads with them off
+    (then the whole interception counts, as the model did; GPU ones had ``op_intercept_s`` 0)."""
+    data = json.loads(preset("h100-sxm").to_json())
+    for name in ("op_issue_s", "host_runs_ahead"):
+        del data[name]
+    hw = Hardware.from_dict(data)
+    assert (hw.op_issue_s, hw.host_runs_ahead) == (0.0, False)
+    assert replace(hw, op_intercept_s=1e-5).intercept_s(10, 1.0) == pytest.approx(1e-4, rel=1e-12)
+
+
 def test_op_level_without_op_detail_is_optimal(make_profile):
     prof, hw = make_profile(10, seed=1), preset("h100-sxm")
     keep = build_schedule(Plan.uniform("keep", 10), prof).peak_bytes
