@@ -239,7 +239,7 @@ PRESETS: dict[str, Hardware] = {
         host_optimizer=8.5 * GB,
         copy_latency_s=35e-6,
         copy_issue_s=90e-6,
-        op_intercept_s=45e-6,
+        op_intercept_s=30e-6,
         compute_slowdown=0.9,
         flops=50e9,
         memory_bytes_per_s=8 * GB,
@@ -247,7 +247,8 @@ PRESETS: dict[str, Hardware] = {
         net_latency_s=50e-6,
         host_contention=1.0,
         source="`ooc calibrate --backend cpu` on this project's 2-core CI machine, 2026-11-22 (op_intercept_s: "
-        "2026-11-26, one thread: 29 us with two; run it for yours); "
+        "2026-11-26 after the per-op speed-ups, one thread, median of 5 runs, 14-32 us; 45 us before them; run it "
+        "for yours); "
         "net: a 100 MB gloo all-reduce between two local ranks takes ~0.1 s; host_contention: compute and the "
         "host update share the two cores",
     ),
