@@ -170,6 +170,7 @@ READABLE_FORMATS = (2, 3, 4)
 _IDLE_SECONDS = 5.0
 """The writer thread ends after this long without a save (NOTE [writer thread])."""
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
+_MOVED_ASIDE_RE = re.compile(r"^step-\d{9,}\.damaged-\d+(-\d+)?$")
 _SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
 """A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
 MODEL_FILE = "model.safetensors"
@@ -1596,6 +1597,15 @@ def damaged_versions(directory: str | os.PathLike[str]) -> dict[int, CorruptChec
     """The versions under ``directory`` whose commit records are damaged, by step (NOTE [damaged
     records])."""
     return _scan(Path(directory))[1]
+
+
+def moved_aside(directory: str | os.PathLike[str]) -> list[Path]:
+    """The folders of damaged versions a save moved aside under ``directory`` (``step-N.damaged-<time>``,
+    NOTE [damaged versions moved aside]), kept until their owner deletes them; by name."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if p.is_dir() and _MOVED_ASIDE_RE.match(p.name))
 
 
 def _version_folders(directory: Path) -> list[tuple[int, Path]]:

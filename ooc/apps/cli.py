@@ -51,12 +51,14 @@ def _checkpoints(args: argparse.Namespace) -> int:
     import datetime
     from pathlib import Path
 
-    from ooc.checkpoint import damaged_versions, list_versions
+    from ooc.checkpoint import damaged_versions, list_versions, moved_aside
 
     found = list_versions(args.directory)
     damaged = damaged_versions(Path(args.directory))  # NOTE [damaged records] in ooc.checkpoint
+    aside = [f"moved aside  {p.name}  (a damaged version a save moved out of the way; kept for you to inspect or delete)"
+             for p in moved_aside(args.directory)]
     if not found and not damaged:
-        print(f"no complete checkpoint in {args.directory}")
+        print("\n".join([f"no complete checkpoint in {args.directory}", *aside]))
         return 1
     lines = {}
     for v in found:
@@ -66,7 +68,7 @@ def _checkpoints(args: argparse.Namespace) -> int:
                          f"{json.dumps(v.metadata, sort_keys=True)}")
     for step, error in damaged.items():
         lines[step] = f"step {step:>9d}  DAMAGED  {error}"
-    print("\n".join(lines[step] for step in sorted(lines)))
+    print("\n".join([*(lines[step] for step in sorted(lines)), *aside]))
     return 0
 
 

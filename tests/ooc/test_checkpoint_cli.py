@@ -140,6 +140,32 @@ def test_checkpoints_list_shows_a_damaged_version(tmp_path: Path) -> None:
     assert lines[1].split()[:3] == ["step", "2", "DAMAGED"] and "manifest-rank0.json" in lines[1]
 
 
+def test_checkpoints_list_shows_a_version_moved_aside(tmp_path: Path) -> None:
+    """A damaged version a save moved out of the way (NOTE [damaged versions moved aside]) is kept for
+    its owner, under a name no listing reads: the list, which left it out, names it."""
+    import warnings
+
+    from ooc.checkpoint import Checkpointer
+
+    ckpt = Checkpointer(tmp_path / "ckpt", torch.nn.Linear(2, 2))
+    for step in (1, 2):
+        ckpt.save(step)
+    ckpt.close()
+    (tmp_path / "ckpt" / "step-000000002" / "manifest-rank0.json").write_bytes(b"")
+    ckpt = Checkpointer(tmp_path / "ckpt", torch.nn.Linear(2, 2))
+    assert ckpt.restore(fallback=True).step == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the move's own warning
+        ckpt.save(2)
+    ckpt.close()
+    listed = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", "ckpt"], cwd=tmp_path,
+                            capture_output=True, text=True, timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    lines = listed.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:2]] == [["step", "1"], ["step", "2"]]
+    assert len(lines) == 3 and lines[2].startswith("moved aside  step-000000002.damaged-"), lines
+
+
 def test_resume_from_an_older_version_into_newer_ones_says_so_before_training(tmp_path: Path) -> None:
     """``--resume OLD --save DIR`` where DIR holds newer versions than OLD's: the run trained, then
     its first version was retired at once by retention (or, kept, never resumed from), without a
