@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -25,9 +24,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ooc  # noqa: E402
 from common import interleaved_medians, machine_header, table  # noqa: E402
+from ooc.calibrate import intercept_plans  # noqa: E402
 from ooc.models.gpt import GPT  # noqa: E402
-from ooc.scheduler.oplevel import rerun_saved_s  # noqa: E402
-from ooc.scheduler.plan import BlockPlan, Plan, Policy  # noqa: E402
 
 MODELS = {"tiny": ("tiny", 16, 64), "gpt2": ("gpt2", 4, 512)}
 """Name: (GPT preset, batch, sequence). ``tiny`` at 16 x 64 is what ``ooc calibrate`` measures."""
@@ -40,10 +38,7 @@ def measure(name: str, device: torch.device, reps: int) -> list[str]:
     tokens = torch.randint(0, model.config.vocab_size, (batch_size, seq), generator=torch.Generator().manual_seed(0)).to(device)
     batch = (tokens, torch.roll(tokens, -1, dims=1))
     profile = ooc.profile(model, batch, ops=True, codec_errors=False, reps=1)
-    cheapest = [min((k for k, op in enumerate(b.ops) if op.cacheable and op.replayed), key=lambda k: b.ops[k].forward_s)
-                for b in profile.blocks]
-    plain = Plan.uniform("recompute", len(profile))
-    selective = replace(plain, blocks=tuple(BlockPlan(Policy.RECOMPUTE, cached_ops=(k,)) for k in cheapest))
+    plain, selective, skipped = intercept_plans(profile)
     wrapped = {label: ooc.wrap(GPT(preset).to(device), plan, backend="cuda" if device.type == "cuda" else "cpu")
                for label, plan in (("plain", plain), ("selective", selective))}
 
@@ -56,7 +51,6 @@ def measure(name: str, device: torch.device, reps: int) -> list[str]:
     for m in wrapped.values():
         ooc.unwrap(m)
     ops = sum(len(b.ops) for b in profile.blocks)
-    skipped = sum(rerun_saved_s(b.ops, (k,)) for b, k in zip(profile.blocks, cheapest))
     per_op = (medians["selective"] - medians["plain"] + skipped) / ops
     forward_per_op = sum(b.forward_s for b in profile.blocks) / ops
     return [name, f"{batch_size}x{seq}", str(ops), f"{medians['plain'] * 1e3:.2f}", f"{medians['selective'] * 1e3:.2f}",

@@ -117,6 +117,34 @@ def _copy_issue_seconds(backend: Backend, reps: int) -> float:
     return max(0.0, (with_copies - alone) / ops)
 
 
+def _tiny_gpt(device: torch.device) -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """``GPT("tiny")`` on ``device``, seeded, and a 16 x 64 batch of (tokens, next tokens): the model
+    the per-op figures are measured on."""
+    from ooc.models.gpt import GPT
+
+    torch.manual_seed(0)
+    model = GPT("tiny").to(device)
+    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    return model, (tokens, torch.roll(tokens, -1, dims=1))
+
+
+def intercept_plans(profile):  # noqa: ANN001, ANN201
+    """What ``op_intercept_s`` is measured with, on ``profile`` (op-level): every block recomputed
+    plainly; every block recomputed caching its cheapest replayed op (the dispatch modes run, and
+    almost nothing is skipped); and the seconds caching those ops skips, as the cost model prices it.
+    Returns ``(plain, selective, skipped_s)``."""
+    from dataclasses import replace as with_fields
+
+    from ooc.scheduler.oplevel import rerun_saved_s
+    from ooc.scheduler.plan import BlockPlan, Plan, Policy
+
+    cheapest = [min((k for k, op in enumerate(b.ops) if op.cacheable and op.replayed), key=lambda k: b.ops[k].forward_s)
+                for b in profile.blocks]
+    plain = Plan.uniform("recompute", len(profile))
+    selective = with_fields(plain, blocks=tuple(BlockPlan(Policy.RECOMPUTE, cached_ops=(k,)) for k in cheapest))
+    return plain, selective, sum(rerun_saved_s(b.ops, (k,)) for b, k in zip(profile.blocks, cheapest))
+
+
 def _op_intercept_seconds(backend: Backend, reps: int) -> float:
     """``Hardware.op_intercept_s``: what a selectively recomputed block costs per op beyond its ops,
     its forward and its re-run together (ooc's dispatch modes, the cache's bookkeeping), measured
@@ -126,26 +154,15 @@ def _op_intercept_seconds(backend: Backend, reps: int) -> float:
     less; a toy chain of tiny ops measured a third of a transformer block's figure. On a GPU the
     tiny model's kernels are shorter than their issue, so its steps are host time and the figure is
     the host's (NOTE [host time under the kernels] in ``ooc.scheduler.hardware``)."""
-    from dataclasses import replace as with_fields
-
     import ooc
-    from ooc.models.gpt import GPT
-    from ooc.scheduler.oplevel import rerun_saved_s
-    from ooc.scheduler.plan import BlockPlan, Plan, Policy
 
     device = backend.device
-    torch.manual_seed(0)
-    model = GPT("tiny").to(device)
-    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
-    batch = (tokens, torch.roll(tokens, -1, dims=1))
+    model, batch = _tiny_gpt(device)
     profile = ooc.profile(model, batch, ops=True, codec_errors=False, reps=1, backend=backend)
-    cheapest = [min((k for k, op in enumerate(b.ops) if op.cacheable and op.replayed), key=lambda k: b.ops[k].forward_s)
-                for b in profile.blocks]
-    plain = Plan.uniform("recompute", len(profile))
-    selective = with_fields(plain, blocks=tuple(BlockPlan(Policy.RECOMPUTE, cached_ops=(k,)) for k in cheapest))
+    plain, selective, skipped = intercept_plans(profile)
     steps = {}
     for name, plan in (("plain", plain), ("selective", selective)):
-        wrapped = ooc.wrap(GPT("tiny").to(device), plan, backend=backend)
+        wrapped = ooc.wrap(_tiny_gpt(device)[0], plan, backend=backend)
 
         def one_step(m=wrapped) -> None:
             m(*batch)[1].backward()
@@ -155,7 +172,6 @@ def _op_intercept_seconds(backend: Backend, reps: int) -> float:
         steps[name] = median_seconds(one_step, max(reps, 3))
         ooc.unwrap(wrapped)
     ops = sum(len(b.ops) for b in profile.blocks)
-    skipped = sum(rerun_saved_s(b.ops, (k,)) for b, k in zip(profile.blocks, cheapest))  # as the cost model prices it
     return max(0.0, (steps["selective"] - steps["plain"] + skipped) / ops)
 
 
@@ -166,29 +182,18 @@ def _op_issue_seconds(backend: Backend, reps: int) -> float:
     dispatches."""
     if backend.device.type != "cuda":
         return 0.0
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    from ooc.models.gpt import GPT
-
-    class _Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
-            _Count.ops += 1
-            return func(*args, **(kwargs or {}))
+    from ooc.op_profile import OpCounter
 
     device = backend.device
-    torch.manual_seed(0)
-    model = GPT("tiny").to(device)
-    tokens = torch.randint(0, model.config.vocab_size, (16, 64), generator=torch.Generator().manual_seed(0)).to(device)
+    model, batch = _tiny_gpt(device)
 
     def forward() -> None:
-        model(tokens, torch.roll(tokens, -1, dims=1))
+        model(*batch)
         torch.cuda.synchronize(device)  # the host times the forward to its last kernel
 
-    with _Count():
-        model(tokens, torch.roll(tokens, -1, dims=1))
-    return median_seconds(forward, max(reps, 3)) / max(_Count.ops, 1)
+    with OpCounter() as counter:
+        model(*batch)
+    return median_seconds(forward, max(reps, 3)) / max(counter.count, 1)
 
 
 def calibration_device(spec: str) -> str:

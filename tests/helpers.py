@@ -167,3 +167,27 @@ def expected_selective_peak(prof, plan: ooc.Plan) -> tuple[int, list[int]]:  # n
             held.append(block.input_bytes + sum(op.output_bytes for op in cached))
             at_backward.append(held[-1] + block.saved_bytes - sum(op.saved_bytes for op in cached))
     return sum(held), [sum(held[:b]) + at_backward[b] for b in range(len(held))]
+
+
+def check_selective_step_memory(model: nn.Module, prof, plan: ooc.Plan, batch: Any, backend: Any,  # noqa: ANN001
+                                log: list | None = None) -> ooc.MemoryReport:
+    """Wrap ``model`` with ``plan`` (made over ``prof``) on ``backend``, run one :func:`gpt_loss` step
+    on ``batch``, and check the tracker against the planner's rule (:func:`expected_selective_peak`):
+    the bytes held after the forward, the peak, nothing held after the backward. ``log``: a list that
+    receives the tracker's log. Returns the step's memory report."""
+    from ooc.runtime import runtime_of
+
+    after_forward, at_backward = expected_selective_peak(prof, plan)
+    ooc.wrap(model, plan, backend=backend)
+    try:
+        if log is not None:
+            runtime_of(model).tracker.log = log
+        loss = gpt_loss(model, batch)
+        assert ooc.memory_report(model).current_bytes == after_forward
+        loss.backward()
+        report = ooc.memory_report(model)
+    finally:
+        ooc.unwrap(model)
+    assert report.peak_bytes == max(after_forward, *at_backward), plan
+    assert report.current_bytes == 0
+    return report

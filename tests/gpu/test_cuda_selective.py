@@ -21,7 +21,7 @@ from ooc.models import GPT
 from ooc.scheduler.hardware import preset
 from tests.gpu.test_cuda_runtime import NANO, cuda_backend
 from tests.helpers import (
-    expected_selective_peak,
+    check_selective_step_memory,
     gpt_batch,
     gpt_loss,
     random_selective_plan,
@@ -63,17 +63,7 @@ def test_tracker_counts_the_cache_as_the_planner_models_it_on_cuda(seed: int, cu
     torch.manual_seed(0)
     model = GPT(NANO).cuda()
     plan = random_selective_plan(cuda_gpt_profile, random.Random(stable_seed("cuda-memory", seed)), "CCRK")
-    after_forward, at_backward = expected_selective_peak(cuda_gpt_profile, plan)
-    ooc.wrap(model, plan, backend=cuda_backend())
-    try:
-        loss = gpt_loss(model, _batches(1)[0])
-        assert ooc.memory_report(model).current_bytes == after_forward
-        loss.backward()
-        report = ooc.memory_report(model)
-    finally:
-        ooc.unwrap(model)
-    assert report.peak_bytes == max(after_forward, *at_backward), plan
-    assert report.current_bytes == 0
+    check_selective_step_memory(model, cuda_gpt_profile, plan, _batches(1)[0], cuda_backend())
 
 
 def test_the_op_level_planner_on_a_cuda_profile_fits_and_equals_plain(cuda_gpt_profile) -> None:

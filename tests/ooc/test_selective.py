@@ -17,11 +17,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import ooc
 from ooc.models import GPT
 from ooc.recompute import PlanMismatchWarning, RecomputeError
-from ooc.runtime import runtime_of
 from tests.helpers import (
     NANO,
     ce_loss,
-    expected_selective_peak,
+    check_selective_step_memory,
     gpt_batch,
     gpt_loss,
     image_batch,
@@ -170,19 +169,8 @@ def test_tracker_counts_the_cache_as_the_planner_models_it(seed: int, gpt_profil
     torch.manual_seed(0)
     model = GPT(NANO)
     plan = random_selective_plan(gpt_profile, random.Random(stable_seed("memory", seed)), "CCRK")
-    after_forward, at_backward = expected_selective_peak(gpt_profile, plan)
-    ooc.wrap(model, plan, backend="cpu")
-    try:
-        runtime = runtime_of(model)
-        runtime.tracker.log = log = []
-        loss = gpt_loss(model, gpt_batch())
-        assert ooc.memory_report(model).current_bytes == after_forward
-        loss.backward()
-        report = ooc.memory_report(model)
-    finally:
-        ooc.unwrap(model)
-    assert report.peak_bytes == max(after_forward, *at_backward), plan
-    assert report.current_bytes == 0
+    log: list = []
+    report = check_selective_step_memory(model, gpt_profile, plan, gpt_batch(), "cpu", log)
     for b, (block, decision) in enumerate(zip(gpt_profile.blocks, plan.blocks)):
         cached = sum(e[2] for e in log if e[0] == "cache" and e[1] == b)
         assert cached == sum(block.ops[k].output_bytes for k in decision.cached_ops), b
