@@ -1588,6 +1588,12 @@ def _compiled_module(model: nn.Module) -> nn.Module:
     return model
 
 
+def scan_versions(directory: str | os.PathLike[str]) -> tuple[list[Version], dict[int, CorruptCheckpointError]]:
+    """:func:`list_versions` and :func:`damaged_versions` of ``directory`` from one read of its commit
+    records."""
+    return _scan(Path(directory))
+
+
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
     """The committed versions under ``directory``, oldest first."""
     return _scan(Path(directory))[0]

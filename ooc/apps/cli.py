@@ -49,12 +49,10 @@ def _train(args: argparse.Namespace) -> int:
 
 def _checkpoints(args: argparse.Namespace) -> int:
     import datetime
-    from pathlib import Path
 
-    from ooc.checkpoint import damaged_versions, list_versions, moved_aside
+    from ooc.checkpoint import moved_aside, scan_versions
 
-    found = list_versions(args.directory)
-    damaged = damaged_versions(Path(args.directory))  # NOTE [damaged records] in ooc.checkpoint
+    found, damaged = scan_versions(args.directory)  # damaged: NOTE [damaged records] in ooc.checkpoint
     aside = [f"moved aside  {p.name}  (a damaged version a save moved out of the way; kept for you to inspect or delete)"
              for p in moved_aside(args.directory)]
     if not found and not damaged:

@@ -25,7 +25,7 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.checkpoint import Checkpointer, CorruptCheckpointError, damaged_versions, list_versions
+from ooc.checkpoint import Checkpointer, CorruptCheckpointError, scan_versions
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
@@ -286,8 +286,8 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     if not cfg.resume:
         return 0
     directory = Path(cfg.save if cfg.resume == "auto" else cfg.resume)
-    found = list_versions(directory)
-    if not found and not damaged_versions(directory):  # a damaged version: restore() names it (NOTE [damaged records])
+    found, damaged = scan_versions(directory)
+    if not found and not damaged:  # a damaged version: restore() names it (NOTE [damaged records])
         if cfg.resume == "auto":
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
