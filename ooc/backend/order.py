@@ -35,7 +35,11 @@ The model:
   used, unordered, is a use after free -- unless that stream's use was covered by
   ``record_stream``. Every backend copy records both buffers (``CudaBackend._copy``; the CPU copy job
   holds them until it ran, its stand-in), so copy engines are exempt; accesses from other threads'
-  compute streams are not.
+  compute streams are not. The CPU allocator also hands a block freed by one thread to another
+  thread's allocation, which the caching allocator never does across streams (each stream has its
+  pool): only an allocation on the stream that allocated the previous storage can be a use after
+  free. (Host tensors made by ``.to("cpu")`` on a thread count as that thread's device allocations
+  here: on a GPU they come from no pool at all.)
 
 - Arena slices (NOTE [host arena] in ``ooc.backend.arena``): the host arena carves many DMA
   buffers out of one chunk, i.e. one storage. Each carved slice is a host buffer of its own
@@ -316,7 +320,7 @@ class OrderChecker:
         ptr, nbytes, storage = key
         old = self._bufs.get(ptr)
         if old is not None and old.kind == "device" and kind == "device" and stream != self.host \
-                and old.ref() is not storage:
+                and old.alloc.stream == stream and old.ref() is not storage:
             for prev in (old.writer, *old.readers.values()):
                 if prev.stream != stream and not self._exempt[prev.stream] and not self._covered(stream, prev):
                     raise StreamOrderError(

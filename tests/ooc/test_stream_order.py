@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -137,6 +138,44 @@ def test_an_allocation_over_memory_another_threads_compute_still_uses_is_caught(
             use_on_another_thread(victim)
             del victim
             torch.empty(1024)
+
+
+def test_a_block_freed_and_reallocated_on_another_thread_is_no_use_after_free(backend: CpuBackend) -> None:
+    """The CPU allocator hands a block one thread freed to another thread's allocation; CUDA's
+    caching allocator keeps a pool per stream and never does (e.g. a host copy made by
+    ``.to("cpu")`` on the optimizer's exchange thread: CI's false positive)."""
+    errors: list[BaseException] = []
+    freed: list[int] = []
+    reused = 0
+
+    def on_a_thread(work: Callable[[], None]) -> None:
+        def run() -> None:
+            try:
+                backend.record_compute()  # this thread issues device work: the checker watches it
+                work()
+            except BaseException as exc:  # noqa: BLE001 - raised on the test's thread below
+                errors.append(exc)
+
+        thread = threading.Thread(target=run)
+        thread.start()
+        thread.join()
+        if errors:
+            raise errors[0]
+
+    def allocate_use_and_free() -> None:
+        victim = torch.empty(64).zero_()  # queued on this thread's compute stream, never waited for
+        freed.append(victim.data_ptr())
+
+    def allocate() -> None:
+        nonlocal reused
+        fresh = torch.empty(64)  # the exited thread's memory goes to the next thread
+        reused += fresh.data_ptr() == freed[-1]
+        fresh.zero_()
+
+    for _ in range(50):
+        on_a_thread(allocate_use_and_free)
+        on_a_thread(allocate)
+    assert reused, "the CPU allocator never handed the freed block to the other thread: the test checked nothing"
 
 
 def test_the_checker_is_off_unless_asked() -> None:
