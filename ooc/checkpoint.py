@@ -204,6 +204,21 @@ class CorruptCheckpointError(CheckpointError):
                          "(restore(version=...) or restore(fallback=True)) or delete this version's folder")
 
 
+class UnreadableCheckpointError(CorruptCheckpointError):
+    """A file of a committed version could not be read: the file system failed (an I/O error, a
+    permission, too many open files), which does not say the version is damaged. It is skipped as a
+    damaged one is (``restore(fallback=True)``, listings) but never moved aside or deleted: a
+    transient failure must not cost an intact version."""
+
+    def __init__(self, path: Path, error: OSError) -> None:
+        self.path = path
+        self.reason = f"cannot be read ({error})"
+        CheckpointError.__init__(self, f"checkpoint file {path} cannot be read ({error}): the file system failed, "
+                                 "which does not say the version is damaged, and it is kept as it is. Check the "
+                                 "disk or the file's permissions and retry, or restore(fallback=True) to load the "
+                                 "newest version that can be read")
+
+
 @dataclass(frozen=True)
 class Version:
     """One committed version: its folder, step, the metadata given to ``save`` and its commit records."""
@@ -609,7 +624,9 @@ def _move_aside(folder: Path, identity: tuple[int, int]) -> Path | None:
     folder at the name is still the damaged one renames it. A writer of the new version (another
     rank, already past its own try) makes its folder only once the name is free, and holds the new
     folder's lock, which a try then cannot take and a look at the identity tells apart. The rename
-    is made durable by the new version's commit (its directory fsync comes before the record)."""
+    is made durable by the new version's commit (its directory fsync comes before the record). A
+    version that could not be read (:class:`UnreadableCheckpointError`: the file system failed) is
+    not known to be damaged and is never moved aside; a fallback skips it as it skips a damaged one."""
     for _ in range(_LOCK_TRIES):
         if _identity(folder) != identity:
             return None
@@ -1015,6 +1032,8 @@ class Checkpointer:
         self._newest = max((v.step for v in found if v.step not in self._damaged), default=-1)
 
     def _note_damaged(self, step: int, folder: Path, exc: CorruptCheckpointError) -> None:
+        if isinstance(exc, UnreadableCheckpointError):
+            return  # maybe intact: never moved aside
         identity = _identity(folder)
         if identity is not None:
             self._damaged[step] = (identity, exc)
@@ -1685,7 +1704,9 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
             records.append(json.loads((path / name).read_text()))
     except FileNotFoundError:
         return None
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except OSError as exc:
+        raise UnreadableCheckpointError(path / name, exc) from None
+    except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(path / name, f"the commit record cannot be read ({exc!r})") from None
     for r, record in enumerate(records):
         if not isinstance(record, dict) or record.get("step") != step or record.get("layout") != first["layout"] \
@@ -1698,8 +1719,10 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:
     try:
         data = path.read_bytes()
-    except OSError as exc:
+    except FileNotFoundError as exc:
         raise CorruptCheckpointError(path, f"cannot be read ({exc})") from None
+    except OSError as exc:
+        raise UnreadableCheckpointError(path, exc) from None
     if len(data) != record["bytes"]:
         raise CorruptCheckpointError(path, f"{len(data)} bytes, the commit record says {record['bytes']}"
                                      + (" (empty)" if not data else " (truncated)" if len(data) < record["bytes"] else ""))

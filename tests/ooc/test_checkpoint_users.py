@@ -3,8 +3,10 @@ restoring into the wrong model, a damaged commit record, continuing after a fall
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
+import warnings
 from collections import namedtuple
 from pathlib import Path
 
@@ -19,6 +21,7 @@ from ooc.checkpoint import (
     Checkpointer,
     CheckpointError,
     CorruptCheckpointError,
+    UnreadableCheckpointError,
     damaged_versions,
     list_versions,
 )
@@ -175,6 +178,39 @@ def test_a_loop_continues_saving_after_falling_back_past_a_damaged_version(tmp_p
     assert (kept / damaged.name).read_bytes() != (tmp_path / "step-000000003" / damaged.name).read_bytes()
     Checkpointer(tmp_path, _linear()).close()  # a new Checkpointer's cleanup leaves it be too
     assert _moved_aside(tmp_path) == ["step-000000003"]
+
+
+@pytest.mark.parametrize("unreadable", ["file", "record"])
+def test_a_version_the_file_system_fails_to_read_is_never_moved_aside(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                      unreadable: str) -> None:
+    """An I/O error reading the newest version (a disk or network file system failing for a while)
+    was taken for damage: the fallback skipped it, as it should, but the next save then moved the
+    intact version aside. Now it raises ``UnreadableCheckpointError``, a fallback skips it alike, and
+    it stays where it is, whole, for the resume once the file system answers again."""
+    _saved(tmp_path, (1, 2, 3), keep=None).close()
+    failing = tmp_path / "step-000000003" / ("model.safetensors" if unreadable == "file" else "manifest-rank0.json")
+
+    def fail_at(original):  # noqa: ANN001, ANN202
+        def read(self: Path, *args: object, **kwargs: object) -> object:
+            if self == failing:
+                raise OSError(errno.EIO, "Input/output error")
+            return original(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(Path, "read_text", fail_at(Path.read_text))
+    monkeypatch.setattr(Path, "read_bytes", fail_at(Path.read_bytes))
+    ckpt = Checkpointer(tmp_path, _linear(seed=1), keep=None)
+    with pytest.raises(UnreadableCheckpointError, match=r"cannot be read .*Input/output error.*kept as it is"):
+        ckpt.restore()
+    assert ckpt.restore(fallback=True).step == 2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning of a version moved aside
+        ckpt.save(4)
+        ckpt.wait()
+    monkeypatch.undo()
+    assert _moved_aside(tmp_path) == [] and _steps(tmp_path) == [1, 2, 3, 4]
+    assert ckpt.restore(3).step == 3
+    ckpt.close()
 
 
 def test_every_damaged_version_above_the_restored_one_is_moved_aside(tmp_path: Path) -> None:
