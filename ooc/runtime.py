@@ -399,6 +399,8 @@ class Runtime:
         self._first_forward_hooks: list[Any] = []
 
     def _make_streamer(self, plan: Plan) -> ParamStreamer:
+        if any(b.streamed for b in plan.blocks):
+            settle_weights(self.model)  # NOTE [weights move at rest]
         streamer = ParamStreamer(self.chain, plan, self.backend, self.tracker)
         streamed = streamer.streamed_param_ids
         self.tracker.set_resident_params(sum(
@@ -475,7 +477,7 @@ class Runtime:
         self._installed.clear()
         self._current = None
         self.backend.synchronize()
-        self.streamer.restore()
+        self._restore_streamer()
         for undo in self.on_uninstall:
             undo()
         self.on_uninstall.clear()
@@ -507,8 +509,14 @@ class Runtime:
         self.plan = plan
         self.schedule = build_schedule(plan)
         if any(b.streamed for b in plan.blocks):
-            self.streamer.restore()
+            self._restore_streamer()
             self.streamer = self._make_streamer(plan)
+
+    def _restore_streamer(self) -> None:
+        """Streamed weights back to the device for good (NOTE [weights move at rest])."""
+        if self.streamer.blocks:
+            settle_weights(self.model)
+        self.streamer.restore()
 
     def report(self) -> MemoryReport:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
@@ -562,6 +570,34 @@ def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, own
     runtime.install()
     _RUNTIMES[model] = runtime
     return runtime
+
+
+_WEIGHT_WRITERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakMethod] = weakref.WeakKeyDictionary()
+"""Per model, ``settle`` of the host optimizer that writes its parameters (``register_weight_writer``)."""
+
+
+def register_weight_writer(model: nn.Module, settle: Callable[[], None]) -> None:
+    """``settle``, a bound method of a host optimizer that writes ``model``'s parameters from its
+    own threads, returns once none of its writes is in flight. Held weakly: a collected optimizer
+    writes nothing.
+
+    NOTE [weights move at rest]
+    A streaming plan installed by ``ooc.wrap`` copies each streamed parameter to a host buffer and
+    points the parameter at it; ``ooc.unwrap`` copies it back to a new device buffer. A host
+    optimizer's updates of the last ``step()`` may still be on their way into the old storage then
+    (``step()`` returns without waiting for them): the copy took the weights from before them, or
+    they landed in a storage the model no longer reads, and training went on from neither (the
+    optimizer refuses the next forward, and a user who then rebuilds it from its ``state_dict`` as
+    told carried the loss on). So both first wait for the writes in flight."""
+    _WEIGHT_WRITERS[model] = weakref.WeakMethod(settle)
+
+
+def settle_weights(model: nn.Module) -> None:
+    """Wait until no registered writer's update of ``model``'s parameters is in flight."""
+    ref = _WEIGHT_WRITERS.get(model)
+    settle = ref() if ref is not None else None
+    if settle is not None:
+        settle()
 
 
 def runtime_of(model: nn.Module) -> Runtime:

@@ -31,7 +31,7 @@ from ooc.optim.buckets import Bucket, make_buckets
 from ooc.optim.layout import grad32_elements, make_layout
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
 from ooc.optim.stages import Hyper, StageListener, Stages
-from ooc.runtime import is_wrapped, runtime_of, weight_streamer
+from ooc.runtime import is_wrapped, register_weight_writer, runtime_of, weight_streamer
 from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer
 
@@ -253,6 +253,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
         if model is not None:
             _OWNER[model] = weakref.ref(self)
+            register_weight_writer(model, self._settle)
 
     @property
     def buckets(self) -> tuple[Bucket, ...]:
@@ -367,6 +368,13 @@ class HostAdamW(torch.optim.Optimizer):
         """Wait until every update issued so far is in the parameters (with ``delayed_update``: the
         ones the next forward will use)."""
         self._pipeline.synchronize()
+
+    def _settle(self) -> None:
+        """``ooc.wrap`` or ``ooc.unwrap`` moves the weights: wait for the updates in flight (NOTE
+        [weights move at rest] in ooc.runtime). A closed optimizer, or one stopped by an error,
+        writes nothing more."""
+        if self._finalizer.alive and self._pipeline.error is None:
+            self._pipeline.synchronize()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
