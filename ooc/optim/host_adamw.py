@@ -308,7 +308,36 @@ class HostAdamW(torch.optim.Optimizer):
         if on_grad:
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
+        loads = _LoadsIntoTheModel(weakref.ref(self))
+        handles.append(model.register_load_state_dict_pre_hook(loads.before))
+        handles.append(model.register_load_state_dict_post_hook(loads.after))
         return handles
+
+    def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[torch.Tensor]:
+        """The parameters of ``model`` with a master here to which ``state_dict`` (being loaded into
+        ``model`` under ``prefix``) gives other values than their master's (NOTE [loads into the
+        model])."""
+        changed: dict[int, torch.Tensor] = {}
+        for name, p in model.named_parameters(remove_duplicate=False):
+            value = state_dict.get(prefix + name)
+            master = self.state[p].get("master") if p in self.state else None
+            if master is None or not isinstance(value, torch.Tensor) or value.shape != p.shape:
+                # Its own master, another rank's, kept on its device, or not loaded (load_state_dict
+                # reports a wrong shape itself).
+                continue
+            if id(p) not in changed and not torch.equal(value.detach().to("cpu", p.dtype), master.to(p.dtype)):
+                changed[id(p)] = p
+        return list(changed.values())
+
+    def _adopt_loaded(self, params: list[torch.Tensor]) -> None:
+        """``params`` hold weights loaded into the model: they become their masters (NOTE [loads
+        into the model])."""
+        home = self._pipeline.stages.layout.home
+        for p in params:
+            # A device weight's copy into pageable host memory returns once the bytes are there,
+            # after the load's copy into it (issued before, on the same stream).
+            self.state[p]["master"].copy_(home[id(p)].detach())
+        self._pipeline.after_load()  # delayed_update: the pending copies in, now from these masters
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
@@ -465,6 +494,49 @@ class HostAdamW(torch.optim.Optimizer):
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+class _LoadsIntoTheModel:
+    """``model.load_state_dict`` hooks of a HostAdamW (held weakly: the model must not keep it alive).
+
+    NOTE [loads into the model]
+    A parameter that is not its own master (bf16 or fp16 ones; on a GPU every one: the masters live
+    on the host) holds what the optimizer last copied from its fp32 master. ``model.load_state_dict``
+    (a fine-tune's pretrained weights, HF Trainer's best model at the end, the model alone restored)
+    wrote the parameters and not the masters, and the next update, master plus step, overwrote the
+    loaded weights without a word. So a load into the model first waits for the updates in flight
+    (they would land over it) and notes the parameters whose loaded values differ from their master;
+    once loaded, those masters take the loaded weights (with ``delayed_update``, every bucket's
+    pending copy in is staged again from the masters, on every rank alike). The moments stay, as
+    ``torch.optim.AdamW``'s do, and so does a master the load leaves as it was (a checkpoint's exact
+    fp32 master, loaded before the model). A load with ``assign=True`` is refused: it replaces the
+    parameters whose storage the optimizer's buffers and hooks hold. The hooks are the model's: a
+    load into one of its submodules alone is not seen (load through the model, or the optimizer's
+    state after it)."""
+
+    def __init__(self, optimizer: weakref.ref[HostAdamW]) -> None:
+        self._optimizer = optimizer
+        self._changed: list[torch.Tensor] = []
+
+    def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
+               *_: Any) -> None:
+        optimizer = self._optimizer()
+        if optimizer is None or not optimizer._finalizer.alive:
+            return
+        if local_metadata.get("assign_to_params_buffers"):
+            raise OocError(
+                "load_state_dict(..., assign=True) would replace the parameters this model's HostAdamW updates (its "
+                "buffers and hooks hold them): load without assign=True, or close() the optimizer first and build a "
+                "new one after the load"
+            )
+        optimizer.synchronize()  # an update in flight would land over the loaded weights
+        self._changed = optimizer._loaded_over_masters(module, state_dict, prefix)
+
+    def after(self, _module: nn.Module, _incompatible: Any) -> None:
+        changed, self._changed = self._changed, []
+        optimizer = self._optimizer()
+        if optimizer is not None and optimizer._finalizer.alive:
+            optimizer._adopt_loaded(changed)
 
 
 def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> None:

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn as nn
 
+from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
 from ooc.optim import HostAdamW, HostMemoryError
 from tests.helpers import gpt_batch
@@ -132,3 +133,90 @@ def test_state_dict_round_trip_of_bf16_parameters_is_exact(device_params_below: 
     assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
     opt_a.close()
     opt_b.close()
+
+
+def _separate_masters() -> CpuBackend:
+    """A CPU backend whose fp32 parameters are not their own masters, as on a GPU (chaos mode)."""
+    return CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001))
+
+
+@pytest.mark.parametrize("options", [{}, {"pipeline": False}, {"delayed_update": True}],
+                         ids=["pipelined", "in-step", "delayed"])
+def test_weights_loaded_into_the_model_are_trained_on_not_overwritten(options: dict) -> None:
+    """NOTE [loads into the model]: with masters apart from the parameters (every parameter on a
+    GPU), ``model.load_state_dict`` right after a step wrote the parameters only, and the next
+    update, master plus step, put the old weights back: training went on from the weights before
+    the load, without a word. Now the masters take the loaded weights; the moments stay, as
+    torch.optim.AdamW's do (``delayed_update`` changes the numerics: compared with itself, a run
+    that restores the loaded weights through its own state)."""
+    from tests.helpers import NANO
+
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    loaded = {k: v + 0.01 for k, v in model.state_dict().items()}  # e.g. other pretrained weights
+    reference = copy.deepcopy(model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=_separate_masters(), **options)
+    try:
+        _train(model, opt, range(2))  # _train's last step returns with its updates in flight
+        model.load_state_dict(loaded)
+        _train(model, opt, range(2, 4))
+        opt.synchronize()
+        if options.get("delayed_update"):
+            # Same as loading the weights and, as the masters, through the optimizer's own state.
+            ref_opt = HostAdamW(reference.parameters(), lr=1e-2, model=reference, backend=_separate_masters(),
+                                **options)
+            _train(reference, ref_opt, range(2))
+            state = ref_opt.state_dict()
+            names = {id(p): n for n, p in reference.named_parameters()}
+            for i, p in enumerate(reference.parameters()):
+                state["state"][i]["master"] = loaded[names[id(p)]].float().clone()
+            ref_opt.load_state_dict(state)
+            reference.load_state_dict(loaded)
+        else:
+            ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+            _train(reference, ref_opt, range(2))
+            reference.load_state_dict(loaded)
+        _train(reference, ref_opt, range(2, 4))
+        if hasattr(ref_opt, "synchronize"):
+            ref_opt.synchronize()
+        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+            assert torch.equal(a, b), name
+    finally:
+        opt.close()
+
+
+def test_a_model_loaded_after_its_optimizer_keeps_the_exact_masters() -> None:
+    """A resume that loads the optimizer first and then the (bf16) model: the loaded weights are the
+    masters rounded, so the masters stay exact, as the resume needs (NOTE [loads into the model])."""
+    from tests.helpers import NANO
+
+    torch.manual_seed(0)
+    model = GPT(NANO).to(torch.bfloat16)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    _train(model, opt, range(2))
+    saved_opt, saved_model = copy.deepcopy(opt.state_dict()), copy.deepcopy(model.state_dict())
+    opt.close()
+    torch.manual_seed(1)
+    fresh = GPT(NANO).to(torch.bfloat16)
+    fresh_opt = HostAdamW(fresh.parameters(), lr=1e-2, model=fresh)
+    try:
+        fresh_opt.load_state_dict(saved_opt)
+        fresh.load_state_dict(saved_model)
+        theirs = fresh_opt.state_dict()["state"]
+        assert all(torch.equal(saved_opt["state"][i]["master"], theirs[i]["master"]) for i in theirs)
+    finally:
+        fresh_opt.close()
+
+
+def test_a_load_that_would_replace_the_parameters_is_refused() -> None:
+    from ooc.errors import OocError
+    from tests.helpers import NANO
+
+    model = GPT(NANO)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        with pytest.raises(OocError, match="assign=True"):
+            model.load_state_dict(copy.deepcopy(model.state_dict()), assign=True)
+        assert all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"]))
+    finally:
+        opt.close()
