@@ -68,6 +68,10 @@ class ParamStreamer:
         self.before_stream_in: list[Callable[[int], None]] = []
         """Called with a block before its parameters are read from the host (the host optimizer
         waits there for that block's update)."""
+        self.grad_moved: list[Callable[[torch.Tensor, torch.Tensor], None]] = []
+        """Called with (parameter, its new gradient) when the gradient moves between device and host
+        (the same values in a new tensor; the host optimizer follows it, NOTE [gradients read in
+        the backward] in ooc.optim.pipeline)."""
         self._by_ptr: dict[int, _Streamed] = {}
         self._grads_pending: dict[int, int] = {}
         self._release_when_done: set[int] = set()
@@ -132,6 +136,7 @@ class ParamStreamer:
                 e.param.data = e.device
                 if grad is not None:
                     e.param.grad = self._grad_to_device(grad)  # accumulation continues on the device
+                    self._moved(e.param)
             self._by_ptr[e.device.untyped_storage().data_ptr()] = e
         self._grads_pending[block] = sum(1 for e in entries if e.param.requires_grad)
 
@@ -147,10 +152,15 @@ class ParamStreamer:
             e.param.data = e.host
             if grad is not None:
                 e.param.grad = self._grad_to_host(grad)
+                self._moved(e.param)
             e.device = None
             e.ready = None
         self._release_when_done.discard(block)
         self.tracker.free_params(sum(e.nbytes for e in entries))
+
+    def _moved(self, param: torch.Tensor) -> None:
+        for callback in self.grad_moved:
+            callback(param, param.grad)
 
     def _grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
         """A device gradient's host copy (pinned on CUDA), complete when this returns."""

@@ -597,6 +597,7 @@ class _StreamGate:
         self.pipe = pipe
         self.bucket_of = {b.block: b.index for b in buckets if b.block is not None}
         streamer.before_stream_in.append(self)
+        streamer.grad_moved.append(pipe.grad_moved)
 
     def __call__(self, block: int) -> None:
         if block in self.bucket_of:
@@ -605,6 +606,8 @@ class _StreamGate:
     def remove(self) -> None:
         if self in self.streamer.before_stream_in:
             self.streamer.before_stream_in.remove(self)
+        if self.pipe.grad_moved in self.streamer.grad_moved:
+            self.streamer.grad_moved.remove(self.pipe.grad_moved)
 
 
 def _home_of(p: torch.Tensor, streamer: ParamStreamer | None) -> torch.Tensor:

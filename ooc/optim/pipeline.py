@@ -143,6 +143,20 @@ class _BucketState:
         self.done.set()
 
 
+_FIRST_VALUES = 16
+"""Values of each gradient a launch copies (NOTE [gradients read in the backward])."""
+
+
+def _first_values(grad: torch.Tensor) -> torch.Tensor:
+    """A copy of up to ``_FIRST_VALUES`` values of ``grad`` along its last dimension at index 0 of
+    the others (a view until copied, whatever its strides): a scale by other than 1 changes them
+    unless they are all 0 (a sparse embedding gradient; the others of the same clip then show it)."""
+    grad = grad.detach()
+    if grad.numel() == 0:
+        return grad.new_empty(0)
+    return grad[(0,) * (grad.dim() - 1)][:_FIRST_VALUES].clone() if grad.dim() else grad.clone()
+
+
 class UpdatePipeline:
     """Runs the host AdamW updates of a :class:`~ooc.optim.HostAdamW`, bucket by bucket."""
 
@@ -172,6 +186,9 @@ class UpdatePipeline:
                                                for name in ("target", "exp_avg", "exp_avg_sq")}
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
+        self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
+        """Per parameter id, (bucket, parameter, gradient, the gradient's version, a copy of its first
+        values) as a launch before ``step()`` read them (NOTE [gradients read in the backward])."""
         self._step_jobs: list[Job] = []
         self._others: dict[int, torch.Tensor] = {}
         """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
@@ -375,6 +392,7 @@ class UpdatePipeline:
             status.arrived = set()
             status.launched = False
             status.read_while_held = False
+        self._read_grads = {}
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
@@ -385,6 +403,9 @@ class UpdatePipeline:
         status.launched = True
         status.launched_in = self._serial if self.in_backward else -1
         status.backed_up = False
+        for p in self.buckets[index].params:
+            if (grad := p.grad) is not None:
+                self._read_grads[id(p)] = (index, p, grad, grad._version, _first_values(grad))
         if not job.grads:
             if self.stages.comm is not None:
                 self._to_exchange(job)  # holds the bucket's place in the canonical order
@@ -423,6 +444,7 @@ class UpdatePipeline:
         ``others``: with clipping, the norms of gradients no bucket holds (``Stages.clip``); the
         clip factor is then :meth:`clip_factor`'s."""
         self.raise_error()
+        self._check_grads_unchanged()
         self._others = others or {}
         self._clipped.clear()
         read = [s for s in self.status if s.read_while_held]
@@ -436,6 +458,49 @@ class UpdatePipeline:
                 self.launch(i)
         self._to_exchange(Signal.END_OF_STEP)
         self._reset()
+
+    def _check_grads_unchanged(self) -> None:
+        """Raise if a gradient a launch before ``step()`` read was changed or replaced since.
+
+        NOTE [gradients read in the backward]
+        A bucket launched in the backward copies (or, own-master, reads) its gradients then, not at
+        ``step()``. A change to them in between -- ``torch.nn.utils.clip_grad_norm_`` or
+        ``GradScaler.unscale_`` in the user's loop, ``transformers.Trainer``'s clipping at its default
+        ``max_grad_norm=1.0`` -- came too late and the updates used the gradients as they were,
+        without a word. Each launch notes every gradient's version counter (bumped by any in-place
+        op) and a copy of its first values (``_first_values``); ``step()`` compares the values of those
+        an op wrote since: a change makes it reset the step (NOTE [a step is a transaction]) and
+        raise, saying how to clip. A scale by 1 (``transformers.Trainer`` logs the norm with
+        ``clip_grad_norm_(..., inf)``; a clip under a norm below its limit) changes nothing and
+        passes. ooc itself writes no gradient there; it moves a streamed weight's to a new tensor of
+        the same values, which the check follows (``grad_moved``)."""
+        touched = [(bucket, p, first) for bucket, p, grad, version, first in self._read_grads.values()
+                   if p.grad is not grad or grad._version != version]
+        # Values compared only where an op wrote (a device read waits for it; rare): a scale by 1.0
+        # (Trainer's clip_grad_norm_(..., inf) that only logs the norm) changes nothing.
+        changed = sorted({bucket for bucket, p, first in touched
+                          if p.grad is None or not torch.equal(_first_values(p.grad), first)})
+        if not changed:
+            return
+        changed = [self.buckets[i].name for i in changed]
+        why = (f"the gradients of {', '.join(changed)} changed between the backward and step(), after their host "
+               "update had read them (e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ in the loop; "
+               "transformers.Trainer clips at its default max_grad_norm=1.0)")
+        self.discard(why)
+        raise PipelineError(
+            f"{why}: a pipelined HostAdamW reads each block's gradients as its backward ends, so the change came too "
+            "late. Clip with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
+            "max_grad_norm=0)), or build HostAdamW(pipeline=False) to read the gradients in step(). The step was "
+            "reset: call zero_grad() and run it again"
+        )
+
+    def grad_moved(self, param: torch.Tensor, grad: torch.Tensor) -> None:
+        """ooc moved ``param``'s gradient to a new tensor of the same values (a streamed weight's,
+        between device and host): the check at ``step()`` follows it (NOTE [gradients read in the
+        backward])."""
+        read = self._read_grads.get(id(param))
+        if read is not None:
+            self._read_grads[id(param)] = (read[0], param, grad, grad._version, read[4])
 
     def after_load(self) -> None:
         """After ``load_state_dict`` with ``delayed_update``: the loaded masters are the update the

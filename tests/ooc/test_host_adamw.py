@@ -11,6 +11,7 @@ import torch.nn as nn
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.models import GPT
 from ooc.optim import HostAdamW, HostMemoryError
+from ooc.optim.pipeline import PipelineError
 from tests.helpers import gpt_batch
 
 
@@ -220,3 +221,78 @@ def test_a_load_that_would_replace_the_parameters_is_refused() -> None:
         assert all(p is q for p, q in zip(model.parameters(), opt.param_groups[0]["params"]))
     finally:
         opt.close()
+
+
+def _train_changing_grads(model: nn.Module, opt: torch.optim.Optimizer, steps: range, change) -> None:  # noqa: ANN001
+    for step in steps:
+        opt.zero_grad(set_to_none=True)
+        torch.manual_seed(step)
+        model(*gpt_batch(seed=step))[1].backward()
+        change(model)
+        opt.step()
+
+
+@pytest.mark.parametrize("change", ["clip_grad_norm_", "unscale"])
+def test_gradients_changed_after_a_pipelined_launch_are_refused(change: str) -> None:
+    """NOTE [gradients read in the backward]: ``clip_grad_norm_`` (or a GradScaler's unscale)
+    between backward() and step() came after the pipelined updates had read the gradients, and the
+    weights were updated unclipped, without a word. Now step() resets the step and says how to clip;
+    with ``pipeline=False`` (updates read the gradients in step()) the change counts, as for
+    torch.optim.AdamW."""
+    from tests.helpers import NANO
+
+    def clip(m: nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1e-3)
+
+    def unscale(m: nn.Module) -> None:
+        torch._foreach_mul_([p.grad for p in m.parameters()], 0.5)
+
+    changing = clip if change == "clip_grad_norm_" else unscale
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    reference, plain = copy.deepcopy(model), copy.deepcopy(model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    try:
+        with pytest.warns(Warning), pytest.raises(PipelineError, match=r"changed between the backward and step\(\).*"
+                                                                          r"HostAdamW\(max_grad_norm=\.\.\.\)"):
+            _train_changing_grads(model, opt, range(1), changing)
+    finally:
+        opt.close()
+    in_step = HostAdamW(plain.parameters(), lr=1e-2, model=plain, pipeline=False)
+    try:
+        _train_changing_grads(plain, in_step, range(3), changing)
+        in_step.synchronize()
+    finally:
+        in_step.close()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    _train_changing_grads(reference, ref_opt, range(3), changing)
+    for (name, a), b in zip(reference.named_parameters(), plain.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("backend", ["cpu", "separate masters"])
+def test_a_scale_by_one_between_backward_and_step_is_no_change(backend: str) -> None:
+    """transformers.Trainer calls ``clip_grad_norm_(params, inf)`` to log the norm even with its
+    clipping off: a scale by 1 that writes every gradient and changes none. Training goes on, equal
+    to torch.optim.AdamW's (NOTE [gradients read in the backward])."""
+    from tests.helpers import NANO
+
+    def log_norm(m: nn.Module) -> None:
+        torch.nn.utils.clip_grad_norm_(m.parameters(), float("inf"))
+
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    reference = copy.deepcopy(model)
+    # Separate masters: the scale writes the gradients while their copies out may still read them,
+    # which the stream-order checker rightly reports; here the bytes stay the same, so it is off.
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, **({} if backend == "cpu" else {
+        "backend": CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001), check_order=False)}))
+    try:
+        _train_changing_grads(model, opt, range(3), log_norm)
+        opt.synchronize()
+    finally:
+        opt.close()
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    _train_changing_grads(reference, ref_opt, range(3), log_norm)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name

@@ -10,6 +10,7 @@ ooc, each a test that failed before its fix.
 from __future__ import annotations
 
 import copy
+import queue
 import threading
 from collections.abc import Callable
 
@@ -143,39 +144,47 @@ def test_an_allocation_over_memory_another_threads_compute_still_uses_is_caught(
 def test_a_block_freed_and_reallocated_on_another_thread_is_no_use_after_free(backend: CpuBackend) -> None:
     """The CPU allocator hands a block one thread freed to another thread's allocation; CUDA's
     caching allocator keeps a pool per stream and never does (e.g. a host copy made by
-    ``.to("cpu")`` on the optimizer's exchange thread: CI's false positive)."""
-    errors: list[BaseException] = []
-    freed: list[int] = []
-    reused = 0
+    ``.to("cpu")`` on the optimizer's exchange thread: CI's false positive). The same block
+    allocated again on the stream that allocated it, before another thread's use is ordered, is
+    still a use after free. (Storages over one bytearray stand for the reused block: each is a new
+    storage at the same address, whatever the allocator does.)"""
+    block = bytearray(256)
+    jobs: queue.SimpleQueue = queue.SimpleQueue()
+    results: queue.SimpleQueue = queue.SimpleQueue()
 
-    def on_a_thread(work: Callable[[], None]) -> None:
-        def run() -> None:
+    def allocate(what: str) -> torch.Tensor:
+        tensor = torch.frombuffer(block, dtype=torch.float32)
+        backend._checker.allocated(tensor, what, host=False)
+        return tensor
+
+    def serve() -> None:  # thread B: one compute stream for all its jobs
+        backend.record_compute()  # this thread issues device work: the checker watches it
+        while (job := jobs.get()) is not None:
             try:
-                backend.record_compute()  # this thread issues device work: the checker watches it
-                work()
+                results.put(job())
             except BaseException as exc:  # noqa: BLE001 - raised on the test's thread below
-                errors.append(exc)
+                results.put(exc)
 
-        thread = threading.Thread(target=run)
-        thread.start()
-        thread.join()
-        if errors:
-            raise errors[0]
+    def on_b(job: Callable[[], object]) -> object:
+        jobs.put(job)
+        result = results.get()
+        if isinstance(result, BaseException):
+            raise result
+        return result
 
-    def allocate_use_and_free() -> None:
-        victim = torch.empty(64).zero_()  # queued on this thread's compute stream, never waited for
-        freed.append(victim.data_ptr())
-
-    def allocate() -> None:
-        nonlocal reused
-        fresh = torch.empty(64)  # the exited thread's memory goes to the next thread
-        reused += fresh.data_ptr() == freed[-1]
-        fresh.zero_()
-
-    for _ in range(50):
-        on_a_thread(allocate_use_and_free)
-        on_a_thread(allocate)
-    assert reused, "the CPU allocator never handed the freed block to the other thread: the test checked nothing"
+    worker = threading.Thread(target=serve, name="B")
+    worker.start()
+    try:
+        backend.record_compute()
+        allocate("on main").zero_()  # queued on main's compute stream, never waited for; then freed
+        theirs = on_b(lambda: allocate("on B"))  # B's pool could not hold main's block: no error
+        theirs.zero_()  # main uses B's block, unordered with B; then it is freed
+        del theirs
+        with pytest.raises(StreamOrderError, match=r"use after free: on B .* aten::zero_ on compute\[MainThread\]"):
+            on_b(lambda: allocate("on B"))  # B's own pool hands it back: main may still use it
+    finally:
+        jobs.put(None)
+        worker.join()
 
 
 def test_the_checker_is_off_unless_asked() -> None:
