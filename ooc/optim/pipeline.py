@@ -423,6 +423,11 @@ class UpdatePipeline:
         ``others``: with clipping, the norms of gradients no bucket holds (``Stages.clip``); the
         clip factor is then :meth:`clip_factor`'s."""
         self.raise_error()
+        if self.config.max_grad_norm is not None:
+            # The last step's clip must have read its norms and set its factor before these replace
+            # them: a step() without device-kept gradients does not wait for it (the update thread
+            # may still be behind when nothing else waited on it, as after a step without gradients).
+            self.clip_factor()
         self._others = others or {}
         self._clipped.clear()
         read = [s for s in self.status if s.read_while_held]
