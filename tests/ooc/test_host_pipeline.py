@@ -462,3 +462,34 @@ def test_clipping_with_small_parameters_after_a_step_without_gradients_waits_for
         assert _same_weights(model, plain)
     finally:
         opt.close()
+
+
+def test_clipping_step_retried_after_it_raised_before_any_launch() -> None:
+    """A ``step()`` that raised before it launched anything (an LR scheduler left ``lr=None``)
+    never queued its end, so no clip came for it; fixed and called again, ``step()`` must not wait
+    for that clip, and the step equals ``clip_grad_norm_`` and AdamW's."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, pipeline=False,
+                    device_params_below=1000, max_grad_norm=0.5)
+    done = threading.Event()
+
+    def train() -> None:
+        torch.manual_seed(0)
+        model(*gpt_batch(seed=0))[1].backward()
+        opt.param_groups[0]["lr"] = None
+        with pytest.raises(TypeError):
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        done.set()
+
+    try:
+        worker = threading.Thread(target=train, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert done.is_set(), "step() after a step() that raised hung (or raised)"
+    finally:
+        opt.close()
+    _reference(plain, steps=1, clip=0.5)
+    assert _same_weights(model, plain)
