@@ -124,11 +124,11 @@ class CudaBackend(Backend):
         streamer's H2D copies still reading ``dst``)."""
         for event in after:
             event.synchronize()
-        stream.synchronize()
-        dst.copy_(src)
-        done = torch.cuda.Event(blocking=True)
+        done = torch.cuda.Event(blocking=True)  # host waits sleep, not spin (see record_compute)
         done.record(stream)
-        return done
+        done.synchronize()
+        dst.copy_(src)
+        return done  # complete: the copy is made when this returns
 
     def _chaos_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """On the copy stream (current here): spin, poison a device destination, copy half, spin,
