@@ -166,21 +166,23 @@ class CpuBackend(Backend):
     def _copy(self, engine: _CopyEngine, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         if dst.numel() != src.numel() or dst.dtype != src.dtype:
             raise ValueError(f"copy of {src.numel()} {src.dtype} into {dst.numel()} {dst.dtype}")
+        if not (dst.is_contiguous() and src.is_contiguous()):
+            raise ValueError("the CPU copy engine moves contiguous buffers only")
         knowledge = None
         if self._checker is not None:
             # Checked at issue, in issue order. The job below holds both buffers until the copy ran:
             # the CPU stand-in for CudaBackend._copy's record_stream, so the checker exempts copies
             # from the use-after-free rule.
             d2h = engine is self._d2h
-            knowledge = self._checker.copy(self._d2h_stream if d2h else self._h2d_stream, dst, src, after,
-                                           "D2H copy" if d2h else "H2D copy")
+            stream = self._d2h_stream if d2h else self._h2d_stream
+            if self._checker.between_host_buffers(dst, src):
+                return self._host_copy(engine, stream, dst, src, after, "D2H copy" if d2h else "H2D copy")
+            knowledge = self._checker.copy(stream, dst, src, after, "D2H copy" if d2h else "H2D copy")
         done = CpuEvent()
         delays = (self._delay(), self._delay())
         chaos = self.chaos is not None
 
         nbytes = dst.numel() * dst.element_size()
-        if not (dst.is_contiguous() and src.is_contiguous()):
-            raise ValueError("the CPU copy engine moves contiguous buffers only")
         dst_ptr, src_ptr = dst.data_ptr(), src.data_ptr()
 
         held = [dst, src]  # both live until the copy ran: the stand-in for CudaBackend._copy's record_stream
@@ -216,6 +218,21 @@ class CpuBackend(Backend):
         if knowledge is not None:
             return CheckedEvent(done, knowledge, self._checker)
         return done
+
+    def _host_copy(self, engine: _CopyEngine, stream: int, dst: torch.Tensor, src: torch.Tensor,
+                   after: tuple[Event, ...], what: str) -> Event:
+        """A copy between two host buffers (the checker tells them apart), as
+        ``CudaBackend._host_copy`` makes it: the host waits for ``after`` and for the copies issued
+        on ``engine`` before it, then copies, now."""
+        for event in after:
+            event.synchronize()
+        drained = CpuEvent()
+        engine.submit(drained.set)
+        drained.synchronize()
+        self._checker.host_syncs_streams((stream,))
+        knowledge = self._checker.copy(stream, dst, src, after, what)
+        ctypes.memmove(dst.data_ptr(), src.data_ptr(), dst.numel() * dst.element_size())
+        return CheckedEvent(CpuEvent(done=True), knowledge, self._checker)
 
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         return self._copy(self._d2h, dst, src, after)

@@ -97,6 +97,8 @@ class CudaBackend(Backend):
         return event
 
     def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
+        if not (dst.is_cuda or src.is_cuda):
+            return self._host_copy(stream, dst, src, after)
         for event in after:
             # The copy must not start before the producer (compute or the opposite copy) is done.
             stream.wait_event(event)
@@ -113,6 +115,20 @@ class CudaBackend(Backend):
         done = torch.cuda.Event(blocking=True)  # host waits sleep, not spin (see record_compute)
         done.record(stream)
         return done
+
+    def _host_copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor,
+                   after: tuple[Event, ...]) -> Event:
+        """A copy between two host tensors (staging into a streamed parameter's host copy): torch
+        makes it on this thread at once, on no stream, so a stream wait would order nothing. The
+        host waits instead, for ``after`` and for the copies issued on ``stream`` before it (the
+        streamer's H2D copies still reading ``dst``)."""
+        for event in after:
+            event.synchronize()
+        done = torch.cuda.Event(blocking=True)  # host waits sleep, not spin (see record_compute)
+        done.record(stream)
+        done.synchronize()
+        dst.copy_(src)
+        return done  # complete: the copy is made when this returns
 
     def _chaos_copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """On the copy stream (current here): spin, poison a device destination, copy half, spin,

@@ -29,7 +29,10 @@ The model:
   allocation. Accesses to host buffers (``Backend.host_buffer``) are stamped on ``host`` instead, so
   a host read of a D2H destination before its event is synchronized fails (rule 3), and so does a
   copy into a pooled host buffer whose last copy is not known to be done (rule 4). ``.item()``
-  (``_local_scalar_dense``) waits for the thread's compute stream, as on CUDA.
+  (``_local_scalar_dense``) waits for the thread's compute stream, as on CUDA. A backend copy
+  between two host buffers (staging into a streamed parameter's host copy) is stamped on ``host``
+  too, ordered by what the host knows, not by its ``after``: CUDA runs it on the calling thread at
+  once, on no stream.
 - Frees (rule 2): the caching allocator hands a block freed on a stream to that stream's next
   allocation at once, so an allocation at an address whose previous storage another stream still
   used, unordered, is a use after free -- unless that stream's use was covered by
@@ -392,13 +395,17 @@ class OrderChecker:
         self.watch()
         label = f"{what} issued at {_caller()}"
         with self._lock:
-            self._issued_by_host(stream)
-            for event in after:
-                if isinstance(event, CheckedEvent):
-                    self._join(self._knows[stream], event.vec)
             src_key, dst_key = self._key(src), self._key(dst)
             src_buf = self._buf(src_key) if src_key else None
             dst_buf = self._buf(dst_key) if dst_key else None
+            if self._between_host_buffers(src_buf, dst_buf):
+                # CUDA copies it on the calling thread at once, on no stream: ``after`` orders nothing.
+                stream, label = self.host, f"{what} between host buffers (a memcpy by the host) issued at {_caller()}"
+            else:
+                self._issued_by_host(stream)
+                for event in after:
+                    if isinstance(event, CheckedEvent):
+                        self._join(self._knows[stream], event.vec)
             if src_buf is not None:
                 self._check(src_buf, stream, f"the {label} reading it", write=False, checked=None)
             if dst_buf is not None:
@@ -411,6 +418,16 @@ class OrderChecker:
                 dst_buf.writer = access
                 dst_buf.readers = {}
             return self._snapshot(stream)
+
+    @staticmethod
+    def _between_host_buffers(src: _Buf | None, dst: _Buf | None) -> bool:
+        return src is not None and dst is not None and src.kind == dst.kind == "host"
+
+    def between_host_buffers(self, dst: torch.Tensor, src: torch.Tensor) -> bool:
+        """Both are host buffers (``host_buffer``, arena slices): a copy between them is the host's."""
+        with self._lock:
+            keys = self._key(src), self._key(dst)
+            return all(keys) and self._between_host_buffers(*(self._buf(k) for k in keys))
 
     def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
         info = self._ops.get(func)

@@ -445,8 +445,11 @@ class UpdatePipeline:
         clip factor is then :meth:`clip_factor`'s."""
         self.raise_error()
         self._check_grads_unchanged()
-        self._others = others or {}
-        self._clipped.clear()
+        if self.config.max_grad_norm is not None:
+            # The last step's clip must have read its norms and set its factor before these replace
+            # them: a step() without device-kept gradients does not wait for it (the update thread
+            # may still be behind when nothing else waited on it, as after a step without gradients).
+            self.clip_factor()
         read = [s for s in self.status if s.read_while_held]
         if read:
             # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
@@ -456,6 +459,9 @@ class UpdatePipeline:
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
+        # Only now, with the end queued next: a launch that raised leaves no clip to wait for.
+        self._others = others or {}
+        self._clipped.clear()
         self._to_exchange(Signal.END_OF_STEP)
         self._reset()
 

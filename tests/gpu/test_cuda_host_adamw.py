@@ -126,6 +126,29 @@ def test_host_adamw_on_cuda_equals_the_host_reference(variant: str, wrap: str | 
     assert _same(model, plain)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["pipelined", "delayed"])
+def test_streamed_weights_with_host_adamw_on_cuda_equal_the_host_reference(delayed: bool) -> None:
+    """A streamed parameter's new weights go from the staging buffer into its pinned host copy, a
+    copy between host tensors that torch makes on the calling thread at once: with delayed_update
+    it came from the grad hook while the block's stream-in copy for its backward could still be
+    queued (chaos spins keep it queued), and the backward read the new weights."""
+    from ooc.backend.cuda import CudaBackend, CudaChaosConfig
+    from ooc.optim import HostAdamW
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    backend = CudaBackend(chaos=CudaChaosConfig(seed=4))
+    ooc.wrap(model, ooc.Plan.of(MIXED, min_swap_bytes=4096).streaming(range(len(MIXED))), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, model=model, delayed_update=delayed)
+    try:
+        losses = _train(model, opt)
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+    assert losses == _reference(plain, delayed=delayed)
+    assert _same(model, plain)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
 def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.dtype, pipelined: bool) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import threading
+import time
 import warnings
 
 import pytest
@@ -408,3 +409,87 @@ def test_clipping_with_small_parameters_on_the_device_equals_clip_grad_norm(back
         assert _same_weights(model, plain)
     finally:
         opt.close()
+
+
+class _CountedClears(threading.Event):
+    """A ``threading.Event`` that sets ``go`` at its second ``clear()``, or when waited on before
+    it (someone waits for what the first clear announced)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.set()
+        self.clears = 0
+        self.go = threading.Event()
+
+    def clear(self) -> None:
+        super().clear()
+        self.clears += 1
+        if self.clears == 2:
+            self.go.set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        if self.clears == 1:
+            self.go.set()
+        return super().wait(timeout)
+
+
+def test_clipping_with_small_parameters_after_a_step_without_gradients_waits_for_the_last_clip() -> None:
+    """A step without any gradient (a skipped batch) does not wait for its clip factor; the next
+    step's ``finish_step`` then cleared the clip's event and set its device-kept norms before the
+    update thread had handled the first step's end: that set the event with the first step's factor
+    (none), and ``step()`` updated the device-kept parameters unclipped. Here the update thread is
+    made late on purpose: the first step's end until the second step clears the event (or waits
+    for the first clip), the second step's by half a second."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000,
+                    max_grad_norm=0.5)
+    pipe = opt._pipeline
+    pipe._clipped = clears = _CountedClears()
+    real_clip = pipe.stages.clip
+
+    def late_clip(jobs, others=None):  # noqa: ANN001, ANN202
+        if clears.clears == 1:
+            clears.go.wait(60)
+        elif clears.clears == 2:
+            time.sleep(0.5)
+        return real_clip(jobs, others)
+
+    pipe.stages.clip = late_clip
+    try:
+        opt.step()  # no gradient at all
+        assert _pipelined(model, opt, steps=2) == _reference(plain, steps=2, clip=0.5)
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()
+
+
+def test_clipping_step_retried_after_it_raised_before_any_launch() -> None:
+    """A ``step()`` that raised before it launched anything (an LR scheduler left ``lr=None``)
+    never queued its end, so no clip came for it; fixed and called again, ``step()`` must not wait
+    for that clip, and the step equals ``clip_grad_norm_`` and AdamW's."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, pipeline=False,
+                    device_params_below=1000, max_grad_norm=0.5)
+    done = threading.Event()
+
+    def train() -> None:
+        torch.manual_seed(0)
+        model(*gpt_batch(seed=0))[1].backward()
+        opt.param_groups[0]["lr"] = None
+        with pytest.raises(TypeError):
+            opt.step()
+        opt.param_groups[0]["lr"] = 1e-2
+        opt.step()
+        done.set()
+
+    try:
+        worker = threading.Thread(target=train, daemon=True)
+        worker.start()
+        worker.join(60)
+        assert done.is_set(), "step() after a step() that raised hung (or raised)"
+    finally:
+        opt.close()
+    _reference(plain, steps=1, clip=0.5)
+    assert _same_weights(model, plain)

@@ -193,6 +193,20 @@ def test_the_checker_is_off_unless_asked() -> None:
     assert not b.check_order
 
 
+def test_a_copy_between_host_buffers_waits_on_the_host_for_the_copies_before_it(backend: CpuBackend) -> None:
+    """CUDA copies between two host buffers on the calling thread at once, on no stream, whatever
+    the ``after`` events: the backend waits on the host for them and for the copies issued before
+    on its engine (an H2D copy still reading the destination)."""
+    old, new = backend.host_buffer(64), backend.host_buffer(64)
+    old.fill_(1)
+    new.fill_(2)
+    device = backend.device_buffer(64)
+    read = backend.copy_h2d(device, old, (backend.record_compute(),))
+    backend.copy_h2d(old, new, ())
+    backend.wait_compute(read)
+    assert torch.equal(device, torch.ones(64, dtype=torch.uint8))
+
+
 def test_a_backend_that_forgets_the_compute_wait_raises_at_once() -> None:
     class ForgetfulBackend(CpuBackend):
         def wait_compute(self, event) -> None:  # the bug: do not wait for the copy
@@ -268,6 +282,45 @@ def test_delayed_update_copies_weights_in_after_the_backward_read_them() -> None
         opt.close()
         ooc.unwrap(model)
         backend.close()
+
+
+def test_delayed_update_writes_a_streamed_host_copy_after_its_stream_in_read_it() -> None:
+    """Race (e), which the checker could not see: a streamed parameter's new weights go from the
+    staging buffer into its host copy, a copy between host buffers, which CUDA makes on the calling
+    thread at once whatever its ``after``; with delayed_update that is in the grad hook, while the
+    block's stream-in copy of the old weights for its backward may still be queued. The backends
+    now wait on the host first; the training equals the unwrapped one."""
+    runs = []
+    for streamed in (True, False):
+        torch.manual_seed(0)
+        model = GPT("nano")
+        backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.002), check_order=True)
+        if streamed:
+            ooc.wrap(model, Plan.uniform("keep", 4).streaming([0, 1, 2, 3]), backend=backend)
+        opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, delayed_update=True)
+        try:
+            losses = []
+
+            def train(m=model, o=opt, out=losses) -> None:  # noqa: ANN001
+                for step in range(3):
+                    torch.manual_seed(step)
+                    loss = m(*gpt_batch(seed=step))[1]
+                    loss.backward()
+                    out.append(loss.item())
+                    o.step()
+                    o.zero_grad()
+                o.synchronize()
+
+            _run_and_unwrap_cause(train)
+        finally:
+            opt.close()
+            if streamed:
+                ooc.unwrap(model)
+            backend.close()
+        runs.append((losses, model))
+    (losses, model), (expected, plain) = runs
+    assert losses == expected
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
 
 
 def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None:
