@@ -414,15 +414,21 @@ class UpdatePipeline:
         # rewritten (it is, unless delayed_update: then its update had this whole step to finish).
         self._wait_done(index)
         status.done.clear()
-        compute = self.stages.copy_out(job)
-        if self.config.delayed_update and status.pending_h2d:
-            # The previous update's weights go in now that this step's backward of the bucket has
-            # read the old ones: this hook runs when the host has *queued* that backward, so the
-            # copies wait on the compute event recorded after it, not just on the host reaching here.
-            status.gate = self.stages.copy_in(index, after=(compute,))
-            status.pending_h2d = False
-            self._ended(index, Stage.COPY_IN)
-        self._ended(index, Stage.COPY_OUT)
+        try:
+            compute = self.stages.copy_out(job)
+            if self.config.delayed_update and status.pending_h2d:
+                # The previous update's weights go in now that this step's backward of the bucket has
+                # read the old ones: this hook runs when the host has *queued* that backward, so the
+                # copies wait on the compute event recorded after it, not just on the host reaching here.
+                status.gate = self.stages.copy_in(index, after=(compute,))
+                status.pending_h2d = False
+                self._ended(index, Stage.COPY_IN)
+            self._ended(index, Stage.COPY_OUT)
+        except BaseException as exc:
+            # No job will set this bucket's done: stop as a failed stage on a host thread does, or
+            # every later wait for the bucket would hang (NOTE [stage listeners]).
+            self._stop(exc)
+            raise
         self._to_exchange(job)
 
     def _to_exchange(self, item: Message) -> None:
@@ -592,10 +598,14 @@ class UpdatePipeline:
             self.stages.backend.bind_thread()
             loop()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
-            self.error = exc
-            for status in self.status:
-                status.done.set()  # waiters wake up and see the error
-            self._update_q.put(Signal.STOP)
+            self._stop(exc)
+
+    def _stop(self, exc: BaseException) -> None:
+        """A stage failed with ``exc``: the optimizer stops; every waiter wakes up and raises it."""
+        self.error = exc
+        for status in self.status:
+            status.done.set()
+        self._update_q.put(Signal.STOP)
 
     def _exchange_loop(self) -> None:
         held: dict[int, Job] = {}

@@ -241,6 +241,38 @@ def test_model_state_dict_waits_for_the_updates() -> None:
     assert all(torch.equal(saved[k], v) for k, v in plain.state_dict().items())
 
 
+def test_a_copy_out_listener_that_raises_stops_the_optimizer_instead_of_hanging() -> None:
+    """NOTE [stage listeners]: a listener that raises stops the optimizer like any failed stage.
+    One raising at COPY_OUT (on the training thread, in the backward) left its bucket waiting for a
+    job that never came: the next step() or synchronize() hung forever."""
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+
+    def fails(_bucket: int, stage: Stage) -> None:
+        if stage is Stage.COPY_OUT:
+            raise RuntimeError("listener failed")
+
+    opt.stage_listeners.append(fails)
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        with pytest.raises(RuntimeError, match="listener failed"):
+            model(*gpt_batch(seed=0))[1].backward()
+        try:
+            opt.synchronize()
+        except BaseException as exc:  # noqa: BLE001 - checked on the test's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(30)
+    try:
+        assert not thread.is_alive(), "synchronize() hung after a listener raised"
+        assert len(errors) == 1 and isinstance(errors[0], PipelineError) and "listener failed" in str(errors[0])
+    finally:
+        opt.close()
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["plain", "delayed"])
 def test_stage_listeners_see_every_stage_of_every_bucket_in_order(delayed: bool) -> None:
     """NOTE [stage listeners]: each listener call names its bucket and stage, on the thread that ran
