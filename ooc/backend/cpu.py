@@ -10,6 +10,7 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,6 +67,8 @@ class _CopyEngine:
         self._thread.start()
         self.error: BaseException | None = None
         self.closed = False
+        # The thread ends before the interpreter does (NOTE [threads stop at exit] in ooc.optim.pipeline).
+        self._stop = weakref.finalize(self, _stop_engine, self._jobs, self._thread)
 
     def submit(self, job: Callable[[], None]) -> None:
         if self.closed:
@@ -88,8 +91,12 @@ class _CopyEngine:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
-            self._jobs.put(None)
-            self._thread.join(timeout=5)
+            self._stop()
+
+
+def _stop_engine(jobs: queue.SimpleQueue, thread: threading.Thread) -> None:
+    jobs.put(None)  # after the jobs queued before it
+    thread.join(timeout=5)
 
 
 class CpuBackend(Backend):

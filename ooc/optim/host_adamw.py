@@ -250,7 +250,9 @@ class HostAdamW(torch.optim.Optimizer):
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
                                            backend_obj if self._owns_backend else None)
-        self._finalizer.atexit = False  # at exit the daemon threads just stop; no collectives then
+        self._finalizer.atexit = False  # no collectives at exit: the ranks may be gone
+        # But the host threads stop before the interpreter goes (NOTE [threads stop at exit]).
+        weakref.finalize(self, self._pipeline.close)
         if model is not None:
             _OWNER[model] = weakref.ref(self)
             register_weight_writer(model, self._settle)

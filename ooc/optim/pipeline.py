@@ -581,6 +581,16 @@ class UpdatePipeline:
                 "and build a new HostAdamW") from self.error
 
     def close(self) -> None:
+        """Stop the host threads (at most a few seconds each) and free the buffers.
+
+        NOTE [threads stop at exit]
+        A script that ended, or raised, with a HostAdamW still open used to leave its two daemon
+        threads to the interpreter's teardown, and the process died with SIGABRT ("terminate
+        called without an active exception") about one time in eight, after the script's own
+        output. HostAdamW therefore also closes its pipeline at exit (``weakref.finalize``, run by
+        ``atexit``): the threads take their STOP and end before the interpreter does, and so do the
+        CPU backend's copy engines. No collective runs then (the communicator is closed only by
+        ``close()``)."""
         if not self.closed:
             self.closed = True
             self._exchange_q.put(Signal.STOP)

@@ -241,6 +241,39 @@ def test_model_state_dict_waits_for_the_updates() -> None:
     assert all(torch.equal(saved[k], v) for k, v in plain.state_dict().items())
 
 
+def test_the_host_threads_stop_before_the_interpreter_when_a_script_ends_with_the_optimizer_open(
+        tmp_path) -> None:  # noqa: ANN001
+    """NOTE [threads stop at exit]: a script that raised with a HostAdamW open left its threads to
+    the interpreter's teardown, and the process died with SIGABRT about one time in eight. Now they
+    have stopped by the time the script's own atexit handlers run (registered first, run last)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "script.py"
+    script.write_text(
+        "import atexit, threading\n"
+        "def report():\n"
+        "    alive = [t.name for t in threading.enumerate() if t.name.startswith('ooc-')]\n"
+        "    print('alive at exit:', alive, flush=True)\n"
+        "atexit.register(report)\n"
+        "from tests.helpers import gpt_batch\n"
+        "from tests.ooc.test_host_pipeline import _model\n"
+        "from ooc.optim import HostAdamW\n"
+        "model = _model()\n"
+        "opt = HostAdamW(model.parameters(), lr=1e-2, model=model)\n"
+        "model(*gpt_batch(seed=0))[1].backward()\n"
+        "opt.step()\n"
+        "raise SystemExit(3)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(script)], cwd=root, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert done.returncode == 3, done.stderr[-2000:]
+    assert "alive at exit: []" in done.stdout, done.stdout
+
+
 def test_a_copy_out_listener_that_raises_stops_the_optimizer_instead_of_hanging() -> None:
     """NOTE [stage listeners]: a listener that raises stops the optimizer like any failed stage.
     One raising at COPY_OUT (on the training thread, in the backward) left its bucket waiting for a
