@@ -994,6 +994,7 @@ class Checkpointer:
             json.dumps(metadata)
         except TypeError as exc:
             raise ValueError(f"save metadata must be JSON-able: {exc}") from None
+        self._check_no_open_step()
         if if_busy == "skip" and not self._written.is_set():
             return False
         self.wait()
@@ -1014,6 +1015,27 @@ class Checkpointer:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
         return True
+
+    def _check_no_open_step(self) -> None:
+        """Refuse a save between a backward and ``step()`` whose updates started in the backward.
+
+        NOTE [a version holds committed steps]
+        A version holds the state as of the last ``step()``: with ``pipeline=False`` or clipping
+        (whose updates wait for ``step()``: NOTE [lazy snapshots]) a save between a backward and
+        ``step()`` holds the state from before that backward. A pipelined HostAdamW has started the
+        step's updates in the backward, and the state from before them is gone (``rollback`` keeps
+        it aside only to undo them): such a version held a step no ``step()`` had committed, without
+        the scheduler's step that follows it, and with ``rollback`` the update the next
+        ``zero_grad()`` undoes, so a resume went on from a state the run never continued from. The
+        save is refused instead, before anything is written."""
+        uncommitted = getattr(self.optimizer, "uncommitted_buckets", None)
+        started = uncommitted() if uncommitted is not None else []
+        if started:
+            names = ", ".join(self.optimizer.buckets[i].name for i in started)
+            raise CheckpointError(f"save() between a backward and step(): the host updates of {names} started in the "
+                                  "backward (pipeline=True) and no step() has committed them, so the version would "
+                                  "hold half a step. Save after step(), or call zero_grad() first to reset the step "
+                                  "(with rollback=True it undoes them)")
 
     def check_step(self, step: int) -> None:
         """Raise the :class:`CheckpointError` that ``save(step)`` would for its step, one at or below

@@ -615,3 +615,45 @@ def test_a_host_adamw_of_other_options_loads_nothing(tmp_path: Path) -> None:
         assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     finally:
         other_opt.close()
+
+
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "no-rollback"])
+def test_a_save_between_a_backward_and_a_pipelined_step_is_refused(tmp_path: Path, rollback: bool) -> None:
+    """A pipelined HostAdamW starts a step's updates in the backward: a save before ``step()`` (an
+    emergency save in a loop's exception handler) wrote a version holding that uncommitted update,
+    and with ``rollback=True`` the next ``zero_grad()`` undid it in the optimizer, so a resume went
+    on from a state the run never did. Now the save is refused, writing nothing; after
+    ``zero_grad()`` resets the step, a save holds the state the optimizer goes on from (NOTE [a
+    version holds committed steps])."""
+    import contextlib
+
+    from ooc.optim.pipeline import UncommittedStepWarning
+
+    model, opt = _gpt_host(0, rollback=rollback)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    try:
+        _gpt_step(model, 1)
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(1)
+        ckpt.wait()
+        _gpt_step(model, 2)
+        assert opt.uncommitted_buckets() == list(range(len(opt.buckets)))
+        with pytest.raises(CheckpointError, match="between a backward and step"):
+            ckpt.save(2)
+        assert _steps(tmp_path) == [1]
+        with pytest.warns(UncommittedStepWarning) if not rollback else contextlib.nullcontext():
+            opt.zero_grad()  # with rollback: undone, without a word
+        assert opt.uncommitted_buckets() == []
+        ckpt.save(2)
+        ckpt.wait()
+        fresh, fresh_opt = _gpt_host(5, rollback=rollback)
+        try:
+            Checkpointer(tmp_path, fresh, fresh_opt).restore(2)
+            assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
+        finally:
+            fresh_opt.close()
+    finally:
+        ckpt.close()
+        opt.close()
+
