@@ -1482,6 +1482,8 @@ class Checkpointer:
                                   f"{', '.join(map(str, READABLE_FORMATS))}. "
                                   "Restore it with the ooc that wrote it and save it again")
         weights = self._file(v, MODEL_FILE)
+        if MODEL_INDEX in v.files:  # not loaded here, but HF loaders read it: intact only if it is too
+            _checked_bytes(v.path / MODEL_INDEX, v.files[MODEL_INDEX])
         self._check_fits(v, weights)
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}

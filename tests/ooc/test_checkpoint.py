@@ -203,7 +203,8 @@ def _two_versions(tmp_path: Path):
     return model, opt, sched, ckpt
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt",
+                                  "model.safetensors.index.json"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, name: str, damage: str) -> None:
     model, opt, sched, ckpt = _two_versions(tmp_path)
