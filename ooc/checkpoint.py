@@ -1340,7 +1340,12 @@ class Checkpointer:
                 self._committed_lock(lock, step)  # committed; the failure came later (retention)
             return
         for name in [*files, f".manifest-rank{self.rank}.json.tmp"]:
-            (folder / name).unlink(missing_ok=True)
+            try:
+                (folder / name).unlink(missing_ok=True)
+            except OSError:
+                # A file system gone read-only (ext4 on a disk error): the write's error is the one to
+                # raise, and the folder, let go of, is the next cleanup's to remove.
+                pass
         if lock is not None:
             lock.release(complete=False)
         _remove_unless_written(folder, step)

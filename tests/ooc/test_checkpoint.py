@@ -931,6 +931,48 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     opt.close()
 
 
+def test_a_file_system_gone_read_only_mid_save_reports_the_writes_error(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """ext4 remounts read-only on a disk error: the write fails, and so does the removal of the
+    version's files. That second error replaced the first (a bare OSError naming a file whose
+    removal failed, not the write that failed), and the folder stayed locked by this process, so
+    neither retention nor a new Checkpointer removed it. Now the write's error is raised and the
+    folder is let go of, for the next cleanup to remove."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    real_write, real_unlink = ckpt_mod._write_file, Path.unlink
+
+    def read_only(what: Path) -> OSError:
+        return OSError(errno.EROFS, "Read-only file system", str(what))
+
+    def write(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
+        if path.name == "state-rank0.pt":
+            raise read_only(path)
+        return real_write(path, chunks)
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        if path.parent.name == "step-000000003":
+            raise read_only(path)
+        real_unlink(path, missing_ok=missing_ok)
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if Path(src).name == "step-000000003":
+            raise read_only(src)
+        real_rename(src, dst)
+
+    real_rename = os.rename
+    monkeypatch.setattr(ckpt_mod, "_write_file", write)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(os, "rename", rename)
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match=r"Read-only file system: '.*state-rank0\.pt'"):
+        ckpt.wait()
+    monkeypatch.undo()
+    assert (tmp_path / "step-000000003").exists()  # the failed removal left it
+    Checkpointer(tmp_path, model)  # the next cleanup, in this process too, removes it
+    assert not (tmp_path / "step-000000003").exists()
+    assert ckpt.restore().step == 2
+    opt.close()
+
+
 def test_two_unsharded_ranks_restore_on_one_and_on_three(tmp_path: Path) -> None:
     """Two replicas (as data-parallel ranks without sharding hold them) save into one version: rank 0
     writes the optimizer state for both, each rank its RNG. One rank, and each of three, restores it:
