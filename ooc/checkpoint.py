@@ -7,7 +7,8 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
     optimizer-rank{r}.safetensors   the optimizer state tensors rank r holds (its share when sharded;
                                     unsharded replicas are equal, so only rank 0 writes them)
     state-rank{r}.pt                rank r's LR scheduler, RNG states (CPU and every CUDA device), user
-                                    dict and the optimizer's other state (torch.save; loaded with weights_only)
+                                    dict, the optimizer's other state and (rank 0) the modules' extra state
+                                    (``get_extra_state``) (torch.save; loaded with weights_only)
     manifest-rank{r}.json           rank r's commit record: step, metadata, layout, size and XXH3-64 of
                                     each file, and the index of its optimizer tensors
     .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
@@ -1120,11 +1121,15 @@ class Checkpointer:
                 slots.setdefault(bucket, []).append((container, key))
 
         files: dict[str, Any] = {}
+        model_extra: dict[str, Any] = {}  # modules' get_extra_state values: no tensors, so in the state file
         if self.rank == 0:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             weights: dict[str, torch.Tensor] = {}
             for name, value in self.model.state_dict(keep_vars=True).items():
-                place(weights, name, value, params.get(name))
+                if isinstance(value, torch.Tensor):
+                    place(weights, name, value, params.get(name))
+                else:
+                    model_extra[name] = _clone(value)
             files[MODEL_FILE] = weights
             files[MODEL_INDEX] = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
                                   "weight_map": {name: MODEL_FILE for name in weights}}
@@ -1169,6 +1174,7 @@ class Checkpointer:
             "rng": rng_state(),  # fresh tensors and tuples: no clone needed
             "extra": _clone(self.extra) if self.extra is not None else None,
             "optimizer": optimizer_meta,
+            "model_extra": model_extra,
         }
         return files, index, slots, pending
 
@@ -1489,8 +1495,9 @@ class Checkpointer:
         weights = self._file(v, MODEL_FILE)
         if MODEL_INDEX in v.files:  # not loaded here, but HF loaders read it: intact only if it is too
             _checked_bytes(v.path / MODEL_INDEX, v.files[MODEL_INDEX])
-        self._check_fits(v, weights)
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
+        weights.update(states[0].get("model_extra") or {})
+        self._check_fits(v, weights)
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
         optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
         return {"weights": weights, "state": state, "optimizer": optimizer,
@@ -1515,8 +1522,8 @@ class Checkpointer:
         own = self.model.state_dict()
         missing = [k for k in own if k not in weights]
         unexpected = [k for k in weights if k not in own]
-        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}"
-                  for k, t in own.items() if k in weights and weights[k].shape != t.shape]
+        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}" for k, t in own.items()
+                  if isinstance(weights.get(k), torch.Tensor) and isinstance(t, torch.Tensor) and weights[k].shape != t.shape]
         if missing or unexpected or shapes:
             raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected "
                                   f"{unexpected}, other shapes {shapes}; build the model as it was saved")

@@ -657,3 +657,33 @@ def test_a_save_between_a_backward_and_a_pipelined_step_is_refused(tmp_path: Pat
         ckpt.close()
         opt.close()
 
+
+
+class _WithExtraState(nn.Linear):
+    """A module whose state dict holds a value of its own (``get_extra_state``), as torch allows."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.calls = {"n": 0}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.calls)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = dict(state)
+
+
+def test_a_modules_extra_state_round_trips(tmp_path: Path) -> None:
+    """A module's ``get_extra_state`` puts a non-tensor in ``model.state_dict()``: ``save`` failed
+    with "'dict' object has no attribute 'detach'". It is saved in the state file (safetensors holds
+    tensors only) and ``restore`` hands it to ``set_extra_state``; the weights file loads without ooc."""
+    model = _WithExtraState()
+    model.calls["n"] = 7
+    ckpt = Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    other = _WithExtraState()
+    Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert other.calls == {"n": 7} and torch.equal(other.weight, model.weight)
+    weights = safetensors.torch.load_file(list_versions(tmp_path)[0].path / MODEL_FILE)
+    assert sorted(weights) == ["bias", "weight"]
