@@ -1303,6 +1303,7 @@ class Checkpointer:
         self._hook("files-written")
         manifest = {"format": FORMAT, "step": step, "rank": self.rank, "created": time.time(), "metadata": metadata,
                     "layout": self.layout, "files": records, "tensors": tensors}
+        manifest[_RECORD_DIGEST] = _record_digest(manifest)  # NOTE [damaged records]
         tmp = folder / f".{record_name}.tmp"
         _write_file(tmp, [json.dumps(manifest).encode()])
         self._hook("manifest-written")
@@ -1724,7 +1725,10 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     NOTE [damaged records]
     A record is written to a temporary name, fsynced and renamed into place whole: a crash leaves
     no record, never part of one. So a record that is there but does not parse, or names another
-    step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
+    step or layout than its version, or whose JSON (without it) does not match the XXH3-64 it holds
+    (``record_xxh3``: a flipped digit or letter leaves valid JSON, and a changed value, file name or
+    shape restored silently or failed other than as damage; a record of an earlier format, without
+    it, is not checked), was damaged after its commit (a flipped byte, a truncation, a
     folder renamed by hand), as any other file of the version can be. It is reported as such, not
     taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
     skips it) and neither the cleanup of incomplete folders nor retention deletes it, with its
@@ -1745,11 +1749,25 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(path / name, f"the commit record cannot be read ({exc!r})") from None
     for r, record in enumerate(records):
+        if isinstance(record, dict) and record.get("format") == FORMAT and _RECORD_DIGEST in record \
+                and record[_RECORD_DIGEST] != _record_digest(record):
+            raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
+                                         "the commit record's XXH3-64 differs from the one it holds")
         if not isinstance(record, dict) or record.get("step") != step or record.get("layout") != first["layout"] \
                 or not isinstance(record.get("files"), dict):
             raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
                                          f"the commit record does not agree with its version {path.name}")
     return records
+
+
+_RECORD_DIGEST = "record_xxh3"
+"""The commit record's key of its own XXH3-64 (NOTE [damaged records])."""
+
+
+def _record_digest(record: dict[str, Any]) -> str:
+    """The XXH3-64 of ``record``'s JSON without its own digest: what the writer wrote before adding it
+    (``json.loads`` then ``json.dumps`` gives back the same text, keys in order)."""
+    return xxhash.xxh3_64_hexdigest(json.dumps({k: v for k, v in record.items() if k != _RECORD_DIGEST}).encode())
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:

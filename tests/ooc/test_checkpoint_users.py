@@ -121,6 +121,36 @@ def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path
     assert ckpt.restore(fallback=True).step == 1
 
 
+@pytest.mark.parametrize("change", [('"pos": 20', '"pos": 21'), ('.safetensors"', '.safetensorr"'), ('"shape": [2', '"shape": [3')],
+                         ids=["metadata", "file-name", "shape"])
+def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_path: Path, change: tuple[str, str]) -> None:
+    """One flipped bit in a commit record that leaves valid JSON (a digit, a letter of a name):
+    the record held no checksum of its own, so a changed metadata value restored without a word, a
+    changed file name raised a plain ``CheckpointError`` and a changed shape a ``RuntimeError``,
+    both of which ``restore(fallback=True)`` passed on instead of loading the version before. The
+    record now holds its own XXH3-64 (NOTE [damaged records])."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=3)
+    for step in (1, 2):
+        ckpt.save(step, pos=10 * step)
+        ckpt.wait()
+    ckpt.close()
+    record = tmp_path / "step-000000002" / "manifest-rank0.json"
+    text = record.read_text()
+    assert change[0] in text
+    record.write_text(text.replace(*change, 1))
+    other = _linear(seed=1)
+    ckpt = Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters()))
+    with pytest.raises(CorruptCheckpointError, match="manifest-rank0.json"):
+        ckpt.restore()
+    assert list(damaged_versions(tmp_path)) == [2]
+    v = ckpt.restore(fallback=True)
+    assert v.step == 1 and v.metadata == {"pos": 10}
+
+
 def _damage(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
