@@ -1303,6 +1303,8 @@ class Checkpointer:
         self._hook("files-written")
         manifest = {"format": FORMAT, "step": step, "rank": self.rank, "created": time.time(), "metadata": metadata,
                     "layout": self.layout, "files": records, "tensors": tensors}
+        # As a reader parses it (JSON makes keys strings, tuples lists), so that its digest holds there.
+        manifest = json.loads(json.dumps(manifest))
         manifest[_RECORD_DIGEST] = _record_digest(manifest)  # NOTE [damaged records]
         tmp = folder / f".{record_name}.tmp"
         _write_file(tmp, [json.dumps(manifest).encode()])

@@ -151,6 +151,18 @@ def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_pa
     assert v.step == 1 and v.metadata == {"pos": 10}
 
 
+def test_metadata_json_changes_is_recorded_as_it_reads_back(tmp_path: Path) -> None:
+    """JSON turns an int key into a string (two keys can become one) and a tuple into a list: the
+    record holds the metadata as a reader parses it, so its own XXH3-64 matches on reading and the
+    metadata ``versions()`` and ``restore()`` give is that parsed value."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(1, pos={1: "a", "1": "b"}, shape=(2, 3))
+    ckpt.close()
+    assert damaged_versions(tmp_path) == {}
+    v = Checkpointer(tmp_path, _linear()).restore()
+    assert v.metadata == {"pos": {"1": "b"}, "shape": [2, 3]}
+
+
 def _damage(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
