@@ -443,14 +443,15 @@ def _file_system(directory: Path) -> str | None:
 
 def _unshared(path: Path) -> bool:
     """Whether ``path`` (a spare's file) may be written over in place (NOTE [recycled files]): this
-    process may write it, it has no other link, and no process holds it open or mapped. Linux grants a
+    process may write it, it is no symbolic link and has no other link, and no process holds it open or mapped. Linux grants a
     write lease only then; where leases are not to be had (another OS, a network file system), no."""
     if not hasattr(fcntl, "F_SETLEASE"):
         return False
     try:
-        fd = os.open(path, os.O_WRONLY)
+        # O_NOFOLLOW: a symbolic link (into a data-versioning tool's cache) would be written through.
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:
-        return False  # gone (another rank's cleanup), or not ours to write
+        return False  # gone (another rank's cleanup), a symbolic link, or not ours to write
     try:
         if os.fstat(fd).st_nlink != 1:
             return False

@@ -388,6 +388,26 @@ def test_a_retired_file_linked_elsewhere_is_not_written_over(tmp_path: Path) -> 
     opt.close()
 
 
+def test_a_retired_file_that_is_a_symbolic_link_is_not_written_through(tmp_path: Path) -> None:
+    """A version's file replaced by a symbolic link (a data-versioning tool such as DVC or git-annex
+    links files into its cache; a user deduplicating versions): once retired, the next version was
+    written over the link's target, outside the checkpoint directory, through the link. Now the
+    link is left to be deleted, as a file shared otherwise is (NOTE [recycled files])."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path / "ck", range(1, 2))
+    cached = tmp_path / "cache" / "object"
+    cached.parent.mkdir()
+    linked = ckpt.latest().path / MODEL_FILE
+    os.replace(linked, cached)
+    os.symlink(cached, linked)
+    expected = cached.read_bytes()
+    _save_steps(model, opt, sched, ckpt, range(2, 4))
+    assert cached.read_bytes() == expected
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path / "ck", 3, *saved)
+    opt.close()
+
+
 def test_a_retired_read_only_file_is_not_written_over(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """A retired version's file this process may not write (made read-only; as root, simulated) is
     left to be deleted, not taken: the next save writes a new file and succeeds (NOTE [recycled files])."""
