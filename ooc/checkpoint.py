@@ -1739,12 +1739,14 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     newest intact version, NOTE [damaged versions moved aside])."""
     name = "manifest-rank0.json"
     try:
-        first = json.loads((path / name).read_text())
+        # Each record checked before anything in it is used: a changed world size would look like
+        # records missing, a version not committed yet, which a cleanup deletes.
+        first = _intact_record(path / name)
         world = int(first["layout"]["world"])
         records = [first]
         for r in range(1, world):
             name = f"manifest-rank{r}.json"
-            records.append(json.loads((path / name).read_text()))
+            records.append(_intact_record(path / name))
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -1752,10 +1754,6 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     except (ValueError, KeyError, TypeError) as exc:
         raise CorruptCheckpointError(path / name, f"the commit record cannot be read ({exc!r})") from None
     for r, record in enumerate(records):
-        if isinstance(record, dict) and record.get("format") == FORMAT and _RECORD_DIGEST in record \
-                and record[_RECORD_DIGEST] != _record_digest(record):
-            raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
-                                         "the commit record's XXH3-64 differs from the one it holds")
         if not isinstance(record, dict) or record.get("step") != step or record.get("layout") != first["layout"] \
                 or not isinstance(record.get("files"), dict):
             raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
@@ -1771,6 +1769,16 @@ def _record_digest(record: dict[str, Any]) -> str:
     """The XXH3-64 of ``record``'s JSON without its own digest: what the writer wrote before adding it
     (``json.loads`` then ``json.dumps`` gives back the same text, keys in order)."""
     return xxhash.xxh3_64_hexdigest(json.dumps({k: v for k, v in record.items() if k != _RECORD_DIGEST}).encode())
+
+
+def _intact_record(path: Path) -> Any:
+    """The parsed commit record at ``path``; raises :class:`CorruptCheckpointError` if it holds an
+    XXH3-64 of itself that its contents do not match (NOTE [damaged records])."""
+    record = json.loads(path.read_text())
+    if isinstance(record, dict) and record.get("format") == FORMAT and _RECORD_DIGEST in record \
+            and record[_RECORD_DIGEST] != _record_digest(record):
+        raise CorruptCheckpointError(path, "the commit record's XXH3-64 differs from the one it holds")
+    return record
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:

@@ -121,14 +121,17 @@ def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path
     assert ckpt.restore(fallback=True).step == 1
 
 
-@pytest.mark.parametrize("change", [('"pos": 20', '"pos": 21'), ('.safetensors"', '.safetensorr"'), ('"shape": [2', '"shape": [3')],
-                         ids=["metadata", "file-name", "shape"])
+@pytest.mark.parametrize("change", [('"pos": 20', '"pos": 21'), ('.safetensors"', '.safetensorr"'), ('"shape": [2', '"shape": [3'),
+                                    ('"world": 1', '"world": 3')],
+                         ids=["metadata", "file-name", "shape", "world"])
 def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_path: Path, change: tuple[str, str]) -> None:
     """One flipped bit in a commit record that leaves valid JSON (a digit, a letter of a name):
     the record held no checksum of its own, so a changed metadata value restored without a word, a
     changed file name raised a plain ``CheckpointError`` and a changed shape a ``RuntimeError``,
-    both of which ``restore(fallback=True)`` passed on instead of loading the version before. The
-    record now holds its own XXH3-64 (NOTE [damaged records])."""
+    both of which ``restore(fallback=True)`` passed on instead of loading the version before, and a
+    changed world size made the version look uncommitted (records of ranks that never were), so the
+    next Checkpointer deleted it, intact files and all. The record now holds its own XXH3-64,
+    checked before anything in it is used (NOTE [damaged records])."""
     model = _linear()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
@@ -144,6 +147,7 @@ def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_pa
     record.write_text(text.replace(*change, 1))
     other = _linear(seed=1)
     ckpt = Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters()))
+    assert record.exists()
     with pytest.raises(CorruptCheckpointError, match="manifest-rank0.json"):
         ckpt.restore()
     assert list(damaged_versions(tmp_path)) == [2]
