@@ -1588,13 +1588,19 @@ class Checkpointer:
         check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load
         if check is not None:
             check(payloads["optimizer"])
+        state = payloads["state"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            # First: a scheduler of another type refuses the state with nothing else loaded yet.
+            try:
+                self.scheduler.load_state_dict(state["scheduler"])
+            except Exception as exc:  # noqa: BLE001 - any refusal, named with the scheduler
+                raise CheckpointError(f"checkpoint {v.path} holds an LR scheduler's state that this "
+                                      f"{type(self.scheduler).__name__} does not load ({exc!r}); build the scheduler "
+                                      "as it was saved") from exc
         self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])
             _params_from_masters(self.optimizer)
-        state = payloads["state"]
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
         if self.extra is not None and state["extra"] is not None:
             self.extra.clear()
             self.extra.update(state["extra"])

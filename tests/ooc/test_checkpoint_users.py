@@ -733,3 +733,24 @@ def test_a_modules_extra_state_round_trips(tmp_path: Path) -> None:
     assert other.calls == {"n": 7} and torch.equal(other.weight, model.weight)
     weights = safetensors.torch.load_file(list_versions(tmp_path)[0].path / MODEL_FILE)
     assert sorted(weights) == ["bias", "weight"]
+
+
+def test_a_scheduler_of_another_type_loads_nothing(tmp_path: Path) -> None:
+    """A version saved with a CosineAnnealingLR restored with a LambdaLR (a run resumed with another
+    schedule): the scheduler's ``load_state_dict`` raised ``KeyError: 'lr_lambdas'`` after the model
+    and the optimizer had been loaded, leaving them at the version and the rest not. The scheduler
+    is loaded first now, and its refusal is a ``CheckpointError`` that names it."""
+    from torch.optim import lr_scheduler
+
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=lr_scheduler.CosineAnnealingLR(opt, 10))
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    other_opt = torch.optim.AdamW(other.parameters())
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="LambdaLR"):
+        Checkpointer(tmp_path, other, other_opt, scheduler=lr_scheduler.LambdaLR(other_opt, lambda step: 1.0)).restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    assert other_opt.state_dict()["state"] == {}
