@@ -794,7 +794,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # Saved where more devices were visible (every rank sees every GPU of a bigger node): those
+        # this process lacks have no generator to set (device_count does not initialize CUDA).
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
 
 
 class _AsideBuffers:

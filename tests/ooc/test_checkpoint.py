@@ -165,6 +165,28 @@ def test_rng_and_extra_round_trip(tmp_path: Path) -> None:
     opt.close()
 
 
+def test_cuda_rng_states_of_devices_this_process_lacks_are_left_out(monkeypatch) -> None:  # noqa: ANN001
+    """A version saved by a process that saw 2 GPUs (torchrun on a bigger node: every rank sees
+    every device, and saves each one's RNG state) restored where 1 is visible: torch sets device 1's
+    state on a generator that does not exist, at once or, before CUDA starts, when it does (its
+    lazy initialization then fails). The states of devices beyond this process's are left out
+    (simulated: no GPU here)."""
+    set_on: list[int] = []
+
+    def set_rng_state_all(states) -> None:  # noqa: ANN001 - as torch.cuda's: device i gets state i
+        for i, _ in enumerate(states):
+            if i >= torch.cuda.device_count():
+                raise IndexError(f"no CUDA device {i}")
+            set_on.append(i)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2}
+    ckpt_mod.set_rng_state(state)
+    assert set_on == [0]
+
+
 def test_retention_keeps_the_newest(tmp_path: Path) -> None:
     model, opt, sched = _setup()
     ckpt = Checkpointer(tmp_path, model, opt, keep=2)
