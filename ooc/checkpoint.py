@@ -1551,9 +1551,11 @@ class Checkpointer:
         order = [p for group in opt.param_groups for p in group["params"]]
         names = _param_names(self.model, order)
         if names != metas[0]["names"]:
+            saved = metas[0]["names"]
+            first = next((f"{a!r} saved, {b!r} now" for a, b in zip(saved, names) if a != b),
+                         f"{len(saved)} saved, {len(names)} now")
             raise CheckpointError(f"checkpoint {v.path} holds the state of other parameters than this optimizer's "
-                                  f"(saved {len(metas[0]['names'])}, now {len(names)}); build the model and "
-                                  "optimizer as they were saved")
+                                  f"({first}); build the model and optimizer as they were saved")
         saved_groups = [len(g["params"]) for g in metas[0]["param_groups"]]
         groups = [len(g["params"]) for g in opt.param_groups]
         if saved_groups != groups:  # else load_state_dict refuses, after the model is loaded

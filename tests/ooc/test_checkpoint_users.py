@@ -754,3 +754,15 @@ def test_a_scheduler_of_another_type_loads_nothing(tmp_path: Path) -> None:
         Checkpointer(tmp_path, other, other_opt, scheduler=lr_scheduler.LambdaLR(other_opt, lambda step: 1.0)).restore()
     assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     assert other_opt.state_dict()["state"] == {}
+
+
+def test_an_optimizer_of_other_parameters_is_named_in_the_refusal(tmp_path: Path) -> None:
+    """An optimizer built over the parameters in another order (or other ones of as many) was
+    refused "(saved 2, now 2)", which tells nothing; the refusal names the first that differs."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    with pytest.raises(CheckpointError, match=r"'weight' saved, 'bias' now"):
+        Checkpointer(tmp_path, other, torch.optim.AdamW([other.bias, other.weight])).restore()
