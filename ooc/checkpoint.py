@@ -1613,7 +1613,8 @@ class Checkpointer:
 
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable
-        with ``safetensors.torch.load_file`` into a plain PyTorch model."""
+        with ``safetensors.torch.load_file`` into a plain PyTorch model (a directory: to its
+        ``model.safetensors``, the file HF's ``from_pretrained`` reads); return the file's path."""
         found = {v.step: v for v in self.versions()}
         step = (max(found) if found else None) if version is None else (version.step if isinstance(version, Version) else version)
         if step not in found:
@@ -1621,9 +1622,15 @@ class Checkpointer:
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         out = Path(path)
+        if out.is_dir():
+            out = out / MODEL_FILE
         tmp = out.with_name(f".{out.name}.tmp")
-        _write_file(tmp, [data])
-        os.replace(tmp, out)
+        try:
+            _write_file(tmp, [data])
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a copy of every weight: not left beside the path
+            raise
         return out
 
     def close(self) -> None:

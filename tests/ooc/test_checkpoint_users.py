@@ -766,3 +766,26 @@ def test_an_optimizer_of_other_parameters_is_named_in_the_refusal(tmp_path: Path
     other = _linear(seed=1)
     with pytest.raises(CheckpointError, match=r"'weight' saved, 'bias' now"):
         Checkpointer(tmp_path, other, torch.optim.AdamW([other.bias, other.weight])).restore()
+
+
+def test_export_into_a_directory_writes_its_model_file_and_a_failure_leaves_no_copy(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """``export(step, "hf_dir")`` (a directory, as ``save_pretrained`` takes) failed with
+    ``IsADirectoryError`` after writing the whole weights file beside it as ``.hf_dir.tmp``, which
+    stayed. A directory now gets ``model.safetensors`` inside it (what HF's loaders read), and an
+    export that fails removes its temporary file."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path / "ck", model)
+    ckpt.save(1)
+    ckpt.close()
+    out = tmp_path / "hf_dir"
+    out.mkdir()
+    assert ckpt.export(1, out) == out / MODEL_FILE
+    assert torch.equal(safetensors.torch.load_file(out / MODEL_FILE)["weight"], model.weight)
+
+    def replace(src: object, dst: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Read-only"):
+        ckpt.export(1, tmp_path / "w.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf_dir"]
