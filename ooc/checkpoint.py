@@ -7,7 +7,8 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
     optimizer-rank{r}.safetensors   the optimizer state tensors rank r holds (its share when sharded;
                                     unsharded replicas are equal, so only rank 0 writes them)
     state-rank{r}.pt                rank r's LR scheduler, RNG states (CPU and every CUDA device), user
-                                    dict and the optimizer's other state (torch.save; loaded with weights_only)
+                                    dict, the optimizer's other state and (rank 0) the modules' extra state
+                                    (``get_extra_state``) (torch.save; loaded with weights_only)
     manifest-rank{r}.json           rank r's commit record: step, metadata, layout, size and XXH3-64 of
                                     each file, and the index of its optimizer tensors
     .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
@@ -442,14 +443,15 @@ def _file_system(directory: Path) -> str | None:
 
 def _unshared(path: Path) -> bool:
     """Whether ``path`` (a spare's file) may be written over in place (NOTE [recycled files]): this
-    process may write it, it has no other link, and no process holds it open or mapped. Linux grants a
+    process may write it, it is no symbolic link and has no other link, and no process holds it open or mapped. Linux grants a
     write lease only then; where leases are not to be had (another OS, a network file system), no."""
     if not hasattr(fcntl, "F_SETLEASE"):
         return False
     try:
-        fd = os.open(path, os.O_WRONLY)
+        # O_NOFOLLOW: a symbolic link (into a data-versioning tool's cache) would be written through.
+        fd = os.open(path, os.O_WRONLY | os.O_NOFOLLOW)
     except OSError:
-        return False  # gone (another rank's cleanup), or not ours to write
+        return False  # gone (another rank's cleanup), a symbolic link, or not ours to write
     try:
         if os.fstat(fd).st_nlink != 1:
             return False
@@ -792,7 +794,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # Saved where more devices were visible (every rank sees every GPU of a bigger node): those
+        # this process lacks have no generator to set (device_count does not initialize CUDA).
+        torch.cuda.set_rng_state_all(state["cuda"][:torch.cuda.device_count()])
 
 
 class _AsideBuffers:
@@ -994,6 +998,7 @@ class Checkpointer:
             json.dumps(metadata)
         except TypeError as exc:
             raise ValueError(f"save metadata must be JSON-able: {exc}") from None
+        self._check_no_open_step()
         if if_busy == "skip" and not self._written.is_set():
             return False
         self.wait()
@@ -1014,6 +1019,27 @@ class Checkpointer:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
         return True
+
+    def _check_no_open_step(self) -> None:
+        """Refuse a save between a backward and ``step()`` whose updates started in the backward.
+
+        NOTE [a version holds committed steps]
+        A version holds the state as of the last ``step()``: with ``pipeline=False`` or clipping
+        (whose updates wait for ``step()``: NOTE [lazy snapshots]) a save between a backward and
+        ``step()`` holds the state from before that backward. A pipelined HostAdamW has started the
+        step's updates in the backward, and the state from before them is gone (``rollback`` keeps
+        it aside only to undo them): such a version held a step no ``step()`` had committed, without
+        the scheduler's step that follows it, and with ``rollback`` the update the next
+        ``zero_grad()`` undoes, so a resume went on from a state the run never continued from. The
+        save is refused instead, before anything is written."""
+        uncommitted = getattr(self.optimizer, "uncommitted_buckets", None)
+        started = uncommitted() if uncommitted is not None else []
+        if started:
+            names = ", ".join(self.optimizer.buckets[i].name for i in started)
+            raise CheckpointError(f"save() between a backward and step(): the host updates of {names} started in the "
+                                  "backward (pipeline=True) and no step() has committed them, so the version would "
+                                  "hold half a step. Save after step(), or call zero_grad() first to reset the step "
+                                  "(with rollback=True it undoes them)")
 
     def check_step(self, step: int) -> None:
         """Raise the :class:`CheckpointError` that ``save(step)`` would for its step, one at or below
@@ -1098,11 +1124,15 @@ class Checkpointer:
                 slots.setdefault(bucket, []).append((container, key))
 
         files: dict[str, Any] = {}
+        model_extra: dict[str, Any] = {}  # modules' get_extra_state values: no tensors, so in the state file
         if self.rank == 0:
             params = dict(self.model.named_parameters(remove_duplicate=False))
             weights: dict[str, torch.Tensor] = {}
             for name, value in self.model.state_dict(keep_vars=True).items():
-                place(weights, name, value, params.get(name))
+                if isinstance(value, torch.Tensor):
+                    place(weights, name, value, params.get(name))
+                else:
+                    model_extra[name] = _clone(value)
             files[MODEL_FILE] = weights
             files[MODEL_INDEX] = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in weights.values())},
                                   "weight_map": {name: MODEL_FILE for name in weights}}
@@ -1147,6 +1177,7 @@ class Checkpointer:
             "rng": rng_state(),  # fresh tensors and tuples: no clone needed
             "extra": _clone(self.extra) if self.extra is not None else None,
             "optimizer": optimizer_meta,
+            "model_extra": model_extra,
         }
         return files, index, slots, pending
 
@@ -1275,6 +1306,9 @@ class Checkpointer:
         self._hook("files-written")
         manifest = {"format": FORMAT, "step": step, "rank": self.rank, "created": time.time(), "metadata": metadata,
                     "layout": self.layout, "files": records, "tensors": tensors}
+        # As a reader parses it (JSON makes keys strings, tuples lists), so that its digest holds there.
+        manifest = json.loads(json.dumps(manifest))
+        manifest[_RECORD_DIGEST] = _record_digest(manifest)  # NOTE [damaged records]
         tmp = folder / f".{record_name}.tmp"
         _write_file(tmp, [json.dumps(manifest).encode()])
         self._hook("manifest-written")
@@ -1318,7 +1352,12 @@ class Checkpointer:
                 self._committed_lock(lock, step)  # committed; the failure came later (retention)
             return
         for name in [*files, f".manifest-rank{self.rank}.json.tmp"]:
-            (folder / name).unlink(missing_ok=True)
+            try:
+                (folder / name).unlink(missing_ok=True)
+            except OSError:
+                # A file system gone read-only (ext4 on a disk error): the write's error is the one to
+                # raise, and the folder, let go of, is the next cleanup's to remove.
+                pass
         if lock is not None:
             lock.release(complete=False)
         _remove_unless_written(folder, step)
@@ -1460,8 +1499,11 @@ class Checkpointer:
                                   f"{', '.join(map(str, READABLE_FORMATS))}. "
                                   "Restore it with the ooc that wrote it and save it again")
         weights = self._file(v, MODEL_FILE)
-        self._check_fits(v, weights)
+        if MODEL_INDEX in v.files:  # not loaded here, but HF loaders read it: intact only if it is too
+            _checked_bytes(v.path / MODEL_INDEX, v.files[MODEL_INDEX])
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
+        weights.update(states[0].get("model_extra") or {})
+        self._check_fits(v, weights)
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
         optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
         return {"weights": weights, "state": state, "optimizer": optimizer,
@@ -1486,8 +1528,8 @@ class Checkpointer:
         own = self.model.state_dict()
         missing = [k for k in own if k not in weights]
         unexpected = [k for k in weights if k not in own]
-        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}"
-                  for k, t in own.items() if k in weights and weights[k].shape != t.shape]
+        shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}" for k, t in own.items()
+                  if isinstance(weights.get(k), torch.Tensor) and isinstance(t, torch.Tensor) and weights[k].shape != t.shape]
         if missing or unexpected or shapes:
             raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected "
                                   f"{unexpected}, other shapes {shapes}; build the model as it was saved")
@@ -1509,9 +1551,11 @@ class Checkpointer:
         order = [p for group in opt.param_groups for p in group["params"]]
         names = _param_names(self.model, order)
         if names != metas[0]["names"]:
+            saved = metas[0]["names"]
+            first = next((f"{a!r} saved, {b!r} now" for a, b in zip(saved, names) if a != b),
+                         f"{len(saved)} saved, {len(names)} now")
             raise CheckpointError(f"checkpoint {v.path} holds the state of other parameters than this optimizer's "
-                                  f"(saved {len(metas[0]['names'])}, now {len(names)}); build the model and "
-                                  "optimizer as they were saved")
+                                  f"({first}); build the model and optimizer as they were saved")
         saved_groups = [len(g["params"]) for g in metas[0]["param_groups"]]
         groups = [len(g["params"]) for g in opt.param_groups]
         if saved_groups != groups:  # else load_state_dict refuses, after the model is loaded
@@ -1548,13 +1592,19 @@ class Checkpointer:
         check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load
         if check is not None:
             check(payloads["optimizer"])
+        state = payloads["state"]
+        if self.scheduler is not None and state["scheduler"] is not None:
+            # First: a scheduler of another type refuses the state with nothing else loaded yet.
+            try:
+                self.scheduler.load_state_dict(state["scheduler"])
+            except Exception as exc:  # noqa: BLE001 - any refusal, named with the scheduler
+                raise CheckpointError(f"checkpoint {v.path} holds an LR scheduler's state that this "
+                                      f"{type(self.scheduler).__name__} does not load ({exc!r}); build the scheduler "
+                                      "as it was saved") from exc
         self.model.load_state_dict(payloads["weights"])  # names and shapes checked in _read
         if self.optimizer is not None:
             self.optimizer.load_state_dict(payloads["optimizer"])
             _params_from_masters(self.optimizer)
-        state = payloads["state"]
-        if self.scheduler is not None and state["scheduler"] is not None:
-            self.scheduler.load_state_dict(state["scheduler"])
         if self.extra is not None and state["extra"] is not None:
             self.extra.clear()
             self.extra.update(state["extra"])
@@ -1563,7 +1613,8 @@ class Checkpointer:
 
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable
-        with ``safetensors.torch.load_file`` into a plain PyTorch model."""
+        with ``safetensors.torch.load_file`` into a plain PyTorch model (a directory: to its
+        ``model.safetensors``, the file HF's ``from_pretrained`` reads); return the file's path."""
         found = {v.step: v for v in self.versions()}
         step = (max(found) if found else None) if version is None else (version.step if isinstance(version, Version) else version)
         if step not in found:
@@ -1571,9 +1622,15 @@ class Checkpointer:
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         out = Path(path)
+        if out.is_dir():
+            out = out / MODEL_FILE
         tmp = out.with_name(f".{out.name}.tmp")
-        _write_file(tmp, [data])
-        os.replace(tmp, out)
+        try:
+            _write_file(tmp, [data])
+            os.replace(tmp, out)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # a copy of every weight: not left beside the path
+            raise
         return out
 
     def close(self) -> None:
@@ -1688,7 +1745,10 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     NOTE [damaged records]
     A record is written to a temporary name, fsynced and renamed into place whole: a crash leaves
     no record, never part of one. So a record that is there but does not parse, or names another
-    step or layout than its version, was damaged after its commit (a flipped byte, a truncation, a
+    step or layout than its version, or whose JSON (without it) does not match the XXH3-64 it holds
+    (``record_xxh3``: a flipped digit or letter leaves valid JSON, and a changed value, file name or
+    shape restored silently or failed other than as damage; a record of an earlier format, without
+    it, is not checked), was damaged after its commit (a flipped byte, a truncation, a
     folder renamed by hand), as any other file of the version can be. It is reported as such, not
     taken for a crash's leftover: :meth:`Checkpointer.restore` raises naming it (``fallback=True``
     skips it) and neither the cleanup of incomplete folders nor retention deletes it, with its
@@ -1696,12 +1756,14 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
     newest intact version, NOTE [damaged versions moved aside])."""
     name = "manifest-rank0.json"
     try:
-        first = json.loads((path / name).read_text())
+        # Each record checked before anything in it is used: a changed world size would look like
+        # records missing, a version not committed yet, which a cleanup deletes.
+        first = _intact_record(path / name)
         world = int(first["layout"]["world"])
         records = [first]
         for r in range(1, world):
             name = f"manifest-rank{r}.json"
-            records.append(json.loads((path / name).read_text()))
+            records.append(_intact_record(path / name))
     except FileNotFoundError:
         return None
     except OSError as exc:
@@ -1714,6 +1776,26 @@ def _records(path: Path, step: int) -> list[dict[str, Any]] | None:
             raise CorruptCheckpointError(path / f"manifest-rank{r}.json",
                                          f"the commit record does not agree with its version {path.name}")
     return records
+
+
+_RECORD_DIGEST = "record_xxh3"
+"""The commit record's key of its own XXH3-64 (NOTE [damaged records])."""
+
+
+def _record_digest(record: dict[str, Any]) -> str:
+    """The XXH3-64 of ``record``'s JSON without its own digest: what the writer wrote before adding it
+    (``json.loads`` then ``json.dumps`` gives back the same text, keys in order)."""
+    return xxhash.xxh3_64_hexdigest(json.dumps({k: v for k, v in record.items() if k != _RECORD_DIGEST}).encode())
+
+
+def _intact_record(path: Path) -> Any:
+    """The parsed commit record at ``path``; raises :class:`CorruptCheckpointError` if it holds an
+    XXH3-64 of itself that its contents do not match (NOTE [damaged records])."""
+    record = json.loads(path.read_text())
+    if isinstance(record, dict) and record.get("format") == FORMAT and _RECORD_DIGEST in record \
+            and record[_RECORD_DIGEST] != _record_digest(record):
+        raise CorruptCheckpointError(path, "the commit record's XXH3-64 differs from the one it holds")
+    return record
 
 
 def _checked_bytes(path: Path, record: dict[str, Any]) -> bytes:

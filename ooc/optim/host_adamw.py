@@ -269,6 +269,13 @@ class HostAdamW(torch.optim.Optimizer):
         their EXCHANGE has ended, yet their state and weights change at ``step()``."""
         return self._pipeline.held()
 
+    def uncommitted_buckets(self) -> list[int]:
+        """Indices (in :attr:`buckets`) of the buckets whose update of the open step started in the
+        backward (``pipeline=True``) and that no ``step()`` has committed yet: their state and weights
+        already hold it, and ``zero_grad()`` undoes it with ``rollback`` (NOTE [a step is a
+        transaction] in ooc.optim.pipeline)."""
+        return self._pipeline.applied()
+
     @staticmethod
     def _host_zeros_like(p: torch.Tensor) -> torch.Tensor:
         # Not pinned: masters and moments never cross PCIe (the staging and gradient buffers do).

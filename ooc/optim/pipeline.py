@@ -563,6 +563,13 @@ class UpdatePipeline:
         """The buckets whose update of this step is held until ``step()`` (``_held_for_step``)."""
         return [i for i in range(len(self.status)) if self._held_for_step(i)]
 
+    def applied(self) -> list[int]:
+        """The buckets whose update of the open step started in the backward, which no ``step()`` has
+        committed yet (not those clipping holds for ``step()``)."""
+        if self.config.max_grad_norm is not None:
+            return []
+        return [i for i, s in enumerate(self.status) if s.launched]
+
     def synchronize(self) -> None:
         """Wait for every update issued; then the parameters hold the newest weights the mode allows
         (with ``delayed_update``, the ones of the previous update)."""

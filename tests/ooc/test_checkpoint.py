@@ -165,6 +165,28 @@ def test_rng_and_extra_round_trip(tmp_path: Path) -> None:
     opt.close()
 
 
+def test_cuda_rng_states_of_devices_this_process_lacks_are_left_out(monkeypatch) -> None:  # noqa: ANN001
+    """A version saved by a process that saw 2 GPUs (torchrun on a bigger node: every rank sees
+    every device, and saves each one's RNG state) restored where 1 is visible: torch sets device 1's
+    state on a generator that does not exist, at once or, before CUDA starts, when it does (its
+    lazy initialization then fails). The states of devices beyond this process's are left out
+    (simulated: no GPU here)."""
+    set_on: list[int] = []
+
+    def set_rng_state_all(states) -> None:  # noqa: ANN001 - as torch.cuda's: device i gets state i
+        for i, _ in enumerate(states):
+            if i >= torch.cuda.device_count():
+                raise IndexError(f"no CUDA device {i}")
+            set_on.append(i)
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state_all", set_rng_state_all)
+    state = {"python": random.getstate(), "torch": torch.get_rng_state(), "cuda": [torch.zeros(16, dtype=torch.uint8)] * 2}
+    ckpt_mod.set_rng_state(state)
+    assert set_on == [0]
+
+
 def test_retention_keeps_the_newest(tmp_path: Path) -> None:
     model, opt, sched = _setup()
     ckpt = Checkpointer(tmp_path, model, opt, keep=2)
@@ -203,7 +225,8 @@ def _two_versions(tmp_path: Path):
     return model, opt, sched, ckpt
 
 
-@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt"])
+@pytest.mark.parametrize("name", ["model.safetensors", "optimizer-rank0.safetensors", "state-rank0.pt",
+                                  "model.safetensors.index.json"])
 @pytest.mark.parametrize("damage", ["flip", "truncate", "empty"])
 def test_corrupt_file_is_named_and_fallback_loads_the_previous(tmp_path: Path, name: str, damage: str) -> None:
     model, opt, sched, ckpt = _two_versions(tmp_path)
@@ -381,6 +404,26 @@ def test_a_retired_file_linked_elsewhere_is_not_written_over(tmp_path: Path) -> 
     expected = backup.read_bytes()
     _save_steps(model, opt, sched, ckpt, range(2, 4))
     assert backup.read_bytes() == expected
+    saved = (_weights(model), _opt_state(opt))
+    ckpt.close()
+    _assert_restores(tmp_path / "ck", 3, *saved)
+    opt.close()
+
+
+def test_a_retired_file_that_is_a_symbolic_link_is_not_written_through(tmp_path: Path) -> None:
+    """A version's file replaced by a symbolic link (a data-versioning tool such as DVC or git-annex
+    links files into its cache; a user deduplicating versions): once retired, the next version was
+    written over the link's target, outside the checkpoint directory, through the link. Now the
+    link is left to be deleted, as a file shared otherwise is (NOTE [recycled files])."""
+    model, opt, sched, ckpt = _keep_one_saving(tmp_path / "ck", range(1, 2))
+    cached = tmp_path / "cache" / "object"
+    cached.parent.mkdir()
+    linked = ckpt.latest().path / MODEL_FILE
+    os.replace(linked, cached)
+    os.symlink(cached, linked)
+    expected = cached.read_bytes()
+    _save_steps(model, opt, sched, ckpt, range(2, 4))
+    assert cached.read_bytes() == expected
     saved = (_weights(model), _opt_state(opt))
     ckpt.close()
     _assert_restores(tmp_path / "ck", 3, *saved)
@@ -927,6 +970,48 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     ckpt.save(3)  # the next save, with room again, works
     ckpt.wait()
     assert ckpt.latest().step == 3
+    opt.close()
+
+
+def test_a_file_system_gone_read_only_mid_save_reports_the_writes_error(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """ext4 remounts read-only on a disk error: the write fails, and so does the removal of the
+    version's files. That second error replaced the first (a bare OSError naming a file whose
+    removal failed, not the write that failed), and the folder stayed locked by this process, so
+    neither retention nor a new Checkpointer removed it. Now the write's error is raised and the
+    folder is let go of, for the next cleanup to remove."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    real_write, real_unlink = ckpt_mod._write_file, Path.unlink
+
+    def read_only(what: Path) -> OSError:
+        return OSError(errno.EROFS, "Read-only file system", str(what))
+
+    def write(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
+        if path.name == "state-rank0.pt":
+            raise read_only(path)
+        return real_write(path, chunks)
+
+    def unlink(path: Path, missing_ok: bool = False) -> None:
+        if path.parent.name == "step-000000003":
+            raise read_only(path)
+        real_unlink(path, missing_ok=missing_ok)
+
+    def rename(src: str | Path, dst: str | Path) -> None:
+        if Path(src).name == "step-000000003":
+            raise read_only(src)
+        real_rename(src, dst)
+
+    real_rename = os.rename
+    monkeypatch.setattr(ckpt_mod, "_write_file", write)
+    monkeypatch.setattr(Path, "unlink", unlink)
+    monkeypatch.setattr(os, "rename", rename)
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match=r"Read-only file system: '.*state-rank0\.pt'"):
+        ckpt.wait()
+    monkeypatch.undo()
+    assert (tmp_path / "step-000000003").exists()  # the failed removal left it
+    Checkpointer(tmp_path, model)  # the next cleanup, in this process too, removes it
+    assert not (tmp_path / "step-000000003").exists()
+    assert ckpt.restore().step == 2
     opt.close()
 
 

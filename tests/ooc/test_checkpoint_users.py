@@ -121,6 +121,52 @@ def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path
     assert ckpt.restore(fallback=True).step == 1
 
 
+@pytest.mark.parametrize("change", [('"pos": 20', '"pos": 21'), ('.safetensors"', '.safetensorr"'), ('"shape": [2', '"shape": [3'),
+                                    ('"world": 1', '"world": 3')],
+                         ids=["metadata", "file-name", "shape", "world"])
+def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_path: Path, change: tuple[str, str]) -> None:
+    """One flipped bit in a commit record that leaves valid JSON (a digit, a letter of a name):
+    the record held no checksum of its own, so a changed metadata value restored without a word, a
+    changed file name raised a plain ``CheckpointError`` and a changed shape a ``RuntimeError``,
+    both of which ``restore(fallback=True)`` passed on instead of loading the version before, and a
+    changed world size made the version look uncommitted (records of ranks that never were), so the
+    next Checkpointer deleted it, intact files and all. The record now holds its own XXH3-64,
+    checked before anything in it is used (NOTE [damaged records])."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt, keep=3)
+    for step in (1, 2):
+        ckpt.save(step, pos=10 * step)
+        ckpt.wait()
+    ckpt.close()
+    record = tmp_path / "step-000000002" / "manifest-rank0.json"
+    text = record.read_text()
+    assert change[0] in text
+    record.write_text(text.replace(*change, 1))
+    other = _linear(seed=1)
+    ckpt = Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters()))
+    assert record.exists()
+    with pytest.raises(CorruptCheckpointError, match="manifest-rank0.json"):
+        ckpt.restore()
+    assert list(damaged_versions(tmp_path)) == [2]
+    v = ckpt.restore(fallback=True)
+    assert v.step == 1 and v.metadata == {"pos": 10}
+
+
+def test_metadata_json_changes_is_recorded_as_it_reads_back(tmp_path: Path) -> None:
+    """JSON turns an int key into a string (two keys can become one) and a tuple into a list: the
+    record holds the metadata as a reader parses it, so its own XXH3-64 matches on reading and the
+    metadata ``versions()`` and ``restore()`` give is that parsed value."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(1, pos={1: "a", "1": "b"}, shape=(2, 3))
+    ckpt.close()
+    assert damaged_versions(tmp_path) == {}
+    v = Checkpointer(tmp_path, _linear()).restore()
+    assert v.metadata == {"pos": {"1": "b"}, "shape": [2, 3]}
+
+
 def _damage(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0x01
@@ -615,3 +661,131 @@ def test_a_host_adamw_of_other_options_loads_nothing(tmp_path: Path) -> None:
         assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
     finally:
         other_opt.close()
+
+
+@pytest.mark.parametrize("rollback", [True, False], ids=["rollback", "no-rollback"])
+def test_a_save_between_a_backward_and_a_pipelined_step_is_refused(tmp_path: Path, rollback: bool) -> None:
+    """A pipelined HostAdamW starts a step's updates in the backward: a save before ``step()`` (an
+    emergency save in a loop's exception handler) wrote a version holding that uncommitted update,
+    and with ``rollback=True`` the next ``zero_grad()`` undid it in the optimizer, so a resume went
+    on from a state the run never did. Now the save is refused, writing nothing; after
+    ``zero_grad()`` resets the step, a save holds the state the optimizer goes on from (NOTE [a
+    version holds committed steps])."""
+    import contextlib
+
+    from ooc.optim.pipeline import UncommittedStepWarning
+
+    model, opt = _gpt_host(0, rollback=rollback)
+    ckpt = Checkpointer(tmp_path, model, opt, keep=None)
+    try:
+        _gpt_step(model, 1)
+        opt.step()
+        opt.zero_grad()
+        ckpt.save(1)
+        ckpt.wait()
+        _gpt_step(model, 2)
+        assert opt.uncommitted_buckets() == list(range(len(opt.buckets)))
+        with pytest.raises(CheckpointError, match="between a backward and step"):
+            ckpt.save(2)
+        assert _steps(tmp_path) == [1]
+        with pytest.warns(UncommittedStepWarning) if not rollback else contextlib.nullcontext():
+            opt.zero_grad()  # with rollback: undone, without a word
+        assert opt.uncommitted_buckets() == []
+        ckpt.save(2)
+        ckpt.wait()
+        fresh, fresh_opt = _gpt_host(5, rollback=rollback)
+        try:
+            Checkpointer(tmp_path, fresh, fresh_opt).restore(2)
+            assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in model.state_dict().items())
+        finally:
+            fresh_opt.close()
+    finally:
+        ckpt.close()
+        opt.close()
+
+
+
+class _WithExtraState(nn.Linear):
+    """A module whose state dict holds a value of its own (``get_extra_state``), as torch allows."""
+
+    def __init__(self) -> None:
+        super().__init__(3, 2)
+        self.calls = {"n": 0}
+
+    def get_extra_state(self) -> dict:
+        return dict(self.calls)
+
+    def set_extra_state(self, state: dict) -> None:
+        self.calls = dict(state)
+
+
+def test_a_modules_extra_state_round_trips(tmp_path: Path) -> None:
+    """A module's ``get_extra_state`` puts a non-tensor in ``model.state_dict()``: ``save`` failed
+    with "'dict' object has no attribute 'detach'". It is saved in the state file (safetensors holds
+    tensors only) and ``restore`` hands it to ``set_extra_state``; the weights file loads without ooc."""
+    model = _WithExtraState()
+    model.calls["n"] = 7
+    ckpt = Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    other = _WithExtraState()
+    Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert other.calls == {"n": 7} and torch.equal(other.weight, model.weight)
+    weights = safetensors.torch.load_file(list_versions(tmp_path)[0].path / MODEL_FILE)
+    assert sorted(weights) == ["bias", "weight"]
+
+
+def test_a_scheduler_of_another_type_loads_nothing(tmp_path: Path) -> None:
+    """A version saved with a CosineAnnealingLR restored with a LambdaLR (a run resumed with another
+    schedule): the scheduler's ``load_state_dict`` raised ``KeyError: 'lr_lambdas'`` after the model
+    and the optimizer had been loaded, leaving them at the version and the rest not. The scheduler
+    is loaded first now, and its refusal is a ``CheckpointError`` that names it."""
+    from torch.optim import lr_scheduler
+
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=lr_scheduler.CosineAnnealingLR(opt, 10))
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    other_opt = torch.optim.AdamW(other.parameters())
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointError, match="LambdaLR"):
+        Checkpointer(tmp_path, other, other_opt, scheduler=lr_scheduler.LambdaLR(other_opt, lambda step: 1.0)).restore()
+    assert all(torch.equal(v, before[k]) for k, v in other.state_dict().items())
+    assert other_opt.state_dict()["state"] == {}
+
+
+def test_an_optimizer_of_other_parameters_is_named_in_the_refusal(tmp_path: Path) -> None:
+    """An optimizer built over the parameters in another order (or other ones of as many) was
+    refused "(saved 2, now 2)", which tells nothing; the refusal names the first that differs."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path, model, torch.optim.AdamW(model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    with pytest.raises(CheckpointError, match=r"'weight' saved, 'bias' now"):
+        Checkpointer(tmp_path, other, torch.optim.AdamW([other.bias, other.weight])).restore()
+
+
+def test_export_into_a_directory_writes_its_model_file_and_a_failure_leaves_no_copy(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """``export(step, "hf_dir")`` (a directory, as ``save_pretrained`` takes) failed with
+    ``IsADirectoryError`` after writing the whole weights file beside it as ``.hf_dir.tmp``, which
+    stayed. A directory now gets ``model.safetensors`` inside it (what HF's loaders read), and an
+    export that fails removes its temporary file."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path / "ck", model)
+    ckpt.save(1)
+    ckpt.close()
+    out = tmp_path / "hf_dir"
+    out.mkdir()
+    assert ckpt.export(1, out) == out / MODEL_FILE
+    assert torch.equal(safetensors.torch.load_file(out / MODEL_FILE)["weight"], model.weight)
+
+    def replace(src: object, dst: object) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", replace)
+    with pytest.raises(OSError, match="Read-only"):
+        ckpt.export(1, tmp_path / "w.safetensors")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf_dir"]
