@@ -1158,6 +1158,29 @@ def test_a_version_of_an_earlier_format_is_still_read_and_checked(tmp_path: Path
     opt2.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_weights_loaded_into_the_model_while_a_version_is_written_do_not_reach_it(tmp_path: Path,
+                                                                                 dtype: torch.dtype) -> None:
+    """NOTE [lazy snapshots]: ``model.load_state_dict`` while the writer was held back wrote the
+    live parameters it reads lazily, and the version held the loaded weights (found by an
+    adversarial helper). Now the load first has the unread tensors copied aside."""
+    model, opt, sched = _setup(dtype)
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    other = {k: v + 1 for k, v in model.state_dict().items()}
+    ckpt = Checkpointer(tmp_path, model, opt)
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt.save(2)
+    model.load_state_dict(other)
+    release.set()
+    ckpt.wait()
+    _assert_restores(tmp_path, 2, expected, expected_state, dtype)
+    assert all(torch.equal(v, other[k]) for k, v in model.state_dict().items())
+    ckpt.close()
+    opt.close()
+
+
 @pytest.mark.parametrize("held_at", ["snapshot", "write:model.safetensors"], ids=["before-all", "between-files"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "in-step"])
