@@ -107,7 +107,8 @@ class HostAdamW(torch.optim.Optimizer):
     fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
     allocated. Tensor shapes are the parameters' own; nothing is reshaped. ``add_param_group`` is
     refused after construction, and ``load_state_dict`` refuses a state saved with other parameter
-    dtypes, ``delayed_update``, ``accumulate`` or data-parallel layout (``state_dict()["ooc"]``).
+    dtypes, ``delayed_update`` or data-parallel layout (``state_dict()["ooc"]``; ``accumulate``,
+    ``max_grad_norm`` and the others leave the state's layout alone and may change on a resume).
     """
 
     def __init__(
