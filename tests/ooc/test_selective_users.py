@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import ooc
 from ooc.models import GPT
-from ooc.recompute import PlanMismatchWarning
+from ooc.recompute import PlanMismatchWarning, RecomputeError
 from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
 
 
@@ -199,3 +199,31 @@ def test_a_first_step_that_layerdrop_skipped_says_so_when_ooc_plans_from_it() ->
     with pytest.raises(ooc.BlockError, match=r"config has encoder_layerdrop=0\.5: LayerDrop skips layers at random"):
         model(input_ids=ids, labels=ids)
     assert not ooc.is_wrapped(model)
+
+
+@pytest.mark.parametrize("held", ["output", "detached", "view"])
+def test_an_activation_a_forward_hook_kept_and_the_caller_changed_is_refused(held: str, gpt_profile) -> None:
+    """A forward hook keeps each block's qkv projection (the output itself, a ``detach()`` or a view of
+    it), which the caller changes in place after the forward. Plain PyTorch saved no qkv, so its
+    gradients are the forward's values'; the plan caches the qkv ``addmm``, whose re-run took the
+    changed bytes from the cache: silently wrong gradients. The re-run refuses them, as it does a
+    changed block output."""
+    addmm = [next(k for k, op in enumerate(b.ops) if op.name == "aten.addmm.default") for b in gpt_profile.blocks]
+    assert all(not gpt_profile.blocks[i].ops[k].saved_bytes for i, k in enumerate(addmm))
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=(k,)) for k in addmm), min_swap_bytes=1024)
+    kept: list[torch.Tensor] = []
+    keep = {"output": lambda o: o, "detached": lambda o: o.detach(), "view": lambda o: o[..., :4]}[held]
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    for block in model.blocks:
+        block.attn.qkv.register_forward_hook(lambda _m, _args, out: kept.append(keep(out)))
+    ooc.wrap(model, plan, backend="cpu")
+    try:
+        loss = gpt_loss(model, gpt_batch())
+        with torch.no_grad():
+            kept[-1].mul_(0.5)
+        with pytest.raises(RecomputeError, match=rf"block blocks\.3: the output of op {addmm[3]} \(aten\.addmm\.default\), "
+                                                 "which its plan caches, is modified in place after the forward"):
+            loss.backward()
+    finally:
+        ooc.unwrap(model)
