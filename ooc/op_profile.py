@@ -35,8 +35,9 @@ NOTE [a forward the plan does not fit]
 ``cached_ops`` index the ops of the training step the profile measured. A forward that runs other
 ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts) finds
 at such an index an op that cannot be cached, or ends before it, or modifies a cached output in
-place. The forward does not raise: it records why (``ForwardCache.refused``), caches nothing more,
-and runs on as plain PyTorch; its re-run runs whole, without the cache (a plain recompute: the
+place, or (in eval mode, ``finish``) returns the output of an op the plan swaps. The forward does
+not raise: it records why (``ForwardCache.refused``), caches nothing more, and runs on as plain
+PyTorch; its re-run runs whole, without the cache (a plain recompute: the
 same gradients), under a :class:`~ooc.recompute.PlanMismatchWarning` naming the reason. So a
 forward that is never differentiated (a validation loss in eval mode without ``torch.no_grad()``)
 runs as without ooc, and one that is differentiated (a batch without padding where the profile's
@@ -720,7 +721,7 @@ class ForwardCache(OpCounter):
 
     def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
                  error: type[Exception], *, swapped: tuple[int, ...] = (),
-                 swap: Callable[[torch.Tensor], object] | None = None) -> None:
+                 swap: Callable[[torch.Tensor], object] | None = None, eval_mode: bool = False) -> None:
         super().__init__()
         if not set(swapped) <= set(cached):
             raise ValueError(f"ForwardCache: swapped ops {sorted(set(swapped) - set(cached))[:8]} are not among the cached ops")
@@ -733,6 +734,9 @@ class ForwardCache(OpCounter):
         self.keep = keep
         self.swap = swap
         self.error = error
+        self.eval_mode = eval_mode
+        """The forward runs with modules in eval mode, so other ops than the profiled training step: a
+        swapped output it returns is one more way it does not fit the plan (``finish``), not a plan error."""
         self.funcs: list[torch._ops.OpOverload] = []
         self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
         """Op index -> its output flattened: the tree's spec, and per leaf (is a tensor, the leaf or
@@ -890,11 +894,15 @@ class ForwardCache(OpCounter):
                     # The block's output is the next block's input and stays on the device: its
                     # release would count as freed bytes the next block still holds, and its copy back
                     # would allocate them a second time (measured equal to the schedule, wrong on a GPU).
-                    raise self.error(
-                        f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the block "
-                        f"returns (the next block's input stays on the device); leave op {op} out of swapped_ops "
-                        "(it may stay in cached_ops)"
-                    )
+                    reason = (f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the "
+                              f"block returns (the next block's input stays on the device); leave op {op} out of "
+                              "swapped_ops (it may stay in cached_ops)")
+                    if not self.eval_mode:
+                        raise self.error(reason)
+                    # NOTE [a forward the plan does not fit]: a validation forward in eval mode returns
+                    # what the training step's op at that index was not; the re-run runs whole.
+                    self.refused = reason
+                    return
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
                 self.escaped.setdefault(op, []).append((alias, alias._version))
 
