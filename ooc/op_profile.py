@@ -21,8 +21,9 @@ re-run saves that lies in a cached storage is that storage, counted once (``Repl
 What can be cached (``why_not_cacheable``): an op that creates new storages, is not random (a
 skipped random op would leave its generator where it was and shift every later draw; attention with
 ``dropout_p=0`` draws nothing), does not modify a tensor in place, and whose outputs nothing modifies
-in place afterwards (the forward's ops are checked by storage; the block's outputs that lie in a
-cached storage, by version counter when the re-run takes them from the cache).
+in place afterwards (the forward's ops are checked by storage; the cached outputs, which a forward
+hook may have handed the caller, and the block's outputs that lie in a cached storage, by version
+counter when the re-run takes them from the cache).
 The outputs of ``BlockPlan.swapped_ops`` (among the cached ones) go through the block's swap hook
 instead of its keep hook: the swap engine copies each storage to the host as its op ends, the
 schedule's RELEASE drops the device bytes and its SWAP_IN brings them back before the block's
@@ -34,8 +35,9 @@ NOTE [a forward the plan does not fit]
 ``cached_ops`` index the ops of the training step the profile measured. A forward that runs other
 ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts) finds
 at such an index an op that cannot be cached, or ends before it, or modifies a cached output in
-place. The forward does not raise: it records why (``ForwardCache.refused``), caches nothing more,
-and runs on as plain PyTorch; its re-run runs whole, without the cache (a plain recompute: the
+place, or (in eval mode, ``finish``) returns the output of an op the plan swaps. The forward does
+not raise: it records why (``ForwardCache.refused``), caches nothing more, and runs on as plain
+PyTorch; its re-run runs whole, without the cache (a plain recompute: the
 same gradients), under a :class:`~ooc.recompute.PlanMismatchWarning` naming the reason. So a
 forward that is never differentiated (a validation loss in eval mode without ``torch.no_grad()``)
 runs as without ooc, and one that is differentiated (a batch without padding where the profile's
@@ -176,7 +178,8 @@ class _Schema:
     selective forward and re-run ask on each of a block's ops, and each read of a schema's fields
     builds Python objects (a tenth of a microsecond and up apiece)."""
 
-    __slots__ = ("name", "mutable", "written", "read", "random", "dropout_p", "returns_view", "allocates", "values")
+    __slots__ = ("name", "mutable", "written", "read", "random", "dropout_p", "returns_view", "allocates", "values",
+                 "factory")
 
     def __init__(self, func: torch._ops.OpOverload) -> None:
         schema = func._schema
@@ -197,6 +200,9 @@ class _Schema:
         """It allocates without writing values (``_UnseenWrites.op``)."""
         self.values: bool = not self.allocates and self.name not in _NO_VALUES
         """It reads or writes values, not only a tensor's metadata (``_UnseenWrites.op``)."""
+        self.factory: bool = {"dtype", "layout", "device", "pin_memory"} <= {arg.name for _, arg in arguments}
+        """It takes tensor options (``zeros``, ``arange``, ``_to_copy``): torch's Python binding of a
+        factory re-wraps its output (``_alias``)."""
 
 
 _SCHEMAS: dict[int, tuple[torch._ops.OpOverload, _Schema]] = {}
@@ -209,6 +215,24 @@ def _schema(func: torch._ops.OpOverload) -> _Schema:
     if entry is None:
         entry = _SCHEMAS[id(func)] = (func, _Schema(func))
     return entry[1]
+
+
+_AD_INPLACE_OR_VIEW = torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+
+
+def _alias(t: torch.Tensor, schema: _Schema) -> tuple[torch.Tensor, bool]:
+    """An alias of ``t``, an output of an op with ``schema``, for the cache: the same storage, no graph;
+    and whether it shares ``t``'s version counter, as ``detach`` above autograd does (so an in-place
+    change through ``t``, a view or a ``detach()`` of it shows). In a dispatch mode ``detach`` runs
+    below ``ADInplaceOrView`` and makes a counter of its own, unless that key is let through. Not for
+    a factory's output: torch's Python binding re-wraps it (``make_variable``) and, finding its counter
+    shared, hands the caller a detached copy with a counter of its own, dispatching a ``detach`` that
+    the forward would count and the re-run would not."""
+    if schema.factory:
+        return t.detach(), False
+    with torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(),
+                                         torch._C._dispatch_tls_local_exclude_set() - _AD_INPLACE_OR_VIEW):
+        return t.detach(), True
 
 
 def _argument(args: tuple, kwargs: dict, k: int, name: str, default: Any = None) -> Any:
@@ -697,7 +721,7 @@ class ForwardCache(OpCounter):
 
     def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
                  error: type[Exception], *, swapped: tuple[int, ...] = (),
-                 swap: Callable[[torch.Tensor], object] | None = None) -> None:
+                 swap: Callable[[torch.Tensor], object] | None = None, eval_mode: bool = False) -> None:
         super().__init__()
         if not set(swapped) <= set(cached):
             raise ValueError(f"ForwardCache: swapped ops {sorted(set(swapped) - set(cached))[:8]} are not among the cached ops")
@@ -710,15 +734,20 @@ class ForwardCache(OpCounter):
         self.keep = keep
         self.swap = swap
         self.error = error
+        self.eval_mode = eval_mode
+        """The forward runs with modules in eval mode, so other ops than the profiled training step: a
+        swapped output it returns is one more way it does not fit the plan (``finish``), not a plan error."""
         self.funcs: list[torch._ops.OpOverload] = []
         self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
         """Op index -> its output flattened: the tree's spec, and per leaf (is a tensor, the leaf or
         what ``keep`` returned for the tensor)."""
         self.storages: dict[int, int] = {}
         """Storage address of a cached output -> its op (the cache holds the storage: the address is its)."""
-        self.escaped: list[tuple[torch.Tensor, int, int]] = []
-        """Block outputs in a cached storage: (an alias sharing their version counter, its version
-        after the forward, the op)."""
+        self.escaped: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        """Op -> tensors in its cached storages that the caller may change in place after the forward:
+        (an alias sharing their version counter, its version then). The kept outputs themselves (a
+        forward hook may hold one, a view or a ``detach()`` of it) and the block's outputs (an
+        ``_unsafe_view`` of a cached output has a counter of its own)."""
         self.done = False
         self.refused: str | None = None
         """Why the re-run cannot take its outputs from this forward (NOTE [a forward the plan does not
@@ -772,18 +801,22 @@ class ForwardCache(OpCounter):
                     f"cacheable=False){_OTHER_FORWARD_HINT}"
                 )
                 return out
-            # Below autograd the outputs have no graph yet: ``detach`` is a plain alias (same storage;
-            # its own version counter, hence the checks by storage), which the cache holds without
-            # holding the forward's graph.
+            # Below autograd the outputs have no graph yet: an alias (same storage and version
+            # counter, ``_alias``) is held without holding the forward's graph.
             leaves, spec = _flatten(out)
-            aliases = [t.detach() if isinstance(t, torch.Tensor) else t for t in leaves]
-            for t in aliases:
+            schema, swapped = _schema(func), index in self.swapped
+            aliases = []
+            for t in leaves:
                 if isinstance(t, torch.Tensor):
+                    t, shared = _alias(t, schema)
                     self.storages[t.untyped_storage().data_ptr()] = index
+                    if shared and not swapped:  # a swapped one comes back from its copy, taken as the op ended
+                        self.escaped.setdefault(index, []).append((t, t._version))
+                aliases.append(t)
             # A swapped output's copy out is issued here, after a compute event recorded past this op
             # (SwappedStorage): the rest of the forward only reads the storage (a write is refused
             # above), and its device bytes live until the schedule's RELEASE waits for that copy.
-            hold = self.swap if index in self.swapped else self.keep
+            hold = self.swap if swapped else self.keep
             self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
         return out
 
@@ -861,13 +894,17 @@ class ForwardCache(OpCounter):
                     # The block's output is the next block's input and stays on the device: its
                     # release would count as freed bytes the next block still holds, and its copy back
                     # would allocate them a second time (measured equal to the schedule, wrong on a GPU).
-                    raise self.error(
-                        f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the block "
-                        f"returns (the next block's input stays on the device); leave op {op} out of swapped_ops "
-                        "(it may stay in cached_ops)"
-                    )
+                    reason = (f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the "
+                              f"block returns (the next block's input stays on the device); leave op {op} out of "
+                              "swapped_ops (it may stay in cached_ops)")
+                    if not self.eval_mode:
+                        raise self.error(reason)
+                    # NOTE [a forward the plan does not fit]: a validation forward in eval mode returns
+                    # what the training step's op at that index was not; the re-run runs whole.
+                    self.refused = reason
+                    return
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
-                self.escaped.append((alias, alias._version, op))
+                self.escaped.setdefault(op, []).append((alias, alias._version))
 
     def _decide_left_out(self, out: Any) -> None:
         if not self._candidates:
@@ -888,13 +925,14 @@ class ForwardCache(OpCounter):
         self._candidates = {}
 
     def check_unchanged(self, index: int) -> None:
-        """As the re-run takes op ``index``'s outputs from the cache: no block output in its storages was
-        modified in place since the forward. Checked then, not before the re-run: a re-run that stops
-        before the op (at the last tensor the block saves; the add a block returns often comes after)
-        never reads the changed bytes, as plain PyTorch never reads a returned tensor nothing saved."""
-        for alias, version, op in self.escaped:
-            if op == index and alias._version != version:
-                raise self.error(self._modified(op, "after the forward"))
+        """As the re-run takes op ``index``'s outputs from the cache: neither they nor a block output in
+        their storages were modified in place since the forward (``escaped``). Checked then, not before
+        the re-run: a re-run that stops before the op (at the last tensor the block saves; the add a
+        block returns often comes after) never reads the changed bytes, as plain PyTorch never reads a
+        returned tensor nothing saved."""
+        for alias, version in self.escaped.get(index, ()):
+            if alias._version != version:
+                raise self.error(self._modified(index, "after the forward"))
 
     def _modified(self, op: int, when: str) -> str:
         return (

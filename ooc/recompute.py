@@ -599,7 +599,7 @@ def run_recomputed(
     before = [leaves[k]._version for k in frame.tensor_slots]
     if cached_ops:
         frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError,
-                                   swapped=tuple(swapped_ops), swap=swap_cached)
+                                   swapped=tuple(swapped_ops), swap=swap_cached, eval_mode=frame._ran_in_eval_mode())
     with (
         saved_tensors_hooks(frame.pack_forward, frame.unpack),
         timer("forward"),

@@ -414,3 +414,30 @@ def test_a_measured_op_profile_round_trips_through_json(gpt_profile) -> None:
     from ooc.scheduler.profile import Profile
 
     assert Profile.from_json(gpt_profile.to_json()) == gpt_profile
+
+
+class _Biased(nn.Module):
+    """``lin(x) + torch.zeros(...)`` then ``* torch.arange(...)``: factories (ops that take tensor options)
+    whose outputs a plan may cache, as T5's cross-attention caches its ``zeros`` position bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x) + torch.zeros(x.shape[-1], dtype=x.dtype)
+        return torch.tanh(h) * torch.arange(1, 5, dtype=x.dtype)
+
+
+def test_a_cached_factory_output_reruns_as_its_forward() -> None:
+    """torch's Python binding of a factory re-wraps its output; had the cache's alias shared the
+    output's version counter, it would dispatch a ``detach`` the forward counts and the re-run does not
+    (RecomputeError: op 3 of its re-run is ... but its forward ran aten.detach.default)."""
+    torch.manual_seed(0)
+    x = torch.randn(3, 4, requires_grad=True)
+    names = _ops_of(_Biased(), x)
+    factories = [names.index("aten.zeros.default"), names.index("aten.arange.start")]
+    plan = ooc.Plan.of([ooc.BlockPlan("recompute", cached_ops=tuple(factories)), "keep"])
+    results = train_side_by_side(lambda: _Pair(_Biased()), lambda m, b: m(b).sum(), [x, x.flip(0)],
+                                 lambda m: ooc.wrap(m, plan, backend="cpu", blocks=m.blocks))
+    assert results == [(True, True, True)] * 2
