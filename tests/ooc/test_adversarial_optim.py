@@ -61,6 +61,21 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
         opt.zero_grad()
 
 
+def _rebuilt_as_advised(model: torch.nn.Module, opt: HostAdamW) -> HostAdamW:
+    """The advice after a change of streaming: a new HostAdamW that takes over the old one's state."""
+    state = opt.state_dict()
+    opt.close()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    opt.load_state_dict(state)
+    return opt
+
+
+def _assert_same_weights(reference: torch.nn.Module, model: torch.nn.Module, opt: HostAdamW) -> None:
+    opt.synchronize()
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("change", ["wrap after the optimizer", "unwrap mid-run"])
 def test_streaming_changed_under_a_live_optimizer_is_refused_and_the_advice_works(change: str) -> None:
     # The optimizer laid out its masters for the weights' homes when built; a streaming plan
@@ -82,14 +97,9 @@ def test_streaming_changed_under_a_live_optimizer_is_refused_and_the_advice_work
             ooc.wrap(model, streamed, backend="cpu")
         with pytest.raises(OocError, match="Build the HostAdamW after ooc.wrap"):
             model(*gpt_batch(batch=2, seq=16, seed=2))
-        state = opt.state_dict()
-        opt.close()
-        opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
-        opt.load_state_dict(state)
+        opt = _rebuilt_as_advised(model, opt)
         _train(model, opt, range(2, 4))
-        opt.synchronize()
-        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-            assert torch.equal(a, b), name
+        _assert_same_weights(reference, model, opt)
     finally:
         opt.close()
         if ooc.is_wrapped(model):
@@ -127,14 +137,9 @@ def test_streaming_changed_right_after_a_step_waits_for_its_updates(change: str,
         _train(model, opt, range(1, 2))  # returns at once; its updates take 0.02 s each
         ooc.unwrap(model) if change == "unwrap mid-run" else ooc.wrap(model, streamed, backend="cpu")
         monkeypatch.setattr(stages, "adamw", real)
-        state = opt.state_dict()
-        opt.close()
-        opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
-        opt.load_state_dict(state)
+        opt = _rebuilt_as_advised(model, opt)
         _train(model, opt, range(2, 3))
-        opt.synchronize()
-        for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-            assert torch.equal(a, b), name
+        _assert_same_weights(reference, model, opt)
     finally:
         opt.close()
         if ooc.is_wrapped(model):
