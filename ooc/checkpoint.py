@@ -1900,4 +1900,4 @@ def _params_from_masters(optimizer: torch.optim.Optimizer) -> None:
                 p.copy_(state["master"])
 
 
-__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "Version", "damaged_versions", "list_versions"]
+__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "UnreadableCheckpointError", "Version", "damaged_versions", "list_versions"]
