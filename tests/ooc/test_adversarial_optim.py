@@ -61,6 +61,29 @@ def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> 
         opt.zero_grad()
 
 
+def _streamed_plan() -> ooc.Plan:
+    return ooc.Plan.uniform("keep", NANO.n_layer).streaming(range(NANO.n_layer))
+
+
+def _streaming_run(change: str, reference_steps: int) -> tuple[torch.nn.Module, torch.nn.Module, HostAdamW]:
+    """A reference trained ``reference_steps`` steps with torch.optim.AdamW, and its copy with a
+    HostAdamW, streaming its weights already where ``change`` unwraps mid-run."""
+    torch.manual_seed(0)
+    reference = GPT(NANO)
+    model = copy.deepcopy(reference)
+    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(reference_steps))
+    if change == "unwrap mid-run":
+        ooc.wrap(model, _streamed_plan(), backend="cpu")
+    return reference, model, HostAdamW(model.parameters(), lr=1e-2, model=model)
+
+
+def _change_streaming(model: torch.nn.Module, change: str) -> None:
+    if change == "unwrap mid-run":
+        ooc.unwrap(model)
+    else:
+        ooc.wrap(model, _streamed_plan(), backend="cpu")
+
+
 def _rebuilt_as_advised(model: torch.nn.Module, opt: HostAdamW) -> HostAdamW:
     """The advice after a change of streaming: a new HostAdamW that takes over the old one's state."""
     state = opt.state_dict()
@@ -81,20 +104,10 @@ def test_streaming_changed_under_a_live_optimizer_is_refused_and_the_advice_work
     # The optimizer laid out its masters for the weights' homes when built; a streaming plan
     # installed (or removed) afterwards made it update copies the model no longer read, and the
     # weights drifted from torch.optim.AdamW's without a word.
-    torch.manual_seed(0)
-    reference = GPT(NANO)
-    model = copy.deepcopy(reference)
-    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(4))
-    streamed = ooc.Plan.uniform("keep", NANO.n_layer).streaming(range(NANO.n_layer))
-    if change == "unwrap mid-run":
-        ooc.wrap(model, streamed, backend="cpu")
-    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    reference, model, opt = _streaming_run(change, reference_steps=4)
     try:
         _train(model, opt, range(2))
-        if change == "unwrap mid-run":
-            ooc.unwrap(model)
-        else:
-            ooc.wrap(model, streamed, backend="cpu")
+        _change_streaming(model, change)
         with pytest.raises(OocError, match="Build the HostAdamW after ooc.wrap"):
             model(*gpt_batch(batch=2, seq=16, seed=2))
         opt = _rebuilt_as_advised(model, opt)
@@ -122,20 +135,13 @@ def test_streaming_changed_right_after_a_step_waits_for_its_updates(change: str,
         time.sleep(0.02)
         real(*args, **kwargs)
 
-    torch.manual_seed(0)
-    reference = GPT(NANO)
-    model = copy.deepcopy(reference)
-    _train(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(3))
-    streamed = ooc.Plan.uniform("keep", NANO.n_layer).streaming(range(NANO.n_layer))
-    if change == "unwrap mid-run":
-        ooc.wrap(model, streamed, backend="cpu")
-    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    reference, model, opt = _streaming_run(change, reference_steps=3)
     try:
         _train(model, opt, range(1))
         opt.synchronize()
         monkeypatch.setattr(stages, "adamw", slow)
         _train(model, opt, range(1, 2))  # returns at once; its updates take 0.02 s each
-        ooc.unwrap(model) if change == "unwrap mid-run" else ooc.wrap(model, streamed, backend="cpu")
+        _change_streaming(model, change)
         monkeypatch.setattr(stages, "adamw", real)
         opt = _rebuilt_as_advised(model, opt)
         _train(model, opt, range(2, 3))

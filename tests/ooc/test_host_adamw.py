@@ -232,6 +232,20 @@ def _train_changing_grads(model: nn.Module, opt: torch.optim.Optimizer, steps: r
         opt.step()
 
 
+def _assert_trains_as_fused_adamw(model: nn.Module, opt: HostAdamW, reference: nn.Module, change) -> None:  # noqa: ANN001
+    """Three steps of ``model`` with ``opt`` (closed after) and of ``reference`` with
+    torch.optim.AdamW(fused=True), ``change`` applied to the gradients before each step, end in the
+    same weights."""
+    try:
+        _train_changing_grads(model, opt, range(3), change)
+        opt.synchronize()
+    finally:
+        opt.close()
+    _train_changing_grads(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(3), change)
+    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
+        assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("change", ["clip_grad_norm_", "unscale"])
 def test_gradients_changed_after_a_pipelined_launch_are_refused(change: str) -> None:
     """NOTE [gradients read in the backward]: ``clip_grad_norm_`` (or a GradScaler's unscale)
@@ -258,16 +272,8 @@ def test_gradients_changed_after_a_pipelined_launch_are_refused(change: str) -> 
             _train_changing_grads(model, opt, range(1), changing)
     finally:
         opt.close()
-    in_step = HostAdamW(plain.parameters(), lr=1e-2, model=plain, pipeline=False)
-    try:
-        _train_changing_grads(plain, in_step, range(3), changing)
-        in_step.synchronize()
-    finally:
-        in_step.close()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    _train_changing_grads(reference, ref_opt, range(3), changing)
-    for (name, a), b in zip(reference.named_parameters(), plain.parameters()):
-        assert torch.equal(a, b), name
+    _assert_trains_as_fused_adamw(plain, HostAdamW(plain.parameters(), lr=1e-2, model=plain, pipeline=False),
+                                  reference, changing)
 
 
 @pytest.mark.parametrize("backend", ["cpu", "separate masters"])
@@ -287,12 +293,4 @@ def test_a_scale_by_one_between_backward_and_step_is_no_change(backend: str) -> 
     # which the stream-order checker rightly reports; here the bytes stay the same, so it is off.
     opt = HostAdamW(model.parameters(), lr=1e-2, model=model, **({} if backend == "cpu" else {
         "backend": CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001), check_order=False)}))
-    try:
-        _train_changing_grads(model, opt, range(3), log_norm)
-        opt.synchronize()
-    finally:
-        opt.close()
-    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
-    _train_changing_grads(reference, ref_opt, range(3), log_norm)
-    for (name, a), b in zip(reference.named_parameters(), model.parameters()):
-        assert torch.equal(a, b), name
+    _assert_trains_as_fused_adamw(model, opt, reference, log_norm)
