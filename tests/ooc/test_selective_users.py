@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -245,15 +246,21 @@ class _TwoDropouts(nn.Module):
         return x + self.drop(self.fc2(torch.tanh(h) * h))
 
 
-class _DropoutChain(nn.Module):
-    def __init__(self) -> None:
+class _ChainOf(nn.Module):
+    """Three blocks made by ``block`` and a scalar loss."""
+
+    def __init__(self, block: Callable[[], nn.Module]) -> None:
         super().__init__()
-        self.blocks = nn.ModuleList([_TwoDropouts() for _ in range(3)])
+        self.blocks = nn.ModuleList([block() for _ in range(3)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for block in self.blocks:
             x = block(x)
         return x.square().mean()
+
+
+def _DropoutChain() -> _ChainOf:  # noqa: N802 - used as a model class
+    return _ChainOf(_TwoDropouts)
 
 
 @pytest.mark.parametrize("differentiated", [False, True], ids=["validation", "backward"])
@@ -315,15 +322,8 @@ class _Centred(nn.Module):
         return x + (torch.tanh(h) * h) @ self.w2
 
 
-class _CentredChain(nn.Module):
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList([_Centred() for _ in range(3)])
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = block(x)
-        return x.square().mean()
+def _CentredChain() -> _ChainOf:  # noqa: N802 - used as a model class
+    return _ChainOf(_Centred)
 
 
 @pytest.mark.xfail(strict=True, raises=RecomputeError, reason=(
