@@ -33,9 +33,12 @@ refuses it): it is the next block's input and stays on the device.
 
 NOTE [a forward the plan does not fit]
 ``cached_ops`` index the ops of the training step the profile measured. A forward that runs other
-ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts) finds
-at such an index an op that cannot be cached, or ends before it, or modifies a cached output in
-place, or (in eval mode, ``finish``) returns the output of an op the plan swaps. The forward does
+ops (``model.eval()``: no dropout ops; a second forward inside one autocast: no weight casts; a
+batch of one row that skips a batch statistic) finds at such an index an op that cannot be cached,
+or ends before it, or modifies a cached output in place, or (``finish``) returns the output of an op
+the plan swaps. That last one is a plan error when the forward ran the profiled ops (a plan that
+swaps a returned output), so it is told apart by the ops' ``op_signature`` the plan carries
+(``BlockPlan.op_signature``, hashed only then), or by eval mode; without either it raises. The forward does
 not raise: it records why (``ForwardCache.refused``), caches nothing more, and runs on as plain
 PyTorch; its re-run runs whole, without the cache (a plain recompute: the
 same gradients), under a :class:`~ooc.recompute.PlanMismatchWarning` naming the reason. So a
@@ -97,6 +100,7 @@ from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ooc.errors import ProfileError
 from ooc.scheduler.oplevel import dead_ops
+from ooc.scheduler.plan import op_signature
 from ooc.scheduler.profile import OpProfile
 
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
@@ -717,11 +721,14 @@ class ForwardCache(OpCounter):
 
     The outputs of the ``swapped`` ops (a subset of ``cached``) go through ``swap`` instead (the
     block's swap hook: copied to the host, NOTE [swapped cached ops] in ``ooc.scheduler.schedule``);
-    the re-run's ``load`` brings them back as it does a kept one."""
+    the re-run's ``load`` brings them back as it does a kept one. What ``swap`` returns for a tensor it
+    copies has ``watch(tensor) -> Callable[[], bool]`` (``ooc.saved.SwappedView``): whether the tensor
+    was modified in place while the copy was in flight. ``signature``: ``BlockPlan.op_signature``."""
 
     def __init__(self, block: str, cached: tuple[int, ...], keep: Callable[[torch.Tensor], object],
                  error: type[Exception], *, swapped: tuple[int, ...] = (),
-                 swap: Callable[[torch.Tensor], object] | None = None, eval_mode: bool = False) -> None:
+                 swap: Callable[[torch.Tensor], object] | None = None, eval_mode: bool = False,
+                 signature: str | None = None) -> None:
         super().__init__()
         if not set(swapped) <= set(cached):
             raise ValueError(f"ForwardCache: swapped ops {sorted(set(swapped) - set(cached))[:8]} are not among the cached ops")
@@ -737,12 +744,16 @@ class ForwardCache(OpCounter):
         self.eval_mode = eval_mode
         """The forward runs with modules in eval mode, so other ops than the profiled training step: a
         swapped output it returns is one more way it does not fit the plan (``finish``), not a plan error."""
+        self.signature = signature
+        """``BlockPlan.op_signature``: the profiled forward's ops, or ``None`` if the plan does not say."""
         self.funcs: list[torch._ops.OpOverload] = []
         self.outputs: dict[int, tuple[Any, list[tuple[bool, object]]]] = {}
         """Op index -> its output flattened: the tree's spec, and per leaf (is a tensor, the leaf or
         what ``keep`` returned for the tensor)."""
         self.storages: dict[int, int] = {}
         """Storage address of a cached output -> its op (the cache holds the storage: the address is its)."""
+        self.in_flight: dict[int, list[Callable[[], bool]]] = {}
+        """Op -> per swapped output: whether it was modified in place while its copy out was in flight (``_watch``)."""
         self.escaped: dict[int, list[tuple[torch.Tensor, int]]] = {}
         """Op -> tensors in its cached storages that the caller may change in place after the forward:
         (an alias sharing their version counter, its version then). The kept outputs themselves (a
@@ -804,21 +815,34 @@ class ForwardCache(OpCounter):
             # Below autograd the outputs have no graph yet: an alias (same storage and version
             # counter, ``_alias``) is held without holding the forward's graph.
             leaves, spec = _flatten(out)
-            schema, swapped = _schema(func), index in self.swapped
-            aliases = []
+            schema, hold = _schema(func), self.swap if index in self.swapped else self.keep
+            held: list[tuple[bool, object]] = []
             for t in leaves:
-                if isinstance(t, torch.Tensor):
-                    t, shared = _alias(t, schema)
-                    self.storages[t.untyped_storage().data_ptr()] = index
-                    if shared and not swapped:  # a swapped one comes back from its copy, taken as the op ended
-                        self.escaped.setdefault(index, []).append((t, t._version))
-                aliases.append(t)
-            # A swapped output's copy out is issued here, after a compute event recorded past this op
-            # (SwappedStorage): the rest of the forward only reads the storage (a write is refused
-            # above), and its device bytes live until the schedule's RELEASE waits for that copy.
-            hold = self.swap if swapped else self.keep
-            self.outputs[index] = (spec, [(True, hold(t)) if isinstance(t, torch.Tensor) else (False, t) for t in aliases])
+                if not isinstance(t, torch.Tensor):
+                    held.append((False, t))
+                    continue
+                alias, shared = _alias(t, schema)
+                self.storages[alias.untyped_storage().data_ptr()] = index
+                # A swapped output's copy out is issued here, after a compute event recorded past this
+                # op (SwappedStorage): the rest of the forward only reads the storage (a write is
+                # refused above), and its device bytes live until the schedule's RELEASE waits for that copy.
+                kept = hold(alias)
+                if shared:
+                    self._watch(index, alias, kept)
+                held.append((True, kept))
+            self.outputs[index] = (spec, held)
         return out
+
+    def _watch(self, index: int, alias: torch.Tensor, held: object) -> None:
+        """Watch cached op ``index``'s output (``alias`` shares its version counter) for an in-place
+        change after the forward: a kept one for the whole backward (``escaped``); a swapped one (``held``
+        has ``watch``, SwappedView) until the copy out is ordered before compute (a change after it
+        leaves the host copy as the forward made it; one before may race the copy)."""
+        watch = getattr(held, "watch", None)
+        if watch is None:
+            self.escaped.setdefault(index, []).append((alias, alias._version))
+        else:
+            self.in_flight.setdefault(index, []).append(watch(alias))
 
     def _tracking(self, index: int) -> bool:
         """Op ``index`` may matter to what the re-run leaves out: an op before the last cached one may
@@ -897,14 +921,18 @@ class ForwardCache(OpCounter):
                     reason = (f"block {self.block}: its plan swaps the output of op {op} ({self.funcs[op]}), which the "
                               f"block returns (the next block's input stays on the device); leave op {op} out of "
                               "swapped_ops (it may stay in cached_ops)")
-                    if not self.eval_mode:
+                    if not (self.eval_mode or self._ran_other_ops()):
                         raise self.error(reason)
-                    # NOTE [a forward the plan does not fit]: a validation forward in eval mode returns
-                    # what the training step's op at that index was not; the re-run runs whole.
-                    self.refused = reason
+                    # NOTE [a forward the plan does not fit]: this forward returns what the profiled
+                    # one's op at that index was not; the re-run runs whole.
+                    self.refused = reason + _OTHER_FORWARD_HINT
                     return
                 alias = t.detach()  # above autograd: shares the output's version counter, not its graph
                 self.escaped.setdefault(op, []).append((alias, alias._version))
+
+    def _ran_other_ops(self) -> bool:
+        """The plan says which ops the profiled forward ran, and this forward ran others."""
+        return self.signature is not None and self.signature != op_signature(str(f) for f in self.funcs)
 
     def _decide_left_out(self, out: Any) -> None:
         if not self._candidates:
@@ -926,13 +954,18 @@ class ForwardCache(OpCounter):
 
     def check_unchanged(self, index: int) -> None:
         """As the re-run takes op ``index``'s outputs from the cache: neither they nor a block output in
-        their storages were modified in place since the forward (``escaped``). Checked then, not before
+        their storages were modified in place since the forward (``escaped``), nor a swapped one while
+        its copy to the host was in flight (``in_flight``; later changes leave the copy as the forward
+        made it, which is what the re-run needs). Checked then, not before
         the re-run: a re-run that stops before the op (at the last tensor the block saves; the add a
         block returns often comes after) never reads the changed bytes, as plain PyTorch never reads a
         returned tensor nothing saved."""
         for alias, version in self.escaped.get(index, ()):
             if alias._version != version:
                 raise self.error(self._modified(index, "after the forward"))
+        if any(modified() for modified in self.in_flight.get(index, ())):
+            raise self.error(self._modified(index, "after the forward while its copy to the host was in flight (its "
+                                                   "plan swaps it), so the copy may hold either value"))
 
     def _modified(self, op: int, when: str) -> str:
         return (

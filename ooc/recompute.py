@@ -564,6 +564,7 @@ def run_recomputed(
     keep_cached: Callable[[torch.Tensor], object] | None = None,
     swapped_ops: tuple[int, ...] = (),
     swap_cached: Callable[[torch.Tensor], object] | None = None,
+    op_signature: str | None = None,
 ) -> Any:
     """Run ``forward(*args, **kwargs)`` (``module``'s forward) keeping only its tensor arguments for backward.
 
@@ -578,7 +579,9 @@ def run_recomputed(
     re-run returns them instead of running the ops (their storages come back through ``load_input``).
     ``swapped_ops`` (among ``cached_ops``): these outputs go through ``swap_cached`` instead (the
     swap engine: NOTE [swapped cached ops] in ``ooc.scheduler.schedule``); an output the block returns
-    cannot be swapped (it is the next block's input) and raises :class:`RecomputeError`.
+    cannot be swapped (it is the next block's input) and raises :class:`RecomputeError`, unless this
+    forward ran other ops than the profiled one whose ``op_signature`` the plan carries (then the
+    re-run runs whole: NOTE [a forward the plan does not fit] in ``ooc.op_profile``).
     Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
     leaves, spec = tree_flatten((args, kwargs))
@@ -599,7 +602,8 @@ def run_recomputed(
     before = [leaves[k]._version for k in frame.tensor_slots]
     if cached_ops:
         frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError,
-                                   swapped=tuple(swapped_ops), swap=swap_cached, eval_mode=frame._ran_in_eval_mode())
+                                   swapped=tuple(swapped_ops), swap=swap_cached, eval_mode=frame._ran_in_eval_mode(),
+                                   signature=op_signature)
     with (
         saved_tensors_hooks(frame.pack_forward, frame.unpack),
         timer("forward"),

@@ -335,6 +335,7 @@ class _BlockForward:
                     # RELEASE and SWAP_IN of this block move them with its other swapped bytes, and they
                     # are registered with this pass like them (NOTE [swapped cached ops] in ooc.scheduler.schedule).
                     swapped_ops=decision.swapped_ops,
+                    op_signature=decision.op_signature,
                     swap_cached=step.pack_hook(i, swap=True, what="cache", swap_all=True) if decision.swapped_ops else None,
                 )
             else:

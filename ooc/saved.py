@@ -102,7 +102,8 @@ class SwappedStorage:
     instead and adds only their encoding and decoding.
     """
 
-    __slots__ = ("ctx", "block", "nbytes", "counted", "device", "host", "d2h_done", "copied_back", "h2d_done", "__weakref__")
+    __slots__ = ("ctx", "block", "nbytes", "counted", "device", "host", "d2h_done", "copied_back", "h2d_done", "watched",
+                 "modified", "__weakref__")
 
     def __init__(self, ctx: SwapContext, block: int, tensor: torch.Tensor, what: str, *, counted: bool = True) -> None:
         self.ctx = ctx
@@ -119,6 +120,10 @@ class SwappedStorage:
         self.h2d_done: Event | None = None
         self.host: torch.Tensor | None = None
         self.d2h_done: Event | None = None  # stays None if the copy could not be issued (backend closed)
+        self.watched: list[tuple[torch.Tensor, int]] = []
+        """Tensors in these bytes that must not change while the copy out may read them (``watch``)."""
+        self.modified = False
+        """One of them was modified in place before ``release`` (``modified_in_flight``)."""
         with nvtx.range(f"ooc/swap_out/{ctx.names[block]}"):
             device_bytes = self.encode(tensor)
             self.nbytes = device_bytes.numel()
@@ -136,11 +141,28 @@ class SwappedStorage:
         """The device bytes to move, as a 1-D ``uint8`` tensor: here the whole storage (no copy)."""
         return storage_bytes(tensor)
 
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Note whether ``tensor`` (in these bytes; a tensor sharing its version counter with the
+        caller's) is modified in place before ``release``: an in-place op issued until then is not
+        ordered with the copy out, which may read the bytes before or after it (NOTE [swapped cached
+        ops] in ``ooc.scheduler.schedule``). Nothing else writes them: autograd's saved tensors carry
+        their own version check (NOTE [saved tensors modified in place] in ``ooc.runtime``)."""
+        if self.device is not None:
+            self.watched.append((tensor, tensor._version))
+
+    def modified_in_flight(self) -> bool:
+        """Whether a watched tensor was modified in place while the copy out was not yet ordered before
+        compute (so the host copy may hold either value)."""
+        return self.modified or any(t._version != v for t, v in self.watched)
+
     def release(self) -> None:
         if self.device is None:
             return
-        # Compute must not run ahead of the copy out: this bounds the device bytes in flight.
+        # Compute must not run ahead of the copy out: this bounds the device bytes in flight. Any
+        # in-place op issued from here on runs after the copy; the ones before may have raced it.
         self.ctx.backend.wait_compute(self.d2h_done)
+        self.modified = self.modified_in_flight()
+        self.watched = []  # (they held the device bytes)
         self.device = None
         if self.counted:
             self.ctx.tracker.free(self.block, self.nbytes, "release")
@@ -259,6 +281,11 @@ class SwappedView:
         self.offset = tensor.storage_offset()
         self.size = tensor.size()
         self.stride = tensor.stride()
+
+    def watch(self, tensor: torch.Tensor) -> Callable[[], bool]:
+        """``SwappedStorage.watch``: returns whether ``tensor`` was modified in place while its copy out was in flight."""
+        self.storage.watch(tensor)
+        return self.storage.modified_in_flight
 
     def unpack(self) -> torch.Tensor:
         data = self.storage.materialize()

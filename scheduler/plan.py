@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import hashlib
 import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
@@ -26,6 +27,13 @@ saved before this default record the threshold they were made with (JSON without
 Tests of the swap machinery on tiny models pass ``min_swap_bytes`` explicitly."""
 
 _FIX = "make the plan again (ooc plan) or correct the plan JSON"
+
+
+def op_signature(names: Iterable[str]) -> str:
+    """A short digest (16 hex digits) of a block forward's ops, in order (``names``: each op's
+    overload, e.g. ``"aten.addmm.default"``): what a selective plan's op indices refer to
+    (``BlockPlan.op_signature``; NOTE [a forward the plan does not fit] in ``ooc.op_profile``)."""
+    return hashlib.blake2b("\n".join(names).encode(), digest_size=8).hexdigest()
 
 
 class Policy(str, enum.Enum):
@@ -71,6 +79,10 @@ class BlockPlan:
     before its re-run instead of staying on the device (per-tensor swap, NOTE [swapped cached ops] in
     ``ooc.scheduler.schedule``); they move uncompressed. ``params``: :class:`Residency` of the block's parameters. ``saved_bytes`` / ``device_bytes`` are what the planner expected
     from its profile (``None`` for a hand-written plan); they are shown in the plan table.
+    ``op_signature``: :func:`op_signature` of the profiled forward that ``cached_ops`` and
+    ``swapped_ops`` index (``BlockProfile.op_signature``; ``annotate`` fills it in a planner's plan),
+    so that a forward running other ops (a batch of one row, a validation forward) is told from a
+    plan error; ``None``: not known (a hand-written plan without it).
     """
 
     policy: Policy = Policy.KEEP
@@ -81,6 +93,7 @@ class BlockPlan:
     params: Residency = Residency.RESIDENT
     cached_ops: tuple[int, ...] = ()
     swapped_ops: tuple[int, ...] = ()
+    op_signature: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.cached_ops, (str, bytes)) or not hasattr(self.cached_ops, "__iter__"):
@@ -106,6 +119,9 @@ class BlockPlan:
         for name in ("saved_bytes", "device_bytes"):
             if getattr(self, name) is not None:
                 object.__setattr__(self, name, checks.count(getattr(self, name), name, PlanError, hint=f"leave it out or {_FIX}"))
+        if self.op_signature is not None and not _is_signature(self.op_signature):
+            raise PlanError(f"op_signature must be 16 hex digits (ooc.scheduler.plan.op_signature of the profiled "
+                            f"block's op names), got {self.op_signature!r:.80}; leave it out or {_FIX}")
         if self.swap_input and self.policy is not Policy.RECOMPUTE:
             raise PlanError("swap_input=True only applies to RECOMPUTE blocks")
         if self.cached_ops and self.policy is not Policy.RECOMPUTE:
@@ -139,6 +155,10 @@ class BlockPlan:
 
 
 _Choice = TypeVar("_Choice", Policy, Codec, Residency)
+
+
+def _is_signature(value: object) -> bool:
+    return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def _member(kind: type[_Choice], value: object, field: str) -> _Choice:
@@ -250,6 +270,7 @@ class Plan:
                     "params": b.params.value,
                     "cached_ops": list(b.cached_ops),
                     "swapped_ops": list(b.swapped_ops),
+                    **({"op_signature": b.op_signature} if b.op_signature is not None else {}),
                 }
                 for b in self.blocks
             ],
@@ -282,6 +303,7 @@ class Plan:
                         params=b.get("params", "resident"),
                         cached_ops=b.get("cached_ops", ()),
                         swapped_ops=b.get("swapped_ops", ()),
+                        op_signature=b.get("op_signature"),
                     )
                     for b in blocks
                 ),

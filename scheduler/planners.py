@@ -16,7 +16,8 @@ from ooc.scheduler.units import check_budget
 
 
 def annotate(plan: Plan, profile: Profile) -> Plan:
-    """Fill each block's expected saved and device bytes from the profile (shown in the plan table)."""
+    """Fill each block's expected saved and device bytes from the profile (shown in the plan table),
+    and a selective block's ``op_signature`` (the profiled forward its op indices refer to)."""
     schedule = build_schedule(plan, profile)
     blocks = []
     for decision, prof in zip(plan.blocks, profile.blocks):
@@ -30,7 +31,9 @@ def annotate(plan: Plan, profile: Profile) -> Plan:
                 on_device += cached_ops_cost(decision, prof)[0]
             # Swapped cached outputs are on the host between release and copy-back, like a swapped input.
             on_device -= swapped_ops_bytes(decision, prof)[0]
-        blocks.append(replace(decision, saved_bytes=prof.saved_bytes, device_bytes=on_device))
+        signature = prof.op_signature if decision.cached_ops else None
+        blocks.append(replace(decision, saved_bytes=prof.saved_bytes, device_bytes=on_device,
+                              op_signature=signature or decision.op_signature))
     meta = [("predicted_peak_bytes", schedule.peak_bytes)]
     if any(b.streamed for b in plan.blocks):
         meta.append(("predicted_param_peak_bytes", schedule.param_peak_bytes))

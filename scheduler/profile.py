@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 from ooc.scheduler import checks
 from ooc.scheduler.codecs import nominal_ratio
 from ooc.scheduler.errors import ProfileError
-from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES
+from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, op_signature
 
 PROFILE_FORMAT_VERSION = 3
 _FIX = "profile the model again (ooc profile) or correct the profile JSON"
@@ -217,6 +217,12 @@ class BlockProfile:
             raise ProfileError(f"{where}each codec_error entry must be [codec, error], got {entry!r}; {_FIX}")
         name = checks.text(entry[0], "a codec_error's codec", ProfileError, where=where, hint=_FIX)
         return name, checks.number(entry[1], f"codec_error of {name}", ProfileError, where=where, hint=_FIX)
+
+    @property
+    def op_signature(self) -> str | None:
+        """:func:`~ooc.scheduler.plan.op_signature` of the block's ops (what a selective
+        ``BlockPlan``'s op indices refer to, ``BlockPlan.op_signature``); ``None`` without op-level detail."""
+        return op_signature(op.name for op in self.ops) if self.ops else None
 
     @property
     def replayed_s(self) -> float:

@@ -15,8 +15,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import ooc
+from ooc.api import plan_for_profile
 from ooc.models import GPT
 from ooc.recompute import PlanMismatchWarning, RecomputeError
+from ooc.scheduler.hardware import preset
 from tests.helpers import (
     NANO,
     ce_loss,
@@ -94,6 +96,27 @@ def test_the_op_sequence_is_the_same_in_every_profile(gpt_profile) -> None:
                [(o.name, o.output_bytes, o.saved_bytes, o.cacheable) for o in b.ops]
     plain = ooc.profile(GPT(NANO), gpt_batch(), codec_errors=False, reps=1, min_swap_bytes=1024)
     assert all(b.ops == () for b in plain.blocks)  # opt-in
+
+
+def test_a_planned_selective_block_carries_the_signature_of_the_ops_its_forward_runs(gpt_profile, caches) -> None:  # noqa: ANN001
+    """The op-level planner's plan says which forward its op indices refer to (``op_signature``, from
+    the profile's op names); the runtime's forward on a batch like the profiled one runs exactly those ops."""
+    cpu = preset("cpu")
+    keep_all = dict(plan_for_profile(gpt_profile, "1TiB", hardware=cpu, planner="keep-all").meta)
+    plan = plan_for_profile(gpt_profile, keep_all["predicted_peak_bytes"] // 2, hardware=cpu, planner="op-level")
+    selective = [i for i, b in enumerate(plan.blocks) if b.cached_ops]
+    assert selective, plan
+    assert all(plan.blocks[i].op_signature == gpt_profile.blocks[i].op_signature is not None for i in selective)
+    assert all(b.op_signature is None for b in plan.blocks if not b.cached_ops)
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    ooc.wrap(model, plan, backend="cpu")
+    try:
+        gpt_loss(model, gpt_batch()).backward()
+    finally:
+        ooc.unwrap(model)
+    assert [c.signature for c in caches] == [plan.blocks[i].op_signature for i in selective]
+    assert not any(c._ran_other_ops() or c.refused for c in caches)
 
 
 def test_what_is_cacheable(gpt_profile) -> None:

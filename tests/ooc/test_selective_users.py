@@ -8,7 +8,6 @@ plain PyTorch runs it."""
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Callable
 
 import pytest
@@ -17,6 +16,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
+from ooc.backend.cpu import CpuBackend
+from ooc.backend.order import StreamOrderError
 from ooc.models import GPT
 from ooc.recompute import PlanMismatchWarning, RecomputeError
 from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
@@ -233,6 +234,72 @@ def test_an_activation_a_forward_hook_kept_and_the_caller_changed_is_refused(hel
         ooc.unwrap(model)
 
 
+def _swapped_qkv_run(gpt_profile, change: Callable[[GPT, list[torch.Tensor]], None],  # noqa: ANN001
+                     backend: str | CpuBackend = "cpu") -> list[list[torch.Tensor]]:
+    """Plain PyTorch, then the plan that caches and swaps each block's qkv ``addmm`` (on ``backend``), on
+    the nano GPT whose qkv outputs a forward hook keeps; ``change(model, kept)`` (after building the
+    model) changes them in place somewhere. Returns each run's gradients."""
+    addmm = [next(k for k, op in enumerate(b.ops) if op.name == "aten.addmm.default") for b in gpt_profile.blocks]
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan("recompute", cached_ops=(k,), swapped_ops=(k,)) for k in addmm),
+                    min_swap_bytes=1024)
+    grads = []
+    for wrap in (False, True):
+        kept: list[torch.Tensor] = []
+        torch.manual_seed(0)
+        model = GPT(NANO)
+        for block in model.blocks:
+            block.attn.qkv.register_forward_hook(lambda _m, _args, out, kept=kept: kept.append(out))
+        change(model, kept)
+        if wrap:
+            ooc.wrap(model, plan, backend=backend)
+        try:
+            torch.manual_seed(1)
+            gpt_loss(model, gpt_batch()).backward()
+        finally:
+            if wrap:
+                ooc.unwrap(model)
+        grads.append([p.grad for p in model.parameters()])
+    return grads
+
+
+def test_a_swapped_activation_changed_while_its_copy_is_in_flight_is_refused(gpt_profile) -> None:
+    """The plan swaps each block's qkv output; the caller changes block 0's in place during block 1's
+    forward, before the schedule's RELEASE orders its copy to the host before compute. That change
+    races the copy (the stream-order checker sees it), so the re-run could read either value: with the
+    checker off, as a user runs, the re-run refuses (it was not watched at all)."""
+    def during_the_next_block(model: GPT, kept: list[torch.Tensor]) -> None:
+        def change(_m: nn.Module, _args: tuple) -> None:
+            with torch.no_grad():
+                kept[0].mul_(0.5)
+        model.blocks[1].register_forward_pre_hook(change)
+
+    checked, unchecked = CpuBackend(check_order=True), CpuBackend(check_order=False)
+    try:
+        with pytest.raises(StreamOrderError, match=r"D2H copy .* is not ordered before aten::mul_ \(write\)"):
+            _swapped_qkv_run(gpt_profile, during_the_next_block, checked)
+        with pytest.raises(RecomputeError, match=r"block blocks\.0: the output of op \d+ \(aten\.addmm\.default\), which its "
+                                                 "plan caches, is modified in place after the forward while its copy to the "
+                                                 "host was in flight"):
+            _swapped_qkv_run(gpt_profile, during_the_next_block, unchecked)
+    finally:
+        checked.close()
+        unchecked.close()
+
+
+def test_a_swapped_activation_changed_after_its_copy_trains_as_plain_pytorch(gpt_profile) -> None:
+    """The same change once the forward is over (block 0's copy is then ordered before compute): the
+    host copy holds the forward's value, which is what plain PyTorch's gradients come from (it saved
+    no qkv), so the step trains bit for bit as plain PyTorch, without an error."""
+    def after_the_forward(model: GPT, kept: list[torch.Tensor]) -> None:
+        def change(_m: nn.Module, _args: tuple, out: torch.Tensor) -> None:
+            with torch.no_grad():
+                kept[0].mul_(0.5)
+        model.register_forward_hook(change)
+
+    plain, wrapped = _swapped_qkv_run(gpt_profile, after_the_forward)
+    assert all(torch.equal(a, b) for a, b in zip(plain, wrapped, strict=True))
+
+
 class _TwoDropouts(nn.Module):
     """In training: t, addmm, dropout (4 ops), tanh, mul, t, addmm, dropout (4 ops), add; in eval mode the
     dropouts run nothing, so the add it returns is op 6, where the training forward ran its tanh."""
@@ -326,21 +393,42 @@ def _CentredChain() -> _ChainOf:  # noqa: N802 - used as a model class
     return _ChainOf(_Centred)
 
 
-@pytest.mark.xfail(strict=True, raises=RecomputeError, reason=(
-    "a training forward that runs other ops than the profiled one (here a batch of one row) may return the output "
-    "of an op the plan swaps; ForwardCache.finish cannot tell that from a plan that swaps a returned output (an "
-    "error) without the profiled forward's op count, which BlockPlan does not carry, so it raises where it should "
-    "re-run the block whole (it does so in eval mode)"))
 def test_a_training_forward_whose_output_is_a_swapped_op_of_the_profiled_one() -> None:
+    """A training forward that runs other ops than the profiled one (a batch of one row) returns the
+    output of an op the plan swaps. The plan carries the profiled ops' signature, so that is told from
+    a plan that swaps a returned output (an error): the block re-runs whole, as in eval mode, and
+    trains as plain PyTorch (it raised RecomputeError)."""
     g = torch.Generator().manual_seed(0)
     x = torch.randn(4, 8, generator=g)
     torch.manual_seed(0)
     prof = ooc.profile(_CentredChain(), x, ops=True, codec_errors=False, reps=1, min_swap_bytes=64)
     mul = prof.blocks[0].ops[4]
     assert (mul.name, mul.cacheable, mul.returned, mul.output_bytes > 0) == ("aten.mul.Tensor", True, False, True)
-    plan = ooc.Plan(blocks=(ooc.BlockPlan("recompute", cached_ops=(4,), swapped_ops=(4,)),) * 3, min_swap_bytes=64)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", PlanMismatchWarning)
+    signature = prof.blocks[0].op_signature
+    plan = ooc.Plan(blocks=(ooc.BlockPlan("recompute", cached_ops=(4,), swapped_ops=(4,), op_signature=signature),) * 3,
+                    min_swap_bytes=64)
+    with pytest.warns(PlanMismatchWarning, match=r"its plan swaps the output of op 4 \(aten\.add\.Tensor\).*this forward "
+                                                 "ran other ops than the profiled one"):
         results = train_side_by_side(_CentredChain, lambda m, b: m(b), [x, x[:1]],
                                      lambda m: ooc.wrap(m, plan, backend="cpu"))
     assert results == [(True, True, True)] * 2
+
+
+def test_a_plan_that_swaps_a_returned_output_of_the_profiled_forward_is_refused() -> None:
+    """The same plan on the profiled batch: the forward ran the profiled ops (same signature) and
+    returns op 6, which the plan swaps: a plan error, raised, not a re-run."""
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    prof = ooc.profile(_CentredChain(), x, ops=True, codec_errors=False, reps=1, min_swap_bytes=64)
+    ops = prof.blocks[0].ops
+    assert ops[-1].returned and ops[-1].cacheable
+    last = len(ops) - 1
+    plan = ooc.Plan(blocks=(ooc.BlockPlan("recompute", cached_ops=(last,), swapped_ops=(last,),
+                                          op_signature=prof.blocks[0].op_signature),) * 3, min_swap_bytes=64)
+    model = _CentredChain()
+    ooc.wrap(model, plan, backend="cpu")
+    try:
+        with pytest.raises(RecomputeError, match=rf"its plan swaps the output of op {last} \(aten\.add\.Tensor\), which the "
+                                                 "block returns"):
+            model(x)
+    finally:
+        ooc.unwrap(model)

@@ -5,6 +5,7 @@ import json
 import pytest
 
 from ooc.scheduler import BlockPlan, Plan, PlanError, Policy, format_bytes, parse_bytes
+from ooc.scheduler.plan import op_signature
 
 
 def test_json_round_trip() -> None:
@@ -15,6 +16,21 @@ def test_json_round_trip() -> None:
         name="mine",
     )
     assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_a_selective_block_keeps_its_op_signature_through_json() -> None:
+    signature = op_signature(["aten.mm.default", "aten.tanh.default"])
+    plan = Plan(blocks=(BlockPlan("recompute", cached_ops=(0,), op_signature=signature), BlockPlan("keep")))
+    data = plan.to_dict()
+    assert data["blocks"][0]["op_signature"] == signature and "op_signature" not in data["blocks"][1]
+    assert Plan.from_json(plan.to_json()) == plan
+
+
+def test_op_signature_is_the_ops_in_order() -> None:
+    assert op_signature(["aten.mm.default", "aten.tanh.default"]) != op_signature(["aten.tanh.default", "aten.mm.default"])
+    assert op_signature(["aten.mm.default"]) == op_signature(iter(["aten.mm.default"]))
+    with pytest.raises(PlanError, match="op_signature must be 16 hex digits"):
+        BlockPlan("recompute", cached_ops=(0,), op_signature="not a digest")
 
 
 def test_table_shows_each_block() -> None:
