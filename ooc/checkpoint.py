@@ -923,7 +923,10 @@ class Checkpointer:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
-        self.directory = Path(directory)
+        # Made absolute once, here: a relative directory stays where it was when the Checkpointer
+        # was made, for every later save, restore and the writer thread, whatever os.chdir comes
+        # later (a process changing directory midway wrote later versions, or half of one, elsewhere).
+        self.directory = Path(os.path.abspath(directory))
         model = _compiled_module(model)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra = extra
