@@ -14,6 +14,9 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
     .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
                                     locks]); deleted once every rank has committed
 
+and, beside the versions, ``.writer-rank{r}.lock``: while a job writes into the directory, the file
+its rank ``r`` locks, so that a second job is refused (NOTE [one job per directory]).
+
 NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
 loaded. The checksum catches a flipped byte, a torn or truncated page, a file from another version:
@@ -261,9 +264,11 @@ def _refusal(directory: Path, step: int, newest: int) -> CheckpointError:
     it, raised by the next ``save``). Versions known to be damaged do not count, and the save moves
     them aside (NOTE [damaged versions moved aside]): those whose commit record is damaged, and
     those whose files a ``restore(fallback=True)`` found damaged (listings read only the records).
-    The check is a comparison: the Checkpointer reads the directory once (its cleanup, a restore or
-    its first save) and takes each of its own commits as the newest since. Another process's
-    commits meanwhile go unseen; at the same step the writer still refuses to replace a commit."""
+    The check is a comparison: the Checkpointer reads the directory when it takes the directory's
+    lock (its first save: NOTE [one job per directory]; rank 0 also at its cleanup, and each
+    restore) and takes each of its own commits as the newest since: no other job writes there
+    while it holds the lock. (Where the file system has no flock, another job's commits go unseen;
+    at the same step the writer still refuses to replace a commit.)"""
     advice = ("to branch from an older version, restore it and save into a new directory (Checkpointer(new_dir, "
               f"...), ooc train --save NEW_DIR), or remove the versions from step {step} on from {directory}")
     if step == newest:
@@ -572,6 +577,146 @@ class _FolderLock:
                 (self.folder / _LOCK_FILE).unlink(missing_ok=True)
         finally:
             os.close(fd)
+
+
+_WRITER_LOCK_RE = re.compile(r"^\.writer-rank\d+\.lock$")
+"""The file in the checkpoint directory the writing Checkpointer of a rank locks (NOTE [one job per
+directory])."""
+_CONTENDED_SECONDS = 1.0
+"""How long taking the directory's lock waits out another holder before it says another job holds it:
+a cleanup holds a stale lock file a moment to delete it; a writing job holds it until it closes."""
+
+
+def _writer_lock_file(directory: Path, rank: int) -> Path:
+    return directory / f".writer-rank{rank}.lock"
+
+
+class _DirectoryLock:
+    """The lock a writing Checkpointer holds on its directory, for its rank (NOTE [one job per directory]).
+
+    NOTE [one job per directory]
+    Two jobs saving into one directory (a run started twice, ``ooc train --save DIR`` beside a live
+    run on DIR, or two Checkpointers in one process) wrote the same version's files in place over
+    each other, which a restore caught only as a checksum error; each one's retention deleted the
+    other's versions, and each refused the steps the other had committed. So the Checkpointer of
+    rank ``r`` holds ``flock(LOCK_EX)`` on ``.writer-rank{r}.lock`` in the directory from its first
+    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another one of the
+    same rank that would write there gets a :class:`CheckpointError` saying another job holds the
+    directory (with the holder's pid and host, which the holder writes into the file). Every job has
+    a rank 0, so of two jobs the second always fails (on every rank the two share; its ranks beyond
+    the first job's world fail with it at their first collective). The ranks of one job lock files
+    of their own and never exclude each other. Readers (:meth:`Checkpointer.restore`, ``versions``,
+    ``latest``, ``export``, ``ooc checkpoints list``) take no lock: they go by the commit records, so
+    they work while a job writes.
+
+    The lock belongs to the open file description: two Checkpointers in one process exclude each
+    other as two processes do, and the kernel drops it when its process dies (``kill -9`` included),
+    so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
+    deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
+    unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
+    child lives holds the directory until the child exits. The holder deletes the file at
+    ``close``; a taker that locked a file deleted meanwhile finds the path names another file (or
+    none) and takes it again, as with the folder locks (NOTE [folder locks]).
+
+    Where flock reaches across hosts (NFS emulates it with byte-range locks; Lustre with ``-o
+    flock``), jobs on other hosts are excluded too, but byte-range locks of one process never
+    conflict, so on NFS two Checkpointers in one process are not told apart. Where the file system
+    has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
+    without a lock manager) the directory is written without the lock, as before it: a second job
+    is not detected, and its versions are caught only by their checksums."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path = path
+        self._fd = fd
+
+    def __del__(self) -> None:
+        if self._fd is not None:  # a Checkpointer dropped without close(): the lock goes with it
+            os.close(self._fd)
+
+    @classmethod
+    def take(cls, directory: Path, rank: int) -> _DirectoryLock:
+        """Lock rank ``rank``'s file in ``directory``, or raise :class:`CheckpointError` if another
+        Checkpointer holds it."""
+        path = _writer_lock_file(directory, rank)
+        for _ in range(_LOCK_TRIES):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if not _flock_within(fd, _CONTENDED_SECONDS):
+                    raise _held_error(directory, path)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in _NO_FLOCK:
+                    return cls(path, None)
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):
+                holder = f"pid {os.getpid()} on {os.uname().nodename}".encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, holder, 0)
+                return cls(path, fd)
+            os.close(fd)  # deleted by its holder's close (or a cleanup) before it was ours: take it again
+        raise CheckpointError(f"could not lock {path}: it was deleted under this Checkpointer {_LOCK_TRIES} times; "
+                              "is another program deleting the checkpoint directory's files?")
+
+    def release(self) -> None:
+        """Delete the file and unlock it (again: nothing)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # for a forked child sharing the open file description too
+        finally:
+            os.close(fd)
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Take ``flock(LOCK_EX)`` on ``fd``, trying for up to ``seconds``; return whether it was taken
+    (raises the OSError of a file system without flock)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+def _held_error(directory: Path, path: Path) -> CheckpointError:
+    try:
+        holder = path.read_text(errors="replace").strip() or "a process"
+    except OSError:
+        holder = "a process"
+    if holder == f"pid {os.getpid()} on {os.uname().nodename}":
+        holder += " (this process: another Checkpointer on the directory, not closed, maybe one made earlier and dropped)"
+    return CheckpointError(
+        f"another job holds the checkpoint directory {directory}: {holder} has the lock on {path.name}, taken by a "
+        "Checkpointer of this rank that saved there and is not closed (in this process or another). Two jobs saving "
+        "into one directory would write over each other's files and delete each other's versions. Stop that job or "
+        "close() its Checkpointer, or save into another directory (ooc train --save NEW_DIR); its versions can be "
+        "read meanwhile (restore, versions, ooc checkpoints list)")
+
+
+def _remove_stale_writer_lock(path: Path) -> None:
+    """Delete ``path``, a rank's directory lock file, unless a Checkpointer holds it (NOTE [one job
+    per directory])."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return  # gone already, or not ours to change
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass  # held (a writing job's), or no flock here: left be
+    finally:
+        os.close(fd)
 
 
 def _remove_unless_written(folder: Path, step: int) -> bool:
@@ -951,6 +1096,8 @@ class Checkpointer:
         self._closed = False
         """Set by :meth:`close`: ``save`` refuses."""
         self._held: list[_FolderLock] = []
+        self._directory_lock: _DirectoryLock | None = None
+        """This rank's lock on the directory, from the first save until close (NOTE [one job per directory])."""
         """Locks on versions this rank committed that other ranks had not yet (NOTE [folder locks])."""
         self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
             and hasattr(optimizer, "buckets") and hasattr(optimizer, "held_buckets") and not getattr(optimizer, "delayed_update", True)
@@ -986,10 +1133,7 @@ class Checkpointer:
         ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
         save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
         returns False at once (NOTE [skipped saves]; one rank only)."""
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
-                                  "be written unprotected from the next updates); make a new Checkpointer on the "
-                                  "directory to save again")
+        self._check_open()
         try:
             step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
         except TypeError:
@@ -1027,6 +1171,12 @@ class Checkpointer:
                 self._writer.start()
         return True
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
+                                  "be written unprotected from the next updates); make a new Checkpointer on the "
+                                  "directory to save again")
+
     def _check_no_open_step(self) -> None:
         """Refuse a save between a backward and ``step()`` whose updates started in the backward.
 
@@ -1050,11 +1200,23 @@ class Checkpointer:
 
     def check_step(self, step: int) -> None:
         """Raise the :class:`CheckpointError` that ``save(step)`` would for its step, one at or below
-        the newest intact version (NOTE [saves go forward]); write nothing. A run can check its first
-        save's step before it trains."""
+        the newest intact version (NOTE [saves go forward]), or for a directory another job holds
+        (NOTE [one job per directory]); write nothing. From a check that passes on, the
+        Checkpointer holds the directory for its rank, as its first save would. A run can check its
+        first save's step before it trains."""
+        self._check_open()
+        claimed = self._directory_lock is None
+        if claimed:
+            self._directory_lock = _DirectoryLock.take(self.directory, self.rank)
+            # Read again now that no other job writes here: one that held the directory until now
+            # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
+            self._newest = None
         if self._newest is None:
             self._learn(*_scan(self.directory))
         if step <= self._newest:
+            if claimed:  # a refused check leaves the directory as it found it
+                self._directory_lock.release()
+                self._directory_lock = None
             raise _refusal(self.directory, step, self._newest)
 
     def _learn(self, found: list[Version], damaged: dict[int, CorruptCheckpointError]) -> None:
@@ -1446,6 +1608,9 @@ class Checkpointer:
                     tmp.unlink(missing_ok=True)
         for leftover in self._spares() + self._removing():
             shutil.rmtree(leftover, ignore_errors=True)
+        for path in self.directory.iterdir():
+            if _WRITER_LOCK_RE.match(path.name):
+                _remove_stale_writer_lock(path)  # a killed job's (NOTE [one job per directory])
 
     def _removing(self) -> list[Path]:
         """Folders a cleanup moved away to delete, left by a crash meanwhile (NOTE [folder locks])."""
@@ -1670,6 +1835,8 @@ class Checkpointer:
             if self.rank == 0:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)
+            if self._directory_lock is not None:
+                self._directory_lock.release()  # another job may write here now (NOTE [one job per directory])
             self._closed = True
 
 
