@@ -138,6 +138,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -183,8 +184,55 @@ MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-"""torch dtype -> safetensors dtype name."""
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+           torch.complex64: "C64", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+"""torch dtype -> safetensors dtype name: those of safetensors 0.8 (NOTE [safetensors dtypes])."""
+
+
+@functools.cache
+def _saves_in_safetensors(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` goes into a safetensors file and reads back as itself here.
+
+    NOTE [safetensors dtypes]
+    The model and optimizer files are safetensors, which names fewer dtypes than torch has (no
+    complex128, complex32 or float8_e8m0fnu; complex64, the unsigned ints and the fnuz float8s only
+    from some release on: ooc asks for >= 0.4). A tensor of a dtype it has not failed the write on
+    the writer thread, raised by the next ``save`` or ``wait`` after the loop had gone on; ``save``
+    refuses it now, before anything is written (:func:`_refuse_dtype`). Whether the installed
+    safetensors reads a dtype back is tried once per dtype on a one-element file in the format the
+    writer streams (:func:`_safetensors_chunks`)."""
+    if dtype not in _DTYPES:
+        return False
+    probe = torch.zeros(1, dtype=dtype)
+    try:
+        data = b"".join(bytes(chunk) for chunk in _safetensors_chunks({"t": probe}))
+        return safetensors.torch.load(data)["t"].dtype == dtype
+    except Exception:  # noqa: BLE001 - any refusal of an older safetensors: the dtype is not saved
+        return False
+
+
+def _refuse_overlap(what: str, value: torch.Tensor) -> None:
+    """Raise if elements of ``value``, a model tensor, share memory (a dimension of stride 0, as
+    ``expand`` makes): ``load_state_dict`` cannot copy into it, so no restore could load the version,
+    and it would fail having loaded the other weights."""
+    if any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride())):
+        raise CheckpointError(f"cannot save {what}: elements of it share memory (stride {tuple(value.stride())}, an "
+                              "expand()ed tensor), and load_state_dict cannot copy into such a tensor, so no restore "
+                              "could load the version. Register it with persistent=False if it is derived, or store "
+                              "it materialized (.contiguous())")
+
+
+def _refuse_dtype(what: str, value: torch.Tensor, file: str) -> None:
+    """Raise unless ``value`` can go into the safetensors file ``file`` (NOTE [safetensors dtypes])."""
+    if _saves_in_safetensors(value.dtype):
+        return
+    names = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES if _saves_in_safetensors(d))
+    raise CheckpointError(
+        f"cannot save {what} of dtype {value.dtype}: {file} is a safetensors file, which has no such dtype "
+        f"(it holds {names}). Convert it before saving (a complex128 tensor as float64 pairs with "
+        "torch.view_as_real, a complex32 one as complex64), or keep it out of the model's state_dict and the "
+        "optimizer's state, e.g. in the extra dict (saved with torch.save)")
 
 
 def _optimizer_file(rank: int) -> str:
@@ -1284,7 +1332,10 @@ class Checkpointer:
         slots: dict[int, list[tuple[Any, Any]]] = {}
         pending: list[Any] = []
 
-        def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None) -> None:
+        def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None, what: str, file: str) -> None:
+            _refuse_dtype(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
+            if owner is None and file == MODEL_FILE:
+                _refuse_overlap(what, value)
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
                 container[key] = _host_copy(value, pending)
@@ -1299,7 +1350,7 @@ class Checkpointer:
             weights: dict[str, torch.Tensor] = {}
             for name, value in self.model.state_dict(keep_vars=True).items():
                 if isinstance(value, torch.Tensor):
-                    place(weights, name, value, params.get(name))
+                    place(weights, name, value, params.get(name), f"model tensor {name!r}", MODEL_FILE)
                 else:
                     model_extra[name] = _clone(value)
             files[MODEL_FILE] = weights
@@ -1323,7 +1374,7 @@ class Checkpointer:
                 for fname, value in entry.items():
                     if isinstance(value, torch.Tensor):
                         key = f"{pname}.{fname}"
-                        place(tensors, key, value, owner)
+                        place(tensors, key, value, owner, f"optimizer state {key!r}", _optimizer_file(self.rank))
                         index[key] = {"file": _optimizer_file(self.rank), "param": pname, "field": fname,
                                       "dtype": str(value.dtype), "global_shape": list(value.shape),
                                       "offsets": [0] * value.dim(), "shape": list(value.shape)}
