@@ -273,6 +273,15 @@ class UnreadableCheckpointError(CorruptCheckpointError):
                                  "newest version that can be read")
 
 
+class NoIntactVersionError(CheckpointError):
+    """``restore(fallback=True)`` found every version at or below the one asked for damaged (or
+    unreadable); ``errors`` holds each one's :class:`CorruptCheckpointError`, newest first."""
+
+    def __init__(self, directory: Path, errors: list[CorruptCheckpointError]) -> None:
+        self.errors = errors
+        super().__init__(f"every checkpoint in {directory} is corrupt: " + "; ".join(map(str, errors)))
+
+
 @dataclass(frozen=True)
 class Version:
     """One committed version: its folder, step, the metadata given to ``save`` and its commit records."""
@@ -1720,7 +1729,7 @@ class Checkpointer:
             self._learn(found, damaged)
             return v
         self._learn(found, damaged)
-        raise CheckpointError(f"every checkpoint in {self.directory} is corrupt: " + "; ".join(map(str, errors)))
+        raise NoIntactVersionError(self.directory, errors)
 
     def _read(self, v: Version) -> dict[str, Any]:
         """Read and check every file this rank needs from ``v`` (saved by any number of ranks, NOTE
@@ -2121,4 +2130,4 @@ def _params_from_masters(optimizer: torch.optim.Optimizer) -> None:
                 p.copy_(state["master"])
 
 
-__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "UnreadableCheckpointError", "Version", "damaged_versions", "list_versions"]
+__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "NoIntactVersionError", "UnreadableCheckpointError", "Version", "damaged_versions", "list_versions"]
