@@ -12,6 +12,7 @@ import safetensors.torch
 import torch
 from torch import nn
 
+import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError
 from ooc.optim import HostAdamW
 
@@ -250,3 +251,45 @@ def test_a_buffer_whose_elements_share_memory_is_refused_by_save(tmp_path: Path)
         ckpt.save(1)
     ckpt.close()
     assert [p.name for p in tmp_path.iterdir()] == []
+
+
+@pytest.mark.parametrize("layout", ["transposed", "strided", "permuted", "offset", "contiguous", "scalar", "empty"])
+def test_any_byte_range_of_any_layout_is_the_row_major_bytes(layout: str) -> None:
+    """The writer's slices of a tensor (``_tensor_bytes``) are its row-major bytes, for any layout
+    and any range of whole elements (ranges across rows, within one row, past the end)."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, 7, generator=gen).to(torch.float16)
+    t = {"transposed": base[0].t(), "strided": base[::2, 1::3, ::2], "permuted": base.permute(2, 0, 1),
+         "offset": base[3:, 2], "contiguous": base, "scalar": base[1, 2, 3], "empty": base[:, :0]}[layout]
+    expected = bytes(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    size = len(expected)
+    ranges = [(0, None), (0, size), (0, size + 64)] + [
+        tuple(sorted(2 * int(k) for k in torch.randint(0, size // 2 + 2, (2,), generator=gen))) for _ in range(40)]
+    for start, stop in ranges:
+        assert bytes(ckpt_mod._tensor_bytes(t, start, stop)) == expected[start:stop], (start, stop)
+
+
+def test_a_non_contiguous_tensor_is_copied_once_not_once_per_slice(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The writer reads a tensor a slice at a time; a transposed one was made contiguous whole for
+    each slice (a 128 MiB transposed weight took 5.7 s to save, 0.24 s contiguous). Now each slice
+    copies only its rows: the elements copied by ``contiguous`` add up to the tensor's, not to the
+    tensor's times its slices."""
+    monkeypatch.setattr(ckpt_mod, "_SLICE_BYTES", 4096)
+    model = nn.Module()
+    model.w = nn.Parameter(torch.randn(64, 512).t())  # 128 KiB: 32 slices
+    copied = []
+    real = torch.Tensor.contiguous
+
+    def contiguous(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        if not self.is_contiguous():
+            copied.append(self.numel())
+        return real(self, *args, **kwargs)
+
+    ckpt = Checkpointer(tmp_path, model)
+    monkeypatch.setattr(torch.Tensor, "contiguous", contiguous)
+    ckpt.save(1)
+    ckpt.wait()
+    monkeypatch.undo()
+    ckpt.close()
+    assert sum(copied) <= model.w.numel()
+    assert torch.equal(safetensors.torch.load_file(ckpt.export(None, tmp_path / "w.safetensors"))["w"], model.w)
