@@ -1180,9 +1180,9 @@ class Checkpointer:
         self._closed = False
         """Set by :meth:`close`: ``save`` refuses."""
         self._held: list[_FolderLock] = []
+        """Locks on versions this rank committed that other ranks had not yet (NOTE [folder locks])."""
         self._directory_lock: _DirectoryLock | None = None
         """This rank's lock on the directory, from the first save until close (NOTE [one job per directory])."""
-        """Locks on versions this rank committed that other ranks had not yet (NOTE [folder locks])."""
         self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
             and hasattr(optimizer, "buckets") and hasattr(optimizer, "held_buckets") and not getattr(optimizer, "delayed_update", True)
         """Lazy snapshots (NOTE [lazy snapshots]): HostAdamW without delayed_update only."""
@@ -1370,7 +1370,7 @@ class Checkpointer:
 
         def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None, what: str, file: str) -> None:
             _refuse_dtype(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
-            if owner is None and file == MODEL_FILE:
+            if file == MODEL_FILE:
                 _refuse_overlap(what, value)
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
