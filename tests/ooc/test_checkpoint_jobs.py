@@ -179,3 +179,24 @@ def test_without_flock_the_directory_is_written_unlocked(tmp_path: Path, monkeyp
     for c in (ckpt, other):
         c.close()
     assert _steps(tmp_path) == [1, 2, 3]
+
+
+def test_ooc_train_into_a_directory_another_job_holds_stops_before_it_trains(tmp_path: Path) -> None:
+    """``ooc train --save DIR`` started beside a live job saving into DIR: it stops before its first
+    step, naming the holder, and writes nothing there."""
+    directory = tmp_path / "ckpt"
+    holder = subprocess.Popen([sys.executable, "-c", _HOLDS_THE_DIRECTORY, str(directory), "kill"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        before = sorted(p.name for p in directory.rglob("*"))
+        done = subprocess.run([sys.executable, "-m", "ooc", "train", "--preset", "nano", "--steps", "1", "--batch-size",
+                               "2", "--seq", "16", "--plan", "keep", "--no-progress", "--save", str(directory)],
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
+        assert f"another job holds the checkpoint directory {directory}: pid {holder.pid} on " in done.stderr
+        assert "loss" not in done.stdout
+        assert sorted(p.name for p in directory.rglob("*")) == before
+    finally:
+        holder.kill()
+        holder.wait()
