@@ -212,6 +212,19 @@ def _saves_in_safetensors(dtype: torch.dtype) -> bool:
         return False
 
 
+def _refuse_unsavable(what: str, value: torch.Tensor, file: str) -> None:
+    """Raise unless ``value`` can go into the safetensors file ``file`` and, if a model tensor, be
+    loaded back by ``load_state_dict``: checked by ``save``, not on the writer thread."""
+    if value.layout != torch.strided:
+        raise CheckpointError(f"cannot save {what}: it is a {value.layout} tensor, and {file} is a safetensors file, "
+                              "which holds dense tensors. Keep it dense in the model (.to_dense()), or keep it out of "
+                              "the model's state_dict and the optimizer's state, e.g. in the extra dict (saved with "
+                              "torch.save)")
+    _refuse_dtype(what, value, file)
+    if file == MODEL_FILE:
+        _refuse_overlap(what, value)
+
+
 def _refuse_overlap(what: str, value: torch.Tensor) -> None:
     """Raise if elements of ``value``, a model tensor, share memory (a dimension of stride 0, as
     ``expand`` makes): ``load_state_dict`` cannot copy into it, so no restore could load the version,
@@ -1369,9 +1382,7 @@ class Checkpointer:
         pending: list[Any] = []
 
         def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None, what: str, file: str) -> None:
-            _refuse_dtype(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
-            if file == MODEL_FILE:
-                _refuse_overlap(what, value)
+            _refuse_unsavable(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
                 container[key] = _host_copy(value, pending)

@@ -293,3 +293,17 @@ def test_a_non_contiguous_tensor_is_copied_once_not_once_per_slice(tmp_path: Pat
     ckpt.close()
     assert sum(copied) <= model.w.numel()
     assert torch.equal(safetensors.torch.load_file(ckpt.export(None, tmp_path / "w.safetensors"))["w"], model.w)
+
+
+@pytest.mark.parametrize("layout", ["sparse_coo", "sparse_csr"])
+def test_a_sparse_buffer_is_refused_by_save(tmp_path: Path, layout: str) -> None:
+    """A sparse buffer failed on the writer thread ('could not write checkpoint ... unsupported memory
+    format option', or 'Sparse CSR tensors do not have is_contiguous'), from the next ``wait``:
+    ``save`` refuses it, saying safetensors holds dense tensors only."""
+    model = nn.Linear(2, 2)
+    model.register_buffer("mask", torch.eye(3).to_sparse() if layout == "sparse_coo" else torch.eye(3).to_sparse_csr())
+    ckpt = Checkpointer(tmp_path, model)
+    with pytest.raises(CheckpointError, match=rf"model tensor 'mask': it is a torch.{layout} tensor.*to_dense"):
+        ckpt.save(1)
+    ckpt.close()
+    assert [p.name for p in tmp_path.iterdir()] == []
