@@ -690,7 +690,9 @@ class _DirectoryLock:
 
     Where flock reaches across hosts (NFS emulates it with byte-range locks; Lustre with ``-o
     flock``), jobs on other hosts are excluded too, but byte-range locks of one process never
-    conflict, so on NFS two Checkpointers in one process are not told apart. Where the file system
+    conflict, so on NFS two Checkpointers in one process are not told apart; where it is local to a
+    host (NFS mounted with ``local_lock=flock`` or ``all``, Lustre with ``-o localflock``) a job on
+    another host is not detected. Where the file system
     has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
     without a lock manager) the directory is written without the lock, as before it: a second job
     is not detected, and its versions are caught only by their checksums."""
