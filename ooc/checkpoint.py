@@ -14,6 +14,9 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
     .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
                                     locks]); deleted once every rank has committed
 
+and, beside the versions, ``.writer-rank{r}.lock``: while a job writes into the directory, the file
+its rank ``r`` locks, so that a second job is refused (NOTE [one job per directory]).
+
 NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
 loaded. The checksum catches a flipped byte, a torn or truncated page, a file from another version:
@@ -135,6 +138,7 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import functools
 import hashlib
 import io
 import json
@@ -180,8 +184,68 @@ MODEL_FILE = "model.safetensors"
 MODEL_INDEX = "model.safetensors.index.json"
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
            torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2"}
-"""torch dtype -> safetensors dtype name."""
+           torch.bool: "BOOL", torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
+           torch.complex64: "C64", torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+           torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ"}
+"""torch dtype -> safetensors dtype name: those of safetensors 0.8 (NOTE [safetensors dtypes])."""
+
+
+@functools.cache
+def _saves_in_safetensors(dtype: torch.dtype) -> bool:
+    """Whether a tensor of ``dtype`` goes into a safetensors file and reads back as itself here.
+
+    NOTE [safetensors dtypes]
+    The model and optimizer files are safetensors, which names fewer dtypes than torch has (no
+    complex128, complex32 or float8_e8m0fnu; complex64, the unsigned ints and the fnuz float8s only
+    from some release on: ooc asks for >= 0.4). A tensor of a dtype it has not failed the write on
+    the writer thread, raised by the next ``save`` or ``wait`` after the loop had gone on; ``save``
+    refuses it now, before anything is written (:func:`_refuse_dtype`). Whether the installed
+    safetensors reads a dtype back is tried once per dtype on a one-element file in the format the
+    writer streams (:func:`_safetensors_chunks`)."""
+    if dtype not in _DTYPES:
+        return False
+    probe = torch.zeros(1, dtype=dtype)
+    try:
+        data = b"".join(bytes(chunk) for chunk in _safetensors_chunks({"t": probe}))
+        return safetensors.torch.load(data)["t"].dtype == dtype
+    except Exception:  # noqa: BLE001 - any refusal of an older safetensors: the dtype is not saved
+        return False
+
+
+def _refuse_unsavable(what: str, value: torch.Tensor, file: str) -> None:
+    """Raise unless ``value`` can go into the safetensors file ``file`` and, if a model tensor, be
+    loaded back by ``load_state_dict``: checked by ``save``, not on the writer thread."""
+    if value.layout != torch.strided:
+        raise CheckpointError(f"cannot save {what}: it is a {value.layout} tensor, and {file} is a safetensors file, "
+                              "which holds dense tensors. Keep it dense in the model (.to_dense()), or keep it out of "
+                              "the model's state_dict and the optimizer's state, e.g. in the extra dict (saved with "
+                              "torch.save)")
+    _refuse_dtype(what, value, file)
+    if file == MODEL_FILE:
+        _refuse_overlap(what, value)
+
+
+def _refuse_overlap(what: str, value: torch.Tensor) -> None:
+    """Raise if elements of ``value``, a model tensor, share memory (a dimension of stride 0, as
+    ``expand`` makes): ``load_state_dict`` cannot copy into it, so no restore could load the version,
+    and it would fail having loaded the other weights."""
+    if any(stride == 0 and size > 1 for size, stride in zip(value.shape, value.stride())):
+        raise CheckpointError(f"cannot save {what}: elements of it share memory (stride {tuple(value.stride())}, an "
+                              "expand()ed tensor), and load_state_dict cannot copy into such a tensor, so no restore "
+                              "could load the version. Register it with persistent=False if it is derived, or store "
+                              "it materialized (.contiguous())")
+
+
+def _refuse_dtype(what: str, value: torch.Tensor, file: str) -> None:
+    """Raise unless ``value`` can go into the safetensors file ``file`` (NOTE [safetensors dtypes])."""
+    if _saves_in_safetensors(value.dtype):
+        return
+    names = ", ".join(str(d).removeprefix("torch.") for d in _DTYPES if _saves_in_safetensors(d))
+    raise CheckpointError(
+        f"cannot save {what} of dtype {value.dtype}: {file} is a safetensors file, which has no such dtype "
+        f"(it holds {names}). Convert it before saving (a complex128 tensor as float64 pairs with "
+        "torch.view_as_real, a complex32 one as complex64), or keep it out of the model's state_dict and the "
+        "optimizer's state, e.g. in the extra dict (saved with torch.save)")
 
 
 def _optimizer_file(rank: int) -> str:
@@ -220,6 +284,15 @@ class UnreadableCheckpointError(CorruptCheckpointError):
                                  "which does not say the version is damaged, and it is kept as it is. Check the "
                                  "disk or the file's permissions and retry, or restore(fallback=True) to load the "
                                  "newest version that can be read")
+
+
+class NoIntactVersionError(CheckpointError):
+    """``restore(fallback=True)`` found every version at or below the one asked for damaged (or
+    unreadable); ``errors`` holds each one's :class:`CorruptCheckpointError`, newest first."""
+
+    def __init__(self, directory: Path, errors: list[CorruptCheckpointError]) -> None:
+        self.errors = errors
+        super().__init__(f"every checkpoint in {directory} is corrupt: " + "; ".join(map(str, errors)))
 
 
 @dataclass(frozen=True)
@@ -261,9 +334,11 @@ def _refusal(directory: Path, step: int, newest: int) -> CheckpointError:
     it, raised by the next ``save``). Versions known to be damaged do not count, and the save moves
     them aside (NOTE [damaged versions moved aside]): those whose commit record is damaged, and
     those whose files a ``restore(fallback=True)`` found damaged (listings read only the records).
-    The check is a comparison: the Checkpointer reads the directory once (its cleanup, a restore or
-    its first save) and takes each of its own commits as the newest since. Another process's
-    commits meanwhile go unseen; at the same step the writer still refuses to replace a commit."""
+    The check is a comparison: the Checkpointer reads the directory when it takes the directory's
+    lock (its first save: NOTE [one job per directory]; rank 0 also at its cleanup, and each
+    restore) and takes each of its own commits as the newest since: no other job writes there
+    while it holds the lock. (Where the file system has no flock, another job's commits go unseen;
+    at the same step the writer still refuses to replace a commit.)"""
     advice = ("to branch from an older version, restore it and save into a new directory (Checkpointer(new_dir, "
               f"...), ooc train --save NEW_DIR), or remove the versions from step {step} on from {directory}")
     if step == newest:
@@ -574,6 +649,148 @@ class _FolderLock:
             os.close(fd)
 
 
+_WRITER_LOCK_RE = re.compile(r"^\.writer-rank\d+\.lock$")
+"""The file in the checkpoint directory the writing Checkpointer of a rank locks (NOTE [one job per
+directory])."""
+_CONTENDED_SECONDS = 1.0
+"""How long taking the directory's lock waits out another holder before it says another job holds it:
+a cleanup holds a stale lock file a moment to delete it; a writing job holds it until it closes."""
+
+
+def _writer_lock_file(directory: Path, rank: int) -> Path:
+    return directory / f".writer-rank{rank}.lock"
+
+
+class _DirectoryLock:
+    """The lock a writing Checkpointer holds on its directory, for its rank (NOTE [one job per directory]).
+
+    NOTE [one job per directory]
+    Two jobs saving into one directory (a run started twice, ``ooc train --save DIR`` beside a live
+    run on DIR, or two Checkpointers in one process) wrote the same version's files in place over
+    each other, which a restore caught only as a checksum error; each one's retention deleted the
+    other's versions, and each refused the steps the other had committed. So the Checkpointer of
+    rank ``r`` holds ``flock(LOCK_EX)`` on ``.writer-rank{r}.lock`` in the directory from its first
+    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another one of the
+    same rank that would write there gets a :class:`CheckpointError` saying another job holds the
+    directory (with the holder's pid and host, which the holder writes into the file). Every job has
+    a rank 0, so of two jobs the second always fails (on every rank the two share; its ranks beyond
+    the first job's world fail with it at their first collective). The ranks of one job lock files
+    of their own and never exclude each other. Readers (:meth:`Checkpointer.restore`, ``versions``,
+    ``latest``, ``export``, ``ooc checkpoints list``) take no lock: they go by the commit records, so
+    they work while a job writes.
+
+    The lock belongs to the open file description: two Checkpointers in one process exclude each
+    other as two processes do, and the kernel drops it when its process dies (``kill -9`` included),
+    so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
+    deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
+    unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
+    child lives holds the directory until the child exits. The holder deletes the file at
+    ``close``; a taker that locked a file deleted meanwhile finds the path names another file (or
+    none) and takes it again, as with the folder locks (NOTE [folder locks]).
+
+    Where flock reaches across hosts (NFS emulates it with byte-range locks; Lustre with ``-o
+    flock``), jobs on other hosts are excluded too, but byte-range locks of one process never
+    conflict, so on NFS two Checkpointers in one process are not told apart; where it is local to a
+    host (NFS mounted with ``local_lock=flock`` or ``all``, Lustre with ``-o localflock``) a job on
+    another host is not detected. Where the file system
+    has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
+    without a lock manager) the directory is written without the lock, as before it: a second job
+    is not detected, and its versions are caught only by their checksums."""
+
+    def __init__(self, path: Path, fd: int | None) -> None:
+        self.path = path
+        self._fd = fd
+
+    def __del__(self) -> None:
+        if self._fd is not None:  # a Checkpointer dropped without close(): the lock goes with it
+            os.close(self._fd)
+
+    @classmethod
+    def take(cls, directory: Path, rank: int) -> _DirectoryLock:
+        """Lock rank ``rank``'s file in ``directory``, or raise :class:`CheckpointError` if another
+        Checkpointer holds it."""
+        path = _writer_lock_file(directory, rank)
+        for _ in range(_LOCK_TRIES):
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                if not _flock_within(fd, _CONTENDED_SECONDS):
+                    raise _held_error(directory, path)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in _NO_FLOCK:
+                    return cls(path, None)
+                raise
+            except BaseException:
+                os.close(fd)
+                raise
+            if _same_file(fd, path):
+                holder = f"pid {os.getpid()} on {os.uname().nodename}".encode()
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, holder, 0)
+                return cls(path, fd)
+            os.close(fd)  # deleted by its holder's close (or a cleanup) before it was ours: take it again
+        raise CheckpointError(f"could not lock {path}: it was deleted under this Checkpointer {_LOCK_TRIES} times; "
+                              "is another program deleting the checkpoint directory's files?")
+
+    def release(self) -> None:
+        """Delete the file and unlock it (again: nothing)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+            fcntl.flock(fd, fcntl.LOCK_UN)  # for a forked child sharing the open file description too
+        finally:
+            os.close(fd)
+
+
+def _flock_within(fd: int, seconds: float) -> bool:
+    """Take ``flock(LOCK_EX)`` on ``fd``, trying for up to ``seconds``; return whether it was taken
+    (raises the OSError of a file system without flock)."""
+    deadline = time.monotonic() + seconds
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+
+def _held_error(directory: Path, path: Path) -> CheckpointError:
+    try:
+        holder = path.read_text(errors="replace").strip() or "a process"
+    except OSError:
+        holder = "a process"
+    if holder == f"pid {os.getpid()} on {os.uname().nodename}":
+        holder += " (this process: another Checkpointer on the directory, not closed, maybe one made earlier and dropped)"
+    return CheckpointError(
+        f"another job holds the checkpoint directory {directory}: {holder} has the lock on {path.name}, taken by a "
+        "Checkpointer of this rank that saved there and is not closed (in this process or another). Two jobs saving "
+        "into one directory would write over each other's files and delete each other's versions. Stop that job or "
+        "close() its Checkpointer, or save into another directory (ooc train --save NEW_DIR); its versions can be "
+        "read meanwhile (restore, versions, ooc checkpoints list)")
+
+
+def _remove_stale_writer_lock(path: Path) -> None:
+    """Delete ``path``, a rank's directory lock file, unless a Checkpointer holds it (NOTE [one job
+    per directory])."""
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return  # gone already, or not ours to change
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if _same_file(fd, path):
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass  # held (a writing job's), or no flock here: left be
+    finally:
+        os.close(fd)
+
+
 def _remove_unless_written(folder: Path, step: int) -> bool:
     """Remove ``folder``, version ``step``'s and incomplete when listed, unless a writer holds its
     lock or it is committed meanwhile (then only a lock file left in it goes); return whether it
@@ -662,13 +879,40 @@ def _move_aside(folder: Path, identity: tuple[int, int]) -> Path | None:
 
 
 def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> memoryview:
-    """Bytes ``start:stop`` of ``t`` (any shape), row-major; without a copy for a contiguous host
-    tensor. A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
-    flat = t.detach().contiguous().reshape(-1).view(torch.uint8)[start:stop]
+    """Bytes ``start:stop`` of ``t`` (any shape and strides), row-major; without a copy for a
+    contiguous host tensor (``start`` and ``stop`` multiples of its element size, or ``stop`` past
+    its end). A device tensor (a bucket's working copy on the GPU) has those bytes copied to the host."""
+    t = t.detach()
+    size = t.element_size()
+    stop = t.numel() * size if stop is None else min(stop, t.numel() * size)
+    flat = _row_major(t, start // size, max(stop, start) // size).view(torch.uint8)
     # A device tensor's copy is synchronous on this thread's current stream (the default one): it
     # reads what save()'s optimizer.synchronize() left there, which no copy changes before the
     # bucket's next update, and the listener holds that update back until this copy has returned.
     return memoryview(flat.to("cpu").numpy())
+
+
+def _row_major(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+    """Elements ``lo:hi`` of ``t`` in row-major order, contiguous.
+
+    The writer reads a tensor a slice at a time (``_SLICE_BYTES``); ``t.contiguous()`` of a
+    non-contiguous one (a transposed weight, a strided view) copied the whole tensor for every
+    slice: a 128 MiB transposed parameter took 5.7 s to save against 0.24 s contiguous, and a
+    bucket's next update waited for each whole copy. So only the rows holding the slice are copied:
+    about ``hi - lo`` elements, plus the ends of two rows split further the same way."""
+    if t.is_contiguous():
+        return t.reshape(-1)[lo:hi]
+    if lo >= hi:
+        return t.new_empty(0)
+    row = t[0].numel()  # a non-contiguous tensor has a dimension and elements
+    first, last = lo // row, (hi - 1) // row
+    if first == last:
+        return _row_major(t[first], lo - first * row, hi - first * row)
+    parts = [_row_major(t[first], lo - first * row, row)]
+    if last > first + 1:
+        parts.append(t[first + 1:last].contiguous().reshape(-1))
+    parts.append(_row_major(t[last], 0, hi - last * row))
+    return torch.cat(parts)
 
 
 _SLICE_BYTES = 4 << 20
@@ -808,7 +1052,7 @@ class _AsideBuffers:
     def __init__(self) -> None:
         self._free: dict[tuple[torch.dtype, tuple[int, ...], tuple[int, ...]], list[torch.Tensor]] = {}
         """(dtype, shape, strides) -> kept buffers: the writer reads a non-contiguous buffer through a
-        contiguous copy per slice, so a buffer goes only to a tensor laid out as it is."""
+        copy of each slice's rows (_row_major), so a buffer goes only to a tensor laid out as it is."""
         self._lock = threading.Lock()
         self.reused = 0
         """Copies aside made into a buffer kept from an earlier version (over every save so far)."""
@@ -923,7 +1167,10 @@ class Checkpointer:
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
-        self.directory = Path(directory)
+        # Made absolute once, here: a relative directory stays where it was when the Checkpointer
+        # was made, for every later save, restore and the writer thread, whatever os.chdir comes
+        # later (a process changing directory midway wrote later versions, or half of one, elsewhere).
+        self.directory = Path(os.path.abspath(directory))
         model = _compiled_module(model)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra = extra
@@ -949,6 +1196,8 @@ class Checkpointer:
         """Set by :meth:`close`: ``save`` refuses."""
         self._held: list[_FolderLock] = []
         """Locks on versions this rank committed that other ranks had not yet (NOTE [folder locks])."""
+        self._directory_lock: _DirectoryLock | None = None
+        """This rank's lock on the directory, from the first save until close (NOTE [one job per directory])."""
         self.lazy = lazy and optimizer is not None and hasattr(optimizer, "stage_listeners") \
             and hasattr(optimizer, "buckets") and hasattr(optimizer, "held_buckets") and not getattr(optimizer, "delayed_update", True)
         """Lazy snapshots (NOTE [lazy snapshots]): HostAdamW without delayed_update only."""
@@ -983,10 +1232,7 @@ class Checkpointer:
         ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
         save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
         returns False at once (NOTE [skipped saves]; one rank only)."""
-        if self._closed:
-            raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
-                                  "be written unprotected from the next updates); make a new Checkpointer on the "
-                                  "directory to save again")
+        self._check_open()
         try:
             step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
         except TypeError:
@@ -1024,6 +1270,12 @@ class Checkpointer:
                 self._writer.start()
         return True
 
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
+                                  "be written unprotected from the next updates); make a new Checkpointer on the "
+                                  "directory to save again")
+
     def _check_no_open_step(self) -> None:
         """Refuse a save between a backward and ``step()`` whose updates started in the backward.
 
@@ -1047,11 +1299,23 @@ class Checkpointer:
 
     def check_step(self, step: int) -> None:
         """Raise the :class:`CheckpointError` that ``save(step)`` would for its step, one at or below
-        the newest intact version (NOTE [saves go forward]); write nothing. A run can check its first
-        save's step before it trains."""
+        the newest intact version (NOTE [saves go forward]), or for a directory another job holds
+        (NOTE [one job per directory]); write nothing. From a check that passes on, the
+        Checkpointer holds the directory for its rank, as its first save would. A run can check its
+        first save's step before it trains."""
+        self._check_open()
+        claimed = self._directory_lock is None
+        if claimed:
+            self._directory_lock = _DirectoryLock.take(self.directory, self.rank)
+            # Read again now that no other job writes here: one that held the directory until now
+            # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
+            self._newest = None
         if self._newest is None:
             self._learn(*_scan(self.directory))
         if step <= self._newest:
+            if claimed:  # a refused check leaves the directory as it found it
+                self._directory_lock.release()
+                self._directory_lock = None
             raise _refusal(self.directory, step, self._newest)
 
     def _learn(self, found: list[Version], damaged: dict[int, CorruptCheckpointError]) -> None:
@@ -1119,7 +1383,8 @@ class Checkpointer:
         slots: dict[int, list[tuple[Any, Any]]] = {}
         pending: list[Any] = []
 
-        def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None) -> None:
+        def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None, what: str, file: str) -> None:
+            _refuse_unsavable(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
                 container[key] = _host_copy(value, pending)
@@ -1134,7 +1399,7 @@ class Checkpointer:
             weights: dict[str, torch.Tensor] = {}
             for name, value in self.model.state_dict(keep_vars=True).items():
                 if isinstance(value, torch.Tensor):
-                    place(weights, name, value, params.get(name))
+                    place(weights, name, value, params.get(name), f"model tensor {name!r}", MODEL_FILE)
                 else:
                     model_extra[name] = _clone(value)
             files[MODEL_FILE] = weights
@@ -1158,7 +1423,7 @@ class Checkpointer:
                 for fname, value in entry.items():
                     if isinstance(value, torch.Tensor):
                         key = f"{pname}.{fname}"
-                        place(tensors, key, value, owner)
+                        place(tensors, key, value, owner, f"optimizer state {key!r}", _optimizer_file(self.rank))
                         index[key] = {"file": _optimizer_file(self.rank), "param": pname, "field": fname,
                                       "dtype": str(value.dtype), "global_shape": list(value.shape),
                                       "offsets": [0] * value.dim(), "shape": list(value.shape)}
@@ -1443,6 +1708,9 @@ class Checkpointer:
                     tmp.unlink(missing_ok=True)
         for leftover in self._spares() + self._removing():
             shutil.rmtree(leftover, ignore_errors=True)
+        for path in self.directory.iterdir():
+            if _WRITER_LOCK_RE.match(path.name):
+                _remove_stale_writer_lock(path)  # a killed job's (NOTE [one job per directory])
 
     def _removing(self) -> list[Path]:
         """Folders a cleanup moved away to delete, left by a crash meanwhile (NOTE [folder locks])."""
@@ -1501,7 +1769,7 @@ class Checkpointer:
             self._learn(found, damaged)
             return v
         self._learn(found, damaged)
-        raise CheckpointError(f"every checkpoint in {self.directory} is corrupt: " + "; ".join(map(str, errors)))
+        raise NoIntactVersionError(self.directory, errors)
 
     def _read(self, v: Version) -> dict[str, Any]:
         """Read and check every file this rank needs from ``v`` (saved by any number of ranks, NOTE
@@ -1667,6 +1935,8 @@ class Checkpointer:
             if self.rank == 0:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)
+            if self._directory_lock is not None:
+                self._directory_lock.release()  # another job may write here now (NOTE [one job per directory])
             self._closed = True
 
 
@@ -1900,4 +2170,4 @@ def _params_from_masters(optimizer: torch.optim.Optimizer) -> None:
                 p.copy_(state["master"])
 
 
-__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "UnreadableCheckpointError", "Version", "damaged_versions", "list_versions"]
+__all__ = ["Checkpointer", "CheckpointError", "CorruptCheckpointError", "NoIntactVersionError", "UnreadableCheckpointError", "Version", "damaged_versions", "list_versions"]

@@ -25,7 +25,14 @@ import ooc
 from ooc.api import hardware_for, plan_for_profile
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
-from ooc.checkpoint import Checkpointer, CorruptCheckpointError, scan_versions
+from ooc.checkpoint import (
+    Checkpointer,
+    CorruptCheckpointError,
+    NoIntactVersionError,
+    UnreadableCheckpointError,
+    Version,
+    scan_versions,
+)
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
@@ -215,9 +222,9 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         device_params_below=cfg.device_params_below,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
     )
-    start_step = _resume(cfg, model, opt, rank, world, show)
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
         if cfg.save else None
+    start_step = _resume(cfg, model, opt, rank, world, saver, show)
     if saver is not None:
         saver.check_step(_first_save(cfg, start_step))  # a --resume older than --save's versions fails now, not later
     if rank == 0:
@@ -280,31 +287,70 @@ def _layout(cfg: TrainConfig) -> dict[str, object]:
     return {"shard": cfg.shard}
 
 
-def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int, show) -> int:  # noqa: ANN001
+def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int, saver: Checkpointer | None,
+            show) -> int:  # noqa: ANN001
     """Load ``--resume``'s version (saved by any number of ranks, sharded or not); return its step
-    (0 for a fresh start)."""
+    (0 for a fresh start).
+
+    NOTE [resume auto falls back past damaged versions]
+    A version found damaged (a file or its commit record no longer matching: a disk that lost
+    writes it had acknowledged, a flipped bit) stopped ``--resume auto`` with advice to move the
+    folder out of the directory and run again, after which the run resumed from the newest intact
+    version: a requeued job failed until someone did that by hand. ``--resume auto`` now does the
+    same itself: it restores through ``--save``'s Checkpointer with ``fallback=True``, says which
+    version it skipped, and that Checkpointer's first save moves the damaged folders above the one
+    restored aside as ``step-N.damaged-<time>`` (kept; NOTE [damaged versions moved aside] in
+    ooc.checkpoint). Nothing intact is moved: a version the file system failed to read
+    (``UnreadableCheckpointError``, maybe intact) still stops the run, to be retried, and one a
+    fallback skipped for that reason still refuses the saves at or below its step. With no intact
+    version left it stops too: starting afresh would throw the run away. ``--resume DIR`` (another
+    directory) stops as before: its versions are not this run's to move."""
     if not cfg.resume:
         return 0
-    directory = Path(cfg.save if cfg.resume == "auto" else cfg.resume)
+    auto = cfg.resume == "auto"
+    directory = Path(cfg.save if auto else cfg.resume)
     found, damaged = scan_versions(directory)
     if not found and not damaged:  # a damaged version: restore() names it (NOTE [damaged records])
-        if cfg.resume == "auto":
+        if auto:
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
-    loader = Checkpointer(directory, model, opt, keep=None, rank=rank, world=world, layout=_layout(cfg), lazy=False)
+    loader = saver if auto else Checkpointer(directory, model, opt, keep=None, rank=rank, world=world,
+                                             layout=_layout(cfg), lazy=False)
     try:
         version = loader.restore()
+    except UnreadableCheckpointError as exc:
+        raise ValueError(f"--resume {directory}: {exc.path} {exc.reason}: the file system failed, which does not say "
+                         "the version is damaged, and it is kept as it is; check the disk and run again") from exc
     except CorruptCheckpointError as exc:
-        # Its advice names the Python API (restore(fallback=True)), which the command line has not.
-        raise ValueError(
-            f"--resume {directory}: the newest version is damaged ({exc.path}: {exc.reason}); "
-            f"`ooc checkpoints list {directory}` shows which versions are. Move its folder out of {directory} "
-            "(keep it to inspect) and run again: --resume then continues from the newest intact version") from exc
+        if not auto:
+            # Its advice names the Python API (restore(fallback=True)), which the command line has not.
+            raise ValueError(
+                f"--resume {directory}: the newest version is damaged ({exc.path}: {exc.reason}); "
+                f"`ooc checkpoints list {directory}` shows which versions are. Move its folder out of {directory} "
+                "(keep it to inspect) and run again: --resume then continues from the newest intact version") from exc
+        version = _fall_back(loader, directory, exc)
+        if rank == 0:
+            show(f"--resume auto: {directory / exc.path.parent.name} is damaged ({exc.path.name}: {exc.reason}); "
+                 "continuing from the newest intact version. The first save moves the damaged versions above it "
+                 f"aside as step-N.damaged-<time>, kept for you to inspect (`ooc checkpoints list {directory}`)")
     finally:
-        loader.close()  # a reader only: its folder locks and writer (none started) go with it
+        if loader is not saver:
+            loader.close()  # a reader only: its folder locks and writer (none started) go with it
     if rank == 0:
-        show(f"resumed from {version.path} (step {version.step})")
+        show(f"resumed from {directory / version.path.name} (step {version.step})")  # as the user named the directory
     return version.step
+
+
+def _fall_back(saver: Checkpointer, directory: Path, damage: CorruptCheckpointError) -> Version:
+    """Restore the newest intact version of ``saver``'s directory, whose newest is damaged (NOTE
+    [resume auto falls back past damaged versions])."""
+    try:
+        return saver.restore(fallback=True)
+    except NoIntactVersionError as exc:
+        found = "; ".join(f"{error.path}: {error.reason}" for error in exc.errors)
+        raise ValueError(f"--resume {directory}: no version there is intact ({found}); `ooc checkpoints list "
+                         f"{directory}` shows them. Move them out of {directory} (keep them to inspect) to start "
+                         "afresh") from damage
 
 
 def main(cfg: TrainConfig) -> int:

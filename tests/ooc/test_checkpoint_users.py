@@ -51,6 +51,7 @@ def test_an_extra_value_restore_cannot_read_fails_the_save_not_the_restore(tmp_p
     with pytest.raises(CheckpointError, match=r"weights_only.*\(in extra\)") as info:
         ckpt.wait()
     assert not isinstance(info.value, CorruptCheckpointError)
+    ckpt.close()
     assert _steps(tmp_path) == [] and os.listdir(tmp_path) == []
     extra = {"pos": 3}
     ckpt = Checkpointer(tmp_path, _linear(), extra=extra)
@@ -328,8 +329,13 @@ def test_a_save_below_the_newest_version_is_refused_before_anything_is_written(t
     with pytest.raises(CheckpointError, match=r"step-000000007 is already committed"):
         ckpt.save(7)
     with pytest.raises(CheckpointError, match=r"step 6 is below"):
-        Checkpointer(tmp_path, _linear()).check_step(6)
+        ckpt.check_step(6)
     assert sorted(os.listdir(tmp_path)) == before
+    ckpt.close()
+    with pytest.raises(CheckpointError, match=r"step 6 is below"):
+        Checkpointer(tmp_path, _linear()).check_step(6)
+    assert sorted(os.listdir(tmp_path)) == [name for name in before if not name.startswith(".writer-")]
+    ckpt = Checkpointer(tmp_path, _linear())
     assert ckpt.save(8)
     ckpt.wait()
     assert _steps(tmp_path) == [6, 7, 8]
@@ -349,8 +355,8 @@ def test_a_save_below_only_damaged_or_incomplete_versions_is_written(tmp_path: P
 
 def test_saves_read_the_directory_once(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """The check of a save's step is a comparison with the newest step the Checkpointer knows: the
-    training thread reads the directory once, at the start (rank 0's cleanup; on another rank the
-    first save), not per save (retention reads it on the writer)."""
+    training thread reads the directory at the start (rank 0's cleanup) and at the first save, as it
+    takes the directory's lock, not per save (retention reads it on the writer)."""
     import ooc.checkpoint as ckpt_mod
 
     reads = []
@@ -370,7 +376,7 @@ def test_saves_read_the_directory_once(tmp_path: Path, monkeypatch) -> None:  # 
     for step in range(2, 6):
         ckpt.save(step)
         ckpt.wait()
-    assert reads == [1]
+    assert reads == [1, 1]  # and the first save's, as it takes the directory (NOTE [one job per directory])
 
 
 def test_restoring_an_older_version_then_saving_the_next_step_is_refused(tmp_path: Path) -> None:
@@ -419,26 +425,23 @@ def test_a_fresh_start_after_every_version_failed_moves_them_aside(tmp_path: Pat
 
 
 def test_two_checkpointers_on_one_directory_refuse_each_others_steps(tmp_path: Path) -> None:
-    """Each reads the directory once (NOTE [saves go forward]): a step the other committed since is
-    refused by the writer (raised by ``wait``), and neither deletes the other's versions beyond
-    ``keep``."""
+    """Two Checkpointers saving into one directory took turns: each refused (late, from ``wait``) the
+    steps the other had committed, and retention went by both. Now the second is refused while the
+    first is open (NOTE [one job per directory]); once it is closed, the second reads the directory
+    again as it takes it, so a step the first committed meanwhile is refused at once."""
     a = _saved(tmp_path, (1, 2))
     b = Checkpointer(tmp_path, _linear(seed=1), keep=3)
     a.save(3)
     a.wait()
-    b.save(3)
+    with pytest.raises(CheckpointError, match="another job holds"):
+        b.save(3)
+    a.close()
     with pytest.raises(CheckpointError, match="step-000000003 is already committed"):
-        b.wait()
+        b.save(3)
     b.save(4)
     b.wait()
-    a.save(4)
-    with pytest.raises(CheckpointError, match="step-000000004 is already committed"):
-        a.wait()
-    a.save(5)
-    a.wait()
-    for ckpt in (a, b):
-        ckpt.close()
-    assert _steps(tmp_path) == [3, 4, 5]
+    b.close()
+    assert _steps(tmp_path) == [2, 3, 4]
 
 
 @pytest.mark.parametrize("step", [np.int64(3), torch.tensor(3)], ids=["np.int64", "tensor"])
