@@ -229,7 +229,7 @@ class HostAdamW(torch.optim.Optimizer):
             reduce_on_device = comm is not None and comm.reduce_on == "device"
             layout = make_layout(
                 self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
-                norm_order=tensors, rank=rank,
+                norm_order=_norm_order(model, tensors), rank=rank,
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
@@ -692,6 +692,21 @@ def _shared_buckets(model: nn.Module | None, chain: Chain | None, buckets: tuple
         user = next((n for n in blocks if qualified.startswith(n + ".")), qualified.split(".")[0])
         users.setdefault(id(p), set()).add(user)
     return [b.index for b in buckets if any(len(users.get(id(p), ())) > 1 for p in b.params)]
+
+
+def _norm_order(model: nn.Module | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The order in which ``max_grad_norm``'s global norm stacks the parameters' norms: the model's
+    (``clip_grad_norm_(model.parameters())``, as transformers.Trainer, accelerate and the usual loop
+    call it), then any of ``tensors`` outside the model in the optimizer's order. The stacked norms
+    are summed in this order, so another one (the optimizer's, which parameter groups such as
+    Trainer's decay / no-decay split reorder) gives a clip factor a rounding apart, and weights that
+    drift from the loop's."""
+    if model is None:
+        return tensors
+    mine = {id(p) for p in tensors}
+    first = [p for p in model.parameters() if id(p) in mine]
+    seen = {id(p) for p in first}
+    return first + [p for p in tensors if id(p) not in seen]
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:
