@@ -283,11 +283,11 @@ class HostAdamW(torch.optim.Optimizer):
         return torch.zeros(p.shape, dtype=torch.float32)
 
     def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
-        state = {
+        state = _HostState({
             "step": torch.tensor(0.0),
             "exp_avg": self._host_zeros_like(p),
             "exp_avg_sq": self._host_zeros_like(p),
-        }
+        })
         if not own:
             master = self._host_zeros_like(p)
             master.copy_(p.detach())
@@ -448,7 +448,10 @@ class HostAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
-        return {**super().state_dict(), "ooc": self._depends_on()}
+        saved = super().state_dict()
+        # Plain dicts: torch.load(weights_only=True), as transformers.Trainer resumes, takes no other class.
+        saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()}
+        return {**saved, "ooc": self._depends_on()}
 
     def _check_compatible(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
@@ -497,13 +500,36 @@ class HostAdamW(torch.optim.Optimizer):
             if p is None:
                 self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
-            self.state[p] = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
+            loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
+            self.state[p] = loaded if id(p) in device_ids else _HostState(loaded)
         self._pipeline.after_load()
 
     def close(self) -> None:
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+class _HostState(dict):
+    """The state of a parameter the host updates (``step``, fp32 moments and master), kept on the host.
+
+    NOTE [host state stays on the host]
+    Lightning's ``fit()`` moves every optimizer's state to the training device, at its start and after
+    restoring a checkpoint (``lightning.fabric.utilities.optimizer._optimizer_to_device``:
+    ``state[p][key] = value.to(device)`` for every key but ``step``). That put HostAdamW's fp32
+    moments and masters in device memory, the bytes it exists to keep off the device, and the host
+    update then failed on tensors of two devices. So a tensor assigned here that is not a host fp32
+    tensor, over a tensor of its shape, is copied into the host tensor held, which stays (the moved
+    copy is dropped at once: one parameter's state at a time on the device); a host fp32 tensor is
+    taken as it is, and ``state_dict()`` hands out plain dicts."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        held = self.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.shape == held.shape \
+                and (value.device.type != "cpu" or value.dtype != torch.float32):
+            held.copy_(value.detach())
+            return
+        super().__setitem__(key, value)
 
 
 class _LoadsIntoTheModel:
