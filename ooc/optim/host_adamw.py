@@ -68,6 +68,9 @@ class HostAdamW(torch.optim.Optimizer):
     The update is torch's fused CPU AdamW kernel, so on the CPU in fp32 the weights equal
     ``torch.optim.AdamW(fused=True)`` bit for bit.
 
+    - ``params``: the parameters or parameter groups, as for torch's optimizers; or the model itself
+      (``HostAdamW(model)``: its parameters, and ``model=model``), as transformers.Trainer passes it
+      for ``optimizer_cls_and_kwargs=(HostAdamW, {"model": model, ...})``.
     - ``model``: the module being trained. Each block of its chain (found as ``ooc.wrap`` finds
       it) and each top-level module outside the chain is a bucket (without a model, all parameters
       are one bucket); a wrapped model's backend and streamed weights are used.
@@ -129,6 +132,8 @@ class HostAdamW(torch.optim.Optimizer):
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
     ) -> None:
+        if isinstance(params, nn.Module):
+            model, params = _model_as_params(params, model)
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             _check_number(name, value)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -586,6 +591,18 @@ def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> No
             "that streams weights): the optimizer would update copies the model no longer reads. Build the HostAdamW "
             "after ooc.wrap: sd = opt.state_dict(); opt.close(); opt = HostAdamW(...); opt.load_state_dict(sd)"
         )
+
+
+def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Module, list[torch.Tensor]]:
+    """``HostAdamW(module, ...)``: the module is the model, and its parameters the ones to train.
+    transformers.Trainer builds an optimizer from ``optimizer_cls_and_kwargs=(HostAdamW, {"model": model,
+    ...})`` by passing the model in place of the parameters (its convention for optimizers that need
+    the model); the parameter groups it would otherwise pass (no weight decay on norms and biases)
+    are not made then: weight decay applies to every parameter."""
+    if model is not None and model is not module:
+        raise ValueError(f"HostAdamW got a module ({type(module).__name__}) in place of the parameters and another "
+                         f"model= ({type(model).__name__}): pass the parameters (or the model alone) first")
+    return module, list(module.parameters())
 
 
 def _check_number(name: str, value: Any) -> None:
