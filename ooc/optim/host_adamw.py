@@ -328,11 +328,13 @@ class HostAdamW(torch.optim.Optimizer):
         handles.append(model.register_load_state_dict_post_hook(loads.after))
         return handles
 
-    def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[torch.Tensor]:
-        """The parameters of ``model`` with a master here to which ``state_dict`` (being loaded into
+    def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any],
+                             prefix: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The parameters of ``model`` with a master here that ``state_dict`` (being loaded into
         ``model`` under ``prefix``) gives other values than their master's (NOTE [loads into the
-        model])."""
+        model]), and all those with a master that it loads."""
         changed: dict[int, torch.Tensor] = {}
+        loaded: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             value = state_dict.get(prefix + name)
             master = self.state[p].get("master") if p in self.state else None
@@ -340,19 +342,22 @@ class HostAdamW(torch.optim.Optimizer):
                 # Its own master, another rank's, kept on its device, or not loaded (load_state_dict
                 # reports a wrong shape itself).
                 continue
+            loaded[id(p)] = p
             if id(p) not in changed and not torch.equal(value.detach().to("cpu", p.dtype), master.to(p.dtype)):
                 changed[id(p)] = p
-        return list(changed.values())
+        return list(changed.values()), list(loaded.values())
 
-    def _adopt_loaded(self, params: list[torch.Tensor]) -> None:
+    def _adopt_loaded(self, params: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
         """``params`` hold weights loaded into the model: they become their masters (NOTE [loads
-        into the model])."""
+        into the model]). ``loaded``: every parameter with a master that the load wrote, which now
+        holds its master's values (NOTE [weights written outside the optimizer] in ooc.optim.pipeline)."""
         home = self._pipeline.stages.layout.home
         for p in params:
             # A device weight's copy into pageable host memory returns once the bytes are there,
             # after the load's copy into it (issued before, on the same stream).
             self.state[p]["master"].copy_(home[id(p)].detach())
         self._pipeline.after_load()  # delayed_update: the pending copies in, now from these masters
+        self._pipeline.watch_written_weights(loaded)  # the load's writes are in their masters now
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
@@ -557,7 +562,7 @@ class _LoadsIntoTheModel:
 
     def __init__(self, optimizer: weakref.ref[HostAdamW]) -> None:
         self._optimizer = optimizer
-        self._changed: list[torch.Tensor] = []
+        self._changed: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                *_: Any) -> None:
@@ -574,10 +579,10 @@ class _LoadsIntoTheModel:
         self._changed = optimizer._loaded_over_masters(module, state_dict, prefix)
 
     def after(self, _module: nn.Module, _incompatible: Any) -> None:
-        changed, self._changed = self._changed, []
+        (changed, loaded), self._changed = self._changed, ([], [])
         optimizer = self._optimizer()
         if optimizer is not None and optimizer._finalizer.alive:
-            optimizer._adopt_loaded(changed)
+            optimizer._adopt_loaded(changed, loaded)
 
 
 def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> None:

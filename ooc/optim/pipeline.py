@@ -198,6 +198,9 @@ class UpdatePipeline:
         self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
         """Per parameter id, (bucket, parameter, gradient, the gradient's version, its fingerprint) as a
         launch before ``step()`` read them (NOTE [gradients read in the backward])."""
+        self._versions = self._written_weights_to_watch()
+        """Per parameter id, the parameter's version counter when its master last took what was written
+        into it (NOTE [weights written outside the optimizer])."""
         self._step_jobs: list[Job] = []
         self._others: dict[int, torch.Tensor] = {}
         """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
@@ -422,6 +425,7 @@ class UpdatePipeline:
         # The previous step's job of this bucket must be done with its buffers before they are
         # rewritten (it is, unless delayed_update: then its update had this whole step to finish).
         self._wait_done(index)
+        self._adopt_written_weights(index)
         status.done.clear()
         try:
             compute = self.stages.copy_out(job)
@@ -439,6 +443,51 @@ class UpdatePipeline:
             self._stop(exc)
             raise
         self._to_exchange(job)
+
+    def _written_weights_to_watch(self) -> dict[int, int]:
+        """The parameters whose master is a copy of their own (not with ``delayed_update``, whose
+        parameters lag their masters on purpose; not a streamed weight, whose home is its host copy),
+        with their version counters now."""
+        if self.config.delayed_update:
+            return {}
+        layout = self.stages.layout
+        return {id(p): p._version for bucket in self.buckets for p in bucket.params
+                if layout.home[id(p)] is p and layout.mine(p) and "master" in self.stages.state.state_of(p)}
+
+    def watch_written_weights(self, params: Sequence[torch.Tensor]) -> None:
+        """``params`` hold their masters' values (a load the masters adopted): their writes count from
+        now (NOTE [weights written outside the optimizer])."""
+        for p in params:
+            if id(p) in self._versions:
+                self._versions[id(p)] = p._version
+
+    @torch.no_grad()
+    def _adopt_written_weights(self, index: int) -> None:
+        """Before the bucket's update reads its masters: values written into its parameters since
+        (outside the optimizer) go into the masters.
+
+        NOTE [weights written outside the optimizer]
+        A parameter that is not its own master (bf16 and fp16 ones; on a GPU every one) holds a copy
+        of its fp32 master on the host, and each update starts from the master. A write into the
+        parameter after ``step()`` -- a weight clamp (a WGAN critic's), a max-norm projection, a mask,
+        what ``torch.optim.AdamW`` simply updates from -- was lost at the next update, and the weights
+        drifted from AdamW's without a word. The optimizer's own copies into the parameters write
+        through ``.data``, which leaves the version counter alone, so a changed counter means
+        someone else wrote: then the values that differ from the master's, cast to the parameter's
+        dtype, go into the master (one copy to the host of the parameter; values the master already
+        holds, as after a load whose master it adopted or a checkpoint restore, keep its fp32 bits).
+        Writes through ``.data`` are not seen (``model.load_state_dict`` is: NOTE [loads into the
+        model] in ooc.optim.host_adamw); a write before the optimizer's copies of the same step land
+        (without ``synchronize()``) is overwritten by them, as the class doc says."""
+        for p in self.buckets[index].params:
+            seen = self._versions.get(id(p))
+            if seen is None or p._version == seen:
+                continue
+            master = self.stages.state.state_of(p)["master"]
+            now = p.detach().to("cpu")  # a device copy waits for the write
+            changed = now != master.to(p.dtype)
+            master[changed] = now[changed].to(master.dtype)
+            self._versions[id(p)] = p._version
 
     def _to_exchange(self, item: Message) -> None:
         if not self.inline:
