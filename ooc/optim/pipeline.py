@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ooc.backend import Event
 from ooc.errors import OocError
@@ -156,6 +157,11 @@ def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
     grad = grad.detach()
     bits = _SAME_WIDTH_INT[grad.element_size()]
     return grad.view(bits).sum(dtype=bits)
+
+
+def _under_several_processes() -> bool:
+    """A torch.distributed process group of more than one rank is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _same_fingerprint(grad: torch.Tensor | None, before: torch.Tensor) -> bool:
@@ -559,6 +565,15 @@ class UpdatePipeline:
                "update had read them (e.g. torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in "
                "the loop; Lightning's gradient_clip_val; transformers.Trainer clips at its default max_grad_norm=1.0)")
         self.discard(why)
+        if self.stages.comm is None and _under_several_processes():
+            raise PipelineError(
+                f"{why}: with several processes, the likely cause is torch's DistributedDataParallel (accelerate and "
+                "transformers.Trainer wrap the model in it), which averages the gradients across ranks at the end of the "
+                "backward, after a pipelined HostAdamW read each rank's own. Train data-parallel with HostAdamW("
+                "data_parallel=ooc.distributed.DataParallel(...)) on the model not wrapped in DistributedDataParallel, "
+                "which averages each block's gradients before its update, or build HostAdamW(pipeline=False) to read "
+                "them in step(). The step was reset: call zero_grad() and run it again"
+            )
         raise PipelineError(
             f"{why}: a pipelined HostAdamW reads each block's gradients as its backward ends, so the change came too "
             "late. Clip by norm with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
