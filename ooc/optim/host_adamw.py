@@ -68,6 +68,9 @@ class HostAdamW(torch.optim.Optimizer):
     The update is torch's fused CPU AdamW kernel, so on the CPU in fp32 the weights equal
     ``torch.optim.AdamW(fused=True)`` bit for bit.
 
+    - ``params``: the parameters or parameter groups, as for torch's optimizers; or the model itself
+      (``HostAdamW(model)``: its parameters, and ``model=model``), as transformers.Trainer passes it
+      for ``optimizer_cls_and_kwargs=(HostAdamW, {"model": model, ...})``.
     - ``model``: the module being trained. Each block of its chain (found as ``ooc.wrap`` finds
       it) and each top-level module outside the chain is a bucket (without a model, all parameters
       are one bucket); a wrapped model's backend and streamed weights are used.
@@ -129,6 +132,8 @@ class HostAdamW(torch.optim.Optimizer):
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
     ) -> None:
+        if isinstance(params, nn.Module):
+            model, params = _model_as_params(params, model)
         for name, value in (("lr", lr), ("eps", eps), ("weight_decay", weight_decay)):
             _check_number(name, value)
         if not isinstance(betas, (tuple, list)) or len(betas) != 2:
@@ -229,7 +234,7 @@ class HostAdamW(torch.optim.Optimizer):
             reduce_on_device = comm is not None and comm.reduce_on == "device"
             layout = make_layout(
                 self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
-                norm_order=tensors, rank=rank,
+                norm_order=_norm_order(model, tensors), rank=rank,
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
             )
@@ -283,11 +288,11 @@ class HostAdamW(torch.optim.Optimizer):
         return torch.zeros(p.shape, dtype=torch.float32)
 
     def _fresh_state(self, p: torch.Tensor, *, own: bool) -> dict[str, torch.Tensor]:
-        state = {
+        state = _HostState({
             "step": torch.tensor(0.0),
             "exp_avg": self._host_zeros_like(p),
             "exp_avg_sq": self._host_zeros_like(p),
-        }
+        })
         if not own:
             master = self._host_zeros_like(p)
             master.copy_(p.detach())
@@ -323,11 +328,13 @@ class HostAdamW(torch.optim.Optimizer):
         handles.append(model.register_load_state_dict_post_hook(loads.after))
         return handles
 
-    def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any], prefix: str) -> list[torch.Tensor]:
-        """The parameters of ``model`` with a master here to which ``state_dict`` (being loaded into
+    def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any],
+                             prefix: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The parameters of ``model`` with a master here that ``state_dict`` (being loaded into
         ``model`` under ``prefix``) gives other values than their master's (NOTE [loads into the
-        model])."""
+        model]), and all those with a master that it loads."""
         changed: dict[int, torch.Tensor] = {}
+        loaded: dict[int, torch.Tensor] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             value = state_dict.get(prefix + name)
             master = self.state[p].get("master") if p in self.state else None
@@ -335,19 +342,22 @@ class HostAdamW(torch.optim.Optimizer):
                 # Its own master, another rank's, kept on its device, or not loaded (load_state_dict
                 # reports a wrong shape itself).
                 continue
+            loaded[id(p)] = p
             if id(p) not in changed and not torch.equal(value.detach().to("cpu", p.dtype), master.to(p.dtype)):
                 changed[id(p)] = p
-        return list(changed.values())
+        return list(changed.values()), list(loaded.values())
 
-    def _adopt_loaded(self, params: list[torch.Tensor]) -> None:
+    def _adopt_loaded(self, params: list[torch.Tensor], loaded: list[torch.Tensor]) -> None:
         """``params`` hold weights loaded into the model: they become their masters (NOTE [loads
-        into the model])."""
+        into the model]). ``loaded``: every parameter with a master that the load wrote, which now
+        holds its master's values (NOTE [weights written outside the optimizer] in ooc.optim.pipeline)."""
         home = self._pipeline.stages.layout.home
         for p in params:
             # A device weight's copy into pageable host memory returns once the bytes are there,
             # after the load's copy into it (issued before, on the same stream).
             self.state[p]["master"].copy_(home[id(p)].detach())
         self._pipeline.after_load()  # delayed_update: the pending copies in, now from these masters
+        self._pipeline.watch_written_weights(loaded)  # the load's writes are in their masters now
 
     @torch.no_grad()
     def step(self, closure=None):  # noqa: ANN001, ANN201
@@ -448,7 +458,10 @@ class HostAdamW(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()
-        return {**super().state_dict(), "ooc": self._depends_on()}
+        saved = super().state_dict()
+        # Plain dicts: torch.load(weights_only=True), as transformers.Trainer resumes, takes no other class.
+        saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()}
+        return {**saved, "ooc": self._depends_on()}
 
     def _check_compatible(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
@@ -497,13 +510,36 @@ class HostAdamW(torch.optim.Optimizer):
             if p is None:
                 self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
-            self.state[p] = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
+            loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
+            self.state[p] = loaded if id(p) in device_ids else _HostState(loaded)
         self._pipeline.after_load()
 
     def close(self) -> None:
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+class _HostState(dict):
+    """The state of a parameter the host updates (``step``, fp32 moments and master), kept on the host.
+
+    NOTE [host state stays on the host]
+    Lightning's ``fit()`` moves every optimizer's state to the training device, at its start and after
+    restoring a checkpoint (``lightning.fabric.utilities.optimizer._optimizer_to_device``:
+    ``state[p][key] = value.to(device)`` for every key but ``step``). That put HostAdamW's fp32
+    moments and masters in device memory, the bytes it exists to keep off the device, and the host
+    update then failed on tensors of two devices. So a tensor assigned here that is not a host fp32
+    tensor, over a tensor of its shape, is copied into the host tensor held, which stays (the moved
+    copy is dropped at once: one parameter's state at a time on the device); a host fp32 tensor is
+    taken as it is, and ``state_dict()`` hands out plain dicts."""
+
+    def __setitem__(self, key: str, value: Any) -> None:
+        held = self.get(key)
+        if isinstance(value, torch.Tensor) and isinstance(held, torch.Tensor) and value.shape == held.shape \
+                and (value.device.type != "cpu" or value.dtype != torch.float32):
+            held.copy_(value.detach())
+            return
+        super().__setitem__(key, value)
 
 
 class _LoadsIntoTheModel:
@@ -526,7 +562,7 @@ class _LoadsIntoTheModel:
 
     def __init__(self, optimizer: weakref.ref[HostAdamW]) -> None:
         self._optimizer = optimizer
-        self._changed: list[torch.Tensor] = []
+        self._changed: tuple[list[torch.Tensor], list[torch.Tensor]] = ([], [])
 
     def before(self, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: dict[str, Any],
                *_: Any) -> None:
@@ -543,10 +579,10 @@ class _LoadsIntoTheModel:
         self._changed = optimizer._loaded_over_masters(module, state_dict, prefix)
 
     def after(self, _module: nn.Module, _incompatible: Any) -> None:
-        changed, self._changed = self._changed, []
+        (changed, loaded), self._changed = self._changed, ([], [])
         optimizer = self._optimizer()
         if optimizer is not None and optimizer._finalizer.alive:
-            optimizer._adopt_loaded(changed)
+            optimizer._adopt_loaded(changed, loaded)
 
 
 def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> None:
@@ -560,6 +596,18 @@ def _check_same_streamer(model: nn.Module, streamer: ParamStreamer | None) -> No
             "that streams weights): the optimizer would update copies the model no longer reads. Build the HostAdamW "
             "after ooc.wrap: sd = opt.state_dict(); opt.close(); opt = HostAdamW(...); opt.load_state_dict(sd)"
         )
+
+
+def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Module, list[torch.Tensor]]:
+    """``HostAdamW(module, ...)``: the module is the model, and its parameters the ones to train.
+    transformers.Trainer builds an optimizer from ``optimizer_cls_and_kwargs=(HostAdamW, {"model": model,
+    ...})`` by passing the model in place of the parameters (its convention for optimizers that need
+    the model); the parameter groups it would otherwise pass (no weight decay on norms and biases)
+    are not made then: weight decay applies to every parameter."""
+    if model is not None and model is not module:
+        raise ValueError(f"HostAdamW got a module ({type(module).__name__}) in place of the parameters and another "
+                         f"model= ({type(model).__name__}): pass the parameters (or the model alone) first")
+    return module, list(module.parameters())
 
 
 def _check_number(name: str, value: Any) -> None:
@@ -692,6 +740,21 @@ def _shared_buckets(model: nn.Module | None, chain: Chain | None, buckets: tuple
         user = next((n for n in blocks if qualified.startswith(n + ".")), qualified.split(".")[0])
         users.setdefault(id(p), set()).add(user)
     return [b.index for b in buckets if any(len(users.get(id(p), ())) > 1 for p in b.params)]
+
+
+def _norm_order(model: nn.Module | None, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The order in which ``max_grad_norm``'s global norm stacks the parameters' norms: the model's
+    (``clip_grad_norm_(model.parameters())``, as transformers.Trainer, accelerate and the usual loop
+    call it), then any of ``tensors`` outside the model in the optimizer's order. The stacked norms
+    are summed in this order, so another one (the optimizer's, which parameter groups such as
+    Trainer's decay / no-decay split reorder) gives a clip factor a rounding apart, and weights that
+    drift from the loop's."""
+    if model is None:
+        return tensors
+    mine = {id(p) for p in tensors}
+    first = [p for p in model.parameters() if id(p) in mine]
+    seen = {id(p) for p in first}
+    return first + [p for p in tensors if id(p) not in seen]
 
 
 def _hyper(group: dict[str, Any]) -> Hyper:

@@ -50,6 +50,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ooc.backend import Event
 from ooc.errors import OocError
@@ -143,18 +144,32 @@ class _BucketState:
         self.done.set()
 
 
-_FIRST_VALUES = 16
-"""Values of each gradient a launch copies (NOTE [gradients read in the backward])."""
+_SAME_WIDTH_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+"""The integer dtype of each element size: a gradient's bits read as integers (``_fingerprint``)."""
 
 
-def _first_values(grad: torch.Tensor) -> torch.Tensor:
-    """A copy of up to ``_FIRST_VALUES`` values of ``grad`` along its last dimension at index 0 of
-    the others (a view until copied, whatever its strides): a scale by other than 1 changes them
-    unless they are all 0 (a sparse embedding gradient; the others of the same clip then show it)."""
+def _fingerprint(grad: torch.Tensor) -> torch.Tensor:
+    """The sum of the bits of every value of ``grad`` read as integers of its width, wrapping (a 0-d
+    tensor on its device; NOTE [gradients read in the backward]). A bit-level view and a sum in that
+    same dtype: no converted copy of the gradient, and an exact integer sum, so the same values give
+    the same fingerprint whatever the reduction's order, and a changed value almost surely another
+    (a change of one width-wide sum per changed gradient goes unseen: 2**-16 for bf16, 2**-32 for fp32)."""
     grad = grad.detach()
-    if grad.numel() == 0:
-        return grad.new_empty(0)
-    return grad[(0,) * (grad.dim() - 1)][:_FIRST_VALUES].clone() if grad.dim() else grad.clone()
+    bits = _SAME_WIDTH_INT[grad.element_size()]
+    return grad.view(bits).sum(dtype=bits)
+
+
+def _under_several_processes() -> bool:
+    """A torch.distributed process group of more than one rank is running."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _same_fingerprint(grad: torch.Tensor | None, before: torch.Tensor) -> bool:
+    """``grad`` (a gradient now; ``None`` once dropped) has the values whose fingerprint is ``before``."""
+    if grad is None or grad.element_size() != before.element_size():
+        return False
+    # On the host: a streamed weight's gradient may have moved to another device since (``grad_moved``).
+    return torch.equal(_fingerprint(grad).cpu(), before.cpu())
 
 
 class UpdatePipeline:
@@ -187,8 +202,11 @@ class UpdatePipeline:
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
         self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
-        """Per parameter id, (bucket, parameter, gradient, the gradient's version, a copy of its first
-        values) as a launch before ``step()`` read them (NOTE [gradients read in the backward])."""
+        """Per parameter id, (bucket, parameter, gradient, the gradient's version, its fingerprint) as a
+        launch before ``step()`` read them (NOTE [gradients read in the backward])."""
+        self._versions = self._written_weights_to_watch()
+        """Per parameter id, the parameter's version counter when its master last took what was written
+        into it (NOTE [weights written outside the optimizer])."""
         self._step_jobs: list[Job] = []
         self._others: dict[int, torch.Tensor] = {}
         """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
@@ -405,7 +423,7 @@ class UpdatePipeline:
         status.backed_up = False
         for p in self.buckets[index].params:
             if (grad := p.grad) is not None:
-                self._read_grads[id(p)] = (index, p, grad, grad._version, _first_values(grad))
+                self._read_grads[id(p)] = (index, p, grad, grad._version, _fingerprint(grad))
         if not job.grads:
             if self.stages.comm is not None:
                 self._to_exchange(job)  # holds the bucket's place in the canonical order
@@ -413,6 +431,7 @@ class UpdatePipeline:
         # The previous step's job of this bucket must be done with its buffers before they are
         # rewritten (it is, unless delayed_update: then its update had this whole step to finish).
         self._wait_done(index)
+        self._adopt_written_weights(index)
         status.done.clear()
         try:
             compute = self.stages.copy_out(job)
@@ -430,6 +449,51 @@ class UpdatePipeline:
             self._stop(exc)
             raise
         self._to_exchange(job)
+
+    def _written_weights_to_watch(self) -> dict[int, int]:
+        """The parameters whose master is a copy of their own (not with ``delayed_update``, whose
+        parameters lag their masters on purpose; not a streamed weight, whose home is its host copy),
+        with their version counters now."""
+        if self.config.delayed_update:
+            return {}
+        layout = self.stages.layout
+        return {id(p): p._version for bucket in self.buckets for p in bucket.params
+                if layout.home[id(p)] is p and layout.mine(p) and "master" in self.stages.state.state_of(p)}
+
+    def watch_written_weights(self, params: Sequence[torch.Tensor]) -> None:
+        """``params`` hold their masters' values (a load the masters adopted): their writes count from
+        now (NOTE [weights written outside the optimizer])."""
+        for p in params:
+            if id(p) in self._versions:
+                self._versions[id(p)] = p._version
+
+    @torch.no_grad()
+    def _adopt_written_weights(self, index: int) -> None:
+        """Before the bucket's update reads its masters: values written into its parameters since
+        (outside the optimizer) go into the masters.
+
+        NOTE [weights written outside the optimizer]
+        A parameter that is not its own master (bf16 and fp16 ones; on a GPU every one) holds a copy
+        of its fp32 master on the host, and each update starts from the master. A write into the
+        parameter after ``step()`` -- a weight clamp (a WGAN critic's), a max-norm projection, a mask,
+        what ``torch.optim.AdamW`` simply updates from -- was lost at the next update, and the weights
+        drifted from AdamW's without a word. The optimizer's own copies into the parameters write
+        through ``.data``, which leaves the version counter alone, so a changed counter means
+        someone else wrote: then the values that differ from the master's, cast to the parameter's
+        dtype, go into the master (one copy to the host of the parameter; values the master already
+        holds, as after a load whose master it adopted or a checkpoint restore, keep its fp32 bits).
+        Writes through ``.data`` are not seen (``model.load_state_dict`` is: NOTE [loads into the
+        model] in ooc.optim.host_adamw); a write before the optimizer's copies of the same step land
+        (without ``synchronize()``) is overwritten by them, as the class doc says."""
+        for p in self.buckets[index].params:
+            seen = self._versions.get(id(p))
+            if seen is None or p._version == seen:
+                continue
+            master = self.stages.state.state_of(p)["master"]
+            now = p.detach().to("cpu")  # a device copy waits for the write
+            changed = now != master.to(p.dtype)
+            master[changed] = now[changed].to(master.dtype)
+            self._versions[id(p)] = p._version
 
     def _to_exchange(self, item: Message) -> None:
         if not self.inline:
@@ -480,29 +544,41 @@ class UpdatePipeline:
         ``GradScaler.unscale_`` in the user's loop, ``transformers.Trainer``'s clipping at its default
         ``max_grad_norm=1.0`` -- came too late and the updates used the gradients as they were,
         without a word. Each launch notes every gradient's version counter (bumped by any in-place
-        op) and a copy of its first values (``_first_values``); ``step()`` compares the values of those
-        an op wrote since: a change makes it reset the step (NOTE [a step is a transaction]) and
-        raise, saying how to clip. A scale by 1 (``transformers.Trainer`` logs the norm with
-        ``clip_grad_norm_(..., inf)``; a clip under a norm below its limit) changes nothing and
-        passes. ooc itself writes no gradient there; it moves a streamed weight's to a new tensor of
-        the same values, which the check follows (``grad_moved``)."""
-        touched = [(bucket, p, first) for bucket, p, grad, version, first in self._read_grads.values()
+        op) and a fingerprint of all its values (``_fingerprint``: one read of the gradient on its
+        device); ``step()`` compares the fingerprints of those an op wrote since: a change makes it
+        reset the step (NOTE [a step is a transaction]) and raise, saying how to clip. A scale by 1
+        (``transformers.Trainer`` logs the norm with ``clip_grad_norm_(..., inf)``; a clip under a
+        norm below its limit) changes nothing and passes. The check used to compare only the first 16
+        values of each gradient, and let a change that spared them through: ``clip_grad_value_``
+        (Lightning's ``gradient_clip_algorithm="value"``) clamping other values, rows masked after
+        the backward. ooc itself writes no gradient there; it moves a streamed weight's to a new
+        tensor of the same values, which the check follows (``grad_moved``)."""
+        touched = [(bucket, p, before) for bucket, p, grad, version, before in self._read_grads.values()
                    if p.grad is not grad or grad._version != version]
         # Values compared only where an op wrote (a device read waits for it; rare): a scale by 1.0
         # (Trainer's clip_grad_norm_(..., inf) that only logs the norm) changes nothing.
-        changed = sorted({bucket for bucket, p, first in touched
-                          if p.grad is None or not torch.equal(_first_values(p.grad), first)})
+        changed = sorted({bucket for bucket, p, before in touched if not _same_fingerprint(p.grad, before)})
         if not changed:
             return
         changed = [self.buckets[i].name for i in changed]
         why = (f"the gradients of {', '.join(changed)} changed between the backward and step(), after their host "
-               "update had read them (e.g. torch.nn.utils.clip_grad_norm_ or GradScaler.unscale_ in the loop; "
-               "transformers.Trainer clips at its default max_grad_norm=1.0)")
+               "update had read them (e.g. torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in "
+               "the loop; Lightning's gradient_clip_val; transformers.Trainer clips at its default max_grad_norm=1.0)")
         self.discard(why)
+        if self.stages.comm is None and _under_several_processes():
+            raise PipelineError(
+                f"{why}: with several processes, the likely cause is torch's DistributedDataParallel (accelerate and "
+                "transformers.Trainer wrap the model in it), which averages the gradients across ranks at the end of the "
+                "backward, after a pipelined HostAdamW read each rank's own. Train data-parallel with HostAdamW("
+                "data_parallel=ooc.distributed.DataParallel(...)) on the model not wrapped in DistributedDataParallel, "
+                "which averages each block's gradients before its update, or build HostAdamW(pipeline=False) to read "
+                "them in step(). The step was reset: call zero_grad() and run it again"
+            )
         raise PipelineError(
             f"{why}: a pipelined HostAdamW reads each block's gradients as its backward ends, so the change came too "
-            "late. Clip with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
-            "max_grad_norm=0)), or build HostAdamW(pipeline=False) to read the gradients in step(). The step was "
+            "late. Clip by norm with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
+            "max_grad_norm=0), with Lightning no gradient_clip_val), or build HostAdamW(pipeline=False) to read the "
+            "gradients in step() (any other change to them). The step was "
             "reset: call zero_grad() and run it again"
         )
 

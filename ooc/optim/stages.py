@@ -300,8 +300,10 @@ class Stages:
             if seg.staging is None:
                 continue
             for p, o in zip(seg.params, seg.offsets):
-                # Staged in the home's own layout (stage_weights): the bytes go as they are.
-                dst = storage_span(self.layout.home[id(p)].detach())
+                # Staged in the home's own layout (stage_weights): the bytes go as they are. Through
+                # .data: the parameter's version counter moves only for writes from outside (NOTE
+                # [weights written outside the optimizer] in ooc.optim.pipeline).
+                dst = storage_span(self.layout.home[id(p)].data)
                 events.append(self.backend.copy_h2d(dst, seg.staging[o:o + p.numel()], after))
         self.staging_readers[index] = list(events)
         return events

@@ -53,6 +53,20 @@ def test_a_model_that_owns_none_of_the_parameters_is_refused() -> None:
     HostAdamW([*trained.parameters(), torch.nn.Parameter(torch.ones(()))], model=trained).close()  # an extra one is fine
 
 
+def test_a_module_in_place_of_the_parameters_is_the_model() -> None:
+    """``HostAdamW(model)`` (transformers.Trainer's ``optimizer_cls_and_kwargs`` passes the model so) trains
+    the model's parameters with ``model=model``; another model beside it is refused."""
+    trained, other = GPT(NANO), GPT(NANO)
+    with pytest.raises(ValueError, match="in place of the parameters and another model="):
+        HostAdamW(trained, model=other)
+    opt = HostAdamW(trained, lr=1e-2)
+    try:
+        assert opt.param_groups[0]["params"] == list(trained.parameters())
+        assert len(opt.buckets) > 1  # bucketed by the model's chain, not one bucket of loose parameters
+    finally:
+        opt.close()
+
+
 def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
     for step in steps:
         torch.manual_seed(step)  # dropout

@@ -153,6 +153,29 @@ def test_clipping_by_global_norm_equals_clip_grad_norm() -> None:
         opt.close()
 
 
+def _decay_groups(model: torch.nn.Module) -> list[dict]:
+    """transformers.Trainer's groups: weight decay for the matrices, none for norms and biases (the
+    parameters in another order than the model's)."""
+    return [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+            {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0, "lr": 5e-3}]
+
+
+def test_clipping_with_parameter_groups_equals_clip_grad_norm_over_the_model() -> None:
+    """The global norm sums the parameters' norms in the model's order, as ``clip_grad_norm_(model.parameters())``
+    (transformers.Trainer, accelerate, the usual loop) does; it used to take the optimizer's order,
+    which parameter groups change, and the weights drifted from the loop's by rounding."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(_decay_groups(model), lr=1e-2, model=model, max_grad_norm=0.5)
+    try:
+        losses = _pipelined(model, opt, steps=6)
+        expected = _train(plain, torch.optim.AdamW(_decay_groups(plain), lr=1e-2, fused=True), 6, clip=0.5)
+        assert losses == expected
+        assert _same_weights(model, plain)
+    finally:
+        opt.close()
+
+
 def test_delayed_update_applies_each_gradient_one_step_late() -> None:
     """DPU: step s runs on the weights after the gradients of step s-2, i.e. one update stale."""
     plain = _model()

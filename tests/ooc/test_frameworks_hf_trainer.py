@@ -1,0 +1,64 @@
+"""transformers.Trainer building HostAdamW itself, as it builds optimizers from a class and keyword arguments."""
+
+from __future__ import annotations
+
+import tempfile
+import warnings
+
+import pytest
+import torch
+
+import ooc
+
+pytest.importorskip("transformers")
+pytest.importorskip("accelerate")  # Trainer needs it
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
+
+VOCAB = 97
+
+
+def _rows(n: int = 16, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        x = torch.randint(1, VOCAB, (seq,), generator=g)
+        rows.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x})
+    return rows
+
+
+def _train(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Four steps of a tiny GPT-2 under Trainer (its linear schedule, norm clipping at 1.0, dropout on):
+    ``"cls"``, wrapped, with Trainer building HostAdamW from ``optimizer_cls_and_kwargs``;
+    ``"plain"``, unwrapped, with ``torch.optim.AdamW(fused=True)`` and Trainer's own clipping."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
+    kwargs: dict = {}
+    if optimizer == "cls":
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            ooc.wrap(model, ooc.Plan.of(["recompute", "swap"]), backend="cpu")
+        kwargs["optimizer_cls_and_kwargs"] = (ooc.optim.HostAdamW, {"model": model, "lr": 1e-3, "max_grad_norm": 1.0})
+    else:
+        kwargs["optimizers"] = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), None)
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, logging_steps=1,
+                                 report_to="none", save_strategy="no", use_cpu=True, seed=0,
+                                 max_grad_norm=0.0 if optimizer == "cls" else 1.0)
+        trainer = Trainer(model=model, args=args, train_dataset=_rows(), **kwargs)
+        trainer.train()
+    losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    if optimizer == "cls":
+        getattr(trainer.optimizer, "optimizer", trainer.optimizer).close()  # under accelerate's wrapper
+        ooc.unwrap(model)
+    return losses, weights
+
+
+def test_trainer_builds_host_adamw_from_optimizer_cls_and_kwargs() -> None:
+    """Trainer's ``optimizer_cls_and_kwargs=(HostAdamW, {"model": model, ...})`` passes the model in place of
+    the parameters (its convention for optimizers that need the model). HostAdamW took it for an
+    iterable of parameters and failed with "object is not iterable"; now a module there is the model
+    and its parameters, and training equals the plain run's."""
+    wrapped, plain = _train("cls"), _train("plain")
+    assert wrapped[0] == plain[0] and len(wrapped[0]) == 4
+    assert all(torch.equal(wrapped[1][k], plain[1][k]) for k in plain[1])

@@ -1,0 +1,45 @@
+"""Lightning with HostAdamW, where Lightning handles the optimizer in ways a plain loop does not."""
+
+from __future__ import annotations
+
+import importlib.util
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+pytest.importorskip("lightning")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_hostadamw.py"
+
+
+def _example() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("ooc_example_lightning_frameworks", EXAMPLE)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _moved_elsewhere(value: object, device: object) -> object:
+    """What Lightning's move of a state tensor to the GPU does, seen from the optimizer: a new tensor that is not a
+    host fp32 tensor (a CPU-only stand-in: float64 on the host)."""
+    return value.to(torch.float64) if isinstance(value, torch.Tensor) else value
+
+
+def test_the_optimizer_state_lightning_moves_to_the_device_stays_on_the_host(monkeypatch) -> None:
+    """NOTE [host state stays on the host]: Lightning's ``fit()`` moves every optimizer's state to the
+    training device (``_optimizer_to_device``, also after restoring a checkpoint). HostAdamW's fp32
+    moments and masters then left the host, and the host update failed on tensors of two kinds; now
+    they are copied back into the host tensors, and training equals plain AdamW's."""
+    import lightning.fabric.utilities.optimizer as lightning_optimizer
+
+    example = _example()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
+        plain = example.train(wrapped=False)
+        monkeypatch.setattr(lightning_optimizer, "move_data_to_device", _moved_elsewhere)
+        wrapped = example.train(wrapped=True)
+    assert wrapped[0] == plain[0]
+    assert all(torch.equal(wrapped[1][k], plain[1][k]) for k in plain[1])
