@@ -81,7 +81,15 @@ or at :meth:`Checkpointer.close`. Starting a thread per save cost the training l
 switch interval (5 ms) per save: ``Thread.start`` waits until the new thread runs, and that thread
 then holds the GIL while it sets up the write. Handing a job to a waiting thread does not wait.
 Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
-a Checkpointer dropped without ``close`` is let go of that long after its last save.
+a Checkpointer dropped without ``close`` is let go of that long after its last save. The thread is a
+daemon, so a process that ends while it writes would lose that version (a script whose last line is
+``save``), or abort in the torch code it runs ("terminate called without an active exception": the
+interpreter stops daemon threads as they take the GIL back); so at exit the writer is handed its
+stop after the jobs queued and joined (``_finish_at_exit``, a ``weakref.finalize`` that also runs
+once a dropped Checkpointer is collected). At exit it runs where ``concurrent.futures`` shuts its
+executors down (``threading._register_atexit``, before plain ``atexit`` callbacks): after that the
+write's own I/O pool refuses work, and the version failed ("cannot schedule new futures after
+interpreter shutdown").
 
 NOTE [lazy snapshots]
 With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
@@ -155,6 +163,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -1179,6 +1188,10 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         """The writer thread, while it waits for saves (NOTE [writer thread])."""
+        self._exit_finalizer: weakref.finalize | None = None
+        """Joins the writer at exit (NOTE [writer thread])."""
+        self._last_saved: list[int] = []
+        """The step of the last save handed to the writer (a cell the exit finalizer reads)."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
@@ -1264,10 +1277,18 @@ class Checkpointer:
         self._snapshot = _Snapshot(slots, self._aside) if self.lazy else None
         self._written.clear()
         with self._writer_lock:
+            self._last_saved[:] = [step]
             self._jobs.put((step, files, tensors, metadata, pending))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
+                # The version in flight is written before the interpreter ends (NOTE [writer thread]).
+                if self._exit_finalizer is not None:
+                    self._exit_finalizer.detach()
+                self._exit_finalizer = weakref.finalize(self, _finish_at_exit, self._jobs, self._writer, self._written,
+                                                        self._last_saved)
+                _WRITING.add(self)
+                _finish_writes_at_exit()
         return True
 
     def _check_open(self) -> None:
@@ -1938,6 +1959,31 @@ class Checkpointer:
             if self._directory_lock is not None:
                 self._directory_lock.release()  # another job may write here now (NOTE [one job per directory])
             self._closed = True
+
+
+_WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+"""Checkpointers that started a writer thread (NOTE [writer thread])."""
+
+
+@functools.cache
+def _finish_writes_at_exit() -> None:
+    """Once per process: at exit, before ``concurrent.futures`` stops its executors, let every
+    writer thread write the saves queued (NOTE [writer thread])."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is not None:  # (else the finalizers' own atexit runs them, and a version in flight fails)
+        register(lambda: [c._exit_finalizer() for c in list(_WRITING) if c._exit_finalizer is not None])
+
+
+def _finish_at_exit(jobs: queue.SimpleQueue, writer: threading.Thread, written: threading.Event, last_saved: list[int]) -> None:
+    """At exit (or once a dropped Checkpointer is collected): let ``writer`` write the saves queued,
+    then end (NOTE [writer thread]); it is not the Checkpointer's writer any more if it ended idle."""
+    if not writer.is_alive():
+        return
+    if not written.is_set():
+        print(f"ooc.checkpoint: writing the version of step {last_saved[0]} before the interpreter exits (call "
+              "Checkpointer.close() to wait for it yourself)", file=sys.stderr, flush=True)
+    jobs.put(None)
+    writer.join()
 
 
 def _compiled_module(model: nn.Module) -> nn.Module:

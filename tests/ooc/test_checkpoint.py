@@ -1485,3 +1485,25 @@ def test_skip_if_busy_writes_nothing_while_the_previous_version_is_written(tmp_p
     ckpt.close()
     opt.close()
     opt2.close()
+
+
+_SAVES_AND_EXITS = """
+import sys, torch, torch.nn as nn
+from ooc.checkpoint import Checkpointer
+torch.manual_seed(0)
+model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(8)])  # 32 MiB: its write outlasts the exit
+ckpt = Checkpointer(sys.argv[1], model)
+ckpt.save(1)
+print("saved", flush=True)
+"""
+
+
+def test_a_script_that_ends_right_after_save_still_writes_that_version(tmp_path: Path) -> None:
+    """``save()`` returns at once and the script ends without ``wait()`` or ``close()``: the version it
+    saved is written before the interpreter exits (the writer thread was a daemon, killed at exit with
+    the version half written, or the process aborted in the writer's torch code), and the exit says so."""
+    done = subprocess.run([sys.executable, "-c", _SAVES_AND_EXITS, str(tmp_path / "ckpt")], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [v.step for v in list_versions(tmp_path / "ckpt")] == [1]
+    assert "writing the version of step 1 before the interpreter exits" in done.stderr
