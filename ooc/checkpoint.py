@@ -1297,10 +1297,13 @@ class Checkpointer:
         A bucket's update changes its moments and masters (the optimizer file) and its weights (the
         model file) at once, so the two files are written together (:func:`_write_tensor_files`),
         each bucket's tensors in both before the next bucket's: written one file after the other,
-        every bucket updated while the first file was written had its weights copied aside (on gpt2
-        saved every 10 steps: 12 of 15 buckets, 270 MiB per version). A safetensors file may list
-        its tensors in any order (readers go by each one's offsets); tensors no bucket holds were
-        copied in ``save`` and go last."""
+        every bucket updated while the first file was written had its weights copied aside. On gpt2
+        the first bucket the backward updates was complete after 971 MiB written (the optimizer file
+        first), now after 81 MiB, the k-th after 81k MiB; saved every 10 steps while training, 3.7 to
+        11 buckets and 81 to 348 MiB were copied aside per version, now 0 to 0.3 and 0 to 98 MiB
+        (the embedding's bucket, 442 MiB written last, in a version whose write it outran; busy
+        machine, 3 versions a run). A safetensors file may list its tensors in any order (readers go
+        by each one's offsets); tensors no bucket holds were copied in ``save`` and go last."""
 
         def reordered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             """``tensors`` itself, its entries reinserted in write order: the snapshot's slots are
