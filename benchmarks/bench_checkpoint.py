@@ -249,6 +249,9 @@ def main() -> None:
         # it (alive until the version is written), summed per snapshot, largest per mode.
         aside: dict[int, int] = {}
         aside_mode: dict[int, int | str] = {}
+        gated: dict[int, float] = {}
+        """Per snapshot: seconds the updates spent in the listener (waiting for the writer's slice,
+        copying aside), on the thread whose updates the next forward waits for."""
         before_update = ckpt_mod._Snapshot.before_update
 
         def counting_before_update(snapshot: ckpt_mod._Snapshot, bucket: int) -> bool:
@@ -257,7 +260,11 @@ def main() -> None:
                 nbytes = sum(c[k].numel() * c[k].element_size() for c, k in unread)
             aside[id(snapshot)] = aside.get(id(snapshot), 0) + nbytes
             aside_mode[id(snapshot)] = current_mode[0]
-            return before_update(snapshot, bucket)
+            started = time.perf_counter()
+            try:
+                return before_update(snapshot, bucket)
+            finally:
+                gated[id(snapshot)] = gated.get(id(snapshot), 0.0) + time.perf_counter() - started
 
         ckpt_mod._Snapshot.before_update = counting_before_update
         current_mode: list[int | str] = [0]
@@ -288,6 +295,7 @@ def main() -> None:
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         most_aside = {mode: max([b for s, b in aside.items() if aside_mode[s] == mode], default=0) for mode in savers}
+        most_gated = {mode: max([g for s, g in gated.items() if aside_mode[s] == mode], default=0.0) for mode in savers}
         for saver in savers.values():
             if saver is not None:
                 saver.close()
@@ -326,6 +334,9 @@ def main() -> None:
          f"state {format_bytes(state_bytes)}", f"{max(extra['lazy']) / state_bytes:.2f}x", ""],
         *[[f"extra host memory while training, a save every {modes[mode]} step(s): most copied aside for one version",
            format_bytes(most_aside[mode]), f"state {format_bytes(state_bytes)}", f"{most_aside[mode] / state_bytes:.2f}x", ""]
+          for mode in (10, 1)],
+        *[[f"updates held by the checkpoint (waits for a slice, copies aside), a save every {modes[mode]} step(s): "
+           "most for one version", ms(most_gated[mode]), f"step (wall) {ms(base)}", f"{most_gated[mode] / base * 100:.0f}%", ""]
           for mode in (10, 1)],
         ["extra host memory, torch.save", format_bytes(max(extra["torch.save"])), f"state {format_bytes(state_bytes)}",
          f"{max(extra['torch.save']) / state_bytes:.2f}x", ""],

@@ -1160,13 +1160,13 @@ def test_weights_loaded_into_the_model_while_a_version_is_written_do_not_reach_i
     opt.close()
 
 
-@pytest.mark.parametrize("held_at", ["snapshot", "write:model.safetensors"], ids=["before-all", "between-files"])
+@pytest.mark.parametrize("held_at", ["snapshot", "write:model.safetensors"], ids=["before-all", "files-opened"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "in-step"])
 def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Path, dtype: torch.dtype, held_at: str,
                                                                     pipeline: bool) -> None:
-    """The writer is held back (before any file, or with the optimizer state written and the
-    weights not: NOTE [write order]) while training goes on: each bucket's update must first copy
+    """The writer is held back (before any file, or with the tensor files opened, written together:
+    NOTE [write order]) while training goes on: each bucket's update must first copy
     aside what is not written yet, so the version still holds the state at save() (NOTE [lazy
     snapshots]); in stream
     order: in-step with bf16 weights, the copy aside reads device parameters on the training thread
@@ -1236,8 +1236,10 @@ def test_a_kept_buffer_goes_only_to_a_tensor_laid_out_as_it_is() -> None:
 
 
 def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path: Path) -> None:
-    """NOTE [write order]: the optimizer file before the model file, and in each the tensors of the
-    bucket the last step updated first, first (the next step's first update is the earliest deadline)."""
+    """NOTE [write order]: the tensors of the bucket the last step updated first, first (the next
+    step's first update is the earliest deadline), its moments and its weights before the next
+    bucket's: the optimizer and model files are written together, not one after the other (every
+    bucket updated while the optimizer file was written had its weights copied aside)."""
     model, opt, sched = _setup()
     updated: list[int] = []
     opt.stage_listeners.append(lambda bucket, stage: updated.append(bucket) if stage is Stage.EXCHANGE else None)
@@ -1245,21 +1247,24 @@ def test_the_writer_goes_by_the_order_the_last_step_updated_the_buckets(tmp_path
     _train(model, opt, sched, range(2))
     last_step = updated[len(updated) // 2:]
     assert sorted(last_step) == sorted(set(last_step))  # each bucket once
-    written: list[str] = []
-    ckpt._hook = lambda at: written.append(at) if at.startswith("write:") else None
+    read: list[tuple[str, str]] = []
+    ckpt._hook = lambda at: read.append(tuple(at.split(":")[1:])) if at.startswith("tensor:") else None
     ckpt.save(2)
     ckpt.wait()
-    assert written.index("write:optimizer-rank0.safetensors") < written.index("write:model.safetensors")
-    folder = ckpt.latest().path
     bucket_of = {id(p): b.index for b in opt.buckets for p in b.params}
     params = dict(model.named_parameters())
-    for file, name_of in (("optimizer-rank0.safetensors", lambda key: key.rsplit(".", 1)[0]), ("model.safetensors", str)):
+    name_of = {"optimizer-rank0.safetensors": lambda key: key.rsplit(".", 1)[0], "model.safetensors": str}
+    ranks = [(last_step.index(bucket_of[id(params[name_of[file](key)])]), file) for file, key in read
+             if name_of[file](key) in params]
+    assert [rank for rank, _ in ranks] == sorted(rank for rank, _ in ranks)  # across both files
+    assert {file for rank, file in ranks if rank == 0} == set(name_of)  # the first bucket's moments and weights
+    folder = ckpt.latest().path
+    for file in name_of:  # each file's tensors lie in the order they were written
         header = json.loads((folder / file).read_bytes()[8:8 + struct.unpack("<Q", (folder / file).read_bytes()[:8])[0]])
         keys = sorted((k for k in header if k != "__metadata__"), key=lambda k: header[k]["data_offsets"][0])
-        ranks = [last_step.index(bucket_of[id(params[name_of(k)])]) for k in keys if name_of(k) in params]
-        assert ranks == sorted(ranks) and len(set(ranks)) > 1, file
+        assert [k for k in keys if name_of[file](k) in params] == [k for f, k in read if f == file and name_of[f](k) in params]
         forward_order = [name for name in model.state_dict() if name in params]
-        assert [name_of(k) for k in keys if name_of(k) in params] != forward_order, file  # the last block's first
+        assert [name_of[file](k) for k in keys if name_of[file](k) in params] != forward_order, file  # the last block's first
     ckpt.close()
     opt.close()
 
@@ -1362,16 +1367,18 @@ def test_a_write_failing_midway_lets_go_of_the_bucket_it_was_writing(tmp_path: P
     model, opt, sched = _setup()
     _train(model, opt, sched, range(1))
     ckpt = Checkpointer(tmp_path, model, opt)
-    holding = threading.Event()
+    holding, reading = threading.Event(), []
+    ckpt._hook = lambda at: reading.append(at) if at.startswith("tensor:") else None
 
-    def fails_in_the_first_tensor(path: Path, chunks) -> tuple[int, str]:  # noqa: ANN001
-        it = iter(chunks)
-        next(it), next(it)  # the header, then the first tensor's bytes: its bucket is being written
-        holding.set()
+    def fails_in_the_first_tensor(writer, chunk) -> None:  # noqa: ANN001
+        if not reading:  # a header
+            return real_feed(writer, chunk)
+        holding.set()  # the first tensor's bytes: its bucket is being written
         time.sleep(1.0)  # meanwhile the training thread's update of that bucket comes and waits
-        raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(ckpt_mod, "_write_file", fails_in_the_first_tensor)
+    real_feed = ckpt_mod._FileWriter.feed
+    monkeypatch.setattr(ckpt_mod._FileWriter, "feed", fails_in_the_first_tensor)
     ckpt.save(1)
     assert holding.wait(60)
     trainer = threading.Thread(target=_train, args=(model, opt, sched, range(1, 3)), daemon=True)
