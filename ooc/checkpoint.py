@@ -213,15 +213,21 @@ def _saves_in_safetensors(dtype: torch.dtype) -> bool:
     the writer thread, raised by the next ``save`` or ``wait`` after the loop had gone on; ``save``
     refuses it now, before anything is written (:func:`_refuse_dtype`). Whether the installed
     safetensors reads a dtype back is tried once per dtype on a one-element file in the format the
-    writer streams (:func:`_safetensors_chunks`)."""
+    writer streams (:class:`_TensorFile`)."""
     if dtype not in _DTYPES:
         return False
     probe = torch.zeros(1, dtype=dtype)
     try:
-        data = b"".join(bytes(chunk) for chunk in _safetensors_chunks({"t": probe}))
+        file = _TensorFile({"t": probe})
+        data = file.header() + b"".join(_read_piece(file, name, start) for _, name, start in file.pieces())
         return safetensors.torch.load(data)["t"].dtype == dtype
     except Exception:  # noqa: BLE001 - any refusal of an older safetensors: the dtype is not saved
         return False
+
+
+def _read_piece(file: _TensorFile, name: str, start: int) -> bytes:
+    with file.read(name, start) as piece:
+        return bytes(piece)
 
 
 def _refuse_unsavable(what: str, value: torch.Tensor, file: str) -> None:
