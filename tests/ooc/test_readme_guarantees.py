@@ -1,0 +1,73 @@
+"""README guarantees, each tried against inputs its other tests do not use.
+
+"What raises, before anything changes ... Errors derive from ``ooc.OocError``"; "Gradients are bit
+for bit those of plain PyTorch" on blocks called with keyword arguments only, returning tuples,
+dicts or lists, sharing weights, with frozen parameters, strided inputs and other dtypes.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ooc
+from ooc.models import MLPChain
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return MLPChain(16, 32, 3, 4)
+
+
+def _mlp_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _mlp_step(model: nn.Module) -> None:
+    x, y = _mlp_batch()
+    nn.functional.cross_entropy(model(x), y).backward()
+
+
+# What raises, before anything changes ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("planner", ["optmal", 3])
+@pytest.mark.parametrize("sample", [False, True], ids=["first-step", "sample"])
+def test_a_misspelt_planner_raises_in_wrap(planner: object, sample: bool) -> None:
+    # Without a sample, wrap accepted any planner name: the first training step ran (every block
+    # recomputed), and only its backward raised a plain ValueError, unwrapping the model.
+    model = _mlp()
+    kwargs = dict(sample=_mlp_batch()[0]) if sample else {}
+    with pytest.raises(ooc.PlanError, match="no planner.*optimal"):
+        ooc.wrap(model, budget="1MiB", planner=planner, backend="cpu", **kwargs)
+    assert not ooc.is_wrapped(model)
+    _mlp_step(model)
+
+
+def test_ooc_plan_checks_the_planner_before_profiling(monkeypatch) -> None:
+    import ooc.api
+
+    def refuse(*_args, **_kwargs):
+        raise AssertionError("profiled before the planner name was checked")
+
+    monkeypatch.setattr(ooc.api, "measure_profile", refuse)
+    with pytest.raises(ooc.PlanError, match="no planner"):
+        ooc.plan(_mlp(), _mlp_batch()[0], budget="1MiB", planner="nope", backend="cpu")
+
+
+@pytest.mark.parametrize("kwargs", [
+    dict(budget=True), dict(budget=True, sample="x"), dict(backend="tpu"), dict(backend=3),
+    dict(budget="1MiB", profile="p.json"), dict(budget="1MiB", planner=None),
+], ids=lambda kw: ",".join(f"{k}={v!r}" for k, v in kw.items()))
+def test_bad_wrap_arguments_raise_ooc_errors_and_leave_the_model_alone(kwargs: dict) -> None:
+    # budget=True raised TypeError, an unknown backend a plain ValueError and profile="p.json" an
+    # AttributeError: none of them an ooc.OocError, which the README says every error derives from.
+    model = _mlp()
+    if kwargs.get("sample"):
+        kwargs["sample"] = _mlp_batch()[0]
+    with pytest.raises(ooc.OocError):
+        ooc.wrap(model, **kwargs)
+    assert not ooc.is_wrapped(model)
+    _mlp_step(model)
