@@ -71,3 +71,16 @@ def test_bad_wrap_arguments_raise_ooc_errors_and_leave_the_model_alone(kwargs: d
         ooc.wrap(model, **kwargs)
     assert not ooc.is_wrapped(model)
     _mlp_step(model)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--model", "mlp", "--batch", "0"], ["--model", "gpt:nano", "--seq", "0"],
+    ["--analytic", "gpt2-xl", "--batch", "-1"], ["--analytic", "gpt2-xl", "--seq", "0"],
+], ids=" ".join)
+def test_cli_profile_refuses_an_empty_batch_or_sequence(argv: list[str], capsys) -> None:
+    # A batch of 0 wrote a profile of 0 saved bytes (exit 0); a negative analytic batch failed with
+    # "op 'layer_norm': output_bytes must be >= 0", which names no option.
+    from ooc.apps.cli import main
+
+    assert main(["profile", *argv, "--reps", "1"]) == 2
+    assert f"{argv[2]} must be >= 1" in capsys.readouterr().err
