@@ -84,3 +84,57 @@ def test_cli_profile_refuses_an_empty_batch_or_sequence(argv: list[str], capsys)
 
     assert main(["profile", *argv, "--reps", "1"]) == 2
     assert f"{argv[2]} must be >= 1" in capsys.readouterr().err
+
+
+# HostAdamW: "On CPU fp32 the result equals torch.optim.AdamW(fused=True) bit for bit" --------------
+
+
+class _PartlyFrozen(nn.Module):
+    """Four blocks; block 1's LayerNorm weight is frozen, ``spare`` is never used, block 2 is
+    skipped in some steps (its parameters then get no gradient)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.LayerNorm(16), nn.GELU()) for _ in range(4))
+        self.blocks[1][1].weight.requires_grad_(False)
+        self.spare = nn.Parameter(torch.randn(3))
+        self.skip_block_2 = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i, block in enumerate(self.blocks):
+            if not (self.skip_block_2 and i == 2):
+                x = block(x)
+        return x.pow(2).mean()
+
+
+@pytest.mark.parametrize("pipeline", [False, True], ids=["step", "pipelined"])
+def test_host_adamw_leaves_parameters_without_gradients_alone(pipeline: bool) -> None:
+    # With masters apart from the parameters (every parameter on a GPU; the chaos backend's separate
+    # memory here), each update copied the bucket's whole staging buffer into its parameters, though
+    # only the updated ones had been staged: a frozen weight, or one without a gradient yet, took
+    # the buffer's zeros. torch's AdamW skips a parameter whose .grad is None.
+    from ooc.backend import ChaosConfig, CpuBackend
+    from ooc.optim import HostAdamW
+
+    torch.manual_seed(0)
+    model = _PartlyFrozen()
+    plain = _PartlyFrozen()
+    plain.load_state_dict(model.state_dict())
+    backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.0005))
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model if pipeline else None,
+                    pipeline=pipeline, backend=backend)
+    reference = torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        for step in range(4):
+            for m, o in ((model, opt), (plain, reference)):
+                m.skip_block_2 = step < 2
+                m(torch.randn(8, 16, generator=torch.Generator().manual_seed(step))).backward()
+                o.step()
+                o.zero_grad()
+        opt.synchronize()
+        assert all("master" in s for s in opt.state.values())  # the masters are apart from the parameters
+        differ = [n for (n, p), q in zip(model.named_parameters(), plain.parameters()) if not torch.equal(p, q)]
+        assert differ == []
+    finally:
+        opt.close()
+        backend.close()
