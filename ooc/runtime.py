@@ -38,7 +38,7 @@ from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStora
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
-from ooc.streaming import ParamStreamer
+from ooc.streaming import ParamStreamer, StreamedView
 from ooc.tracker import MemoryReport, MemoryTracker
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
@@ -172,7 +172,8 @@ class _Pass:
         every plan uses: an optimizer step between forward and backward (a GAN's classic mistake)
         would then give gradients of the new weights, silently. So the pack hook records the
         version of what it packs (for a kept tensor, the detached alias autograd holds, which shares
-        the version counter; for a swapped one, the caller's tensor, while it lives) and ``unpack``
+        the version counter; for a swapped one, the caller's tensor, while it lives; for a view of a
+        streamed parameter, the parameter, whose version counter the view shared) and ``unpack``
         compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
         the same check themselves (NOTE [the re-run sees the forward's state] in ooc.recompute).
         """
@@ -180,7 +181,12 @@ class _Pass:
 
         def pack_versioned(tensor: torch.Tensor) -> object:
             packed = pack(tensor)
-            watched = packed if isinstance(packed, torch.Tensor) else tensor
+            if isinstance(packed, StreamedView):
+                # The view itself dies with the forward's device copy; the backward's is rebuilt
+                # from the parameter's bytes as they are then.
+                watched = packed.parameter
+            else:
+                watched = packed if isinstance(packed, torch.Tensor) else tensor
             versions[id(packed)] = (block, weakref.ref(watched), watched._version)
             return packed
 

@@ -13,6 +13,7 @@ import torch.nn as nn
 
 import ooc
 from ooc.models import MLPChain
+from ooc.runtime import runtime_of
 
 
 def _mlp() -> nn.Module:
@@ -138,3 +139,31 @@ def test_host_adamw_leaves_parameters_without_gradients_alone(pipeline: bool) ->
     finally:
         opt.close()
         backend.close()
+
+
+# "A tensor a block saved, changed in place before the backward used it (an optimizer step between
+# forward and backward), raises ooc.SavedTensorModifiedError under every policy" -----------------
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap"])
+@pytest.mark.parametrize("params", ["resident", "streamed"])
+def test_a_weight_changed_between_forward_and_backward_raises(policy: str, params: str) -> None:
+    # A streamed weight is saved as a reference to the parameter (StreamedView), rebuilt from the
+    # copy the backward streams in: an SGD step between forward and backward went unseen and the
+    # backward used the new weights, silently; plain PyTorch raises "modified by an inplace operation".
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
+    plan = ooc.Plan(blocks=(ooc.BlockPlan(policy, params=params),) * 3, min_swap_bytes=0)
+    ooc.wrap(model, plan, blocks=list(model), backend="chaos")
+    try:
+        loss = model(torch.randn(8, 16)).sum()
+        # A write to a streamed weight's host bytes while its copy in may still read them is a race
+        # the stream-order checker raises on (StreamOrderError): let the copies end first.
+        runtime_of(model).backend.synchronize()
+        with torch.no_grad():
+            model[1][0].weight.add_(1.0)
+        with pytest.raises(ooc.SavedTensorModifiedError, match="block '1'"):
+            loss.backward()
+        model(torch.randn(8, 16)).sum().backward()  # the next step trains
+    finally:
+        ooc.unwrap(model)
