@@ -14,6 +14,7 @@ import torch.nn as nn
 import ooc
 from ooc.models import MLPChain
 from ooc.runtime import runtime_of
+from tests.helpers import stable_seed
 
 
 def _mlp() -> nn.Module:
@@ -167,3 +168,123 @@ def test_a_weight_changed_between_forward_and_backward_raises(policy: str, param
         model(torch.randn(8, 16)).sum().backward()  # the next step trains
     finally:
         ooc.unwrap(model)
+
+
+class _HalvesItsInput(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(0.5)  # the previous block's tanh saved x as its output
+        return torch.tanh(self.linear(x))
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["cpu", "chaos"])
+def test_a_swapped_output_changed_by_the_next_block_raises(chaos: bool) -> None:
+    # The change came while the block's copy out could still read the bytes, and once the caller's
+    # tensor died (only the swapped record held the bytes) nothing compared versions: the backward
+    # ran on whichever bytes the copy read, where plain PyTorch raises. The tests' stream-order
+    # checker sees the race itself (StreamOrderError at the mul_); a user's backend, like CUDA, does
+    # not, so it is off here.
+    from ooc.backend import ChaosConfig, CpuBackend
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_HalvesItsInput() for _ in range(3)])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(torch.randn(8, 16) * 1.0).sum().backward()
+    backend = CpuBackend(chaos=ChaosConfig(seed=1) if chaos else None, check_order=False)
+    ooc.wrap(model, ooc.Plan.uniform("swap", 3, min_swap_bytes=0), blocks=list(model), backend=backend)
+    try:
+        loss = model(torch.randn(8, 16) * 1.0).sum()
+        with pytest.raises(ooc.SavedTensorModifiedError, match="in flight"):
+            loss.backward()
+    finally:
+        ooc.unwrap(model)
+        backend.close()
+
+
+# "Gradients are bit-for-bit those of plain PyTorch" on blocks the reference models do not have ------
+
+
+class _KwargsBlock(nn.Module):
+    """Called with keyword arguments only; returns ``(h, aux)``, ``{"h": h, "aux": aux}`` or a list."""
+
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.linear, self.out = nn.Linear(16, 16), out
+
+    def forward(self, *, x: torch.Tensor, mask: torch.Tensor, scale: float = 1.0) -> object:
+        h = torch.tanh(self.linear(x)) * scale * mask
+        aux = (h * h).mean()
+        return {"h": h, "aux": aux} if self.out == "dict" else [h, aux] if self.out == "list" else (h, aux)
+
+
+class _KwargsModel(nn.Module):
+    def __init__(self, out: str) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_KwargsBlock(out) for _ in range(3))
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        total = x.new_zeros(())
+        for block in self.blocks:
+            out = block(x=x, mask=mask, scale=0.5)
+            x, aux = (out["h"], out["aux"]) if isinstance(out, dict) else out
+            total = total + aux
+        return x.sum() + total
+
+
+class _TiedFrozenStrided(nn.Module):
+    """Block 3 shares block 0's weight, block 1's LayerNorm is frozen, each block reads a strided and
+    a transposed view of the running activation, in ``dtype``."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"linear": nn.Linear(16, 32), "norm": nn.LayerNorm(32)}) for _ in range(4))
+        self.blocks[3]["linear"].weight = self.blocks[0]["linear"].weight
+        self.blocks[1]["norm"].requires_grad_(False)
+        for block in self.blocks:
+            block.forward = _strided_forward.__get__(block)  # a ModuleDict has no forward of its own
+        self.to(dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x[:, ::2], x.t())
+        return x.float().pow(2).mean()
+
+
+def _strided_forward(self: nn.ModuleDict, strided: torch.Tensor, transposed: torch.Tensor) -> torch.Tensor:
+    return torch.relu(self["norm"](self["linear"](strided))) + transposed.t() * 0.5
+
+
+def _kwargs_case(out: str):  # noqa: ANN202
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(8, 16, generator=g), (torch.rand(8, 16, generator=g) > 0.3).float()) for _ in range(2)]
+    return lambda: _KwargsModel(out), lambda m, b: m(*b), batches
+
+
+def _tied_case(dtype: torch.dtype):  # noqa: ANN202
+    g = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 32, generator=g).to(dtype) for _ in range(2)]
+    return lambda: _TiedFrozenStrided(dtype), lambda m, b: m(b), batches
+
+
+_PLANS = {"S": ooc.BlockPlan("swap"), "R": ooc.BlockPlan("recompute"), "r": ooc.BlockPlan("recompute", swap_input=True),
+          "K": ooc.BlockPlan("keep"), "T": ooc.BlockPlan("keep", params="streamed"),
+          "U": ooc.BlockPlan("swap", params="streamed"), "V": ooc.BlockPlan("recompute", params="streamed")}
+
+
+@pytest.mark.parametrize("code", ["SRr", "UVT"])
+@pytest.mark.parametrize("case", ["tuple", "dict", "list", "float32", "bfloat16", "float64"])
+def test_unusual_blocks_train_bit_for_bit(case: str, code: str) -> None:
+    from ooc.backend import ChaosConfig, CpuBackend
+    from tests.helpers import train_side_by_side
+
+    make, loss_fn, batches = _kwargs_case(case) if case in ("tuple", "dict", "list") else _tied_case(getattr(torch, case))
+    plan = ooc.Plan(blocks=tuple(_PLANS[c] for c in (code + code[0])[:len(make().blocks)]), min_swap_bytes=0)
+    backend = CpuBackend(chaos=ChaosConfig(seed=stable_seed(case, code), max_delay_s=0.0005))
+    try:
+        results = train_side_by_side(make, loss_fn, batches, lambda m: ooc.wrap(m, plan, blocks=m.blocks, backend=backend))
+    finally:
+        backend.close()
+    assert results == [(True, True, True)] * len(batches)
