@@ -271,7 +271,10 @@ class UpdatePipeline:
                 "accumulate=k."
             )
         status.arrived.add(id(p))
-        if not status.at_end and len(status.arrived) == len(self.buckets[bucket].params) and self._last_backward():
+        # A frozen parameter (requires_grad=False, yet passed to the optimizer, as model.parameters()
+        # does) never gets a gradient: counting it held the bucket's update until step().
+        expected = sum(q.requires_grad for q in self.buckets[bucket].params)
+        if not status.at_end and len(status.arrived) == expected and self._last_backward():
             self.launch(bucket)
 
     def before_block_forward(self, index: int) -> None:
