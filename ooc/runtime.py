@@ -192,8 +192,11 @@ class _Pass:
             # A compressed record read its bytes when it encoded them, at the save: no copy races.
             # Detached (the same version counter), or node -> record -> tensor -> grad_fn -> node
             # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
-            raced = (packed.watch(tensor.detach())
-                     if isinstance(packed, SwappedView) and not isinstance(packed.storage, CompressedStorage) else None)
+            # Weakly: the record frees its copied-back bytes when autograd drops its last view.
+            raced = None
+            if isinstance(packed, SwappedView) and not isinstance(packed.storage, CompressedStorage):
+                packed.storage.watch(tensor.detach())
+                raced = weakref.ref(packed.storage)
             versions[id(packed)] = (block, weakref.ref(watched), watched._version, tuple(watched.shape), raced)
             return packed
 
@@ -205,7 +208,7 @@ class _Pass:
             block, ref, version, shape, raced = entry
             watched = ref()
             changed = watched is not None and watched._version != version
-            if changed or (raced is not None and raced()):
+            if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
                 name = self.rt.chain.names[block]
                 versions = f"version {version} -> {watched._version}" if changed else "while its copy to the host was in flight"
                 raise SavedTensorModifiedError(
