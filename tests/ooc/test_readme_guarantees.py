@@ -403,3 +403,29 @@ def test_measured_parameter_peak_equals_prediction_with_a_weight_tied_across_blo
     prof, measure = _tied_profile_and_measure()
     plan = ooc.Plan.uniform("keep", 4, min_swap_bytes=0)
     assert measure(plan).param_peak_bytes == build_schedule(plan, prof).param_peak_bytes
+
+
+@pytest.mark.xfail(strict=True, reason="a parameter shared by a streamed and a resident block is streamed with the "
+                   "streamed one, so the resident block runs on its host copy (on a GPU: a device mismatch)")
+@pytest.mark.parametrize("code", ["KKKT", "TKKK"])
+def test_a_weight_tied_between_a_streamed_and_a_resident_block_is_on_the_device_when_either_runs(code: str) -> None:
+    # README (Weight streaming): a streamed block's parameters are copied to the device before its
+    # forward and backward; "between uses p is a host tensor". The resident block that shares the
+    # weight is not told: on the CPU backend the host copy computes the same, on CUDA it would not.
+    from ooc.runtime import weight_streamer
+
+    torch.manual_seed(0)
+    model = _TiedFrozenStrided(torch.float32)
+    ooc.wrap(model, ooc.Plan(blocks=tuple(_PLANS[c] for c in code), min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu")
+    try:
+        tied = model.blocks[0]["linear"].weight
+        host = weight_streamer(model).host_copy(tied)
+        on_host = []
+        for i in (0, 3):
+            model.blocks[i]["linear"].register_forward_pre_hook(
+                lambda _m, _a, i=i: on_host.append(i) if tied.data_ptr() == host.data_ptr() else None)
+        model(torch.randn(8, 32)).backward()
+        assert on_host == []
+    finally:
+        ooc.unwrap(model)
