@@ -15,6 +15,7 @@ from ooc.profiler import profile as measure_profile
 from ooc.runtime import check_trainable, install
 from ooc.scheduler import checks
 from ooc.scheduler.costmodel import build_options
+from ooc.scheduler.errors import PlanError
 from ooc.scheduler.hardware import PRESETS, Hardware, preset
 from ooc.scheduler.optimal import minimum_peak
 from ooc.scheduler.param_planner import plan_with_streaming
@@ -66,10 +67,7 @@ def plan_for_profile(
     """
     budget_bytes = parse_bytes(budget)
     _check_prefetch(prefetch)
-    try:
-        choose = PLANNERS[planner]
-    except KeyError:
-        raise ValueError(f"no planner {planner!r}; choose one of {sorted(PLANNERS)}") from None
+    choose = _planner(planner)
     if include_params:
         try:
             return annotate(plan_with_streaming(prof, hardware, budget_bytes, choose, prefetch=prefetch), prof)
@@ -85,6 +83,13 @@ def plan_for_profile(
         detail = "" if planner == "optimal" else f"(the {planner!r} planner's own plan needs more; try planner='optimal')"
         raise BudgetError(budget_bytes, minimum, detail)
     return annotate(chosen, prof)
+
+
+def _planner(name: object) -> Any:
+    """The planner called ``name``; :class:`PlanError` naming the choices for any other value."""
+    if not isinstance(name, str) or name not in PLANNERS:
+        raise PlanError(f"no planner {name!r}; choose one of {sorted(PLANNERS)}")
+    return PLANNERS[name]
 
 
 def _check_prefetch(prefetch: object) -> None:
@@ -110,6 +115,7 @@ def plan(
     ``include_params``, of parameters and saved activations together, streaming parameters from
     the host where needed."""
     _check_prefetch(prefetch)
+    _planner(planner)
     if sample is None:
         raise WrapError("ooc.plan profiles the model on a sample: pass one input batch as its second argument (or "
                         "call ooc.wrap(model, budget=...) without a sample to plan from the first training step)")
@@ -167,6 +173,12 @@ def wrap(
     """
     check_trainable(model)
     _check_prefetch(prefetch)
+    # Without a sample the planner runs only when the first step's backward ends; a misspelt
+    # name must fail here, before that step is spent and the model unwrapped.
+    _planner(planner)
+    if profile is not None and not isinstance(profile, Profile):
+        raise WrapError(f"profile must be an ooc.scheduler.Profile (ooc.profile(...) or Profile.load(path)), got "
+                        f"{profile!r:.80} ({type(profile).__name__})")
     for name, value in (("include_params", include_params), ("check_recompute", check_recompute)):
         checks.flag(value, name, WrapError)  # the string "no" would read as True
     if include_params and plan is None and budget is not None and sample is None and profile is None:

@@ -34,11 +34,11 @@ from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
-from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, make_pack_hook, unpack
+from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, SwappedView, make_pack_hook, unpack
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
-from ooc.streaming import ParamStreamer
+from ooc.streaming import ParamStreamer, StreamedView
 from ooc.tracker import MemoryReport, MemoryTracker
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
@@ -172,16 +172,32 @@ class _Pass:
         every plan uses: an optimizer step between forward and backward (a GAN's classic mistake)
         would then give gradients of the new weights, silently. So the pack hook records the
         version of what it packs (for a kept tensor, the detached alias autograd holds, which shares
-        the version counter; for a swapped one, the caller's tensor, while it lives) and ``unpack``
-        compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
+        the version counter; for a swapped one, the caller's tensor, while it lives, and until the
+        copy out is ordered before compute, whether it lives or not: a change before then raced the
+        copy, and the caller's tensor may die before the backward, leaving only the host copy; for a
+        view of a streamed parameter, the parameter, whose version counter the view shared) and
+        ``unpack`` compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
         the same check themselves (NOTE [the re-run sees the forward's state] in ooc.recompute).
         """
         versions = self.saved_versions
 
         def pack_versioned(tensor: torch.Tensor) -> object:
             packed = pack(tensor)
-            watched = packed if isinstance(packed, torch.Tensor) else tensor
-            versions[id(packed)] = (block, weakref.ref(watched), watched._version)
+            if isinstance(packed, StreamedView):
+                # The view itself dies with the forward's device copy; the backward's is rebuilt
+                # from the parameter's bytes as they are then.
+                watched = packed.parameter
+            else:
+                watched = packed if isinstance(packed, torch.Tensor) else tensor
+            # A compressed record read its bytes when it encoded them, at the save: no copy races.
+            # Detached (the same version counter), or node -> record -> tensor -> grad_fn -> node
+            # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
+            # Weakly: the record frees its copied-back bytes when autograd drops its last view.
+            raced = None
+            if isinstance(packed, SwappedView) and not isinstance(packed.storage, CompressedStorage):
+                packed.storage.watch(tensor.detach())
+                raced = weakref.ref(packed.storage)
+            versions[id(packed)] = (block, weakref.ref(watched), watched._version, tuple(watched.shape), raced)
             return packed
 
         return pack_versioned
@@ -189,13 +205,15 @@ class _Pass:
     def unpack(self, packed: object) -> torch.Tensor:
         entry = self.saved_versions.get(id(packed))
         if entry is not None:
-            block, ref, version = entry
+            block, ref, version, shape, raced = entry
             watched = ref()
-            if watched is not None and watched._version != version:
+            changed = watched is not None and watched._version != version
+            if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
                 name = self.rt.chain.names[block]
+                versions = f"version {version} -> {watched._version}" if changed else "while its copy to the host was in flight"
                 raise SavedTensorModifiedError(
-                    f"a tensor that block {name!r} saved for its backward (shape {tuple(watched.shape)}) was modified "
-                    f"in place after the forward (version {version} -> {watched._version}); plain PyTorch raises here "
+                    f"a tensor that block {name!r} saved for its backward (shape {shape}) was modified "
+                    f"in place after the forward ({versions}); plain PyTorch raises here "
                     "too (\"modified by an inplace operation\"). Run the backward before changing it (e.g. before "
                     "optimizer.step()), or change a clone"
                 )

@@ -48,6 +48,12 @@ class StreamedView:
         self.size = tensor.size()
         self.stride = tensor.stride()
 
+    @property
+    def parameter(self) -> nn.Parameter:
+        """The parameter this view was taken of; the view shared its version counter, so an in-place
+        change of the parameter after the save shows in its ``_version``."""
+        return self.entry.param
+
     def unpack(self) -> torch.Tensor:
         entry = self.entry
         if entry.device is None or entry.param.data_ptr() != entry.device.data_ptr():

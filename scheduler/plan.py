@@ -156,6 +156,10 @@ class BlockPlan:
 
 _Choice = TypeVar("_Choice", Policy, Codec, Residency)
 
+_BLOCK_FIELDS = frozenset({"policy", "codec", "swap_input", "saved_bytes", "device_bytes", "params", "cached_ops",
+                           "swapped_ops", "op_signature"})
+"""The fields of a block in a plan's JSON (``Plan.to_dict``)."""
+
 
 def _is_signature(value: object) -> bool:
     return isinstance(value, str) and len(value) == 16 and all(c in "0123456789abcdef" for c in value)
@@ -281,7 +285,9 @@ class Plan:
         if not isinstance(data, dict) or data.get("format") != "ooc.plan":
             raise PlanError("not an ooc plan: the JSON has no \"format\": \"ooc.plan\" field")
         version = data.get("version")
-        if not isinstance(version, int) or version > PLAN_FORMAT_VERSION:
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise PlanError(f"corrupt plan JSON: \"version\" must be a whole number >= 1, got {version!r:.80}; {_FIX}")
+        if version > PLAN_FORMAT_VERSION:
             raise PlanError(
                 f"plan format version {version!r} is newer than this ooc understands "
                 f"({PLAN_FORMAT_VERSION}); upgrade ooc or re-create the plan"
@@ -291,6 +297,11 @@ class Plan:
             raise PlanError(f"corrupt plan JSON: \"blocks\" must be a list of objects, got {blocks!r:.80}; {_FIX}")
         if not isinstance(meta, dict):
             raise PlanError(f"corrupt plan JSON: \"meta\" must be an object, got {meta!r:.80}; {_FIX}")
+        for i, b in enumerate(blocks):
+            # A misspelt key ("swap_inputs", "codecs") would otherwise be dropped without a word.
+            if unknown := sorted(set(b) - _BLOCK_FIELDS):
+                raise PlanError(f"corrupt plan JSON: block {i} has unknown fields {unknown}; the fields are "
+                                f"{sorted(_BLOCK_FIELDS)}; {_FIX}")
         try:
             return cls(
                 blocks=tuple(

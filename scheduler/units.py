@@ -29,9 +29,9 @@ def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size"
     """Return a byte count from a number or a string such as ``"20GiB"`` or ``"1.5 GB"``.
 
     Raises :class:`SizeError` (a ``ValueError``) naming ``what`` for a negative, infinite or NaN
-    size, and ``TypeError`` for a bool."""
+    size or a bool (``True`` would read as one byte)."""
     if isinstance(value, bool):
-        raise TypeError(f"{what} must be a number or a string like '20GiB', not a bool")
+        raise SizeError(f"{what} must be a number or a string like '20GiB', not a bool")
     if isinstance(value, Integral):
         if value < 0:
             raise SizeError(f"{what} must be a number of bytes >= 0, got {value!r}; {_EXAMPLES}")

@@ -96,6 +96,9 @@ def reference_model(spec: str, batch: int, seq: int):
 def _profile(args: argparse.Namespace) -> int:
     from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, wide_resnet
 
+    for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
+        if value < 1:  # a batch of 0 profiled to 0 saved bytes; a negative one failed deep in the analytic model
+            raise ValueError(f"{flag} must be >= 1, got {value}")
     if args.analytic:
         hw = _hardware(args.hardware, "h100-sxm")
         makers = {

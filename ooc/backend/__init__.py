@@ -14,7 +14,8 @@ __all__ = ["Backend", "BackendDeviceError", "ChaosConfig", "CpuBackend", "Event"
 
 
 class BackendDeviceError(OocError, ValueError):
-    """The backend's device is not the device the model lives on: nothing would be swapped or counted."""
+    """The backend asked for cannot run the model: an unknown backend name, or a backend on another device
+    than the model's (nothing would be swapped or counted)."""
 
 
 def model_device(model: torch.nn.Module) -> torch.device | None:
@@ -71,4 +72,4 @@ def resolve_backend(spec: str | Backend, model: torch.nn.Module) -> Backend:
         from ooc.backend.cuda import CudaBackend
 
         return CudaBackend(device)
-    raise ValueError(f"backend must be 'auto', 'cpu', 'chaos', 'cuda' or a Backend instance, got {spec!r}")
+    raise BackendDeviceError(f"backend must be 'auto', 'cpu', 'chaos', 'cuda' or a Backend instance, got {spec!r}")

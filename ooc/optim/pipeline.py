@@ -133,6 +133,9 @@ class _BucketState:
     backed_up: bool = False
     """``rollback``: the backup holds the state from before this step's update (set on the update
     thread; cleared at launch)."""
+    backed_up_ids: frozenset[int] = frozenset()
+    """``rollback``: the ids of the parameters that update changed (on every rank), whose backups
+    hold their state from before it."""
     read_while_held: bool = False
     """Clipping: a forward read the weights while this step's update was held for ``step()``
     (NOTE [reads of held weights])."""
@@ -286,7 +289,10 @@ class UpdatePipeline:
                 "accumulate=k."
             )
         status.arrived.add(id(p))
-        if not status.at_end and len(status.arrived) == len(self.buckets[bucket].params) and self._last_backward():
+        # A frozen parameter (requires_grad=False, yet passed to the optimizer, as model.parameters()
+        # does) never gets a gradient: counting it held the bucket's update until step().
+        expected = sum(q.requires_grad for q in self.buckets[bucket].params)
+        if not status.at_end and len(status.arrived) == expected and self._last_backward():
             self.launch(bucket)
 
     def before_block_forward(self, index: int) -> None:
@@ -372,8 +378,8 @@ class UpdatePipeline:
         with torch.no_grad():
             for p in self.buckets[index].params:
                 backup = self._backup.get(id(p))
-                if backup is None:
-                    continue
+                if backup is None or id(p) not in status.backed_up_ids:
+                    continue  # another rank's, or without a gradient: the update left it alone
                 state = state_of(p)
                 state.get("master", layout.home[id(p)]).copy_(backup["target"])
                 for name in ("exp_avg", "exp_avg_sq", "step"):
@@ -383,7 +389,7 @@ class UpdatePipeline:
         if self.config.delayed_update:
             status.pending_h2d = False  # the parameters hold the restored weights already (copied at launch)
             return
-        self.stages.stage_weights(index, restored)
+        self.stages.stage_weights(index, restored, arriving=status.backed_up_ids)
         # The update's own copies into the parameters were issued; these follow them on the copy
         # stream, and the bucket's next forward waits for them (the gate).
         status.gate = self.stages.copy_in(index)
@@ -401,6 +407,7 @@ class UpdatePipeline:
                 backup["target"].copy_(state.get("master", layout.home[pid]))
                 for name in ("exp_avg", "exp_avg_sq", "step"):
                     backup[name].copy_(state[name])
+        self.status[job.bucket].backed_up_ids = job.present
         self.status[job.bucket].backed_up = True
 
     def _reset(self) -> None:
@@ -599,7 +606,7 @@ class UpdatePipeline:
         layout, state = self.stages.layout, self.stages.state
         for index, bucket in enumerate(self.buckets):
             mine = [id(p) for p in bucket.params if layout.mine(p) and "master" in state.state_of(p)]
-            self.stages.stage_weights(index, mine)
+            self.stages.stage_weights(index, mine, arriving=[id(p) for p in bucket.params])
             self.status[index].pending_h2d = True
 
     def gate(self, indices: Sequence[int]) -> None:
@@ -767,7 +774,7 @@ class UpdatePipeline:
             self._save(job)
         self.stages.update(job)
         self._ended(job.bucket, Stage.UPDATE)
-        self.stages.stage_weights(job.bucket, list(job.grads))
+        self.stages.stage_weights(job.bucket, list(job.grads), arriving=job.present)
         if self.config.delayed_update:
             status.pending_h2d = True
         else:

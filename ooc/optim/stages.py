@@ -79,6 +79,9 @@ class Job:
     """What the exchange waits for before it reads the gradients."""
     on_host: bool = False
     """``grads`` holds the reduced fp32 host gradients."""
+    present: frozenset[int] = frozenset()
+    """The ids of the bucket's parameters that had a gradient at launch (on every rank: sharded, the
+    owners update and broadcast them; ``grads`` keeps only this rank's)."""
 
 
 class Communicator(Protocol):
@@ -127,11 +130,15 @@ class Stages:
         self.staging_readers: list[list[Event]] = [[] for _ in layout.buckets]
         """Per bucket, the H2D copies last issued from its staging buffers: not rewritten before
         they finish."""
+        self.staged: list[set[int]] = [set() for _ in layout.buckets]
+        """Per bucket, the ids of the parameters whose new weights wait in its staging buffers for
+        ``copy_in`` (NOTE [only staged weights go in])."""
 
     def job(self, index: int) -> Job:
         """This step's job of bucket ``index``: its gradients (training thread, at launch)."""
         grads = {id(p): p.grad for p in self.layout.buckets[index].params if p.grad is not None}
-        return Job(index, grads, {pid: self.state.hyper_of(self.layout.params[pid]) for pid in grads})
+        return Job(index, grads, {pid: self.state.hyper_of(self.layout.params[pid]) for pid in grads},
+                   present=frozenset(grads))
 
     # 1. training thread ------------------------------------------------------------------------
 
@@ -260,10 +267,11 @@ class Stages:
 
     # 4. update thread (the H2D copies: training thread with delayed_update) ---------------------
 
-    def stage_weights(self, index: int, updated: Sequence[int]) -> None:
-        """The new weights of the parameters ``updated`` (ids) into the bucket's staging buffers
-        (own-master: they are in the parameters already); sharded, each owner's range then goes to
-        every rank."""
+    def stage_weights(self, index: int, updated: Sequence[int], *, arriving: Sequence[int] | None = None) -> None:
+        """The new weights of the parameters ``updated`` (ids, this rank's) into the bucket's staging
+        buffers (own-master: they are in the parameters already); sharded, each owner's range then
+        goes to every rank. ``arriving``: the ids whose new weights the staging buffers hold after
+        this (sharded: the owners' ``updated`` too; default ``updated``), which ``copy_in`` moves."""
         for event in self.staging_readers[index]:
             event.synchronize()  # the last H2D copies out of the staging buffer have read it
         layout = self.layout
@@ -291,15 +299,26 @@ class Stages:
                     if rank != layout.rank:
                         for home, view in owned:
                             home.copy_(view)
+        self.staged[index].update(updated if arriving is None else arriving)
 
     def copy_in(self, index: int, after: tuple[Event, ...] = ()) -> list[Event]:
         """Issue the H2D copies of the bucket's staged weights into the parameters, after ``after``;
-        returns their events (the bucket's next forward waits for them)."""
+        returns their events (the bucket's next forward waits for them).
+
+        NOTE [only staged weights go in]
+        A staging slot holds a weight only once an update (or a load, or a rollback) staged one: a
+        parameter without a gradient (frozen, or unused so far) has zeros there, or the last weight
+        it had. So only the parameters staged since the last ``copy_in`` are copied, as torch's
+        AdamW leaves a parameter whose ``.grad`` is None alone; copying the whole buffer put zeros
+        into frozen weights on the first step."""
         events = []
+        staged, self.staged[index] = self.staged[index], set()
         for seg in self.layout.segments[index]:
             if seg.staging is None:
                 continue
             for p, o in zip(seg.params, seg.offsets):
+                if id(p) not in staged:
+                    continue
                 # Staged in the home's own layout (stage_weights): the bytes go as they are. Through
                 # .data: the parameter's version counter moves only for writes from outside (NOTE
                 # [weights written outside the optimizer] in ooc.optim.pipeline).

@@ -47,6 +47,10 @@ def test_table_shows_each_block() -> None:
         (lambda d: d.update(format="x"), "not an ooc plan"),
         (lambda d: d["blocks"][0].update(policy="teleport"), "corrupt plan"),
         (lambda d: d.pop("blocks"), "corrupt plan"),
+        # A misspelt key was dropped without a word: a plan meant to swap inputs ran without.
+        (lambda d: d["blocks"][0].update(swap_inputs=True), r"unknown fields \['swap_inputs'\]"),
+        (lambda d: d.update(version=-1), "version.*>= 1"),
+        (lambda d: d.update(version=True), "version.*>= 1"),
     ],
 )
 def test_bad_json(mutate, message) -> None:
