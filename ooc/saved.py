@@ -145,8 +145,9 @@ class SwappedStorage:
         """Note whether ``tensor`` (in these bytes; a tensor sharing its version counter with the
         caller's) is modified in place before ``release``: an in-place op issued until then is not
         ordered with the copy out, which may read the bytes before or after it (NOTE [swapped cached
-        ops] in ``ooc.scheduler.schedule``). Nothing else writes them: autograd's saved tensors carry
-        their own version check (NOTE [saved tensors modified in place] in ``ooc.runtime``)."""
+        ops] in ``ooc.scheduler.schedule``). Watched: the swapped cached outputs (``ForwardCache``) and
+        the swapped saved tensors (NOTE [saved tensors modified in place] in ``ooc.runtime``), whose
+        callers' tensors may die before the change is looked for."""
         if self.device is not None:
             self.watched.append((tensor, tensor._version))
 
