@@ -84,12 +84,12 @@ Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of th
 a Checkpointer dropped without ``close`` is let go of that long after its last save. The thread is a
 daemon, so a process that ends while it writes would lose that version (a script whose last line is
 ``save``), or abort in the torch code it runs ("terminate called without an active exception": the
-interpreter stops daemon threads as they take the GIL back); so at exit the writer is handed its
-stop after the jobs queued and joined (``_finish_at_exit``, a ``weakref.finalize`` that also runs
-once a dropped Checkpointer is collected). At exit it runs where ``concurrent.futures`` shuts its
-executors down (``threading._register_atexit``, before plain ``atexit`` callbacks): after that the
-write's own I/O pool refuses work, and the version failed ("cannot schedule new futures after
-interpreter shutdown").
+interpreter stops daemon threads as they take the GIL back); so at exit each live writer is handed
+its stop after the jobs queued and joined (``Checkpointer._finish_at_exit``; a writer holds its
+Checkpointer, so every one still writing is alive then). That runs where ``concurrent.futures``
+shuts its executors down (``threading._register_atexit``, before plain ``atexit`` callbacks): after
+that the write's own I/O pool refuses work, and the version failed ("cannot schedule new futures
+after interpreter shutdown").
 
 NOTE [lazy snapshots]
 With a :class:`~ooc.optim.HostAdamW` (without ``delayed_update``) the snapshot is lazy, after
@@ -1291,10 +1291,8 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         """The writer thread, while it waits for saves (NOTE [writer thread])."""
-        self._exit_finalizer: weakref.finalize | None = None
-        """Joins the writer at exit (NOTE [writer thread])."""
-        self._last_saved: list[int] = []
-        """The step of the last save handed to the writer (a cell the exit finalizer reads)."""
+        self._last_saved: int | None = None
+        """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
@@ -1384,19 +1382,31 @@ class Checkpointer:
             self._snapshot = None
         self._written.clear()
         with self._writer_lock:
-            self._last_saved[:] = [step]
+            self._last_saved = step
             self._jobs.put((step, files, tensors, metadata, pending))
             if self._writer is None:
                 self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
                 # The version in flight is written before the interpreter ends (NOTE [writer thread]).
-                if self._exit_finalizer is not None:
-                    self._exit_finalizer.detach()
-                self._exit_finalizer = weakref.finalize(self, _finish_at_exit, self._jobs, self._writer, self._written,
-                                                        self._last_saved)
                 _WRITING.add(self)
                 _finish_writes_at_exit()
         return True
+
+    def _stop_writer(self) -> None:
+        """Hand the writer thread its stop after the saves queued, and wait for it to end."""
+        with self._writer_lock:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                self._jobs.put(None)
+        if writer is not None:
+            writer.join()
+
+    def _finish_at_exit(self) -> None:
+        """At exit: write the saves queued, saying so, then end the writer (NOTE [writer thread])."""
+        if not self._written.is_set():
+            print(f"ooc.checkpoint: writing the version of step {self._last_saved} before the interpreter exits (call "
+                  "Checkpointer.close() to wait for it yourself)", file=sys.stderr, flush=True)
+        self._stop_writer()
 
     def _check_open(self) -> None:
         if self._closed:
@@ -2046,12 +2056,7 @@ class Checkpointer:
         try:
             self.wait()
         finally:
-            with self._writer_lock:
-                writer, self._writer = self._writer, None
-                if writer is not None:
-                    self._jobs.put(None)
-            if writer is not None:
-                writer.join()
+            self._stop_writer()
             if self.lazy and self._on_stage in self.optimizer.stage_listeners:
                 self.optimizer.stage_listeners.remove(self._on_stage)
             if self._load_hook is not None:
@@ -2076,20 +2081,8 @@ def _finish_writes_at_exit() -> None:
     """Once per process: at exit, before ``concurrent.futures`` stops its executors, let every
     writer thread write the saves queued (NOTE [writer thread])."""
     register = getattr(threading, "_register_atexit", None)
-    if register is not None:  # (else the finalizers' own atexit runs them, and a version in flight fails)
-        register(lambda: [c._exit_finalizer() for c in list(_WRITING) if c._exit_finalizer is not None])
-
-
-def _finish_at_exit(jobs: queue.SimpleQueue, writer: threading.Thread, written: threading.Event, last_saved: list[int]) -> None:
-    """At exit (or once a dropped Checkpointer is collected): let ``writer`` write the saves queued,
-    then end (NOTE [writer thread]); it is not the Checkpointer's writer any more if it ended idle."""
-    if not writer.is_alive():
-        return
-    if not written.is_set():
-        print(f"ooc.checkpoint: writing the version of step {last_saved[0]} before the interpreter exits (call "
-              "Checkpointer.close() to wait for it yourself)", file=sys.stderr, flush=True)
-    jobs.put(None)
-    writer.join()
+    if register is not None:  # (else the daemon writers are stopped at exit, and a version in flight is lost)
+        register(lambda: [c._finish_at_exit() for c in list(_WRITING)])
 
 
 def _compiled_module(model: nn.Module) -> nn.Module:
