@@ -8,6 +8,7 @@ the global batch is split: one process with ``accumulate=2`` computes what two r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 import ooc
 from ooc.api import hardware_for, plan_for_profile
+from ooc.apps.cli import INTERRUPTED
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
@@ -224,6 +226,16 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     )
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
         if cfg.save else None
+    try:
+        return _train_loop(cfg, model, opt, saver, plan, batch, seq, device, rank, world, show)
+    except BaseException:
+        _close_after_error(model, opt, saver)
+        raise
+
+
+def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointer | None, plan: Plan,  # noqa: PLR0913
+                batch, seq: int, device: torch.device, rank: int, world: int, show) -> TrainResult:  # noqa: ANN001
+    """Resume, train ``cfg.steps`` steps, save, report; close the optimizer and the saver and unwrap."""
     start_step = _resume(cfg, model, opt, rank, world, saver, show)
     if saver is not None:
         saver.check_step(_first_save(cfg, start_step))  # a --resume older than --save's versions fails now, not later
@@ -273,6 +285,19 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     opt.close()
     ooc.unwrap(model)
     return result
+
+
+def _close_after_error(model: GPT, opt: HostAdamW, saver: Checkpointer | None) -> None:
+    """After an error or Ctrl-C in training: let the version in flight be written and leave the
+    directory as a finished run does (no retired ``.spare-*`` folder, the writer lock released), and
+    stop the optimizer's threads. An error here would hide the one that stopped the run: dropped."""
+    if saver is not None:
+        with contextlib.suppress(Exception):
+            saver.close()
+    with contextlib.suppress(Exception):
+        opt.close()
+    with contextlib.suppress(Exception):
+        ooc.unwrap(model)
 
 
 def _first_save(cfg: TrainConfig, start_step: int) -> int:
@@ -365,14 +390,28 @@ def main(cfg: TrainConfig) -> int:
     rank = dist.get_rank() if distributed else 0
     try:
         train(cfg)
-    except (OocError, RuntimeError, ValueError, OSError) as exc:
-        print(f"ooc train: rank {rank}: error: {exc}", file=sys.stderr)
+    except (OocError, RuntimeError, ValueError, OSError, KeyboardInterrupt) as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        print(f"ooc train: rank {rank}: " + (f"interrupted{_where_to_go_on(cfg)}" if interrupted else f"error: {exc}"),
+              file=sys.stderr)
+        code = INTERRUPTED if interrupted else 1
         if distributed:
             # The process group may wait on a dead peer forever at shutdown: leave now.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)
-        return 1
+            os._exit(code)
+        return code
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def _where_to_go_on(cfg: TrainConfig) -> str:
+    """After Ctrl-C: the newest complete version of ``--save`` and how to continue from it."""
+    if not cfg.save:
+        return " (nothing saved: --save DIR keeps versions to continue from)"
+    found, _damaged = scan_versions(cfg.save)
+    if not found:
+        return f"; no complete version in {cfg.save} yet"
+    return (f"; the newest complete version in {cfg.save} is step {max(v.step for v in found)}: continue with "
+            f"--save {cfg.save} --resume auto")
