@@ -233,7 +233,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         raise
 
 
-def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointer | None, plan: Plan,  # noqa: PLR0913
+def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointer | None, plan: Plan,
                 batch, seq: int, device: torch.device, rank: int, world: int, show) -> TrainResult:  # noqa: ANN001
     """Resume, train ``cfg.steps`` steps, save, report; close the optimizer and the saver and unwrap."""
     start_step = _resume(cfg, model, opt, rank, world, saver, show)

@@ -24,7 +24,7 @@ class _CtrlCAtStep(train_app.HostAdamW):
         return super().step(closure)
 
 
-def test_ctrl_c_in_train_says_where_to_go_on_and_leaves_no_partial_state(tmp_path: Path, capsys, monkeypatch) -> None:  # noqa: ANN001
+def test_ctrl_c_in_train_says_where_to_go_on_and_leaves_no_partial_state(tmp_path: Path, capsys, monkeypatch) -> None:
     _CtrlCAtStep.calls = 0
     monkeypatch.setattr(train_app, "HostAdamW", _CtrlCAtStep)
     save = tmp_path / "ck"
