@@ -337,6 +337,8 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     found, damaged = scan_versions(directory)
     if not found and not damaged:  # a damaged version: restore() names it (NOTE [damaged records])
         if auto:
+            if rank == 0:
+                show(f"--resume auto: no version in {directory} yet; starting from step 0")
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
     loader = saver if auto else Checkpointer(directory, model, opt, keep=None, rank=rank, world=world,
