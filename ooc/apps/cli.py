@@ -136,7 +136,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     prof = Profile.load(args.profile)
     hw = _hardware(args.hardware, "h100-sxm" if prof.machine.get("backend") != "cpu" else "cpu")
-    budget = parse_bytes(args.budget)
+    budget = parse_bytes(args.budget, what="--budget")
     ideal = predict(PLANNERS["keep-all"](prof, hw, None), prof, hw).step_time_s
     chosen = plan_for_profile(prof, budget, hardware=hw, planner=args.planner, prefetch=args.prefetch,
                               include_params=args.include_params)

@@ -64,7 +64,7 @@ def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
 
 def run_partition(cfg: PartitionConfig) -> int:
     graph = load_graph(cfg.graph, batch=cfg.batch, seq=cfg.seq)
-    capacity = parse_bytes(cfg.capacity) if cfg.capacity is not None else int(np.ceil(graph.total_bytes()))
+    capacity = parse_bytes(cfg.capacity, what="--capacity") if cfg.capacity is not None else int(np.ceil(graph.total_bytes()))
     devices = Devices.uniform(cfg.devices, capacity, bandwidth_Bps=cfg.bandwidth_GBps * 1e9,
                               latency_s=cfg.latency_us * 1e-6)
     print(f"{cfg.graph}: {graph.n} ops, {graph.m} edges, {graph.total_time() * 1e3:.3f} ms of work on one "
