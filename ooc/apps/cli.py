@@ -179,7 +179,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.check:
         from ooc.apps.check import calibration_check, format_check
 
-        rows = calibration_check(reps=args.reps)
+        hardware = _hardware(args.hardware) if args.hardware else None
+        rows = calibration_check(reps=args.reps, hardware=hardware, show=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_check(rows))
         return 0 if all(r.peak_ok for r in rows) else 1
     from ooc.scheduler.plan import Plan
