@@ -114,6 +114,8 @@ def _profile(args: argparse.Namespace) -> int:
         import ooc
 
         model, sample = reference_model(args.model, args.batch, args.seq)
+        print(f"profiling {args.model}, input {' x '.join(map(str, sample[0].shape))}: each block timed over "
+              f"{args.reps} steps{' and op by op' if args.ops else ''}", file=sys.stderr, flush=True)
         prof = ooc.profile(model, sample, reps=args.reps, name=args.model, ops=args.ops)
     print(f"{prof.model}: {len(prof)} blocks, {prof.source}")
     for b in prof.blocks[:4]:
@@ -224,6 +226,8 @@ def _partition(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from ooc.calibrate import calibrate
 
+    print("measuring copies each way and both at once, copy latency, compute under copies and the host AdamW "
+          "rate (a minute or two)", file=sys.stderr, flush=True)
     hw = calibrate(args.backend)
     print(hw.describe())
     print(f"compute slowdown while copying {hw.compute_slowdown:.2f}, per-copy compute {hw.copy_issue_s * 1e6:.0f} us")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ooc.apps.cli import build_parser
 from ooc.scheduler.hardware import PRESETS
@@ -34,3 +35,25 @@ def test_planner_and_hardware_help_name_the_choices() -> None:
     hardware = commands["simulate"].format_help()
     assert all(name in " ".join(planner.split()).replace("- ", "-") for name in PLANNERS), planner
     assert all(name in " ".join(hardware.split()).replace("- ", "-") for name in PRESETS), hardware
+
+
+def test_profile_and_calibrate_say_what_they_measure_before_they_start(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """Both ran a minute or more on a loaded 2-core machine without a line of output."""
+    from ooc.apps.cli import main
+    from ooc.scheduler.profile import Profile
+
+    said = []
+
+    def stub(result):  # noqa: ANN001, ANN202
+        def measure(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+            said.append(capsys.readouterr().err)  # what was printed before the measurement began
+            return result
+        return measure
+
+    analytic = Profile.load(Path(__file__).resolve().parents[2] / "profiles" / "analytic-h100-sxm-gpt2-xl-s1024.json")
+    monkeypatch.setattr("ooc.profile", stub(analytic))
+    monkeypatch.setattr("ooc.calibrate.calibrate", stub(PRESETS["cpu"]))
+    assert main(["profile", "--model", "mlp", "--batch", "4"]) == 0
+    assert main(["calibrate"]) == 0
+    assert said[0] == "profiling mlp, input 4 x 32: each block timed over 3 steps\n"
+    assert said[1].startswith("measuring copies each way")
