@@ -269,7 +269,7 @@ def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointe
             sys.stdout.flush()
         done = step + 1  # a version's step: the steps done, so the step a resumed run starts at
         if saver is not None and (done == start_step + cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            saver.save(done, loss=losses[-1])
+            saver.save(done, loss=losses[-1], preset=cfg.preset)  # the preset: a resume checks it first
     bar.close()
     opt.synchronize()
     if saver is not None:
@@ -341,6 +341,7 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
                 show(f"--resume auto: no version in {directory} yet; starting from step 0")
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
+    _check_same_preset(cfg, directory, found)
     loader = saver if auto else Checkpointer(directory, model, opt, keep=None, rank=rank, world=world,
                                              layout=_layout(cfg), lazy=False)
     try:
@@ -366,6 +367,17 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     if rank == 0:
         show(f"resumed from {directory / version.path.name} (step {version.step})")  # as the user named the directory
     return version.step
+
+
+def _check_same_preset(cfg: TrainConfig, directory: Path, found: list[Version]) -> None:
+    """Refuse to resume a version another ``--preset`` trained (checkpoint.py's own check lists every
+    tensor of the model; this one says which option to change)."""
+    newest = max(found, key=lambda v: v.step, default=None)
+    saved = newest.metadata.get("preset") if newest is not None else None
+    if saved is not None and saved != cfg.preset:
+        raise ValueError(f"--resume {directory}: its newest version (step {newest.step}) is of --preset {saved}, "
+                         f"this run builds --preset {cfg.preset}; run with --preset {saved}, or --save into another "
+                         "directory to train a new model")
 
 
 def _fall_back(saver: Checkpointer, directory: Path, damage: CorruptCheckpointError) -> Version:
