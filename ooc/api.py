@@ -189,7 +189,8 @@ def wrap(
     backend_obj = resolve_backend(backend, model)
     if plan is None:
         if budget is not None and profile is not None:
-            profile.check_matches(list(chain.names))
+            profile.check_matches(list(chain.names), [sum(p.numel() * p.element_size() for p in m.parameters())
+                                                      for m in chain.modules])
             plan = plan_for_profile(profile, budget, hardware=hardware_for(hardware, backend_obj), planner=planner,
                                     prefetch=prefetch, include_params=include_params)
         elif budget is not None and sample is None:

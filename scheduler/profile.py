@@ -343,14 +343,22 @@ class Profile:
     def names(self) -> tuple[str, ...]:
         return tuple(b.name for b in self.blocks)
 
-    def check_matches(self, block_names: list[str]) -> None:
-        """Raise :class:`ProfileError` unless this profile describes exactly these blocks."""
+    def check_matches(self, block_names: list[str], param_bytes: list[int] | None = None) -> None:
+        """Raise :class:`ProfileError` unless this profile describes exactly these blocks: their names
+        and, if given, each block's parameter bytes (blocks.0 ... blocks.5 name a GPT's chain and a
+        ResNet's alike, so names alone took one model's profile for the other)."""
+        again = "profile this model again (ooc profile, or ooc.profile(model, sample))"
         if list(self.names) != list(block_names):
             raise ProfileError(
                 f"the profile describes {len(self)} blocks {list(self.names)[:4]}..., the model has "
-                f"{len(block_names)} blocks {list(block_names)[:4]}...; profile this model again "
-                "(ooc profile, or ooc.profile(model, sample))"
+                f"{len(block_names)} blocks {list(block_names)[:4]}...; {again}"
             )
+        for block, actual in zip(self.blocks, param_bytes or ()):
+            if block.param_bytes != actual:
+                raise ProfileError(
+                    f"the profile is of another model (or dtype): its block {block.name} holds {block.param_bytes} "
+                    f"bytes of parameters, the model's {actual}; {again}"
+                )
 
     def to_dict(self) -> dict[str, Any]:
         return {

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -76,6 +77,11 @@ def test_wrap_with_a_profile_checks_it_matches(tmp_path) -> None:
     with pytest.raises(ProfileError, match="profile this model again"):
         ooc.wrap(model, budget="1GiB", profile=other, backend="cpu")
     assert not ooc.is_wrapped(model)
+    # Another model whose chain has the same names (blocks.0 ... blocks.3): its blocks hold other parameters.
+    wider = GPT(replace(model.config, n_embd=64))
+    with pytest.raises(ProfileError, match="the profile is of another model .* block blocks.0 holds"):
+        ooc.wrap(wider, budget="1GiB", profile=prof, backend="cpu")
+    assert not ooc.is_wrapped(wider)
 
 
 def test_profile_and_calibrate_are_measured_by_the_runtime() -> None:
