@@ -170,7 +170,10 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
         else:
             path = Path(cfg.plan)
             if not path.is_file():
-                raise ValueError(f"--plan {cfg.plan!r} is not keep/swap/recompute, budget:<fraction> or a plan file")
+                missing = f"no plan file {path}; make one with `ooc plan --profile P.json --budget ... --out {path}`, or " \
+                    if path.suffix == ".json" else ""
+                raise ValueError(f"--plan {cfg.plan!r}: {missing}give keep, swap, recompute, budget:<fraction> or a "
+                                 "plan file")
             chosen[0] = path.read_text()
     if dist.is_initialized() and world > 1:
         dist.broadcast_object_list(chosen, src=0)

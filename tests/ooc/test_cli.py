@@ -171,7 +171,9 @@ def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "huge"], "no GPT preset 'huge'"),
-    (["--plan", "nowhere.json"], "is not keep/swap/recompute, budget:<fraction> or a plan file"),
+    (["--plan", "nowhere.json"], "--plan 'nowhere.json': no plan file nowhere.json; make one with `ooc plan --profile "
+                                 "P.json --budget ... --out nowhere.json`, or give keep, swap, recompute"),
+    (["--plan", "keepall"], "--plan 'keepall': give keep, swap, recompute, budget:<fraction> or a plan file"),
     (["--reduce-on", "nic"], "reduce_on must be"),
     (["--plan", "budget:half"], "needs a fraction of the keep-all peak in (0, 1], got 'half'"),
 ])
