@@ -43,3 +43,35 @@ def test_the_first_example_trains_a_tiny_decoder() -> None:
 
     assert ooc.is_wrapped(model) and ooc.memory_report(model).peak_bytes > 0
     ooc.unwrap(model)
+
+
+def _resolve(dotted: str) -> object:
+    """``ooc.a.b.C`` -> the object: the longest importable module prefix, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            found = getattr(found, name)
+        return found
+    raise ImportError(dotted)
+
+
+def test_every_dotted_ooc_name_in_the_docs_exists() -> None:
+    """A reader types what the README, CONTRIBUTING.md and docs/ name (``ooc.scheduler.codecs.CODEC_ERROR_BOUND``,
+    ``ooc.partition_capture.capture``): each must import."""
+    root = README.parent
+    text = "".join(p.read_text() for p in (README, root / "CONTRIBUTING.md", *sorted((root / "docs").glob("*.md"))))
+    names = sorted(set(re.findall(r"\booc(?:\.[A-Za-z_]\w*)+", text)))
+    assert len(names) > 30
+    broken = []
+    for name in names:
+        try:
+            _resolve(name)
+        except (ImportError, AttributeError) as exc:
+            broken.append(f"{name}: {exc}")
+    assert not broken, broken
