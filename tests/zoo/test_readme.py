@@ -75,3 +75,39 @@ def test_every_dotted_ooc_name_in_the_docs_exists() -> None:
         except (ImportError, AttributeError) as exc:
             broken.append(f"{name}: {exc}")
     assert not broken, broken
+
+
+def _documented_commands() -> list[str]:
+    """Every ``ooc ...`` command line in the docs' shell blocks (``python -m ooc``, ``torchrun ... -m ooc`` too)."""
+    import shlex
+
+    root = README.parent
+    commands, fence = [], None
+    for path in (README, root / "CONTRIBUTING.md", *sorted((root / "docs").glob("*.md"))):
+        for line in path.read_text().splitlines():
+            if line.startswith("```"):
+                fence = None if fence is not None else line[3:].strip() or "text"
+                continue
+            if fence not in ("bash", "text") or "ooc" not in line.split():  # "text": a block without a language
+                continue
+            words = shlex.split(line, comments=True)
+            for start in range(len(words)):
+                if words[start] == "ooc" and (start == 0 or words[start - 1] == "-m"):
+                    commands.append(shlex.join(words[start + 1:]))
+                    break
+    return commands
+
+
+def test_every_documented_command_line_parses() -> None:
+    """Each ``ooc`` command the docs show names a subcommand and options that exist (nothing runs)."""
+    from ooc.apps.cli import build_parser
+
+    commands = _documented_commands()
+    assert {c.split()[0] for c in commands} >= {"demo", "profile", "plan", "simulate", "calibrate", "partition", "train",
+                                                  "doctor"}, commands
+    parser = build_parser()
+    for command in commands:
+        try:
+            parser.parse_args(command.split())
+        except SystemExit:
+            pytest.fail(f"the docs' `ooc {command}` does not parse")
