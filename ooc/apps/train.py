@@ -282,6 +282,9 @@ def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointe
         report = ooc.memory_report(model)
         show(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {cfg.steps} steps; median step {median * 1e3:.1f} ms; "
              f"peak device-resident activations {format_bytes(report.peak_bytes)}")
+        newest = saver.latest() if saver is not None else None
+        if newest is not None:
+            show(f"saved {newest.path} (`ooc checkpoints list {cfg.save}`; continue with --save {cfg.save} --resume auto)")
     result = TrainResult(losses, times, world, start_step)
     if cfg.out and rank == 0:
         Path(cfg.out).write_text(json.dumps(asdict(result), indent=1))

@@ -15,6 +15,16 @@ def test_resume_auto_in_an_empty_directory_says_it_starts_fresh(tmp_path: Path, 
     assert f"--resume auto: no version in {save} yet; starting from step 0" in capsys.readouterr().out
 
 
+def test_a_run_that_saves_ends_naming_its_newest_version(tmp_path: Path, capsys) -> None:
+    """It ended with the loss and step time, and the user had to look for what it wrote."""
+    save = tmp_path / "ck"
+    assert main(["train", "--preset", "nano", "--steps", "2", "--batch-size", "2", "--seq", "16", "--no-progress",
+                 "--save", str(save)]) == 0
+    last = capsys.readouterr().out.splitlines()[-1]
+    assert last == (f"saved {save / 'step-000000002'} (`ooc checkpoints list {save}`; continue with --save {save} "
+                    "--resume auto)")
+
+
 def test_resume_with_another_preset_names_the_preset_it_was_saved_with(tmp_path: Path, capsys) -> None:
     """It failed with checkpoint.py's list of every tensor of the model, two shapes each."""
     save = tmp_path / "ck"
