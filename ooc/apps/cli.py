@@ -52,6 +52,8 @@ def _checkpoints(args: argparse.Namespace) -> int:
 
     from ooc.checkpoint import moved_aside, scan_versions
 
+    if not Path(args.directory).is_dir():
+        raise ValueError(f"no directory {args.directory} (the directory given to `ooc train --save` or to Checkpointer)")
     found, damaged = scan_versions(args.directory)  # damaged: NOTE [damaged records] in ooc.checkpoint
     aside = [f"moved aside  {p.name}  (a damaged version a save moved out of the way; kept for you to inspect or delete)"
              for p in moved_aside(args.directory)]

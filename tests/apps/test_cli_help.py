@@ -57,3 +57,13 @@ def test_profile_and_calibrate_say_what_they_measure_before_they_start(tmp_path,
     assert main(["calibrate"]) == 0
     assert said[0] == "profiling mlp, input 4 x 32: each block timed over 3 steps\n"
     assert said[1].startswith("measuring copies each way")
+
+
+def test_checkpoints_list_of_a_directory_that_is_not_there_says_so(tmp_path, capsys) -> None:  # noqa: ANN001
+    """It answered 'no complete checkpoint in DIR', as for an empty directory: a typo read as a lost run."""
+    from ooc.apps.cli import main
+
+    assert main(["checkpoints", "list", str(tmp_path / "ckpt")]) == 2
+    assert capsys.readouterr().err.startswith(f"ooc checkpoints: error: no directory {tmp_path / 'ckpt'} ")
+    assert main(["checkpoints", "list", str(tmp_path)]) == 1
+    assert capsys.readouterr().out == f"no complete checkpoint in {tmp_path}\n"
