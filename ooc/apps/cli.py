@@ -97,6 +97,7 @@ def reference_model(spec: str, batch: int, seq: int):
 
 def _profile(args: argparse.Namespace) -> int:
     from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, wide_resnet
+    from ooc.scheduler.units import format_bytes
 
     for flag, value in (("--batch", args.batch), ("--seq", args.seq)):
         if value < 1:  # a batch of 0 profiled to 0 saved bytes; a negative one failed deep in the analytic model
@@ -121,7 +122,8 @@ def _profile(args: argparse.Namespace) -> int:
         prof = ooc.profile(model, sample, reps=args.reps, name=args.model, ops=args.ops)
     print(f"{prof.model}: {len(prof)} blocks, {prof.source}")
     for b in prof.blocks[:4]:
-        print(f"  {b.name}: fwd {b.forward_s * 1e3:.3f} ms, bwd {b.backward_s * 1e3:.3f} ms, saved {b.saved_bytes} B, input {b.input_bytes} B")
+        print(f"  {b.name}: fwd {b.forward_s * 1e3:.3f} ms, bwd {b.backward_s * 1e3:.3f} ms, saved {format_bytes(b.saved_bytes)}, "
+              f"input {format_bytes(b.input_bytes)}")
     if len(prof) > 4:
         print(f"  ... {len(prof) - 4} more")
     if args.out:

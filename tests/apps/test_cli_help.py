@@ -67,3 +67,11 @@ def test_checkpoints_list_of_a_directory_that_is_not_there_says_so(tmp_path, cap
     assert capsys.readouterr().err.startswith(f"ooc checkpoints: error: no directory {tmp_path / 'ckpt'} ")
     assert main(["checkpoints", "list", str(tmp_path)]) == 1
     assert capsys.readouterr().out == f"no complete checkpoint in {tmp_path}\n"
+
+
+def test_profile_prints_sizes_as_the_plan_table_does(capsys) -> None:  # noqa: ANN001
+    """`saved 2988441600 B` beside `ooc plan`'s `2.78 GiB` for the same block."""
+    from ooc.apps.cli import main
+
+    assert main(["profile", "--analytic", "gpt2-xl", "--seq", "1024", "--hardware", "h100-sxm"]) == 0
+    assert "  layers.0: fwd 2.350 ms, bwd 4.700 ms, saved 2.78 GiB, input 50.00 MiB\n" in capsys.readouterr().out
