@@ -1,4 +1,4 @@
-"""``ooc <command> --help`` explains every option: a new user reads it before the README."""
+"""What the `ooc` commands tell a new user: every option explained in --help, a line before long work, errors that say what is wrong."""
 
 from __future__ import annotations
 
