@@ -325,10 +325,11 @@ class UpdatePipeline:
         """Some bucket launched, or a backward started, since the last ``step()``."""
         return self.in_backward or any(s.launched or s.arrived for s in self.status)
 
-    def discard(self, why: str) -> None:
+    def discard(self, why: str, *, warn: bool = True) -> str:
         """Reset a step that no ``step()`` will commit (NOTE [a step is a transaction]): with
         ``rollback`` (or clipping) the launched updates are undone, else a warning names them (they
-        stay applied)."""
+        stay applied). Returns what the warning says of them ("" if undone), for a caller that raises
+        instead (``warn=False``: one message, not a warning and an error about the same step)."""
         launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
         if self.stages.comm is not None and (launched or self.in_backward):
             raise PipelineError(
@@ -346,13 +347,17 @@ class UpdatePipeline:
                 self._to_exchange(Signal.DISCARD)
         elif launched and not self.config.rollback:
             others = [self.buckets[i].name for i, s in enumerate(self.status) if not s.launched]
-            warnings.warn(
-                f"{why}: the host updates of {', '.join(launched)} had started and are applied (pipeline=True "
-                f"updates weights during the backward); {', '.join(others) or 'no other bucket'} took no update. "
-                "The step is reset; call zero_grad() before the next backward. To inspect gradients without "
-                "updating, build HostAdamW with pipeline=False (or rollback=True to undo such steps).",
-                UncommittedStepWarning, stacklevel=3)
+            applied = (f"the host updates of {', '.join(launched)} had started and are applied (pipeline=True updates "
+                       "weights during the backward)" + (f"; {', '.join(others)} took no update" if others else ""))
+            if warn:
+                warnings.warn(
+                    f"{why}: {applied}. The step is reset; call zero_grad() before the next backward. To inspect "
+                    "gradients without updating, build HostAdamW with pipeline=False (or rollback=True to undo such "
+                    "steps).", UncommittedStepWarning, stacklevel=3)
+            self._reset()
+            return applied
         self._reset()
+        return ""
 
     def supersede(self) -> None:
         """``load_state_dict`` with a step open (a backward no ``step()`` followed, as when a step
@@ -571,7 +576,9 @@ class UpdatePipeline:
         why = (f"the gradients of {', '.join(changed)} changed between the backward and step(), after their host "
                "update had read them (e.g. torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in "
                "the loop; Lightning's gradient_clip_val; transformers.Trainer clips at its default max_grad_norm=1.0)")
-        self.discard(why)
+        applied = self.discard(why, warn=False)
+        reset = (f"The step was reset, but {applied}: call zero_grad() before the next backward" if applied else
+                 "The step was reset, its updates undone: call zero_grad() and run it again")
         if self.stages.comm is None and _under_several_processes():
             raise PipelineError(
                 f"{why}: with several processes, the likely cause is torch's DistributedDataParallel (accelerate and "
@@ -579,14 +586,13 @@ class UpdatePipeline:
                 "backward, after a pipelined HostAdamW read each rank's own. Train data-parallel with HostAdamW("
                 "data_parallel=ooc.distributed.DataParallel(...)) on the model not wrapped in DistributedDataParallel, "
                 "which averages each block's gradients before its update, or build HostAdamW(pipeline=False) to read "
-                "them in step(). The step was reset: call zero_grad() and run it again"
+                f"them in step(). {reset}"
             )
         raise PipelineError(
             f"{why}: a pipelined HostAdamW reads each block's gradients as its backward ends, so the change came too "
             "late. Clip by norm with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
             "max_grad_norm=0), with Lightning no gradient_clip_val), or build HostAdamW(pipeline=False) to read the "
-            "gradients in step() (any other change to them). The step was "
-            "reset: call zero_grad() and run it again"
+            f"gradients in step() (any other change to them). {reset}"
         )
 
     def grad_moved(self, param: torch.Tensor, grad: torch.Tensor) -> None:
