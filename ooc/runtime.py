@@ -110,6 +110,8 @@ class _Pass:
         them. Held here too, they live as the schedule says: released, copied back, freed when the
         block's backward ends, as a kept block's bytes are (``free_kept``)."""
         self.kept = [0] * n
+        self.nonfinite = runtime.swap_ctx.start_forward()
+        """NaN/Inf groups met while this pass's forward compressed (NOTE [non-finite counts per forward])."""
         self.last_forward = -1
         self.backward_started = False
         self.backward_id = -1
@@ -266,7 +268,7 @@ class _Pass:
             self.backward_started = True
             # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
             # counts per step (the check the quantize kernel would otherwise sync for per storage).
-            self.rt.swap_ctx.check_finite()
+            self.nonfinite.check()
             for j in schedule.releases_before_backward:
                 self.release(j)
         if self.bwd_range is not None:
@@ -452,7 +454,6 @@ class Runtime:
             current = _Pass(self)
             self._current = weakref.ref(current)
             self.tracker.start_step()
-            self.swap_ctx.reset_finite()  # a previous forward whose backward never ran
         current.last_forward = block
         return current
 
