@@ -16,7 +16,16 @@ import triton
 import triton.language as tl
 
 from ooc.kernels.capability import CODECS, check_codec
-from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_rows, torch_dequantize, torch_quantize
+from ooc.kernels.quant_reference import (
+    FLOAT_INPUTS,
+    FP8,
+    MAX_SCALE,
+    QMAX,
+    Quantized,
+    as_rows,
+    torch_dequantize,
+    torch_quantize,
+)
 
 # Groups per program: 32 groups of 64 values is a 2048-element tile, which keeps the interpreter's
 # per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
@@ -63,14 +72,15 @@ def _packed_tile(g, live, packed_cols, groups_per_row, GROUP: tl.constexpr):
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_int_kernel(
     x_ptr, codes_ptr, scales_ptr, total, cols, packed_cols, groups_per_row, seed,
-    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
+    QMAX: tl.constexpr, MAX_SCALE: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
     g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")  # false for NaN and Inf
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
     # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
-    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0)
+    scale = tl.minimum(tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0), MAX_SCALE)  # NOTE [largest scale]
     safe = tl.where(scale > 0, scale, 1.0)
     v = tl.div_rn(x, safe[:, None])
     if STOCHASTIC:
@@ -268,12 +278,13 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
         _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     else:
         pack4 = codec == "int4"
+        qmax = QMAX[4 if pack4 else 8]
         if views is None:
             codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
         else:
             codes = views[0]
-        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
-                                   GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
+        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=qmax, MAX_SCALE=MAX_SCALE[qmax],
+                                   GROUP=group_size, GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
 

@@ -308,3 +308,22 @@ def test_offsets_past_two_to_the_31_do_not_wrap(tile) -> None:
     assert torch.equal(mask.bool(), expected_mask)
     assert torch.equal(out[expected_mask], expected[expected_mask])
     assert int(out[expected_mask].max()) >= 2**31
+
+
+# values at the dtype's limit -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_largest_finite_values_come_back_finite(kernels, choice, codec) -> None:
+    # -FLT_MAX is the mask value of Hugging Face's fp32 attention masks (torch.finfo(dtype).min), a
+    # tensor efficient attention saves. int8's scale FLT_MAX/127 rounds up, so 127 * scale overflowed:
+    # the mask came back -inf, and a fully masked row's softmax then gives NaN.
+    kernels(choice)
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[-big, 0.0, 1.0, big] * 16, [big / 2, -big, 3.0, 0.0] * 16])
+    q = quantize(x, codec=codec)
+    restored = dequantize(q)
+    assert torch.isfinite(restored).all()
+    step = q.scales.repeat_interleave(64, dim=1)
+    assert torch.all((x - restored).abs() <= step / 2 + x.abs() * 2**-22)
