@@ -80,7 +80,15 @@ class _Capture:
 @contextlib.contextmanager
 def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_swap_bytes: int) -> Iterator[None]:
     """Saved-tensor hooks that, while ``active[0]`` names a codec, unpack each tensor the runtime
-    would compress as it would come back: quantized and dequantized."""
+    would compress as it would come back: its whole storage quantized and dequantized, as one flat run
+    of its dtype (``ooc.saved.CompressedStorage``), and the view rebuilt on the result.
+
+    NOTE [the storage, not the view]
+    The runtime compresses a saved tensor's storage, in groups that start at its first element: a
+    slice's groups take in the values beside it, a transposed view's run along the storage. Quantizing
+    the view alone (``tensor.contiguous()``) measured other groups: a slice beside columns 1000 times
+    larger measured 0.2% under int8 where the run moved the gradients by 7%.
+    """
     from ooc.kernels.quant import dequantize, quantize
 
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
@@ -91,9 +99,9 @@ def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_sw
         nbytes = storage.nbytes()
         if storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
             return tensor
-        flat = tensor.detach().contiguous().reshape(-1)
+        flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, (nbytes // tensor.element_size(),), (1,))
         q = quantize(flat, codec=CODECS[codec].kernel, group_size=SWAP_GROUP_SIZE, check_finite=False)
-        return dequantize(q).reshape(tensor.shape)
+        return dequantize(q).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         yield
