@@ -21,7 +21,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from ooc.kernels.quant import Quantized, quantize, use_triton
+from ooc.kernels.quant import Quantized, launch_device, quantize, use_triton
 from ooc.kernels.quant_reference import torch_dequantize
 
 # Tiles: 64x64 outputs, 32 rows of the reduction per step, 8 warps. Compiled for sm_80 (ptxas -v):
@@ -70,8 +70,9 @@ def grad_weight(grad_out: torch.Tensor, q: Quantized) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.float32, device=grad_out.device)
     block_n, block_k, block_m, num_warps = INTERPRETER_TILES if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    _grad_weight_kernel[grid](grad_out, q.codes, q.scales, out, M, N, K, q.scales.shape[1], GROUP=q.group_size,
-                              PACK4=q.codec == "int4", BN=block_n, BK=block_k, BM=block_m, num_warps=num_warps)
+    with launch_device(out):  # NOTE [Triton launches on the current device] in ooc.kernels.quant
+        _grad_weight_kernel[grid](grad_out, q.codes, q.scales, out, M, N, K, q.scales.shape[1], GROUP=q.group_size,
+                                  PACK4=q.codec == "int4", BN=block_n, BK=block_k, BM=block_m, num_warps=num_warps)
     return out
 
 

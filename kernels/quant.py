@@ -9,6 +9,7 @@ forces torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import torch
@@ -154,6 +155,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a Triton launch on ``t`` runs in: ``t``'s CUDA device made current.
+
+    NOTE [Triton launches on the current device]
+    Triton launches on ``torch.cuda.current_device()``'s current stream, whatever device the tensors
+    are on. A model on cuda:1 in a thread whose current device is cuda:0 (``model.to("cuda:1")``
+    without ``torch.cuda.set_device``) had its codes written by a kernel on cuda:0: an illegal address
+    without peer access, and otherwise a kernel on a stream that neither the producer of its input
+    (cuda:1's stream) nor the copy out of its codes waits for. PyTorch's own ops run on the current
+    stream of their tensors' device, which this makes the launch's too.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The CUDA compute capability of ``device``; None elsewhere (the interpreter runs every codec)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -212,7 +227,8 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     views = None if out is None else _out_views(out, x, codec, group_size)
     if use_triton(x):
         _check_device_runs(codec, x.device)
-        q = _quantize_triton(x, codec, group_size, stochastic, seed, views)
+        with launch_device(x):
+            q = _quantize_triton(x, codec, group_size, stochastic, seed, views)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
         if views is not None:
@@ -303,9 +319,10 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
     cols = q.cols
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
-    if q.codec in FP8:
-        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
-    else:
-        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
-                                     PACK4=q.codec == "int4", num_warps=NUM_WARPS)
+    with launch_device(result):  # NOTE [Triton launches on the current device]
+        if q.codec in FP8:
+            _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
+        else:
+            _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+                                         PACK4=q.codec == "int4", num_warps=NUM_WARPS)
     return result

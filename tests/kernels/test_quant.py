@@ -327,3 +327,53 @@ def test_the_largest_finite_values_come_back_finite(kernels, choice, codec) -> N
     assert torch.isfinite(restored).all()
     step = q.scales.repeat_interleave(64, dim=1)
     assert torch.all((x - restored).abs() <= step / 2 + x.abs() * 2**-22)
+
+
+# the device a launch runs on ---------------------------------------------------------------------------
+
+
+def test_a_launch_makes_its_tensors_cuda_device_current(monkeypatch) -> None:
+    # NOTE [Triton launches on the current device]: Triton takes the current device's stream, so a
+    # tensor on cuda:1 must have cuda:1 current for the launch; a CPU tensor needs nothing.
+    from types import SimpleNamespace
+
+    from ooc.kernels.quant import launch_device
+
+    entered: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext(entered.append(device)))
+    with launch_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))):
+        pass
+    with launch_device(torch.zeros(1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+@needs_interpreter
+def test_every_triton_launch_runs_in_its_tensors_device_context(kernels, monkeypatch) -> None:
+    import ooc.kernels.lowbit_linear as lowbit_linear
+    import ooc.kernels.quant as quant
+
+    kernels("triton")
+    contexts: list[torch.device] = []
+    monkeypatch.setattr(quant, "launch_device", lambda t: contextlib.nullcontext(contexts.append(t.device)))
+    monkeypatch.setattr(lowbit_linear, "launch_device", quant.launch_device)
+    x = torch.randn(4, 64)
+    for codec in ("int8", "fp8_e5m2"):
+        quant.dequantize(quant.quantize(x, codec=codec))
+    lowbit_linear.grad_weight(torch.randn(4, 8), quant.quantize(x))
+    assert contexts == [x.device] * 6
+
+
+@pytest.mark.gpu
+def test_cuda_launches_on_a_second_gpu_while_the_first_is_current() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from ooc.kernels.lowbit_linear import grad_weight
+
+    x = torch.randn(33, 4097, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    q = quantize(x)
+    ref = torch_quantize(x.cpu())
+    assert torch.equal(q.codes.cpu(), ref.codes) and torch.equal(dequantize(q).cpu(), torch_dequantize(ref))
+    g = torch.randn(33, 8, device="cuda:1")
+    torch.testing.assert_close(grad_weight(g, q).cpu(), g.cpu().t() @ torch_dequantize(ref), rtol=1e-4, atol=1e-4)
