@@ -80,8 +80,9 @@ class _LowBitLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int):  # noqa: ANN205
         y = torch.nn.functional.linear(x, weight, bias)
-        # The only saved activation: x as codes + scales, written by one kernel that reads x once.
-        ctx.q = quantize(x.detach().reshape(-1, x.shape[-1]), bits=bits, group_size=group_size)
+        # The only saved activation: x as codes + scales, written by one kernel that reads x once
+        # (none for an empty batch, whose weight gradient is zero).
+        ctx.q = quantize(x.detach().reshape(-1, x.shape[-1]), bits=bits, group_size=group_size) if x.numel() else None
         ctx.save_for_backward(weight)
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
@@ -91,8 +92,12 @@ class _LowBitLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):  # noqa: ANN205
         (weight,) = ctx.saved_tensors
         g = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = (g @ weight).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = grad_weight(g, ctx.q).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        # Under autocast the forward's matmul ran in the autocast dtype, and so does this one, as
+        # nn.Linear's does (autograd casts dx to x's dtype); elsewhere the cast is a no-op.
+        grad_x = (g @ weight.to(g.dtype)).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros_like(weight) if ctx.q is None else grad_weight(g, ctx.q).to(weight.dtype)
         grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         ctx.q = None
         return grad_x, grad_w, grad_b, None, None
