@@ -10,6 +10,7 @@ forces torch.
 from __future__ import annotations
 
 import contextlib
+import numbers
 import os
 
 import torch
@@ -181,7 +182,7 @@ def _check_device_runs(codec: str, device: torch.device) -> None:
 
 
 def _check_group_size(group_size: int) -> None:
-    if not 32 <= group_size <= 256 or group_size & (group_size - 1):
+    if not isinstance(group_size, numbers.Integral) or not 32 <= group_size <= 256 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two from 32 to 256, got {group_size}")
 
 

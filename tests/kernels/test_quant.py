@@ -169,6 +169,8 @@ def test_cuda_check_finite_false_does_not_synchronize() -> None:
         (dict(bits=3), "bits must be 8 or 4"),
         (dict(group_size=48), "power of two"),
         (dict(group_size=512), "power of two"),
+        (dict(group_size=64.0), "power of two"),  # an int, not a float: it was a bare TypeError from `&`
+        (dict(group_size="64"), "power of two"),
         (dict(stochastic=True), "needs seed"),
         (dict(codec="fp8_e4m3", stochastic=True, seed=1), "stochastic rounding applies"),
     ],
