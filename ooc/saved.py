@@ -153,8 +153,8 @@ class SwappedStorage:
                 ctx.tracker.alloc(block, self.nbytes, what)
             self.device = device_bytes
             self.host = ctx.pool.acquire(self.nbytes)
-            # The copy may start only once compute has produced the bytes it reads (codes are written
-            # in the encoding context's order, which this copy follows too).
+            # The copy may start only once compute has produced the bytes it reads (codes too: the
+            # quantize kernel runs on the compute stream, CompressedStorage.encode).
             produced = ctx.backend.record_compute()
             self.d2h_done = ctx.backend.copy_d2h(self.host, device_bytes, (produced,))
         ctx.tracker.swapped_out += self.nbytes
