@@ -100,7 +100,7 @@ def _restored(tensor: torch.Tensor, codec: Codec, skip_ptrs: frozenset[int], min
         return tensor
     storage = tensor.untyped_storage()
     nbytes = storage.nbytes()
-    if storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
+    if not nbytes or storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
         return tensor
     flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, (nbytes // tensor.element_size(),), (1,))
     q = quantize(flat, codec=CODECS[codec].kernel, group_size=SWAP_GROUP_SIZE, check_finite=False)

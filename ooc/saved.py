@@ -420,7 +420,8 @@ def make_pack_hook(
         if ptr in skip_ptrs:
             return _kept(tensor)
         nbytes = storage.nbytes()
-        if not swap or nbytes < (1 if swap_all else min_swap_bytes):  # an empty storage has nothing to move
+        # An empty storage has nothing to move (and no values to quantize), whatever min_swap_bytes says.
+        if not swap or not nbytes or (not swap_all and nbytes < min_swap_bytes):
             kept = _kept(tensor)
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None

@@ -174,3 +174,39 @@ def test_a_recompute_with_a_compressed_input_is_gated_by_its_own_error(codec: st
     opts = build_options(prof, None, CODEC_OPTIONS, bound)
     allowed = {(c.policy.value, c.codec.value): bool(opts.allowed[1, k]) for k, c in enumerate(opts.choices)}
     assert allowed[("swap", codec)] and not allowed[("recompute", codec)]
+
+
+class _SavesAnEmptyTensor(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        empty = (self.fc.weight[:0] * torch.ones(0, 8)).sum()  # the product saves an empty tensor
+        return torch.tanh(self.fc(x)) + empty
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "int4", "fp8"])
+def test_an_empty_saved_tensor_is_kept_under_every_codec(codec: str) -> None:
+    # With min_swap_bytes=0 an empty storage went to the swap path, and a codec then quantized it:
+    # "quantize got an empty tensor" in the forward. It has nothing to move, as the profile counts it.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesAnEmptyTensor(), _SavesAnEmptyTensor())
+    x = torch.randn(4, 8)
+    plain = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec=codec)] * 2, min_swap_bytes=0), backend="cpu")
+    try:
+        wrapped = torch.autograd.grad(model(x).sum(), list(model.parameters()))
+        assert ooc.memory_report(model).current_bytes == 0
+    finally:
+        ooc.unwrap(model)
+    rel = max(float((a - b).norm() / b.norm()) for a, b in zip(wrapped, plain, strict=True) if b.norm() > 0)
+    assert rel < (0.2 if codec == "int4" else 0.05)
+
+
+def test_the_codec_error_of_a_block_that_saves_an_empty_tensor_is_measured() -> None:
+    # The profile's codec pass quantized the empty storage as well (min_swap_bytes=0) and raised.
+    torch.manual_seed(0)
+    model = nn.Sequential(_SavesAnEmptyTensor(), _SavesAnEmptyTensor())
+    prof = ooc.profile(model, (torch.randn(4, 8),), min_swap_bytes=0, loss_fn=lambda out: out.sum())
+    assert all(0 < b.codec_error_of("int8") < 0.05 for b in prof.blocks)
