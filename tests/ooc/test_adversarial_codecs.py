@@ -210,3 +210,37 @@ def test_the_codec_error_of_a_block_that_saves_an_empty_tensor_is_measured() -> 
     model = nn.Sequential(_SavesAnEmptyTensor(), _SavesAnEmptyTensor())
     prof = ooc.profile(model, (torch.randn(4, 8),), min_swap_bytes=0, loss_fn=lambda out: out.sum())
     assert all(0 < b.codec_error_of("int8") < 0.05 for b in prof.blocks)
+
+
+class _ChangesWhatItSaved(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.w = nn.Parameter(torch.randn(64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        y = h * self.w  # saves h
+        h.add_(1.0)  # plain PyTorch: "modified by an inplace operation" at the backward
+        return y + h.detach()
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "a compressed record holds codes taken at the save, not the source storage (that is its point), so "
+    "once the caller's tensor dies nothing compares versions: the backward runs on the save-time values "
+    "without SavedTensorModifiedError, where plain PyTorch and an uncompressed swap raise. Watching needs "
+    "a version check at the end of the block's forward (while the pack hook still holds the source)"))
+def test_a_compressed_saved_tensor_changed_in_place_in_its_forward_raises() -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(_ChangesWhatItSaved(), _ChangesWhatItSaved())
+    ooc.wrap(model, ooc.Plan.of([ooc.BlockPlan("swap", codec="int8")] * 2, min_swap_bytes=1024), backend="cpu")
+    try:
+        loss = model(torch.randn(32, 64, requires_grad=True)).sum()
+        raised = False
+        try:
+            loss.backward()
+        except ooc.SavedTensorModifiedError:
+            raised = True
+        assert raised, "the backward ran on the values saved before the in-place change"
+    finally:
+        ooc.unwrap(model)
