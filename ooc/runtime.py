@@ -126,6 +126,9 @@ class _Pass:
         self.saved_versions: dict[int, tuple[int, weakref.ref, int]] = {}
         """id(packed) -> (block, the tensor whose version counter it shares, its version at pack);
         NOTE [saved tensors modified in place]."""
+        self.compressed_saves: list[tuple[SwappedStorage, torch.Tensor, int]] = []
+        """The compressed records the running block's forward made, each beside an alias of its source
+        and the source's version at the save, until ``seal_compressed`` (NOTE [saved tensors modified in place])."""
         # A graph dropped without a backward frees its saved tensors with it. A finalizer, not
         # ``__del__``: it exists only once the pass is whole (torch.compile builds and drops objects
         # whose ``__init__`` never ran, and their ``__del__`` printed "Exception ignored" tracebacks).
@@ -180,6 +183,9 @@ class _Pass:
         view of a streamed parameter, the parameter, whose version counter the view shared) and
         ``unpack`` compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
         the same check themselves (NOTE [the re-run sees the forward's state] in ooc.recompute).
+        A compressed record holds codes taken at the save, not its source: the source's version is
+        compared when the block's forward ends (``seal_compressed``), while the pack hook still holds the
+        source; a change after that through a tensor that dies before the backward goes unseen.
         """
         versions = self.saved_versions
 
@@ -196,13 +202,24 @@ class _Pass:
             # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
             # Weakly: the record frees its copied-back bytes when autograd drops its last view.
             raced = None
-            if isinstance(packed, SwappedView) and not isinstance(packed.storage, CompressedStorage):
-                packed.storage.watch(tensor.detach())
+            if isinstance(packed, SwappedView):
+                if isinstance(packed.storage, CompressedStorage):
+                    self.compressed_saves.append((packed.storage, tensor.detach(), tensor._version))
+                else:
+                    packed.storage.watch(tensor.detach())
                 raced = weakref.ref(packed.storage)
             versions[id(packed)] = (block, weakref.ref(watched), watched._version, tuple(watched.shape), raced)
             return packed
 
         return pack_versioned
+
+    def seal_compressed(self) -> None:
+        """The running block's forward is over: a compressed record whose source was changed in place
+        since its save is marked modified (its backward raises), and the sources' aliases go."""
+        for record, alias, version in self.compressed_saves:
+            if alias._version != version:
+                record.modified = True
+        self.compressed_saves.clear()
 
     def unpack(self, packed: object) -> torch.Tensor:
         entry = self.saved_versions.get(id(packed))
@@ -212,7 +229,9 @@ class _Pass:
             changed = watched is not None and watched._version != version
             if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
                 name = self.rt.chain.names[block]
-                versions = f"version {version} -> {watched._version}" if changed else "while its copy to the host was in flight"
+                versions = (f"version {version} -> {watched._version}" if changed
+                            else "in its forward, after it was compressed" if isinstance(record, CompressedStorage)
+                            else "while its copy to the host was in flight")
                 raise SavedTensorModifiedError(
                     f"a tensor that block {name!r} saved for its backward (shape {shape}) was modified "
                     f"in place after the forward ({versions}); plain PyTorch raises here "
@@ -360,8 +379,11 @@ class _BlockForward:
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))
-                with saved_tensors_hooks(pack, step.unpack), rt.timer(i, "forward"):
-                    out = self.original(*args, **kwargs)
+                try:
+                    with saved_tensors_hooks(pack, step.unpack), rt.timer(i, "forward"):
+                        out = self.original(*args, **kwargs)
+                finally:
+                    step.seal_compressed()
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
         finally:
