@@ -105,9 +105,14 @@ class _LowBitLinearFunction(torch.autograd.Function):
 
 def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, bits: int = 8,
                   group_size: int = 64) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` that saves ``x`` quantized to ``bits`` (8 or 4) for the backward."""
+    """``F.linear(x, weight, bias)`` that saves ``x`` quantized to ``bits`` (8 or 4) for the backward;
+    plain ``F.linear`` where no weight gradient will be computed (grad mode off, or a frozen weight)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        # No backward will read codes of x: none at all (evaluation), or one that needs W alone
+        # (dx = dy @ W, a frozen weight): plain F.linear, without a quantize kernel and its host sync.
+        return torch.nn.functional.linear(x, weight, bias)
     return _LowBitLinearFunction.apply(x, weight, bias, bits, group_size)
 
 

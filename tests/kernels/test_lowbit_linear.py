@@ -89,6 +89,36 @@ def test_an_empty_batch_gives_zero_gradients_as_nn_linear_does() -> None:
     assert torch.equal(low.weight.grad, dense.weight.grad) and torch.equal(low.bias.grad, dense.bias.grad)
 
 
+def test_no_codes_are_made_where_no_weight_gradient_will_read_them(monkeypatch) -> None:
+    # Under no_grad (evaluation) and with a frozen weight (the base layers of a LoRA fine-tune) the
+    # backward needs no codes of x (dx = dy @ W), yet each call quantized x and synced the host for
+    # its NaN check, and raised on a NaN input where nn.Linear returns NaN.
+    import ooc.kernels.lowbit_linear as lowbit
+
+    calls: list[int] = []
+    real = lowbit.quantize
+    monkeypatch.setattr(lowbit, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 8)
+    low = LowBitLinear(64, 8)
+    low.load_state_dict(dense.state_dict())
+    x = torch.randn(4, 64)
+    x[0, 0] = float("nan")
+    with torch.no_grad():
+        torch.testing.assert_close(low(x), dense(x), equal_nan=True, rtol=0, atol=0)
+    for p in (*low.parameters(), *dense.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(4, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dense(x1).square().sum().backward()
+    low(x2).square().sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    assert calls == []
+    low.weight.requires_grad_(True)
+    low(x2).sum().backward()
+    assert calls == [1]
+
+
 def test_input_size_must_match() -> None:
     with pytest.raises(ValueError, match="features"):
         lowbit_linear(torch.randn(2, 5), torch.randn(3, 4))
