@@ -162,6 +162,18 @@ def candidates(model: nn.Module) -> list[Candidate]:
     return sorted(found, key=rank, reverse=True)
 
 
+def shared_parameter_ids(model: nn.Module, chain: Chain) -> frozenset[int]:
+    """``id`` of each parameter of the chain that more than one block holds, or a block and a module
+    outside the chain (NOTE [parameters shared between blocks] in ``ooc.streaming``)."""
+    holders: dict[int, int] = {}
+    for block in chain.modules:
+        for p in block.parameters():
+            holders[id(p)] = holders.get(id(p), 0) + 1
+    inside = {id(m) for block in chain.modules for m in block.modules()}
+    outside = {id(p) for m in model.modules() if id(m) not in inside for p in m.parameters(recurse=False)}
+    return frozenset(i for i, count in holders.items() if count > 1 or i in outside)
+
+
 def _param_bytes(modules: Iterable[nn.Module]) -> int:
     params = {id(p): p for m in modules for p in m.parameters()}
     return sum(p.numel() * p.element_size() for p in params.values())

@@ -1994,10 +1994,8 @@ class Checkpointer:
             entry = dict(other.get(names[i], {}))
             for key in by_param.get(names[i], ()):
                 entry[v.tensors[key][0]["field"]] = _assemble(v, key, loaded)
-            if entry:
+            if entry:  # none: never updated (NOTE [a fresh state is not saved] in ooc.optim.host_adamw)
                 state[i] = entry
-            elif host:
-                raise CheckpointError(f"checkpoint {v.path} has no optimizer state for parameter {names[i]}")
         result = {"state": state, "param_groups": metas[0]["param_groups"]}
         info = metas[0]["ooc"]
         if isinstance(info, dict):

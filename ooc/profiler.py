@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch.utils._pytree import tree_leaves
 
 from ooc.backend import Backend, resolve_backend
-from ooc.blocks import find_blocks
+from ooc.blocks import find_blocks, shared_parameter_ids
 from ooc.codec_error import measure_codec_errors
 from ooc.errors import WrapError
 from ooc.hf import disable_caches
@@ -28,7 +28,7 @@ from ooc.op_profile import measure_ops
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
-from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedStorage, machine_header
+from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedParameter, SharedStorage, machine_header
 from ooc.storage_sharing import measure_shared_storages
 
 
@@ -152,6 +152,7 @@ class FirstStepRecorder(StepRecorder):
             model=type(self.model).__name__, machine={"backend": self.backend.name, "device": str(self.backend.device)},
             notes="the first training step under wrap(model, budget=...): times include its warm-up",
             outside_param_bytes=outside_param_bytes(self.model, self.chain),
+            shared_params=shared_parameter_ids(self.model, self.chain),
         )
 
 
@@ -268,6 +269,7 @@ def profile(
         machine={**machine_header(), "backend": backend_obj.name, "device": str(backend_obj.device)},
         notes=f"median of {reps} steps after one warm-up; outside_forward_s holds all time outside the chain",
         outside_param_bytes=outside_param_bytes(model, chain),
+        shared_params=shared_parameter_ids(model, chain),
         codec_errors=errors,
         shared=shared,
         ops=op_profiles,
@@ -316,14 +318,17 @@ def block_profiles_to_profile(
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
     codec_errors: list[dict[str, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
     ops: list[tuple[OpProfile, ...]] | None = None, rerun_s: list[float] | None = None,
+    shared_params: frozenset[int] = frozenset(),
 ) -> Profile:
     """A profile from the tracker's log of an all-recompute step (bytes) and measured times;
     ``shared``: per block, the storages other blocks hold too (``ooc.storage_sharing``);
+    ``shared_params``: ``id`` of the parameters that stay resident (``ooc.blocks.shared_parameter_ids``);
     ``rerun_s``: per block, its plain re-run's seconds (``BlockProfile.rerun_s``)."""
     n = len(chain)
     saved_bytes, swappable, swappable_count, saved_compressed = _sums(log, "recompute", n, min_swap_bytes)
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
     block_profiles = []
+    numbers: dict[int, int] = {}  # a shared parameter's id within the profile: the order it is first met
     for i, module in enumerate(chain.modules):
         params = list(module.parameters())
         block_profiles.append(
@@ -346,6 +351,8 @@ def block_profiles_to_profile(
                 ),
                 codec_error=() if codec_errors is None else tuple(codec_errors[i].items()),
                 shared=() if shared is None else shared[i],
+                shared_params=tuple(SharedParameter(numbers.setdefault(id(p), len(numbers)), p.numel() * p.element_size())
+                                    for p in params if id(p) in shared_params),
                 ops=() if ops is None else ops[i],
                 rerun_s=None if rerun_s is None else rerun_s[i],
             )

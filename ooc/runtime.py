@@ -29,7 +29,7 @@ from torch.utils._pytree import tree_leaves
 
 from ooc import nvtx
 from ooc.backend import Backend
-from ooc.blocks import Chain, check_first_forward
+from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
 from ooc.pool import HostPool
@@ -444,7 +444,7 @@ class Runtime:
     def _make_streamer(self, plan: Plan) -> ParamStreamer:
         if any(b.streamed for b in plan.blocks):
             settle_weights(self.model)  # NOTE [weights move at rest]
-        streamer = ParamStreamer(self.chain, plan, self.backend, self.tracker)
+        streamer = ParamStreamer(self.chain, plan, self.backend, self.tracker, shared_parameter_ids(self.model, self.chain))
         streamed = streamer.streamed_param_ids
         self.tracker.set_resident_params(sum(
             p.numel() * p.element_size() for p in self.model.parameters() if id(p) not in streamed))

@@ -8,6 +8,13 @@ and ``p.data`` points to that while the block runs. Saved tensors that are views
 parameter are packed as references (:class:`StreamedView`), not as the device buffer, so the buffer
 is freed when the forward ends and the reference is resolved against the buffer of the backward.
 After the backward the gradient follows the parameter to the host.
+
+NOTE [parameters shared between blocks]
+A parameter that two blocks hold (a weight tied across layers, ALBERT's shared layers), or a block
+and a module outside the chain (a tied embedding), is never streamed: it stays on the device, where
+every holder reads it whenever it runs. Streaming it with one holder would leave it on the host
+while another, resident or streamed later, runs (on a GPU: a device mismatch). Its bytes count once
+among the resident parameters (``BlockProfile.shared_params``, ``ooc.blocks.shared_parameter_ids``).
 """
 
 from __future__ import annotations
@@ -67,7 +74,9 @@ class StreamedView:
 class ParamStreamer:
     """Moves the parameters of a plan's streamed blocks between host and device."""
 
-    def __init__(self, chain: Chain, plan: Plan, backend: Backend, tracker: MemoryTracker) -> None:
+    def __init__(self, chain: Chain, plan: Plan, backend: Backend, tracker: MemoryTracker,
+                 shared: frozenset[int] = frozenset()) -> None:
+        """``shared``: ``id`` of the parameters that stay on the device (NOTE [parameters shared between blocks])."""
         self.backend = backend
         self.tracker = tracker
         self.blocks: dict[int, list[_Streamed]] = {}
@@ -82,15 +91,13 @@ class ParamStreamer:
         self._grads_pending: dict[int, int] = {}
         self._release_when_done: set[int] = set()
         self._handles = []
-        seen: set[int] = set()
         for i, block in enumerate(plan.blocks):
             if not block.streamed:
                 continue
             entries = []
             for p in chain.modules[i].parameters():
-                if id(p) in seen:
-                    continue  # shared with an earlier streamed block: streamed with that one
-                seen.add(id(p))
+                if id(p) in shared:
+                    continue
                 host = backend.host_buffer(p.numel() * p.element_size()).view(p.dtype).view(p.shape)
                 with torch.no_grad():
                     host.copy_(p.detach())

@@ -26,8 +26,8 @@ PATIENCE = 3
 
 
 def streaming_order(profile: Profile) -> list[int]:
-    """Blocks in the order they are streamed: largest parameters first, then the earliest."""
-    return sorted(range(len(profile)), key=lambda i: (-profile.blocks[i].param_bytes, i))
+    """Blocks in the order they are streamed: most streamed parameter bytes first, then the earliest."""
+    return sorted(range(len(profile)), key=lambda i: (-profile.blocks[i].streamed_param_bytes, i))
 
 
 def param_peak(profile: Profile, streamed: list[int], prefetch: int = 2) -> int:

@@ -122,7 +122,22 @@ class SharedStorage:
             checks.flag(getattr(self, name), name, ProfileError, where="shared storage: ", hint=_FIX)
 
 
-_Record = TypeVar("_Record", OpProfile, SharedStorage)
+@dataclass(frozen=True)
+class SharedParameter:
+    """A parameter that more than one block holds, or a block and a module outside the chain (NOTE
+    [parameters shared between blocks] in ``ooc.streaming``): it is never streamed, and its bytes
+    count once among the resident parameters. ``id`` names it within one profile (every block that
+    holds it lists the same ``id``)."""
+
+    id: int
+    nbytes: int
+
+    def __post_init__(self) -> None:
+        for name in ("id", "nbytes"):
+            object.__setattr__(self, name, checks.count(getattr(self, name), name, ProfileError, where="shared parameter: ", hint=_FIX))
+
+
+_Record = TypeVar("_Record", OpProfile, SharedStorage, SharedParameter)
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,8 @@ class BlockProfile:
     shared: tuple[SharedStorage, ...] = ()
     """The storages this block holds that other blocks hold too (NOTE [storages shared between
     blocks]); each is also counted in ``saved_bytes`` / ``input_bytes`` above."""
+    shared_params: tuple[SharedParameter, ...] = ()
+    """The parameters among ``param_bytes`` that another block, or a module outside the chain, holds too."""
     rerun_s: float | None = None
     """Seconds a plain re-run of the block took, measured (it stops at the block's last saved
     tensor: NOTE [a re-run stops at the last save]); ``None``: not measured (analytic and older
@@ -176,6 +193,8 @@ class BlockProfile:
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
         object.__setattr__(self, "ops", tuple(self._nested(OpProfile, op, "op") for op in self.ops))
+        object.__setattr__(self, "shared_params", tuple(self._nested(SharedParameter, e, "shared parameter")
+                                                        for e in self.shared_params))
         for k, op in enumerate(self.ops):
             if op.reads and op.reads[-1] >= k:
                 raise ProfileError(f"block {self.name!r}: op {k} ({op.name}) reads op {op.reads[-1]}, which is not an "
@@ -201,6 +220,8 @@ class BlockProfile:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
             raise ProfileError(f"block {self.name!r}: input_swappable_bytes exceeds input_bytes")
+        if self.streamed_param_bytes < 0:
+            raise ProfileError(f"block {self.name!r}: its shared parameters' bytes exceed param_bytes; {_FIX}")
 
     def _nested(self, kind: type[_Record], entry: object, what: str) -> _Record:
         """``entry`` as a ``kind``: a record nested in a block of the profile JSON (an op, a shared storage)."""
@@ -219,6 +240,11 @@ class BlockProfile:
             raise ProfileError(f"{where}each codec_error entry must be [codec, error], got {entry!r}; {_FIX}")
         name = checks.text(entry[0], "a codec_error's codec", ProfileError, where=where, hint=_FIX)
         return name, checks.number(entry[1], f"codec_error of {name}", ProfileError, where=where, hint=_FIX)
+
+    @property
+    def streamed_param_bytes(self) -> int:
+        """Bytes of the parameters that streaming this block moves: those no other holder shares."""
+        return self.param_bytes - sum(p.nbytes for p in self.shared_params)
 
     @property
     def op_signature(self) -> str | None:
@@ -300,6 +326,17 @@ class Profile:
             checks.text(getattr(self, name), name, ProfileError, hint=_FIX)
         if not isinstance(self.machine, dict):
             raise ProfileError(f"machine must be a dict, got {type(self.machine).__name__}; {_FIX}")
+        sizes: dict[int, int] = {}
+        for block in self.blocks:
+            for p in block.shared_params:
+                if sizes.setdefault(p.id, p.nbytes) != p.nbytes:
+                    raise ProfileError(f"shared parameter {p.id} has {sizes[p.id]} bytes in one block and {p.nbytes} "
+                                       f"in block {block.name!r}; {_FIX}")
+
+    @property
+    def shared_param_bytes(self) -> int:
+        """Bytes of the shared parameters (``BlockProfile.shared_params``), each counted once: always resident."""
+        return sum({p.id: p.nbytes for block in self.blocks for p in block.shared_params}.values())
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -295,7 +295,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         return op.index
 
     streamed = [plan.blocks[i].streamed for i in range(n)]
-    params = [p.param_bytes if p is not None else 0 for p in prof]
+    params = [p.streamed_param_bytes if p is not None else 0 for p in prof]  # what streaming a block moves
 
     def stream_in(blocks: tuple[int, ...], issued: dict[int, int]) -> tuple[int, ...]:
         """Copy in the parameters of the streamed ``blocks`` not yet issued in this pass."""
@@ -371,7 +371,9 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
 
     memory, param_memory = [], []
     current = 0
-    resident_params = sum(p for p, s in zip(params, streamed) if not s) + (profile.outside_param_bytes if profile else 0)
+    resident_params = sum(p for p, s in zip(params, streamed) if not s)
+    if profile is not None:
+        resident_params += profile.shared_param_bytes + profile.outside_param_bytes
     for op in ops:
         current += op.alloc_bytes
         memory.append(current + op.transient_bytes)

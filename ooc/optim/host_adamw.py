@@ -299,6 +299,14 @@ class HostAdamW(torch.optim.Optimizer):
             state["master"] = master
         return state
 
+    def _fresh_like(self, p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
+        """A never-updated state of ``p`` laid out as ``state`` (on the host or on ``p``'s device, with
+        or without a master), its master taken from the weight the model holds now."""
+        if not isinstance(state, _HostState):
+            return {name: torch.zeros_like(v) for name, v in state.items()}
+        home = self._pipeline.stages.layout.home[id(p)]
+        return self._fresh_state(home, own="master" not in state)
+
     def _install_hooks(self, model: nn.Module, chain: Chain | None, *, on_grad: bool) -> list[Any]:
         """Forward gates and the ``state_dict`` wait; with ``on_grad``, the gradient hooks that
         launch each bucket's update inside the backward."""
@@ -460,7 +468,8 @@ class HostAdamW(torch.optim.Optimizer):
         self.synchronize()
         saved = super().state_dict()
         # Plain dicts: torch.load(weights_only=True), as transformers.Trainer resumes, takes no other class.
-        saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()}
+        saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()
+                          if not _never_updated(v)}
         return {**saved, "ooc": self._depends_on()}
 
     def _check_compatible(self, saved: dict[str, Any] | None) -> None:
@@ -499,6 +508,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._pipeline.supersede()
         state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
         saved = state_dict["state"]
+        before = {p: state for p, state in self.state.items() if isinstance(p, torch.Tensor)}
         # The base class checks the groups and maps saved ids to parameters; given no state
         # tensors, it casts none.
         super().load_state_dict({**state_dict, "state": {k: {} for k in saved}})
@@ -512,6 +522,9 @@ class HostAdamW(torch.optim.Optimizer):
                 continue
             loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
             self.state[p] = loaded if id(p) in device_ids else _HostState(loaded)
+        for p, state in before.items():
+            if p not in self.state:  # never updated when saved (NOTE [a fresh state is not saved])
+                self.state[p] = self._fresh_like(p, state)
         self._pipeline.after_load()
 
     def close(self) -> None:
@@ -691,6 +704,23 @@ class _StateView:
 
     def listeners(self) -> list[StageListener]:
         return self._opt().stage_listeners
+
+
+def _never_updated(state: Any) -> bool:
+    """A parameter's state as built, before any update (on the host, or on the device for the
+    parameters kept there): left out of ``state_dict()``.
+
+    NOTE [a fresh state is not saved]
+    ``torch.optim.AdamW`` creates a parameter's state at its first update, so its ``state_dict()``
+    holds none for a parameter never updated; HostAdamW builds every host state up front (it checks
+    the host memory once, at construction). Its ``state_dict()`` leaves out the states still at step
+    0, as AdamW's would, and ``load_state_dict`` gives a parameter without a saved state a fresh one
+    (zero moments, step 0, the master from the weight). Beyond matching AdamW, this keeps the bytes
+    off the device: ``accelerate``'s ``prepare`` (``transformers.Trainer`` calls it) moves the
+    optimizer's whole ``state_dict()`` to the device and loads it back, which for a fresh HostAdamW
+    staged all its fp32 moments and masters in device memory at once (2-3x the parameters' bytes,
+    more than the device has for the models HostAdamW is for)."""
+    return isinstance(state, dict) and isinstance(state.get("step"), torch.Tensor) and float(state["step"]) == 0
 
 
 def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:

@@ -96,6 +96,51 @@ def _assert_restores(directory: Path, step: int | None, expected: dict, expected
         opt.close()
 
 
+def test_a_version_saved_before_any_update_restores_a_fresh_optimizer(tmp_path: Path) -> None:
+    """Its optimizer file holds no state (NOTE [a fresh state is not saved]); a trained optimizer
+    restored from it is fresh again, and trains on as an untouched one."""
+    model, opt, sched = _setup()
+    straight = _train(model, opt, sched, range(3))
+    final, final_state = _weights(model), _opt_state(opt)
+    opt.close()
+
+    model, opt, sched = _setup()
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched)
+    ckpt.save(0)
+    _train(model, opt, sched, range(2))
+    ckpt.wait()
+    assert ckpt.restore().step == 0 and _opt_state(opt) == {}
+    assert _train(model, opt, sched, range(3)) == straight
+    assert _same(_weights(model), final) and _same_state(_opt_state(opt), final_state)
+    opt.close()
+
+
+def test_a_version_of_torch_adamw_with_a_frozen_weight_restores_into_host_adamw(tmp_path: Path) -> None:
+    """AdamW holds no state for a weight it never updated; the restored HostAdamW gives it a fresh
+    one (the restore refused: "has no optimizer state for parameter wpe.weight")."""
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    model.wpe.weight.requires_grad_(False)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for step in range(2):
+        model(*_batch(step))[1].backward()
+        opt.step()
+        opt.zero_grad()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(2)
+    ckpt.wait()
+    other = GPT(CFG)
+    other.wpe.weight.requires_grad_(False)
+    host = HostAdamW(other.parameters(), lr=3e-3, model=other)
+    try:
+        Checkpointer(tmp_path, other, host).restore()
+        assert _same(_weights(other), _weights(model))
+        assert float(host.state[other.wpe.weight]["step"]) == 0
+        assert _same_state(_opt_state(host), {i: s for i, s in opt.state_dict()["state"].items()})
+    finally:
+        host.close()
+
+
 def test_three_line_loop_docstring_example(tmp_path: Path) -> None:
     """The module docstring's loop, as written: a fresh start, then a resume from the newest version."""
     model, opt, sched = _setup()

@@ -62,3 +62,26 @@ def test_trainer_builds_host_adamw_from_optimizer_cls_and_kwargs() -> None:
     wrapped, plain = _train("cls"), _train("plain")
     assert wrapped[0] == plain[0] and len(wrapped[0]) == 4
     assert all(torch.equal(wrapped[1][k], plain[1][k]) for k in plain[1])
+
+
+def test_accelerate_prepare_moves_no_host_state_to_the_device(monkeypatch) -> None:  # noqa: ANN001
+    """accelerate's prepare (Trainer calls it) sends the optimizer's whole state_dict() to the device
+    and loads it back: a fresh HostAdamW's holds no tensors (NOTE [a fresh state is not saved])."""
+    import accelerate.optimizer
+
+    sent: list[int] = []
+
+    def move_to_device(state, device):  # noqa: ANN001, ANN202 - records what the real one would move
+        sent.extend(t.numel() * t.element_size() for s in state["state"].values() for t in s.values()
+                    if isinstance(t, torch.Tensor))
+        return state
+
+    monkeypatch.setattr(accelerate.optimizer, "move_to_device", move_to_device)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32))
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model)
+    try:
+        prepared = accelerate.Accelerator(cpu=True).prepare(opt)
+        assert prepared.device_placement and sent == []
+        assert all(float(opt.state[p]["step"]) == 0 and "exp_avg" in opt.state[p] for p in model.parameters())
+    finally:
+        opt.close()

@@ -136,6 +136,63 @@ def test_state_dict_round_trip_of_bf16_parameters_is_exact(device_params_below: 
     opt_b.close()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_a_state_saved_before_any_update_holds_no_tensors_and_loads_as_fresh(dtype: torch.dtype) -> None:
+    """NOTE [a fresh state is not saved]: as torch.optim.AdamW's, a never-updated state is left out
+    (accelerate's prepare moves the whole state_dict() to the device and back), and loading one
+    gives a parameter without a saved state a fresh state, whatever it had (it had none at all once
+    the base class's load had run: its next update failed)."""
+    torch.manual_seed(0)
+    a = GPT("nano").to(dtype)
+    a.wpe.weight.requires_grad_(False)  # never updated: its state stays out of every state_dict()
+    b = copy.deepcopy(a)
+    opt_a = HostAdamW(a.parameters(), lr=1e-3, model=a, backend="chaos", device_params_below=1000)
+    opt_b = HostAdamW(b.parameters(), lr=1e-3, model=b, backend="chaos", device_params_below=1000)
+    assert all("master" in opt_b.state[p] for p in b.parameters() if p.numel() >= 1000)  # as on a GPU
+    fresh = opt_b.state_dict()
+    assert fresh["state"] == {} and torch.optim.AdamW(b.parameters()).state_dict()["state"] == {}
+    _train(b, opt_b, range(3))  # other moments and masters, to be replaced by the load
+    b.load_state_dict(a.state_dict())
+    opt_b.load_state_dict(fresh)
+    _train(a, opt_a, range(3, 6))
+    _train(b, opt_b, range(3, 6))
+    opt_a.synchronize()
+    opt_b.synchronize()
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert len(opt_a.state_dict()["state"]) == sum(1 for p in a.parameters() if p.requires_grad) == len(list(a.parameters())) - 1
+    opt_a.close()
+    opt_b.close()
+
+
+def test_a_loaded_state_without_a_parameter_gives_it_a_fresh_state() -> None:
+    # torch.optim.AdamW's state_dict() has no entry for a parameter it never updated; loading one
+    # left that parameter with no state at all, and the next update stopped the optimizer ('exp_avg').
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    reference = copy.deepcopy(model)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True)
+    try:
+        for m, o in ((model, opt), (reference, ref_opt)):
+            for seed in range(2):
+                o.zero_grad()
+                m(torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))).sum().backward()
+                o.step()
+        saved = copy.deepcopy(ref_opt.state_dict())
+        del saved["state"][0]
+        for o in (opt, ref_opt):
+            o.load_state_dict(copy.deepcopy(saved))
+        for m, o in ((model, opt), (reference, ref_opt)):
+            o.zero_grad()
+            m(torch.randn(4, 8, generator=torch.Generator().manual_seed(2))).sum().backward()
+            o.step()
+        opt.synchronize()
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+        assert float(opt.state[model[0].weight]["step"]) == 1
+    finally:
+        opt.close()
+
+
 def _separate_masters() -> CpuBackend:
     """A CPU backend whose fp32 parameters are not their own masters, as on a GPU (chaos mode)."""
     return CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001))

@@ -7,6 +7,7 @@ import pytest
 from ooc.scheduler.analytic import decoder_7b
 from ooc.scheduler.hardware import preset
 from ooc.scheduler.param_planner import plan_with_streaming
+from ooc.scheduler.plan import Plan
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget
 from ooc.scheduler.schedule import build_schedule
 
@@ -44,3 +45,41 @@ def test_the_reported_minimum_is_reachable() -> None:
     plan = plan_with_streaming(PROFILE, HW, minimum, PLANNERS["optimal"])
     assert _total(plan) <= minimum and all(b.streamed for b in plan.blocks)
 
+
+
+def _tied(profile, shared_bytes: int):  # noqa: ANN001, ANN202
+    """``profile`` whose every block also holds one weight of ``shared_bytes`` that all blocks share (ALBERT)."""
+    import dataclasses
+
+    from ooc.scheduler.profile import SharedParameter
+
+    return dataclasses.replace(profile, blocks=tuple(
+        dataclasses.replace(b, param_bytes=b.param_bytes + shared_bytes, shared_params=(SharedParameter(0, shared_bytes),))
+        for b in profile.blocks))
+
+
+def test_a_weight_shared_by_every_block_counts_once_and_is_never_streamed() -> None:
+    shared = 256 * 2**20
+    tied = _tied(PROFILE, shared)
+    keep = Plan.uniform("keep", len(PROFILE))
+    assert build_schedule(keep, tied).param_peak_bytes == PARAMS + shared
+    all_streamed = build_schedule(keep.streaming(list(range(len(PROFILE)))), tied)
+    untied_streamed = build_schedule(keep.streaming(list(range(len(PROFILE)))), PROFILE)
+    assert all_streamed.param_peak_bytes == untied_streamed.param_peak_bytes + shared
+    moved = [op.bytes_moved for op in all_streamed.ops if op.kind.name == "STREAM_IN"]
+    assert moved and moved == [op.bytes_moved for op in untied_streamed.ops if op.kind.name == "STREAM_IN"]
+
+
+def test_shared_parameters_round_trip_and_are_checked() -> None:
+    import dataclasses
+
+    from ooc.scheduler.errors import ProfileError
+    from ooc.scheduler.profile import Profile, SharedParameter
+
+    tied = _tied(PROFILE, 2**20)
+    assert Profile.from_json(tied.to_json()) == tied
+    with pytest.raises(ProfileError, match="shared parameter 0 has"):
+        dataclasses.replace(tied, blocks=(dataclasses.replace(tied.blocks[0], shared_params=(SharedParameter(0, 2**19),)),
+                                          *tied.blocks[1:]))
+    with pytest.raises(ProfileError, match="exceed param_bytes"):
+        dataclasses.replace(tied.blocks[0], shared_params=(SharedParameter(0, tied.blocks[0].param_bytes + 1),))
