@@ -390,13 +390,23 @@ class HostAdamW(torch.optim.Optimizer):
         return loss
 
     def _reduced_device_grads(self) -> list[torch.Tensor]:
-        """The parameters kept on their device that have a gradient, averaged across the ranks."""
-        params = [p for p in self._device_params if p.grad is not None]
-        if self._comm is not None:
-            for p in params:
-                with peer_failures():
-                    torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
-                p.grad.div_(self._comm.world)
+        """The parameters kept on their device that have a gradient (on some rank), averaged across
+        the ranks: a rank without one takes zeros, as DDP does (NOTE [gradients missing on some
+        ranks] in ooc.optim.stages)."""
+        if self._comm is None or not self._device_params:
+            return [p for p in self._device_params if p.grad is not None]
+        # The default group (only this thread uses it), on the parameters' device as its backend needs.
+        flags = torch.tensor([p.grad is not None for p in self._device_params], dtype=torch.int32,
+                             device=self._device_params[0].device)
+        with peer_failures():
+            torch.distributed.all_reduce(flags)
+        params = [p for p, n in zip(self._device_params, flags.tolist()) if n > 0]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            with peer_failures():
+                torch.distributed.all_reduce(p.grad)
+            p.grad.div_(self._comm.world)
         return params
 
     def _step_device_params(self, params: list[torch.Tensor]) -> None:

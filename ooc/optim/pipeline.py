@@ -431,10 +431,10 @@ class UpdatePipeline:
         for p in self.buckets[index].params:
             if (grad := p.grad) is not None:
                 self._read_grads[id(p)] = (index, p, grad, grad._version, _fingerprint(grad))
-        if not job.grads:
-            if self.stages.comm is not None:
-                self._to_exchange(job)  # holds the bucket's place in the canonical order
+        if not job.grads and self.stages.comm is None:
             return
+        # Data-parallel, a bucket without gradients here goes on all the same: another rank's may
+        # have some, which this rank then updates with (NOTE [gradients missing on some ranks]).
         # The previous step's job of this bucket must be done with its buffers before they are
         # rewritten (it is, unless delayed_update: then its update had this whole step to finish).
         self._wait_done(index)
@@ -735,9 +735,10 @@ class UpdatePipeline:
                 expected += 1
 
     def _exchange(self, job: Job) -> None:
-        if not job.grads:
-            return
         self.stages.exchange(job)
+        if not job.grads:
+            self.status[job.bucket].done.set()  # no rank had a gradient for it: nothing to update
+            return
         self._ended(job.bucket, Stage.EXCHANGE)
         self._to_update(job)
 

@@ -1,0 +1,240 @@
+"""Data parallel as a user writes it: two gloo ranks on this CPU, spawned with torch.multiprocessing,
+HostAdamW(data_parallel=...) on the model against torch's DistributedDataParallel + AdamW(fused=True).
+
+Every rank runs one thread, so both sides compute each rank's gradient with the same kernels; two
+ranks sum two gradients and halve the sum exactly, so the weights must be equal bit for bit.
+Each test spawns its ranks once and runs its cases in them; a rank that dies (gloo aborts the
+process on a collective of the wrong size) or hangs fails the test within its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
+
+import ooc
+from ooc.distributed import DataParallel
+from ooc.optim import HostAdamW
+
+WORLD = 2
+STEPS = 3
+
+
+class Gated(nn.Module):
+    """A block whose ``extra`` layer runs only while ``use_extra`` is set: (N, 16) -> (N, 16)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.main = nn.Linear(16, 16)
+        self.extra = nn.Linear(16, 16)
+        self.use_extra = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.main(x))
+        return h + self.extra(h) if self.use_extra else h
+
+
+class Net(nn.Module):
+    """A chain of three :class:`Gated` blocks and an ``aux`` head that runs only while ``use_aux``
+    is set: (N, 8) -> (N, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.Sequential(Gated(), Gated(), Gated())
+        self.aux = nn.Linear(16, 4)
+        self.out = nn.Linear(16, 4)
+        self.use_aux = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.blocks(self.inp(x))
+        return self.out(h) + self.aux(h) if self.use_aux else self.out(h)
+
+
+def _batch(rank: int, step: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 8, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+
+
+def _set_use(model: nn.Module, rank: int, step: int, unused: str) -> None:
+    """Step 0 runs every layer on every rank (each gradient buffer gets written once); later steps
+    leave ``unused`` ("aux" or "extra": block 1's extra layer) out on rank 1."""
+    used = not (rank == 1 and step > 0)
+    if unused == "aux":
+        model.use_aux = used
+    else:
+        model.blocks[1].use_extra = used
+
+
+def _train(model: nn.Module, step_fn: Callable[[int], None]) -> dict[str, torch.Tensor]:
+    for step in range(STEPS):
+        step_fn(step)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _ddp_adamw(rank: int, unused: str) -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    model = Net()
+    ddp = DistributedDataParallel(model, find_unused_parameters=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+
+    def step(i: int) -> None:
+        _set_use(model, rank, i, unused)
+        x, y = _batch(rank, i)
+        F.mse_loss(ddp(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+    return _train(model, step)
+
+
+def _host_adamw(rank: int, unused: str, *, dtype: torch.dtype = torch.float32, wrap: str | None = "swap",
+                world: int = WORLD, **options: Any) -> dict[str, torch.Tensor]:
+    """``world`` 1: one process trains on every rank's batch (``accumulate=WORLD``, each loss over WORLD)."""
+    torch.manual_seed(0)
+    model = Net().to(dtype)
+    if wrap is not None:
+        ooc.wrap(model, ooc.Plan.uniform(wrap, 3), blocks=model.blocks)
+    if world > 1:
+        options["data_parallel"] = DataParallel(shard=options.pop("shard", False), timeout_s=60)
+    else:
+        options = {**options, "accumulate": WORLD}
+        options.pop("shard", None)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, **options)
+
+    def step(i: int) -> None:
+        for r in [rank] if world > 1 else range(WORLD):
+            _set_use(model, r, i, unused)
+            x, y = _batch(r, i, dtype)
+            (F.mse_loss(model(x), y) / (1 if world > 1 else WORLD)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    try:
+        weights = _train(model, step)
+    finally:
+        opt.close()
+        if wrap is not None:
+            ooc.unwrap(model)
+    return weights
+
+
+def _differ(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _gathered(weights: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    everyone: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, weights)
+    return everyone
+
+
+def _unused_against_ddp(rank: int) -> dict[str, list[str]]:
+    """Per case, the weights that differ from DDP + AdamW's."""
+    found = {}
+    for unused in ("aux", "extra"):
+        reference = _ddp_adamw(rank, unused)
+        for name, options in {"": {}, "sharded": {"shard": True}, "in step()": {"pipeline": False},
+                              "small on device": {"device_params_below": 20}}.items():
+            found[f"{unused} {name}"] = _differ(reference, _host_adamw(rank, unused, **options))
+    return found
+
+
+def _unused_in_bf16(rank: int) -> dict[str, list[str]]:
+    """Per case, the weights that differ between the ranks or from one process accumulating both
+    ranks' batches (bf16 parameters: fp32 masters, gradients copied out into host buffers)."""
+    found = {}
+    for unused in ("aux", "extra"):
+        one = _host_adamw(0, unused, dtype=torch.bfloat16, world=1)
+        for name, options in {"": {}, "sharded": {"shard": True}}.items():
+            ranks = _gathered(_host_adamw(rank, unused, dtype=torch.bfloat16, **options))
+            found[f"{unused} {name}"] = sorted({k for w in ranks for k in _differ(one, w)})
+    return found
+
+
+def _worker(rank: int, port: int, case: Callable[[int], Any], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      # As in test_distributed.py: the order checker does not model the exchange
+                      # thread's hand-off of a host gradient (NOTE in its _env).
+                      OOC_CHECK_ORDER="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.put((rank, "ok", case(rank)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out.put((rank, "raised", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _on_two_ranks(case: Callable[[int], Any], timeout: float = 120) -> list[Any]:
+    """``case(rank)`` on two spawned ranks; their results by rank. Fails (never hangs) if a rank
+    raises, dies or is still running after ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, port, case, out)) for rank in range(WORLD)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < WORLD:
+            try:
+                rank, how, value = out.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    pytest.fail(f"a rank died (exit codes {dead}) or hung: results so far {results}")
+                continue
+            if how != "ok":
+                pytest.fail(f"rank {rank} raised:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(WORLD)]
+
+
+def test_parameters_unused_on_one_rank_train_as_under_ddp() -> None:
+    """A head or a layer that one rank's batch does not use (an auxiliary loss on some batches, a
+    branch taken by the data): DistributedDataParallel(find_unused_parameters=True) averages its
+    gradient with zeros from that rank, and every rank updates it. The rank without its gradient
+    skipped the bucket's exchange: the other's collective met the next bucket's (gloo aborted the
+    process on the size mismatch; buckets of one size would have summed each other's gradients),
+    and the rank left the parameter alone while the other updated it."""
+    for rank, found in enumerate(_on_two_ranks(_unused_against_ddp)):
+        assert not any(found.values()), f"rank {rank}: weights that differ from DDP's: {found}"
+
+
+def test_parameters_unused_on_one_rank_in_bf16_stay_equal_across_ranks() -> None:
+    """bf16 parameters copy their gradients into host buffers, where a parameter without a gradient
+    on this rank kept the one of an earlier step, which the sum took."""
+    for rank, found in enumerate(_on_two_ranks(_unused_in_bf16)):
+        assert not any(found.values()), f"rank {rank}: weights that differ from one process's: {found}"
