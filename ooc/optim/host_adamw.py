@@ -252,6 +252,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._comm = comm
         self._pipelined = model is not None and pipeline
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
+        if comm is not None and not self._pipelined:
+            self._handles += self._note_grads()
         if streamer is not None:
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
@@ -327,6 +329,14 @@ class HostAdamW(torch.optim.Optimizer):
         handles.append(model.register_load_state_dict_pre_hook(loads.before))
         handles.append(model.register_load_state_dict_post_hook(loads.after))
         return handles
+
+    def _note_grads(self) -> list[Any]:
+        """Data-parallel without the pipeline's gradient hooks: hooks that note each gradient as it
+        arrives, for ``step()`` to refuse a change made in the loop, which would see this rank's own
+        gradients, not their average (NOTE [gradients read in the backward] in ooc.optim.pipeline)."""
+        pipe = self._pipeline
+        return [p.register_post_accumulate_grad_hook(lambda q, i=bucket.index: pipe.note_grad(i, q))
+                for bucket in self._buckets for p in bucket.params if p.requires_grad]
 
     def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any],
                              prefix: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -442,6 +452,7 @@ class HostAdamW(torch.optim.Optimizer):
             self._pipeline.discard("zero_grad() without step() after a backward")
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
+        self._pipeline.forget_grads()
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:

@@ -238,3 +238,37 @@ def test_parameters_unused_on_one_rank_in_bf16_stay_equal_across_ranks() -> None
     on this rank kept the one of an earlier step, which the sum took."""
     for rank, found in enumerate(_on_two_ranks(_unused_in_bf16)):
         assert not any(found.values()), f"rank {rank}: weights that differ from one process's: {found}"
+
+
+def _clipped_in_the_loop(rank: int) -> dict[str, str]:
+    """Per case, what ``step()`` said after the loop clipped the gradients between ``backward()`` and
+    ``step()`` ("stepped" if nothing); a limit so small that every rank clips."""
+    said = {}
+    for name, options in {"in step()": {"pipeline": False}, "in step(), no model": {"pipeline": False, "model": None},
+                          "pipelined": {}}.items():
+        torch.manual_seed(0)
+        model = Net()
+        options = {"model": model, **options}
+        opt = HostAdamW(model.parameters(), lr=1e-2, data_parallel=DataParallel(timeout_s=60), **options)
+        x, y = _batch(rank, 0)
+        F.mse_loss(model(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        try:
+            opt.step()
+            said[name] = "stepped"
+        except ooc.OocError as exc:
+            said[name] = str(exc)
+        opt.close()
+    return said
+
+
+def test_a_clip_in_the_loop_under_data_parallel_is_refused_even_in_step() -> None:
+    """Between ``backward()`` and ``step()`` a rank's gradients are its own, not yet averaged (DDP's
+    are): ``clip_grad_norm_`` there clips each rank by its own norm, and the weights part from
+    DDP + ``clip_grad_norm_``'s. A pipelined HostAdamW refused the step but advised
+    ``pipeline=False``, which took the clipped gradients without a word (``max_grad_norm=`` clips
+    the averaged gradients by their global norm, as DDP's loop does)."""
+    for rank, said in enumerate(_on_two_ranks(_clipped_in_the_loop)):
+        for name, message in said.items():
+            assert "max_grad_norm=" in message and "data_parallel" in message, (rank, name, message)
+            assert "pipeline=False" not in message, (rank, name, message)
