@@ -195,10 +195,21 @@ def check_world(mine: dict[str, str]) -> None:
         if other != reference
     ]
     if problems:
+        plans = any(other is not None and other.get("plan") != reference["plan"] for other in everyone)
         raise WorldError(
             "; ".join(problems) + ". Every rank must build the same model (same sizes and dtypes), the same "
             "ooc plan and the same optimizer options; check the command line of each rank."
+            + (PLANS_DIFFER if plans else "")
         )
+
+
+PLANS_DIFFER = (
+    " A plan chosen from a budget (ooc.wrap(model, budget=..., sample=...)) is measured on each rank, and timing "
+    "noise can choose another on two ranks: choose it on one rank and give every rank that one, as ooc train does "
+    "(chosen = [ooc.plan(model, sample, budget=...).to_json() if rank == 0 else None]; "
+    "torch.distributed.broadcast_object_list(chosen, src=0); ooc.wrap(model, ooc.Plan.from_json(chosen[0])))."
+)
+"""What :func:`check_world` adds when the ranks' plans differ."""
 
 
 def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],

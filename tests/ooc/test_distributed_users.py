@@ -272,3 +272,19 @@ def test_a_clip_in_the_loop_under_data_parallel_is_refused_even_in_step() -> Non
         for name, message in said.items():
             assert "max_grad_norm=" in message and "data_parallel" in message, (rank, name, message)
             assert "pipeline=False" not in message, (rank, name, message)
+
+
+def test_plans_that_differ_between_ranks_say_how_to_share_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``ooc.wrap(model, budget=..., sample=batch)`` on every rank (the README's first example) plans
+    from each rank's own measured profile, and timing noise chose other plans on two ranks about one
+    start in two here: the start-up check refused, saying to check each rank's command line, which
+    were the same. It now says why plans differ and how to take one rank's."""
+    from ooc.distributed import WorldError, check_world, fingerprint
+
+    mine = fingerprint(None, [], {}, "plan of rank 0")
+    other = fingerprint(None, [], {}, "plan of rank 1")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [mine, other]))
+    with pytest.raises(WorldError, match="rank 1 differs from rank 0 in: plan") as raised:
+        check_world(mine)
+    assert "budget" in str(raised.value) and "broadcast_object_list" in str(raised.value), str(raised.value)
