@@ -17,6 +17,7 @@ import time
 import traceback
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -28,7 +29,8 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ooc
-from ooc.distributed import DataParallel
+from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
+from ooc.distributed import DataParallel, WorldError, check_world, fingerprint
 from ooc.optim import HostAdamW
 
 WORLD = 2
@@ -279,8 +281,6 @@ def test_plans_that_differ_between_ranks_say_how_to_share_one(monkeypatch: pytes
     from each rank's own measured profile, and timing noise chose other plans on two ranks about one
     start in two here: the start-up check refused, saying to check each rank's command line, which
     were the same. It now says why plans differ and how to take one rank's."""
-    from ooc.distributed import WorldError, check_world, fingerprint
-
     mine = fingerprint(None, [], {}, "plan of rank 0")
     other = fingerprint(None, [], {}, "plan of rank 1")
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
@@ -288,3 +288,32 @@ def test_plans_that_differ_between_ranks_say_how_to_share_one(monkeypatch: pytes
     with pytest.raises(WorldError, match="rank 1 differs from rank 0 in: plan") as raised:
         check_world(mine)
     assert "budget" in str(raised.value) and "broadcast_object_list" in str(raised.value), str(raised.value)
+
+
+def test_a_data_parallel_checkpoint_saved_by_rank_0_alone_is_refused(tmp_path: Path) -> None:
+    """``if rank == 0: ckpt.save(step)``, the habit of torch.save checkpoints: a version is complete
+    (restorable) only with every rank's record, so every save returned and none was ever complete;
+    the run learnt it at its resume ("no complete checkpoint"). A rank that has committed three
+    versions after one still incomplete knows the others do not save it (ranks exchanging gradients
+    every step lag each other by less; here rank 1 never saves): its next save says so."""
+    ckpt = Checkpointer(tmp_path, nn.Linear(2, 2), rank=0, world=2)
+    for step in range(1, 5):
+        ckpt.save(step)
+    with pytest.raises(CheckpointError, match="every rank") as raised:
+        ckpt.save(5)
+    assert "rank 1" in str(raised.value), str(raised.value)
+    ckpt.close()
+
+
+def test_ranks_that_save_alike_are_not_refused_while_one_lags(tmp_path: Path) -> None:
+    """Rank 1 writes each version after rank 0 has committed the next two."""
+    ranks = [Checkpointer(tmp_path, nn.Linear(2, 2), rank=r, world=2, keep=None) for r in range(2)]
+    for step in range(1, 7):
+        ranks[0].save(step)
+        ranks[0].wait()
+        if step > 2:
+            ranks[1].save(step - 2)
+            ranks[1].wait()
+    for ckpt in ranks:
+        ckpt.close()
+    assert [v.step for v in list_versions(tmp_path)] == [1, 2, 3, 4]
