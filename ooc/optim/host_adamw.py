@@ -25,7 +25,7 @@ from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import Chain, find_blocks
-from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_failures
+from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
 from ooc.optim.layout import grad32_elements, make_layout
@@ -405,17 +405,15 @@ class HostAdamW(torch.optim.Optimizer):
         ranks] in ooc.optim.stages)."""
         if self._comm is None or not self._device_params:
             return [p for p in self._device_params if p.grad is not None]
-        # The default group (only this thread uses it), on the parameters' device as its backend needs.
+        # On the training thread's group, on the parameters' device as its backend needs.
         flags = torch.tensor([p.grad is not None for p in self._device_params], dtype=torch.int32,
                              device=self._device_params[0].device)
-        with peer_failures():
-            torch.distributed.all_reduce(flags)
+        self._comm.all_reduce(flags, thread="training")
         params = [p for p, n in zip(self._device_params, flags.tolist()) if n > 0]
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            with peer_failures():
-                torch.distributed.all_reduce(p.grad)
+            self._comm.all_reduce(p.grad, thread="training")
             p.grad.div_(self._comm.world)
         return params
 

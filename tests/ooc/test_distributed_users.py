@@ -284,7 +284,7 @@ def test_plans_that_differ_between_ranks_say_how_to_share_one(monkeypatch: pytes
     mine = fingerprint(None, [], {}, "plan of rank 0")
     other = fingerprint(None, [], {}, "plan of rank 1")
     monkeypatch.setattr(dist, "get_world_size", lambda: 2)
-    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj: out.__setitem__(slice(None), [mine, other]))
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, group=None: out.__setitem__(slice(None), [mine, other]))
     with pytest.raises(WorldError, match="rank 1 differs from rank 0 in: plan") as raised:
         check_world(mine)
     assert "budget" in str(raised.value) and "broadcast_object_list" in str(raised.value), str(raised.value)
@@ -317,3 +317,39 @@ def test_ranks_that_save_alike_are_not_refused_while_one_lags(tmp_path: Path) ->
     for ckpt in ranks:
         ckpt.close()
     assert [v.step for v in list_versions(tmp_path)] == [1, 2, 3, 4]
+
+
+HUNG_S = 9
+TIMEOUT_S = 2.0
+
+
+def _one_rank_hangs(rank: int) -> float | str:
+    """Rank 1 stops for ``HUNG_S`` seconds before its second step; rank 0 returns how long its
+    second step took to raise ("stepped" if it did not)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, device_params_below=20,
+                    data_parallel=DataParallel(timeout_s=TIMEOUT_S))
+    for step in range(2):
+        if rank == 1 and step == 1:
+            time.sleep(HUNG_S)
+            return "hung"  # and leaves without a word, as a killed rank would
+        x, y = _batch(rank, step)
+        started = time.monotonic()
+        try:
+            F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.synchronize()
+        except ooc.OocError:
+            return time.monotonic() - started
+        opt.zero_grad()
+    return "stepped"
+
+
+@pytest.mark.slow  # a rank hangs for HUNG_S seconds: about 25 s in all
+def test_a_hung_rank_fails_the_small_parameters_step_within_the_timeout() -> None:
+    """``device_params_below``: the small parameters' gradients were averaged on the default process
+    group, whose timeout is the one torch.distributed.init_process_group got (30 minutes by default),
+    not ``DataParallel.timeout_s``: a peer that hung held this rank there until it went away."""
+    elapsed, _ = _on_two_ranks(_one_rank_hangs)
+    assert isinstance(elapsed, float) and elapsed < TIMEOUT_S + 5, elapsed
