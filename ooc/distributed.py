@@ -57,12 +57,16 @@ class DataParallel:
     - ``check``: compare every rank's model, plan and options at start-up.
     - ``timeout_s``: how long a gradient exchange waits for a peer before failing (a rank that died
       fails it at once; one that hangs, after this).
+    - ``broadcast_buffers``: the model's buffers (BatchNorm's running statistics) are rank 0's at the
+      start of each step's first forward, as ``DistributedDataParallel(broadcast_buffers=True)`` makes
+      them (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
     """
 
     shard: bool = False
     reduce_on: str = "auto"
     check: bool = True
     timeout_s: float = 300.0
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         check_reduce_on(self.reduce_on)
@@ -142,9 +146,9 @@ class GroupCommunicator:
         """The training thread's group (the default backend's)."""
         return next(group for (thread, _), group in self._groups.items() if thread == "training")
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def broadcast(self, tensor: torch.Tensor, src: int, *, thread: str = "update") -> None:
         with peer_failures():
-            dist.broadcast(tensor, src=src, group=self.group_for("update", tensor))
+            dist.broadcast(tensor, src=src, group=self.group_for(thread, tensor))
 
     def sum_vector(self, tensor: torch.Tensor) -> None:
         with peer_failures():

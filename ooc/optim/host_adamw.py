@@ -250,6 +250,8 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
+        self._buffers = _BufferSync(comm) \
+            if comm is not None and data_parallel.broadcast_buffers and model is not None else None
         self._pipelined = model is not None and pipeline
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if comm is not None and not self._pipelined:
@@ -316,10 +318,13 @@ class HostAdamW(torch.optim.Optimizer):
                     lambda _m, _args, i=bucket.index: pipe.before_block_forward(i)))
         outside = tuple(b.index for b in self._buckets if b.block is None)
         streamer = weight_streamer(model)
+        buffers = self._buffers
 
         def before_forward(_m: nn.Module, _args: Any) -> None:
             _check_same_streamer(model, streamer)
             pipe.before_forward(outside)
+            if buffers is not None:
+                buffers.before_forward(model)
 
         handles.append(model.register_forward_pre_hook(before_forward))
         if on_grad:
@@ -395,6 +400,8 @@ class HostAdamW(torch.optim.Optimizer):
             for p in params:
                 p.grad.mul_(coef.to(p.grad.device))
         self._step_device_params(params)
+        if self._buffers is not None:
+            self._buffers.forwards = 0
         if not self._pipelined:
             self.synchronize()
         return loss
@@ -451,6 +458,8 @@ class HostAdamW(torch.optim.Optimizer):
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
         self._pipeline.forget_grads()
+        if self._buffers is not None:
+            self._buffers.forwards = 0
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -537,6 +546,36 @@ class HostAdamW(torch.optim.Optimizer):
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+class _BufferSync:
+    """Data-parallel: the model's buffers become rank 0's before each step's last forward.
+
+    NOTE [buffers follow rank 0]
+    ``DistributedDataParallel`` broadcasts rank 0's buffers before a forward that follows one which
+    synced gradients (with grad enabled, outside ``no_sync()``): in a loop, before each step's first
+    forward. So every rank's BatchNorm running statistics are rank 0's updated by its own batches
+    of the step, and every rank evaluates alike. Each rank kept its own here: rank 0's (what a
+    checkpoint saves) equalled DDP's, the others' parted from them. So the first forward with grad
+    enabled after ``step()`` or ``zero_grad()`` (and the first of all) takes rank 0's buffers first,
+    one broadcast each on the training thread's group; ``DataParallel(broadcast_buffers=False)``
+    leaves them alone. Forwards without grad take none (DDP's would, after a step): an evaluation
+    on rank 0 alone must not wait for the other ranks."""
+
+    def __init__(self, comm: GroupCommunicator) -> None:
+        self.comm = comm
+        self.forwards = 0
+        """Forwards with grad enabled since the last ``step()`` or ``zero_grad()``."""
+
+    def before_forward(self, model: nn.Module) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.forwards += 1
+        if self.forwards > 1:
+            return
+        with torch.no_grad():
+            for buffer in model.buffers():
+                self.comm.broadcast(buffer, 0, thread="training")
 
 
 class _HostState(dict):

@@ -32,6 +32,7 @@ import ooc
 from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
 from ooc.distributed import DataParallel, WorldError, check_world, fingerprint
 from ooc.optim import HostAdamW
+from tests.helpers import small_resnet
 
 WORLD = 2
 STEPS = 3
@@ -353,3 +354,41 @@ def test_a_hung_rank_fails_the_small_parameters_step_within_the_timeout() -> Non
     not ``DataParallel.timeout_s``: a peer that hung held this rank there until it went away."""
     elapsed, _ = _on_two_ranks(_one_rank_hangs)
     assert isinstance(elapsed, float) and elapsed < TIMEOUT_S + 5, elapsed
+
+
+def _batchnorm_against_ddp(rank: int) -> dict[str, list[str]]:
+    """Per case, the entries of the state dict (weights and buffers) that differ from DDP + AdamW's."""
+    found = {}
+    for accumulate in (1, 2):
+        states = []
+        for ours in (False, True):
+            torch.manual_seed(0)
+            model = small_resnet()
+            if ours:
+                forward, opt = model, HostAdamW(model.parameters(), lr=1e-2, model=model, accumulate=accumulate,
+                                                data_parallel=DataParallel(timeout_s=60))
+            else:
+                forward, opt = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            for step in range(STEPS):
+                for micro in range(accumulate):
+                    g = torch.Generator().manual_seed(100 * step + 10 * micro + rank)
+                    x, y = torch.randn(4, 3, 16, 16, generator=g), torch.randint(0, 10, (4,), generator=g)
+                    last = micro == accumulate - 1
+                    with contextlib.nullcontext() if ours or last else forward.no_sync():
+                        (F.cross_entropy(forward(x), y) / accumulate).backward()
+                opt.step()
+                opt.zero_grad()
+            if ours:
+                opt.close()
+            states.append(model.state_dict())
+        found[f"accumulate={accumulate}"] = _differ(*states)
+    return found
+
+
+def test_batchnorm_statistics_follow_rank_0_as_under_ddp() -> None:
+    """DistributedDataParallel broadcasts rank 0's buffers before each forward that syncs gradients
+    (``broadcast_buffers=True``; not inside ``no_sync()``), so every rank's BatchNorm statistics
+    are rank 0's updated by its own last batch. Each rank kept its own: rank 1's statistics, what
+    it evaluates with, parted from DDP's."""
+    for rank, found in enumerate(_on_two_ranks(_batchnorm_against_ddp)):
+        assert not any(found.values()), f"rank {rank}: entries that differ from DDP's: {found}"
