@@ -28,7 +28,7 @@ from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.layout import grad32_elements, make_layout
+from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
 from ooc.optim.stages import Hyper, StageListener, Stages
 from ooc.runtime import is_wrapped, register_weight_writer, runtime_of, weight_streamer
@@ -575,7 +575,10 @@ class _BufferSync:
             return
         with torch.no_grad():
             for buffer in model.buffers():
-                self.comm.broadcast(buffer, 0, thread="training")
+                # Its memory as it lies (channels_last, transposed: NCCL refuses a tensor not contiguous
+                # in its memory format); one that is not dense (an expand()ed view) stays as it is.
+                if dense(buffer):
+                    self.comm.broadcast(storage_span(buffer), 0, thread="training")
 
 
 class _HostState(dict):

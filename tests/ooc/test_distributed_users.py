@@ -392,3 +392,34 @@ def test_batchnorm_statistics_follow_rank_0_as_under_ddp() -> None:
     it evaluates with, parted from DDP's."""
     for rank, found in enumerate(_on_two_ranks(_batchnorm_against_ddp)):
         assert not any(found.values()), f"rank {rank}: entries that differ from DDP's: {found}"
+
+
+class _OddBuffers(nn.Module):
+    """A linear layer with an expand()ed buffer and a channels_last one: (N, 4) -> (N, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+        self.register_buffer("offset", torch.zeros(1).expand(4))
+        self.register_buffer("stats", torch.zeros(2, 3, 4, 5).to(memory_format=torch.channels_last))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x) + self.offset
+
+
+def _odd_buffers(rank: int) -> float:
+    torch.manual_seed(0)
+    model = _OddBuffers()
+    model.stats.fill_(rank + 1)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=60))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    opt.close()
+    return float(model.stats.sum())
+
+
+def test_buffers_of_any_layout_follow_rank_0() -> None:
+    """A channels_last buffer is broadcast as its memory lies; an expand()ed one is left as it is.
+    (NCCL refuses a tensor not contiguous in its memory format, a transposed buffer's or an
+    expand()ed one's; gloo takes them, so on this CPU the test guards the layouts only.)"""
+    assert _on_two_ranks(_odd_buffers) == [120.0, 120.0]
