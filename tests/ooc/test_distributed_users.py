@@ -114,10 +114,12 @@ def _host_adamw(rank: int, unused: str, *, dtype: torch.dtype = torch.float32, w
     if wrap is not None:
         ooc.wrap(model, ooc.Plan.uniform(wrap, 3), blocks=model.blocks)
     if world > 1:
-        options["data_parallel"] = DataParallel(shard=options.pop("shard", False), timeout_s=60)
+        options["data_parallel"] = DataParallel(shard=options.pop("shard", False),
+                                                reduce_on=options.pop("reduce_on", "auto"), timeout_s=60)
     else:
         options = {**options, "accumulate": WORLD}
         options.pop("shard", None)
+        options.pop("reduce_on", None)
     opt = HostAdamW(model.parameters(), lr=1e-2, model=model, **options)
 
     def step(i: int) -> None:
@@ -153,7 +155,8 @@ def _unused_against_ddp(rank: int) -> dict[str, list[str]]:
     for unused in ("aux", "extra"):
         reference = _ddp_adamw(rank, unused)
         for name, options in {"": {}, "sharded": {"shard": True}, "in step()": {"pipeline": False},
-                              "small on device": {"device_params_below": 20}}.items():
+                              "small on device": {"device_params_below": 20},
+                              "summed on the device": {"reduce_on": "device"}}.items():
             found[f"{unused} {name}"] = _differ(reference, _host_adamw(rank, unused, **options))
     return found
 
@@ -164,7 +167,7 @@ def _unused_in_bf16(rank: int) -> dict[str, list[str]]:
     found = {}
     for unused in ("aux", "extra"):
         one = _host_adamw(0, unused, dtype=torch.bfloat16, world=1)
-        for name, options in {"": {}, "sharded": {"shard": True}}.items():
+        for name, options in {"": {}, "sharded": {"shard": True}, "summed on the device": {"reduce_on": "device"}}.items():
             ranks = _gathered(_host_adamw(rank, unused, dtype=torch.bfloat16, **options))
             found[f"{unused} {name}"] = sorted({k for w in ranks for k in _differ(one, w)})
     return found
