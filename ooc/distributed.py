@@ -196,6 +196,9 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
     return {
         "parameter names and shapes": digest([(n, s) for n, s, _ in layout]),
         "parameter dtypes": digest([d for _, _, d in layout]),
+        # A weight frozen on one rank only would take the others' gradients there (NOTE [gradients
+        # missing on some ranks] in ooc.optim.stages): trained on one rank, frozen on another.
+        "trainable parameters": digest([p.requires_grad for p in params]),
         "plan": digest(plan_json),
         "optimizer options": digest(options),
         "torch version": torch.__version__,

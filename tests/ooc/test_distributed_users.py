@@ -426,3 +426,13 @@ def test_buffers_of_any_layout_follow_rank_0() -> None:
     (NCCL refuses a tensor not contiguous in its memory format, a transposed buffer's or an
     expand()ed one's; gloo takes them, so on this CPU the test guards the layouts only.)"""
     assert _on_two_ranks(_odd_buffers) == [120.0, 120.0]
+
+
+def test_ranks_that_freeze_other_parameters_are_told_at_start_up() -> None:
+    """A parameter frozen on one rank only (a freeze under a condition that differs by rank) took
+    the other ranks' gradients there, averaged: a frozen weight trained on one rank, the ranks'
+    weights parted. The start-up check compares which parameters train."""
+    models = [Net(), Net()]
+    models[1].aux.weight.requires_grad_(False)
+    prints = [fingerprint(m, list(m.parameters()), {}, None) for m in models]
+    assert [k for k in prints[0] if prints[0][k] != prints[1][k]] == ["trainable parameters"]
