@@ -189,6 +189,9 @@ READABLE_FORMATS = (2, 3, 4)
 _IDLE_SECONDS = 5.0
 """The writer thread ends after this long without a save (NOTE [writer thread])."""
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
+_OTHERS_LAG = 3
+"""Versions a rank commits after one still incomplete before it says the other ranks do not save
+(NOTE [every rank saves])."""
 _MOVED_ASIDE_RE = re.compile(r"^step-\d{9,}\.damaged-\d+(-\d+)?$")
 _SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
 """A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
@@ -1366,6 +1369,7 @@ class Checkpointer:
         if if_busy == "skip" and not self._written.is_set():
             return False
         self.wait()
+        self._check_every_rank_saves()
         self.check_step(step)
         self._move_damaged_aside()
         if self.rank == 0 and self.world > 1:
@@ -1391,6 +1395,37 @@ class Checkpointer:
                 _WRITING.add(self)
                 _finish_writes_at_exit()
         return True
+
+    def _check_every_rank_saves(self) -> None:
+        """Raise if this rank committed versions that the other ranks do not save (the writer is idle).
+
+        NOTE [every rank saves]
+        ``if rank == 0: ckpt.save(step)``, the habit of ``torch.save`` checkpoints, saved nothing
+        restorable under data parallelism: a version is complete only with every rank's record, so
+        each save returned, none was ever complete, and the run learnt it when it resumed ("no
+        complete checkpoint"). Ranks that exchange gradients every step lag each other by a step or
+        two: a rank saves each version before the next step's exchange, and its next save waits for
+        that version's write. So a version this rank committed that is still incomplete after this
+        rank committed ``_OTHERS_LAG`` newer ones was not saved by some rank (or its write failed,
+        which that rank's next save reports): the next save raises, naming the ranks whose records
+        are missing. Every held folder lock is such a version (NOTE [folder locks]): a complete newer
+        version releases the older ones."""
+        if self.world == 1:
+            return
+        steps = sorted(int(_VERSION_RE.match(lock.folder.name).group(1)) for lock in self._held)
+        behind = [s for i, s in enumerate(steps) if len(steps) - 1 - i >= _OTHERS_LAG
+                  and _committed(self.directory / _name(s), s) is None]
+        if not behind:
+            return
+        folder = self.directory / _name(behind[0])
+        missing = [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
+        raise CheckpointError(
+            f"the versions of steps {', '.join(map(str, behind))} in {self.directory} have no commit record of "
+            f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}, and rank {self.rank} has "
+            f"committed {_OTHERS_LAG} newer ones since: with "
+            f"{self.world} ranks every rank must make a Checkpointer on this directory and call save() at the same "
+            "steps (not only rank 0): a version is complete, and restores, only with every rank's record"
+        )
 
     def _stop_writer(self) -> None:
         """Hand the writer thread its stop after the saves queued, and wait for it to end."""
