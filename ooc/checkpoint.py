@@ -80,8 +80,10 @@ for the next one; it ends after ``_IDLE_SECONDS`` without a save (the next ``sav
 or at :meth:`Checkpointer.close`. Starting a thread per save cost the training loop up to a GIL
 switch interval (5 ms) per save: ``Thread.start`` waits until the new thread runs, and that thread
 then holds the GIL while it sets up the write. Handing a job to a waiting thread does not wait.
-Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
-a Checkpointer dropped without ``close`` is let go of that long after its last save. The thread is a
+Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most.
+The thread holds its Checkpointer only while it writes a version (a version in flight is written):
+a Checkpointer dropped without ``close`` is collected once its last version is written, and its
+waiting thread then ends (NOTE [a newer Checkpointer takes over]). The thread is a
 daemon, so a process that ends while it writes would lose that version (a script whose last line is
 ``save``), or abort in the torch code it runs ("terminate called without an active exception": the
 interpreter stops daemon threads as they take the GIL back); so at exit each live writer is handed
@@ -725,17 +727,20 @@ class _DirectoryLock:
     each other, which a restore caught only as a checksum error; each one's retention deleted the
     other's versions, and each refused the steps the other had committed. So the Checkpointer of
     rank ``r`` holds ``flock(LOCK_EX)`` on ``.writer-rank{r}.lock`` in the directory from its first
-    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another one of the
-    same rank that would write there gets a :class:`CheckpointError` saying another job holds the
-    directory (with the holder's pid and host, which the holder writes into the file). Every job has
+    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another job's
+    Checkpointer of the same rank that would write there gets a :class:`CheckpointError` saying another
+    job holds the directory (with the holder's pid and host, which the holder writes into the file).
+    A newer Checkpointer in the same process takes the directory over instead (NOTE [a newer
+    Checkpointer takes over]). Every job has
     a rank 0, so of two jobs the second always fails (on every rank the two share; its ranks beyond
     the first job's world fail with it at their first collective). The ranks of one job lock files
     of their own and never exclude each other. Readers (:meth:`Checkpointer.restore`, ``versions``,
     ``latest``, ``export``, ``ooc checkpoints list``) take no lock: they go by the commit records, so
     they work while a job writes.
 
-    The lock belongs to the open file description: two Checkpointers in one process exclude each
-    other as two processes do, and the kernel drops it when its process dies (``kill -9`` included),
+    The lock belongs to the open file description, so two Checkpointers in one process would exclude
+    each other as two processes do (they never meet at the lock: the newer one first closes the
+    older one), and the kernel drops it when its process dies (``kill -9`` included),
     so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
     deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
     unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
@@ -744,13 +749,31 @@ class _DirectoryLock:
     none) and takes it again, as with the folder locks (NOTE [folder locks]).
 
     Where flock reaches across hosts (NFS emulates it with byte-range locks; Lustre with ``-o
-    flock``), jobs on other hosts are excluded too, but byte-range locks of one process never
-    conflict, so on NFS two Checkpointers in one process are not told apart; where it is local to a
+    flock``), jobs on other hosts are excluded too (byte-range locks of one process never conflict,
+    but two Checkpointers in one process are told apart without a lock); where it is local to a
     host (NFS mounted with ``local_lock=flock`` or ``all``, Lustre with ``-o localflock``) a job on
-    another host is not detected. Where the file system
-    has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
+    another host is not detected. Where the file
+    system has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
     without a lock manager) the directory is written without the lock, as before it: a second job
-    is not detected, and its versions are caught only by their checksums."""
+    is not detected, and its versions are caught only by their checksums.
+
+    NOTE [a newer Checkpointer takes over]
+    In a notebook, running again the cell ``ck = Checkpointer(d, model, opt)`` while the earlier
+    Checkpointer is unclosed and still alive (writing a version, referenced by a traceback or
+    ``Out``, in a reference cycle not collected yet) made the new one's first save fail: "another
+    job holds ... (this process)". Within one process the newest Checkpointer of a rank on a
+    directory wins, and never while another writes there: at its first ``save`` (or
+    ``check_step``) it looks up the Checkpointer of this process that holds the directory for its
+    rank (``_HOLDERS``, by the directory's device and inode), waits for that one's version in flight
+    to be committed and closes it (:meth:`Checkpointer._supersede`, under the older one's save lock:
+    between two of its saves, whatever thread makes them), and only then takes the lock, warning
+    once (:func:`_warn_taken_over`: which version was in flight, and its error if its write failed,
+    which no ``wait`` of the older one would report now). The older one's later ``save`` and
+    ``check_step`` raise a :class:`CheckpointError` saying it was superseded; it still reads. A
+    Checkpointer dropped unclosed does not wait to be taken over: the optimizer's stage listener and
+    the model's load hook hold it weakly (:func:`_weakly`), its idle writer thread not at all (NOTE
+    [writer thread]), and a ``weakref.finalize`` lets go of its lock when it is collected. Another
+    process is still refused: only a Checkpointer of this process can be known to be done with."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
@@ -800,6 +823,61 @@ class _DirectoryLock:
             os.close(fd)
 
 
+_HOLDERS: dict[tuple[int, int, int], weakref.ref[Checkpointer]] = {}
+"""(device, inode) of a checkpoint directory and a rank -> the Checkpointer of this process that holds
+the directory for that rank, or held it (a dead reference) (NOTE [a newer Checkpointer takes over])."""
+_HOLDERS_LOCK = threading.Lock()
+
+
+def _holder_key(directory: Path, rank: int) -> tuple[int, int, int]:
+    """The directory as a file (a path through a symbolic link or another spelling is the same one)
+    and the rank: the key of :data:`_HOLDERS`."""
+    st = os.stat(directory)
+    return st.st_dev, st.st_ino, rank
+
+
+def _forget_holder(key: tuple[int, int, int], ckpt: Checkpointer | None) -> None:
+    """Drop ``key`` from :data:`_HOLDERS` if ``ckpt`` (None: a collected one) is its holder."""
+    with _HOLDERS_LOCK:
+        ref = _HOLDERS.get(key)
+        if ref is not None and ref() is ckpt:
+            del _HOLDERS[key]
+
+
+def _let_go(lock: _DirectoryLock, key: tuple[int, int, int], ckpt: Checkpointer | None = None) -> None:
+    """Release the directory lock of ``ckpt``: at its close, or when it is collected unclosed (then
+    as a ``weakref.finalize``, whose reference to it is dead by now: ``ckpt`` None)."""
+    lock.release()
+    _forget_holder(key, ckpt)
+
+
+def _warn_taken_over(ckpt: Checkpointer, in_flight: int | None, error: BaseException | None) -> None:
+    """Say, once per takeover, that ``ckpt`` took its directory over from an earlier Checkpointer of
+    this process (NOTE [a newer Checkpointer takes over])."""
+    if in_flight is None:
+        written = "It had no version in flight"
+    elif error is None:
+        written = f"Its version of step {in_flight}, in flight, was written first"
+    else:
+        written = f"Its version of step {in_flight}, in flight, failed ({error})"
+    warnings.warn(f"a new Checkpointer of rank {ckpt.rank} on {ckpt.directory} took the directory over from an earlier "
+                  "Checkpointer of this process that was not closed (a notebook cell that makes one run again, or one "
+                  f"dropped while still referenced). {written}, and the earlier one is closed now: its save() raises. "
+                  "close() a Checkpointer you are done with to end it yourself", UserWarning, stacklevel=6)  # save()'s caller
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, a bound method, as a callable that holds its object weakly and does nothing once
+    the object is gone: a listener or hook that does not keep a dropped Checkpointer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
 def _flock_within(fd: int, seconds: float) -> bool:
     """Take ``flock(LOCK_EX)`` on ``fd``, trying for up to ``seconds``; return whether it was taken
     (raises the OSError of a file system without flock)."""
@@ -820,7 +898,7 @@ def _held_error(directory: Path, path: Path) -> CheckpointError:
     except OSError:
         holder = "a process"
     if holder == f"pid {os.getpid()} on {os.uname().nodename}":
-        holder += " (this process: another Checkpointer on the directory, not closed, maybe one made earlier and dropped)"
+        holder += " (this process: a Checkpointer being collected; try again)"
     return CheckpointError(
         f"another job holds the checkpoint directory {directory}: {holder} has the lock on {path.name}, taken by a "
         "Checkpointer of this rank that saved there and is not closed (in this process or another). Two jobs saving "
@@ -1267,6 +1345,13 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
+
+    One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
+    job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
+    the newest Checkpointer on a directory wins (a notebook cell making one, run again): its first
+    ``save`` waits for the version an older, unclosed one is writing, closes that one and warns
+    once; the older one's ``save`` then raises, saying it was superseded. A Checkpointer dropped
+    unclosed lets go of the directory when it is collected (NOTE [a newer Checkpointer takes over]).
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -1291,6 +1376,16 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         """The writer thread, while it waits for saves (NOTE [writer thread])."""
+        weakref.finalize(self, self._jobs.put, None)  # a Checkpointer dropped: its idle writer ends now
+        self._save_lock = threading.RLock()
+        """Held by ``save``, ``check_step`` and ``close``: a newer Checkpointer taking over the directory
+        closes this one between two saves, never within one (NOTE [a newer Checkpointer takes over])."""
+        self._superseded = False
+        """Set when a newer Checkpointer in this process took over the directory: ``save`` refuses."""
+        self._lock_finalizer: weakref.finalize | None = None
+        self._directory_key: tuple[int, int, int] | None = None
+        """The directory's key in ``_HOLDERS`` while this Checkpointer holds it."""
+        """Lets go of the directory's lock if this Checkpointer is collected unclosed."""
         self._last_saved: int | None = None
         """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
@@ -1329,9 +1424,12 @@ class Checkpointer:
         """Step -> the (device, inode) of its folder and the error, of the versions found damaged
         (NOTE [damaged versions moved aside])."""
         self._load_hook = None
+        # Weakly: the optimizer and the model outlive a Checkpointer dropped without close() (a
+        # notebook cell run again), and must not keep it, and its lock on the directory, alive.
+        self._listener = _weakly(self._on_stage)
         if self.lazy:
-            optimizer.stage_listeners.append(self._on_stage)
-            self._load_hook = model.register_load_state_dict_pre_hook(self._before_model_load)
+            optimizer.stage_listeners.append(self._listener)
+            self._load_hook = model.register_load_state_dict_pre_hook(_weakly(self._before_model_load))
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._clean()
@@ -1346,6 +1444,10 @@ class Checkpointer:
         ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
         save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
         returns False at once (NOTE [skipped saves]; one rank only)."""
+        with self._save_lock:
+            return self._save(step, if_busy, metadata)
+
+    def _save(self, step: int, if_busy: str, metadata: dict[str, Any]) -> bool:
         self._check_open()
         try:
             step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
@@ -1383,9 +1485,10 @@ class Checkpointer:
         self._written.clear()
         with self._writer_lock:
             self._last_saved = step
-            self._jobs.put((step, files, tensors, metadata, pending))
+            self._jobs.put((self, step, files, tensors, metadata, pending))
             if self._writer is None:
-                self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
+                self._writer = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)),
+                                                name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
                 # The version in flight is written before the interpreter ends (NOTE [writer thread]).
                 _WRITING.add(self)
@@ -1409,6 +1512,12 @@ class Checkpointer:
         self._stop_writer()
 
     def _check_open(self) -> None:
+        if self._superseded:
+            raise CheckpointError(
+                f"this Checkpointer was superseded: a newer Checkpointer of rank {self.rank} on {self.directory} in "
+                "this process took over the directory at its first save (as when a notebook cell that makes one runs "
+                "again), after this one's last version was written, and closed this one. Save with the newer one; "
+                "this one still reads (restore, versions)")
         if self._closed:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
@@ -1441,20 +1550,67 @@ class Checkpointer:
         (NOTE [one job per directory]); write nothing. From a check that passes on, the
         Checkpointer holds the directory for its rank, as its first save would. A run can check its
         first save's step before it trains."""
-        self._check_open()
-        claimed = self._directory_lock is None
-        if claimed:
-            self._directory_lock = _DirectoryLock.take(self.directory, self.rank)
-            # Read again now that no other job writes here: one that held the directory until now
-            # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
-            self._newest = None
-        if self._newest is None:
-            self._learn(*_scan(self.directory))
-        if step <= self._newest:
-            if claimed:  # a refused check leaves the directory as it found it
-                self._directory_lock.release()
-                self._directory_lock = None
-            raise _refusal(self.directory, step, self._newest)
+        with self._save_lock:
+            self._check_open()
+            claimed = self._directory_lock is None
+            if claimed:
+                self._take_directory()
+                # Read again now that no other job writes here: one that held the directory until now
+                # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
+                self._newest = None
+            if self._newest is None:
+                self._learn(*_scan(self.directory))
+            if step <= self._newest:
+                if claimed:  # a refused check leaves the directory as it found it
+                    self._let_go_of_directory()
+                raise _refusal(self.directory, step, self._newest)
+
+    def _take_directory(self) -> None:
+        """Hold the directory for this rank (NOTE [one job per directory]), taking it over from an
+        earlier Checkpointer of this process that holds it (NOTE [a newer Checkpointer takes over])."""
+        key = _holder_key(self.directory, self.rank)
+        while True:
+            with _HOLDERS_LOCK:
+                ref = _HOLDERS.get(key)
+                holder = ref() if ref is not None else None
+                if holder is None or holder._closed:  # (closed: it let go of the directory)
+                    _HOLDERS[key] = weakref.ref(self)
+                    break
+            superseded = holder._supersede()  # outside the registry's lock: it waits for a write
+            if superseded is not None:
+                _warn_taken_over(self, *superseded)
+            del holder
+        try:
+            lock = _DirectoryLock.take(self.directory, self.rank)
+        except BaseException:
+            _forget_holder(key, self)
+            raise
+        self._directory_lock, self._directory_key = lock, key
+        self._lock_finalizer = weakref.finalize(self, _let_go, lock, key)
+
+    def _let_go_of_directory(self) -> None:
+        """Let go of the directory's lock, for another Checkpointer or job to take."""
+        if self._directory_lock is not None:
+            self._lock_finalizer.detach()
+            _let_go(self._directory_lock, self._directory_key, self)
+            self._directory_lock = None
+
+    def _supersede(self) -> tuple[int | None, BaseException | None] | None:
+        """Close this Checkpointer for a newer one of this process taking over its directory: wait
+        for the version in flight, then close; ``save`` refuses from then on. Returns the step of the
+        version that was in flight (None if none) and its error, or None if it was closed already
+        (NOTE [a newer Checkpointer takes over])."""
+        with self._save_lock:  # between two saves of another thread, never within one
+            if self._closed:
+                return None
+            in_flight = None if self._written.is_set() else self._last_saved
+            self._superseded = True
+            error = None
+            try:
+                self.close()
+            except BaseException as exc:  # noqa: BLE001 - the write's error: the warning tells it, no wait() will
+                error = exc
+            return in_flight, error
 
     def _learn(self, found: list[Version], damaged: dict[int, CorruptCheckpointError]) -> None:
         """Take the directory as read (``_scan``): the folders of its damaged records, and the
@@ -1485,27 +1641,6 @@ class Checkpointer:
             if moved is not None:  # else another rank did
                 warnings.warn(f"checkpoint version {folder} is damaged ({exc.path.name}: {exc.reason}); moved it "
                               f"aside to {moved.name}, kept for you to inspect or delete", stacklevel=3)
-
-    def _serve(self) -> None:
-        """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
-        or :meth:`close` (NOTE [writer thread])."""
-        while True:
-            try:
-                job = self._jobs.get(timeout=_IDLE_SECONDS)
-            except queue.Empty:
-                with self._writer_lock:
-                    if self._jobs.empty():  # save() puts its job and looks for this thread under the lock
-                        self._writer = None
-                        return
-                continue
-            if job is None:
-                return
-            try:
-                self._write(*job)  # hands its errors to wait()
-            except BaseException as exc:  # noqa: BLE001 - this thread must go on serving
-                self._error = self._error or exc
-            finally:
-                self._written.set()
 
     def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]], list[Any]]:
         """This rank's files (name -> tensors dict for ``.safetensors``, JSON-able object for
@@ -2052,13 +2187,19 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last save (raising its error), end the writer thread, remove the stage
-        listener and free the kept copies aside; a later :meth:`save` raises (restoring still works)."""
+        listener and free the kept copies aside; a later :meth:`save` raises (restoring still works).
+        Closing again does nothing."""
+        with self._save_lock:
+            if not self._closed:
+                self._close()
+
+    def _close(self) -> None:
         try:
             self.wait()
         finally:
             self._stop_writer()
-            if self.lazy and self._on_stage in self.optimizer.stage_listeners:
-                self.optimizer.stage_listeners.remove(self._on_stage)
+            if self.lazy and self._listener in self.optimizer.stage_listeners:
+                self.optimizer.stage_listeners.remove(self._listener)
             if self._load_hook is not None:
                 self._load_hook.remove()
                 self._load_hook = None
@@ -2067,9 +2208,39 @@ class Checkpointer:
             if self.rank == 0:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)
-            if self._directory_lock is not None:
-                self._directory_lock.release()  # another job may write here now (NOTE [one job per directory])
+            self._let_go_of_directory()  # another job may write here now (NOTE [one job per directory])
             self._closed = True
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Any, ...] | None], ref: weakref.ref[Checkpointer]) -> None:
+    """The writer thread of the Checkpointer ``ref``: write each save handed over, until none came
+    for ``_IDLE_SECONDS``, or :meth:`Checkpointer.close`, or the Checkpointer is collected (NOTE
+    [writer thread]). A job holds its Checkpointer (a version in flight is written); the waiting
+    thread does not."""
+    while True:
+        try:
+            job = jobs.get(timeout=_IDLE_SECONDS)
+        except queue.Empty:
+            ckpt = ref()
+            if ckpt is None:
+                return
+            with ckpt._writer_lock:
+                if jobs.empty():  # save() puts its job and looks for this thread under the lock
+                    ckpt._writer = None
+                    return
+            del ckpt
+            continue
+        if job is None:
+            return
+        ckpt, *args = job
+        del job
+        try:
+            ckpt._write(*args)  # hands its errors to wait()
+        except BaseException as exc:  # noqa: BLE001 - this thread must go on serving
+            ckpt._error = ckpt._error or exc
+        finally:
+            ckpt._written.set()
+        del ckpt, args  # waiting for the next save, this thread holds no Checkpointer
 
 
 _WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

@@ -1185,7 +1185,7 @@ def test_lazy_snapshot_copies_a_bucket_aside_before_its_next_update(tmp_path: Pa
     _assert_restores(tmp_path, 2, expected, expected_state, dtype)
     assert ckpt.copied_by_listener == len(opt.buckets)
     ckpt.close()
-    assert ckpt._on_stage not in opt.stage_listeners
+    assert ckpt._listener not in opt.stage_listeners and len(opt.stage_listeners) == 0
     opt.close()
 
 
