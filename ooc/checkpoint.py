@@ -1191,6 +1191,10 @@ class _TensorFile:
         self._tensors = tensors
         self._snapshot = snapshot
         self._on_tensor = on_tensor
+        self._whole: dict[str, tuple[torch.Tensor, memoryview]] = {}
+        """Name -> a contiguous host tensor and its bytes, read a piece at a time without the torch
+        calls of :func:`_tensor_bytes` per piece (17 of the writer thread's 73 ms per version of a
+        100M-parameter state); made again if the slot holds another tensor (a copy aside)."""
         for name, t in tensors.items():
             if t.dtype not in _DTYPES:
                 raise CheckpointError(f"cannot save tensor {name!r} of dtype {t.dtype} in safetensors")
@@ -1247,6 +1251,15 @@ class _TensorFile:
         finally:
             release()
 
+    def _piece(self, name: str, t: torch.Tensor, start: int) -> memoryview:
+        """Bytes ``start:start + _SLICE_BYTES`` of ``t``, the tensor named ``name`` now."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return _tensor_bytes(t, start, start + _SLICE_BYTES)
+        whole = self._whole.get(name)
+        if whole is None or whole[0] is not t:
+            whole = self._whole[name] = (t, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+        return whole[1][start:start + _SLICE_BYTES]
+
     def take(self, name: str, start: int) -> tuple[memoryview, Callable[[], None]]:
         """The piece of ``name`` from byte ``start``, held immutable until the function returned with
         it is called (from any thread; again: nothing)."""
@@ -1266,7 +1279,7 @@ class _TensorFile:
         try:
             if start == 0:
                 self._on_tensor(name)
-            return _tensor_bytes(t, start, start + _SLICE_BYTES), release
+            return self._piece(name, t, start), release
         except BaseException:
             release()
             raise
