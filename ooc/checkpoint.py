@@ -21,7 +21,8 @@ NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
 loaded. The checksum catches a flipped byte, a torn or truncated page, a file from another version:
 accidents, not an adversary. So it is XXH3-64 (xxhash's, about 30 GB/s on one core here, computed by
-the writer thread over each bounce buffer just filled, with the GIL released: NOTE [direct writes]),
+the writer thread over each bounce buffer just filled, or over a tensor's bytes written straight from
+its memory, with the GIL released: NOTE [direct writes], NOTE [writes straight from the tensors]),
 not a cryptographic hash: sha256 ran at about 1 GB/s on the cores training runs on and was the
 writer's largest cost, and zlib's CRC-32 (format 3) at 7 GB/s still cost 0.23 s of CPU per version
 of gpt2's 1.53 GiB, which on a machine whose cores the training keeps busy comes out of the steps.
@@ -101,8 +102,10 @@ bucket's host state does not change between the end of its update and its next U
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
 before that UPDATE starts. So the writer thread writes (and checksums) each tensor straight from the
 live one, a slice of ``_SLICE_BYTES`` at a time, and a stage listener on EXCHANGE, before the
-bucket's next update may change it, waits for the slice of the bucket being read, if any, and copies
-aside the bucket's tensors not read to their end (the writer reads on from the copy). With
+bucket's next update may change it, waits for the slice of the bucket being read, if any (copied
+into a bounce buffer, or written straight from it until that write returns: NOTE [writes straight
+from the tensors]), and copies aside the bucket's tensors not read to their end (the writer reads
+on from the copy). With
 ``max_grad_norm`` a save between a backward and ``step()`` finds buckets past their EXCHANGE whose
 UPDATE waits for ``step()`` (``HostAdamW.held_buckets``): no listener call comes before it, so
 ``save`` copies those buckets' tensors at once. The training thread never waits for a copy of
@@ -1176,7 +1179,8 @@ def _row_major(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 _SLICE_BYTES = 4 << 20
 """Bytes of a live tensor the writer reads at a time: the longest a bucket's next update may wait
-for the writer (NOTE [lazy snapshots]) is one slice's copy and checksum, not a whole tensor's."""
+for the writer (NOTE [lazy snapshots]) is one slice's checksum and its copy or direct write (and the
+write queued before it: NOTE [writes straight from the tensors]), not a whole tensor's."""
 
 
 class _TensorFile:
