@@ -955,7 +955,9 @@ class _DirectoryLock:
 _HOLDERS: dict[tuple[int, int, int], weakref.ref[Checkpointer]] = {}
 """(device, inode) of a checkpoint directory and a rank -> the Checkpointer of this process that holds
 the directory for that rank, or held it (a dead reference) (NOTE [a newer Checkpointer takes over])."""
-_HOLDERS_LOCK = threading.Lock()
+_HOLDERS_LOCK = threading.RLock()
+"""Reentrant: a collection under it (an allocation while it is held) may run a collected holder's
+finalizer (:func:`_let_go`) on this thread, which takes it too."""
 
 
 def _holder_key(directory: Path, rank: int) -> tuple[int, int, int]:
