@@ -15,6 +15,13 @@ and a module outside the chain (a tied embedding), is never streamed: it stays o
 every holder reads it whenever it runs. Streaming it with one holder would leave it on the host
 while another, resident or streamed later, runs (on a GPU: a device mismatch). Its bytes count once
 among the resident parameters (``BlockProfile.shared_params``, ``ooc.blocks.shared_parameter_ids``).
+
+NOTE [streamed layouts]
+The host and device buffers of a parameter, and of its gradient on the way between them, keep its
+memory layout (the strides ``torch.empty_like`` keeps: a ``channels_last`` convolution weight stays
+``channels_last``). A buffer viewed as a contiguous tensor turned such weights contiguous while
+wrapped and after ``ooc.unwrap``, and the convolutions then ran other kernels, whose gradients
+differed from plain PyTorch's in the last bits. The copies move the bytes as they lie (``_flat``).
 """
 
 from __future__ import annotations
@@ -41,6 +48,25 @@ class _Streamed:
     @property
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()
+
+
+def _laid_out_like(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """``buffer`` (``uint8``, ``like``'s byte size) as a tensor of ``like``'s dtype, shape and layout:
+    ``like``'s strides where it is dense (``channels_last`` included), else contiguous
+    (NOTE [streamed layouts])."""
+    stride = torch.empty_like(like, device="meta").stride()
+    return buffer.view(like.dtype).as_strided(like.shape, stride)
+
+
+def _dense(t: torch.Tensor) -> torch.Tensor:
+    """``t`` itself where its elements fill one span of its storage (what ``_flat`` copies), else a
+    contiguous copy."""
+    return t if torch.empty_like(t, device="meta").stride() == t.stride() else t.contiguous()
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """The elements of a dense ``t`` (``_laid_out_like``, ``_dense``) as they lie in memory, 1-D."""
+    return t.as_strided((t.numel(),), (1,))
 
 
 class StreamedView:
@@ -98,7 +124,7 @@ class ParamStreamer:
             for p in chain.modules[i].parameters():
                 if id(p) in shared:
                     continue
-                host = backend.host_buffer(p.numel() * p.element_size()).view(p.dtype).view(p.shape)
+                host = _laid_out_like(backend.host_buffer(p.numel() * p.element_size()), p)
                 with torch.no_grad():
                     host.copy_(p.detach())
                 entries.append(_Streamed(p, host))
@@ -125,13 +151,13 @@ class ParamStreamer:
         for callback in self.before_stream_in:
             callback(block)
         for e in entries:
-            e.device = self.backend.device_buffer(e.nbytes).view(e.host.dtype).view(e.host.shape)
+            e.device = _laid_out_like(self.backend.device_buffer(e.nbytes), e.host)
         # The buffers were allocated in compute order: the allocator may have handed over memory that
         # kernels still queued on compute use (the block released just before). The copies wait for
         # compute to reach the allocation.
         allocated = self.backend.record_compute()
         for e in entries:
-            e.ready = self.backend.copy_h2d(e.device.view(-1), e.host.view(-1), (allocated,))
+            e.ready = self.backend.copy_h2d(_flat(e.device), _flat(e.host), (allocated,))
         self.tracker.alloc_params(sum(e.nbytes for e in entries))
 
     def attach(self, block: int) -> None:
@@ -177,22 +203,22 @@ class ParamStreamer:
 
     def _grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
         """A device gradient's host copy (pinned on CUDA), complete when this returns."""
-        src = grad.contiguous()  # before the event below: the copy reads what compute wrote up to it
-        host = self.backend.host_buffer(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        src = _dense(grad)  # before the event below: the copy reads what compute wrote up to it
+        host = _laid_out_like(self.backend.host_buffer(src.numel() * src.element_size()), src)
         # The copy waits for compute to have produced the gradient (its backward may still be queued).
         produced = self.backend.record_compute()
-        done = self.backend.copy_d2h(host.view(-1), src.view(-1), (produced,))
+        done = self.backend.copy_d2h(_flat(host), _flat(src), (produced,))
         # The host (optimizer, user) reads .grad next: wait for the copy.
         done.synchronize()
         return host
 
     def _grad_to_device(self, grad: torch.Tensor) -> torch.Tensor:
         """A host gradient's device copy, which compute may read once this returns."""
-        src = grad.contiguous()
-        device = self.backend.device_buffer(src.numel() * src.element_size()).view(src.dtype).view(src.shape)
+        src = _dense(grad)
+        device = _laid_out_like(self.backend.device_buffer(src.numel() * src.element_size()), src)
         # The destination was allocated in compute order: the copy waits for compute to reach that point.
         allocated = self.backend.record_compute()
-        ready = self.backend.copy_h2d(device.view(-1), src.view(-1), (allocated,))
+        ready = self.backend.copy_h2d(_flat(device), _flat(src), (allocated,))
         # Backward accumulates into it next: compute waits for the copy.
         self.backend.wait_compute(ready)
         return device
@@ -227,7 +253,7 @@ class ParamStreamer:
             handle.remove()
         for entries in self.blocks.values():
             for e in entries:
-                device = self.backend.device_buffer(e.nbytes).view(e.host.dtype).view(e.host.shape)
+                device = _laid_out_like(self.backend.device_buffer(e.nbytes), e.host)
                 with torch.no_grad():
                     device.copy_(e.host)
                 e.param.data = device

@@ -13,12 +13,13 @@ import pytest
 import torch
 
 import ooc
+from ooc.blocks import find_blocks
 from ooc.models import GPT
 from ooc.optim import HostAdamW
 from ooc.runtime import runtime_of
 from ooc.scheduler.plan import Plan, PlanError, Residency
 from ooc.scheduler.schedule import build_schedule
-from tests.helpers import gpt_batch
+from tests.helpers import gpt_batch, small_resnet
 
 POLICIES = {
     "keep": ["keep"] * 4,
@@ -116,3 +117,29 @@ def test_plan_json_keeps_residency() -> None:
     assert "params streamed" in plan.table()
     with pytest.raises(PlanError, match="not in a plan of 2 blocks"):
         plan.streaming([5])
+
+
+def test_streamed_parameters_keep_their_memory_layout() -> None:
+    """NOTE [streamed layouts]: a channels_last convolution weight stays channels_last on the host,
+    in its block's forward, in its gradient and after unwrap (it used to turn contiguous)."""
+    torch.manual_seed(0)
+    model = small_resnet().to(memory_format=torch.channels_last)
+    chain = find_blocks(model)
+    weights = [m.weight for m in model.modules() if isinstance(m, torch.nn.Conv2d)]
+    layouts = [w.stride() for w in weights]
+    seen = []
+    for block in chain.modules:
+        block.register_forward_pre_hook(lambda b, _args: seen.extend(
+            m.weight.stride() for m in b.modules() if isinstance(m, torch.nn.Conv2d)))
+    ooc.wrap(model, Plan.uniform("keep", len(chain)).streaming(range(len(chain))), backend="chaos")
+    try:
+        assert [w.stride() for w in weights] == layouts
+        x = torch.randn(2, 3, 16, 16).to(memory_format=torch.channels_last)
+        torch.nn.functional.cross_entropy(model(x), torch.tensor([1, 2])).backward()
+        in_blocks = [w.stride() for b in chain.modules for w in (m.weight for m in b.modules()
+                                                                   if isinstance(m, torch.nn.Conv2d))]
+        assert seen == in_blocks
+        assert [w.grad.stride() for w in weights] == layouts
+    finally:
+        ooc.unwrap(model)
+    assert [w.stride() for w in weights] == layouts
