@@ -22,6 +22,16 @@ memory layout (the strides ``torch.empty_like`` keeps: a ``channels_last`` convo
 ``channels_last``). A buffer viewed as a contiguous tensor turned such weights contiguous while
 wrapped and after ``ooc.unwrap``, and the convolutions then ran other kernels, whose gradients
 differed from plain PyTorch's in the last bits. The copies move the bytes as they lie (``_flat``).
+
+NOTE [data replaced outside ooc]
+Between its uses a streamed parameter's ``.data`` is ooc's host copy. Code that replaces it
+(``p.data = p.data.clamp(-1, 1)``, ``p.data = pretrained``, ``model.half()``/``model.double()``/
+``model.to(...)``, which assign ``.data`` too) used to be ignored: the next stream-in copied the old
+host copy in and pointed ``p.data`` back at it, so training went on from the old weights without a
+word (or failed on mixed dtypes), and ``ooc.unwrap`` put the old weights back. Now the stream-in
+(and unwrap) takes a replacement of the same shape and dtype as the new value of the host copy; one
+of another shape or dtype cannot go into it, so the stream-in raises ``WrapError`` (unwrap, change
+the model, wrap again) and unwrap leaves it as the caller set it.
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ import torch.nn as nn
 
 from ooc.backend import Backend, Event
 from ooc.blocks import Chain
+from ooc.errors import WrapError
 from ooc.scheduler.plan import Plan
 from ooc.tracker import MemoryTracker
 
@@ -42,12 +53,25 @@ from ooc.tracker import MemoryTracker
 class _Streamed:
     param: nn.Parameter
     host: torch.Tensor
+    name: str
+    """The parameter's name in the model (``blocks.1.attn.qkv.weight``), for error messages."""
     device: torch.Tensor | None = None
     ready: Event | None = None
 
     @property
     def nbytes(self) -> int:
         return self.host.numel() * self.host.element_size()
+
+    def replaced(self) -> bool:
+        """``param.data`` is neither the host copy nor the device copy: code outside ooc assigned it
+        (NOTE [data replaced outside ooc])."""
+        ptr = self.param.data_ptr()
+        return ptr != self.host.data_ptr() and (self.device is None or ptr != self.device.data_ptr())
+
+    def fits_host(self) -> bool:
+        """The replacement can become the host copy's value (same shape and dtype)."""
+        data = self.param.data
+        return data.shape == self.host.shape and data.dtype == self.host.dtype
 
 
 def _laid_out_like(buffer: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -121,13 +145,13 @@ class ParamStreamer:
             if not block.streamed:
                 continue
             entries = []
-            for p in chain.modules[i].parameters():
+            for name, p in chain.modules[i].named_parameters():
                 if id(p) in shared:
                     continue
                 host = _laid_out_like(backend.host_buffer(p.numel() * p.element_size()), p)
                 with torch.no_grad():
                     host.copy_(p.detach())
-                entries.append(_Streamed(p, host))
+                entries.append(_Streamed(p, host, f"{chain.names[i]}.{name}"))
             self.blocks[i] = entries
         self._host_of = {id(e.param): e.host for entries in self.blocks.values() for e in entries}
         for i, entries in self.blocks.items():
@@ -151,6 +175,8 @@ class ParamStreamer:
         for callback in self.before_stream_in:
             callback(block)
         for e in entries:
+            self._adopt(e)
+        for e in entries:
             e.device = _laid_out_like(self.backend.device_buffer(e.nbytes), e.host)
         # The buffers were allocated in compute order: the allocator may have handed over memory that
         # kernels still queued on compute use (the block released just before). The copies wait for
@@ -159,6 +185,22 @@ class ParamStreamer:
         for e in entries:
             e.ready = self.backend.copy_h2d(_flat(e.device), _flat(e.host), (allocated,))
         self.tracker.alloc_params(sum(e.nbytes for e in entries))
+
+    def _adopt(self, e: _Streamed) -> None:
+        """A ``.data`` assigned outside ooc becomes the host copy's value (NOTE [data replaced outside ooc])."""
+        if not e.replaced():
+            return
+        data = e.param.data
+        if not e.fits_host():
+            raise WrapError(
+                f"the data of streamed parameter {e.name} was replaced after ooc.wrap by a tensor of another shape or "
+                f"dtype ({tuple(data.shape)} {data.dtype}, was {tuple(e.host.shape)} {e.host.dtype}: model.half(), "
+                f".double(), .to(dtype) or p.data = ...); ooc streams it from a host copy of the old one. Call "
+                f"ooc.unwrap(model), change the model, then wrap it again"
+            )
+        with torch.no_grad():
+            e.host.copy_(data)  # from the device too (a model moved after wrap): a synchronous copy
+        e.param.data = e.host
 
     def attach(self, block: int) -> None:
         """The block is about to run: its parameters point at their device copies."""
@@ -253,6 +295,9 @@ class ParamStreamer:
             handle.remove()
         for entries in self.blocks.values():
             for e in entries:
+                if e.replaced() and not e.fits_host():
+                    continue  # the caller's tensor stays (NOTE [data replaced outside ooc])
+                self._adopt(e)
                 device = _laid_out_like(self.backend.device_buffer(e.nbytes), e.host)
                 with torch.no_grad():
                     device.copy_(e.host)

@@ -19,7 +19,7 @@ from ooc.optim import HostAdamW
 from ooc.runtime import runtime_of
 from ooc.scheduler.plan import Plan, PlanError, Residency
 from ooc.scheduler.schedule import build_schedule
-from tests.helpers import gpt_batch, small_resnet
+from tests.helpers import NANO_NO_DROPOUT, gpt_batch, small_resnet
 
 POLICIES = {
     "keep": ["keep"] * 4,
@@ -143,3 +143,43 @@ def test_streamed_parameters_keep_their_memory_layout() -> None:
     finally:
         ooc.unwrap(model)
     assert [w.stride() for w in weights] == layouts
+
+
+def _scaled_data(model: torch.nn.Module) -> None:
+    for p in model.blocks[1].parameters():
+        p.data = p.data * 1.5  # an old idiom for a weight clamp, a pretrained copy, a rescale
+
+
+def test_data_replaced_after_wrap_is_what_trains_and_what_unwrap_leaves() -> None:
+    """NOTE [data replaced outside ooc]: the stream-in used to copy the old host copy back in, so the
+    replacement was ignored without a word (and ooc.unwrap restored the old weights)."""
+    plain = GPT(NANO_NO_DROPOUT)
+    model = copy.deepcopy(plain)
+    ooc.wrap(model, Plan.uniform("keep", 4).streaming([1, 2]), backend="chaos")
+    try:
+        model(*gpt_batch())[1].backward()
+        for m in (plain, model):
+            m.zero_grad(set_to_none=True)
+            _scaled_data(m)
+            m(*gpt_batch(seed=1))[1].backward()
+        assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters()))
+        _scaled_data(plain)
+        _scaled_data(model)
+    finally:
+        ooc.unwrap(model)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
+
+
+def test_a_dtype_changed_after_wrap_is_refused_and_unwrap_keeps_it() -> None:
+    model = GPT(NANO_NO_DROPOUT)
+    expected = copy.deepcopy(model).double()
+    ooc.wrap(model, Plan.uniform("keep", 4).streaming([1, 2]), backend="chaos")
+    try:
+        model(*gpt_batch())[1].backward()
+        model.zero_grad(set_to_none=True)
+        model.double()  # assigns every parameter's .data
+        with pytest.raises(ooc.WrapError, match=r"blocks\.1\..* replaced after ooc\.wrap.*ooc\.unwrap\(model\)"):
+            model(*gpt_batch())
+    finally:
+        ooc.unwrap(model)
+    assert all(p.dtype == torch.float64 and torch.equal(p, q) for p, q in zip(model.parameters(), expected.parameters()))
