@@ -32,6 +32,19 @@ word (or failed on mixed dtypes), and ``ooc.unwrap`` put the old weights back. N
 (and unwrap) takes a replacement of the same shape and dtype as the new value of the host copy; one
 of another shape or dtype cannot go into it, so the stream-in raises ``WrapError`` (unwrap, change
 the model, wrap again) and unwrap leaves it as the caller set it.
+
+NOTE [weights changed around a stream-in]
+Code outside ooc may change a streamed parameter in place while ooc moves it: an optimizer step in
+a gradient hook (PyTorch's "optimizer step in backward": ``register_post_accumulate_grad_hook``)
+changes the device copy during the block's backward, and a forward pre-hook that clamps the
+block's weights changes the host copy after the stream-in one block ahead has started reading it.
+Both used to be lost without a word: the device copy was dropped at release, and the block ran on
+the copy made before the change. The parameter's version counter (bumped by every in-place op on
+it, not by one through ``.data``) tells: ``release`` copies a device copy whose version moved since
+``attach`` back into the host copy. A block's weights are attached by a forward pre-hook that runs
+before the caller's, so a pre-hook changes the device copy (and ``release`` keeps it); where the
+host copy still changes after ``issue`` (code between two blocks), ``attach`` waits for the copy in
+flight and copies the host copy in again.
 """
 
 from __future__ import annotations
@@ -57,6 +70,10 @@ class _Streamed:
     """The parameter's name in the model (``blocks.1.attn.qkv.weight``), for error messages."""
     device: torch.Tensor | None = None
     ready: Event | None = None
+    issued_version: int = 0
+    """``param._version`` when the copy in was issued (NOTE [weights changed around a stream-in])."""
+    attached_version: int = 0
+    """``param._version`` when ``param.data`` became the device copy."""
 
     @property
     def nbytes(self) -> int:
@@ -184,7 +201,18 @@ class ParamStreamer:
         allocated = self.backend.record_compute()
         for e in entries:
             e.ready = self.backend.copy_h2d(_flat(e.device), _flat(e.host), (allocated,))
+            e.issued_version = e.param._version
         self.tracker.alloc_params(sum(e.nbytes for e in entries))
+
+    def _copy_in_again(self, e: _Streamed) -> None:
+        """The host copy changed (or ``.data`` was assigned) after its copy in was issued: copy it
+        again (NOTE [weights changed around a stream-in])."""
+        # The copy in flight reads the host copy, which _adopt may write: wait for it.
+        e.ready.synchronize()
+        self._adopt(e)
+        # The same H2D stream, after the first copy: nothing else writes or reads the buffer yet.
+        e.ready = self.backend.copy_h2d(_flat(e.device), _flat(e.host), (e.ready,))
+        e.issued_version = e.param._version
 
     def _adopt(self, e: _Streamed) -> None:
         """A ``.data`` assigned outside ooc becomes the host copy's value (NOTE [data replaced outside ooc])."""
@@ -209,12 +237,16 @@ class ParamStreamer:
             return
         self.issue(block)
         for e in entries:
+            attached = e.param.data_ptr() == e.device.data_ptr()
+            if not attached and (e.replaced() or e.param._version != e.issued_version):
+                self._copy_in_again(e)
             # The block reads its weights next: compute must not pass their copy in.
             self.backend.wait_compute(e.ready)
-            if e.param.data.data_ptr() != e.device.data_ptr():
+            if not attached:
                 grad = e.param.grad
                 e.param.grad = None
                 e.param.data = e.device
+                e.attached_version = e.param._version
                 if grad is not None:
                     e.param.grad = self._grad_to_device(grad)  # accumulation continues on the device
                     self._moved(e.param)
@@ -228,9 +260,12 @@ class ParamStreamer:
             return
         for e in entries:
             self._by_ptr.pop(e.device.untyped_storage().data_ptr(), None)
+            if e.param.data_ptr() == e.device.data_ptr() and e.param._version != e.attached_version:
+                self._copy_back(e)
             grad = e.param.grad
             e.param.grad = None
-            e.param.data = e.host
+            if not e.replaced():  # else the caller's .data stays, for the next issue to adopt
+                e.param.data = e.host
             if grad is not None:
                 e.param.grad = self._grad_to_host(grad)
                 self._moved(e.param)
@@ -238,6 +273,15 @@ class ParamStreamer:
             e.ready = None
         self._release_when_done.discard(block)
         self.tracker.free_params(sum(e.nbytes for e in entries))
+
+    def _copy_back(self, e: _Streamed) -> None:
+        """The device copy changed in place while attached (an optimizer step in a gradient hook): its
+        bytes become the host copy's (NOTE [weights changed around a stream-in])."""
+        # The copy waits for compute to have made the change (queued kernels on CUDA) ...
+        changed = self.backend.record_compute()
+        done = self.backend.copy_d2h(_flat(e.host), _flat(e.device), (changed,))
+        # ... and the host copy is read next (an optimizer, the next stream-in): wait for it.
+        done.synchronize()
 
     def _moved(self, param: torch.Tensor) -> None:
         for callback in self.grad_moved:

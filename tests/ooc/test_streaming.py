@@ -183,3 +183,81 @@ def test_a_dtype_changed_after_wrap_is_refused_and_unwrap_keeps_it() -> None:
     finally:
         ooc.unwrap(model)
     assert all(p.dtype == torch.float64 and torch.equal(p, q) for p, q in zip(model.parameters(), expected.parameters()))
+
+
+def _optimizer_in_backward(model: torch.nn.Module) -> None:
+    """PyTorch's tutorial "How to save memory by fusing the optimizer step into the backward pass"."""
+    optimizers = {p: torch.optim.Adam([p], lr=1e-2, foreach=False) for p in model.parameters()}
+
+    def step(p: torch.nn.Parameter) -> None:
+        optimizers[p].step()
+        optimizers[p].zero_grad()
+
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(step)
+
+
+def _clamp_before_each_block(model: torch.nn.Module) -> None:
+    def clamp(block: torch.nn.Module, _args: tuple) -> None:
+        with torch.no_grad():
+            for p in block.parameters():
+                p.clamp_(-0.05, 0.05)
+
+    for block in model.blocks:
+        block.register_forward_pre_hook(clamp)
+
+
+@pytest.mark.parametrize("when", ["before", "after"], ids=["hooks-before-wrap", "hooks-after-wrap"])
+@pytest.mark.parametrize("change", [_optimizer_in_backward, _clamp_before_each_block], ids=["optimizer-in-backward",
+                                                                                             "clamp-in-pre-hook"])
+@pytest.mark.parametrize("policies", ["keep", "mixed"])
+def test_weights_changed_in_place_around_a_stream_in_are_kept(change, when: str, policies: str) -> None:  # noqa: ANN001
+    """NOTE [weights changed around a stream-in]: an optimizer step in a gradient hook changed the
+    device copy, which was dropped; a pre-hook's clamp came after the copy in had started."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    change(plain)
+    if when == "before":
+        change(model)
+    ooc.wrap(model, Plan.of(POLICIES[policies], min_swap_bytes=4096).streaming([0, 1, 2, 3]), backend="chaos")
+    if when == "after":
+        change(model)
+    sgd = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (plain, model)]
+    try:
+        for step in range(3):
+            for m, opt in zip((plain, model), sgd):
+                torch.manual_seed(step)
+                m(*gpt_batch(seed=step))[1].backward()
+                opt.step()  # a no-op where the hook took the gradients
+                opt.zero_grad()
+            assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters())), step
+    finally:
+        ooc.unwrap(model)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
+
+
+def _halve_the_next_blocks_data(model: torch.nn.Module) -> None:
+    def halve(_block: torch.nn.Module, _args: tuple, _out: object) -> None:
+        for p in model.blocks[2].parameters():
+            p.data = p.data * 0.5  # after block 2's copy in was issued (one block ahead)
+
+    model.blocks[1].register_forward_hook(halve)
+
+
+def test_data_replaced_between_a_stream_in_and_its_block_is_copied_in() -> None:
+    """NOTE [weights changed around a stream-in]: block 2 ran on the copy issued before the change."""
+    plain = _model()
+    model = copy.deepcopy(plain)
+    _halve_the_next_blocks_data(plain)
+    ooc.wrap(model, Plan.of(POLICIES["mixed"], min_swap_bytes=4096).streaming([0, 1, 2, 3]), backend="chaos")
+    _halve_the_next_blocks_data(model)
+    try:
+        for step in range(2):
+            for m in (plain, model):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(step)
+                m(*gpt_batch(seed=step))[1].backward()
+            assert all(torch.equal(p.grad, q.grad) for p, q in zip(plain.parameters(), model.parameters())), step
+    finally:
+        ooc.unwrap(model)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), model.parameters()))
