@@ -12,7 +12,7 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -43,8 +43,9 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def call_model(model: nn.Module, sample: Any) -> Any:
-    """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a dict."""
-    if isinstance(sample, dict):
+    """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a mapping (a
+    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict)."""
+    if isinstance(sample, Mapping):
         return model(**sample)
     if isinstance(sample, (tuple, list)):
         return model(*sample)

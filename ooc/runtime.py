@@ -324,6 +324,22 @@ def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
     )
 
 
+class _AttachWeights:
+    """A block's first forward pre-hook: its streamed weights go to the device before the caller's
+    pre-hooks run, so a hook that changes them in place changes the device copy, which the release
+    keeps, not a host copy that a copy in may still read (NOTE [weights changed around a stream-in]
+    in ooc.streaming)."""
+
+    __reduce_ex__ = _refuse_copy
+
+    def __init__(self, runtime: "Runtime", index: int) -> None:
+        self.rt = runtime
+        self.index = index
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        self.rt.streamer.attach(self.index)
+
+
 class _BlockForward:
     """Stands in for ``block.forward`` while the model is wrapped."""
 
@@ -440,6 +456,8 @@ class Runtime:
         self.first_calls: list[int] | None = None
         """The blocks run during the model's first training forward, checked when it ends."""
         self._first_forward_hooks: list[Any] = []
+        self._attach_hooks: list[Any] = []
+        """Forward pre-hooks that bring a block's streamed weights in before the caller's pre-hooks."""
 
     def _make_streamer(self, plan: Plan) -> ParamStreamer:
         if any(b.streamed for b in plan.blocks):
@@ -484,6 +502,7 @@ class Runtime:
             previous = module.__dict__.get("forward")
             module.forward = _BlockForward(self, i, module.forward)
             self._installed.append((module, previous))
+            self._attach_hooks.append(module.register_forward_pre_hook(_AttachWeights(self, i), prepend=True))
         self._first_forward_hooks = [
             self.model.register_forward_pre_hook(self._start_first_forward),
             self.model.register_forward_hook(self._end_first_forward),
@@ -508,9 +527,9 @@ class Runtime:
             raise BlockError(f"{exc} ooc unwrapped the model.") from None
 
     def uninstall(self) -> None:
-        for handle in self._first_forward_hooks:
+        for handle in (*self._first_forward_hooks, *self._attach_hooks):
             handle.remove()
-        self._first_forward_hooks = []
+        self._first_forward_hooks, self._attach_hooks = [], []
         for module, previous in self._installed:
             if previous is None:
                 module.__dict__.pop("forward", None)
