@@ -1528,6 +1528,12 @@ class _Snapshot:
             return bool(unread)
 
 
+def _first_few(names: list[str], shown: int = 3) -> str:
+    """``a, b, c and 21 more``: a model of another size differs in every tensor, a line each was a wall."""
+    more = f" and {len(names) - shown} more" if len(names) > shown else ""
+    return ", ".join(names[:shown]) + more
+
+
 class Checkpointer:
     """Saves and restores ``model``, ``optimizer``, ``scheduler``, the RNG states and ``extra`` (a
     dict of your own, e.g. the data position: saved with torch.save, so tensors, numbers, strings,
@@ -2318,12 +2324,14 @@ class Checkpointer:
         loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others."""
         own = self.model.state_dict()
         missing = [k for k in own if k not in weights]
-        unexpected = [k for k in weights if k not in own]
+        unexpected = sorted(k for k in weights if k not in own)
         shapes = [f"{k}: saved {list(weights[k].shape)}, now {list(t.shape)}" for k, t in own.items()
                   if isinstance(weights.get(k), torch.Tensor) and isinstance(t, torch.Tensor) and weights[k].shape != t.shape]
         if missing or unexpected or shapes:
-            raise CheckpointError(f"checkpoint {v.path} does not fit the model: missing {missing}, unexpected "
-                                  f"{unexpected}, other shapes {shapes}; build the model as it was saved")
+            differences = ", ".join(f"{len(names)} {what} ({_first_few(names)})" for what, names in
+                                    (("missing", missing), ("unexpected", unexpected), ("of other shapes", shapes)) if names)
+            raise CheckpointError(f"checkpoint {v.path} does not fit the model: tensors {differences}; build the model "
+                                  "as it was saved")
 
     @staticmethod
     def _file(v: Version, name: str) -> Any:

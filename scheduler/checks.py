@@ -50,5 +50,29 @@ def text(value: object, field: str, error: type[Exception], *, where: str = "", 
     return value
 
 
+_FILES = {
+    "ooc.plan": ("plan", "ooc plan --out"),
+    "ooc.profile": ("profile", "ooc profile --out"),
+    "ooc.hardware": ("hardware description", "ooc calibrate --out"),
+}
+"""Each ooc JSON file's ``"format"``: what it is and the command that writes one."""
+
+
+def file_format(data: object, expected: str, error: type[Exception]) -> dict:
+    """``data`` if it is a dict whose ``"format"`` is ``expected`` (a key of ``_FILES``); else raise
+    ``error`` saying what the JSON is instead: a plan given where a profile goes is named a plan."""
+    if isinstance(data, dict) and data.get("format") == expected:
+        return data
+    noun, command = _FILES[expected]
+    found = data.get("format") if isinstance(data, dict) else None
+    if found in _FILES:
+        what = f"this JSON is an ooc {_FILES[found][0]} (from `{_FILES[found][1]}`)"
+    elif found is not None:
+        what = f"its \"format\" is {found!r:.40}, not {expected!r}"
+    else:
+        what = f"the JSON has no \"format\": \"{expected}\" field"
+    raise error(f"not an ooc {noun}: {what}; an ooc {noun} comes from `{command}`")
+
+
 def _then(hint: str) -> str:
     return f"; {hint}" if hint else ""

@@ -119,8 +119,7 @@ class Hardware:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Hardware":
-        if not isinstance(data, dict) or data.get("format") != "ooc.hardware":
-            raise HardwareError("not an ooc hardware description (no \"format\": \"ooc.hardware\")")
+        checks.file_format(data, "ooc.hardware", HardwareError)
         names = {f.name for f in fields(cls)}
         try:
             return cls(**{k: v for k, v in data.items() if k in names})

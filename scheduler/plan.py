@@ -282,8 +282,7 @@ class Plan:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> "Plan":
-        if not isinstance(data, dict) or data.get("format") != "ooc.plan":
-            raise PlanError("not an ooc plan: the JSON has no \"format\": \"ooc.plan\" field")
+        checks.file_format(data, "ooc.plan", PlanError)
         version = data.get("version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise PlanError(f"corrupt plan JSON: \"version\" must be a whole number >= 1, got {version!r:.80}; {_FIX}")

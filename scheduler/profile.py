@@ -371,8 +371,7 @@ class Profile:
 
     @classmethod
     def from_dict(cls, data: Any) -> "Profile":
-        if not isinstance(data, dict) or data.get("format") != "ooc.profile":
-            raise ProfileError("not an ooc profile: the JSON has no \"format\": \"ooc.profile\" field")
+        checks.file_format(data, "ooc.profile", ProfileError)
         version = data.get("version")
         if not isinstance(version, int) or version > PROFILE_FORMAT_VERSION:
             raise ProfileError(

@@ -29,7 +29,8 @@ def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size"
     """Return a byte count from a number or a string such as ``"20GiB"`` or ``"1.5 GB"``.
 
     Raises :class:`SizeError` (a ``ValueError``) naming ``what`` for a negative, infinite or NaN
-    size or a bool (``True`` would read as one byte)."""
+    size, a bool (``True`` would read as one byte) or a size between 0 and 1 byte (a fraction such as
+    ``0.5``, which would read as 0 bytes)."""
     if isinstance(value, bool):
         raise SizeError(f"{what} must be a number or a string like '20GiB', not a bool")
     if isinstance(value, Integral):
@@ -45,6 +46,8 @@ def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size"
         number = float(match.group(1)) * _UNITS[match.group(2).lower()]
     if not math.isfinite(number) or number < 0:
         raise SizeError(f"{what} must be a finite number of bytes >= 0, got {value!r}; {_EXAMPLES}")
+    if 0 < number < 1:  # "0.5" meant as half of something read as 0 bytes: a budget nothing fits, or none at all
+        raise SizeError(f"{what} is a number of bytes, not a fraction: {value!r} is less than one byte; {_EXAMPLES}")
     return int(number)
 
 

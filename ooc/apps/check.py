@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -70,19 +71,25 @@ def train_losses(model: torch.nn.Module, steps: int, *, batch_size: int = 8, see
     return losses
 
 
-def calibration_check(*, reps: int = 10, backend: str | Backend = "auto", hardware: Hardware | None = None) -> list[CheckRow]:
-    """For all-KEEP, all-SWAP, all-RECOMPUTE and a mixed plan: predicted vs measured peak and step time."""
+def calibration_check(*, reps: int = 10, backend: str | Backend = "auto", hardware: Hardware | None = None,
+                      show: Callable[[str], None] = lambda _line: None) -> list[CheckRow]:
+    """For all-KEEP, all-SWAP, all-RECOMPUTE and a mixed plan: predicted vs measured peak and step time.
+    ``show`` gets a line as each stage starts (minutes in all on a CPU)."""
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     model, batch = demo_model_and_batch(device)
     backend_obj = resolve_backend(backend, model)
+    show(f"profiling the demo GPT's {model.config.n_layer} blocks on {device}")
     prof = ooc.profile(model, batch, backend=backend_obj, reps=max(3, reps // 2))
+    if hardware is None:
+        show("measuring this machine's copy engines (as `ooc calibrate`; pass --hardware to skip)")
     hw = hardware or calibrate(backend_obj)
     n = len(prof)
     keep_peak = build_schedule(Plan.uniform("keep", n), prof).peak_bytes
     mixed = annotate(PLANNERS["optimal"](prof, hw, keep_peak // 2), prof)
     plans = [Plan.uniform("keep", n), Plan.uniform("swap", n), Plan.uniform("recompute", n), mixed.with_(name="optimal@50%")]
     rows = []
-    for plan in plans:
+    for k, plan in enumerate(plans, 1):
+        show(f"plan {k}/{len(plans)}, {plan.name}: {reps + 2} steps")
         wrapped = ooc.wrap(copy.deepcopy(model), plan, backend=backend_obj)
         times, peak = [], 0
         for step in range(reps + 2):

@@ -114,6 +114,8 @@ def _profile(args: argparse.Namespace) -> int:
         import ooc
 
         model, sample = reference_model(args.model, args.batch, args.seq)
+        print(f"profiling {args.model}, input {' x '.join(map(str, sample[0].shape))}: each block timed over "
+              f"{args.reps} steps{' and op by op' if args.ops else ''}", file=sys.stderr, flush=True)
         prof = ooc.profile(model, sample, reps=args.reps, name=args.model, ops=args.ops)
     print(f"{prof.model}: {len(prof)} blocks, {prof.source}")
     for b in prof.blocks[:4]:
@@ -136,7 +138,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     prof = Profile.load(args.profile)
     hw = _hardware(args.hardware, "h100-sxm" if prof.machine.get("backend") != "cpu" else "cpu")
-    budget = parse_bytes(args.budget)
+    budget = parse_bytes(args.budget, what="--budget")
     ideal = predict(PLANNERS["keep-all"](prof, hw, None), prof, hw).step_time_s
     chosen = plan_for_profile(prof, budget, hardware=hw, planner=args.planner, prefetch=args.prefetch,
                               include_params=args.include_params)
@@ -179,7 +181,8 @@ def _simulate(args: argparse.Namespace) -> int:
     if args.check:
         from ooc.apps.check import calibration_check, format_check
 
-        rows = calibration_check(reps=args.reps)
+        hardware = _hardware(args.hardware) if args.hardware else None
+        rows = calibration_check(reps=args.reps, hardware=hardware, show=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_check(rows))
         return 0 if all(r.peak_ok for r in rows) else 1
     from ooc.scheduler.plan import Plan
@@ -223,6 +226,8 @@ def _partition(args: argparse.Namespace) -> int:
 def _calibrate(args: argparse.Namespace) -> int:
     from ooc.calibrate import calibrate
 
+    print("measuring copies each way and both at once, copy latency, compute under copies and the host AdamW "
+          "rate (a minute or two)", file=sys.stderr, flush=True)
     hw = calibrate(args.backend)
     print(hw.describe())
     print(f"compute slowdown while copying {hw.compute_slowdown:.2f}, per-copy compute {hw.copy_issue_s * 1e6:.0f} us")
@@ -232,26 +237,41 @@ def _calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _planner_help() -> str:
+    from ooc.scheduler.planners import PLANNERS
+
+    return f"one of {', '.join(PLANNERS)} (default %(default)s)"
+
+
+def _hardware_help() -> str:
+    from ooc.scheduler.hardware import PRESETS
+
+    return f"a preset ({', '.join(sorted(PRESETS))}) or a JSON file from `ooc calibrate --out`"
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ooc", description="Out-of-core training for PyTorch.")
     sub = parser.add_subparsers(dest="command", required=True)
 
     demo = sub.add_parser("demo", help="train a tiny GPT under a memory budget that forces keep/swap/recompute")
-    demo.add_argument("--steps", type=int, default=300)
-    demo.add_argument("--batch-size", type=int, default=16)
-    demo.add_argument("--budget-fraction", type=float, default=0.4, help="budget as a fraction of the keep-all peak")
-    demo.add_argument("--planner", default="optimal")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--steps", type=int, default=300, help="training steps (default %(default)s; at least 10)")
+    demo.add_argument("--batch-size", type=int, default=16, help="sequences of 64 characters per step (default %(default)s)")
+    demo.add_argument("--budget-fraction", type=float, default=0.4,
+                      help="budget as a fraction of the keep-all peak, in (0, 1] (default %(default)s)")
+    demo.add_argument("--planner", default="optimal", help=_planner_help())
+    demo.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and dropout (default %(default)s)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     demo.set_defaults(run=_demo)
 
     prof = sub.add_parser("profile", help="measure a reference model's blocks, or build an analytic profile")
-    prof.add_argument("--model", default="gpt:tiny", help="gpt:<preset>, cnn or mlp (measured here)")
+    prof.add_argument("--model", default="gpt:tiny",
+                      help="gpt:<preset> (nano, tiny, gpt2, ...), cnn or mlp, measured here (default %(default)s)")
     prof.add_argument("--analytic", help="gpt2-xl, decoder-7b, wrn-28-10 or resnet-1001 (roofline on --hardware)")
-    prof.add_argument("--batch", type=int, default=16)
-    prof.add_argument("--seq", type=int, default=64)
-    prof.add_argument("--reps", type=int, default=3)
-    prof.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    prof.add_argument("--batch", type=int, default=16, help="batch size of the profiled input (default %(default)s)")
+    prof.add_argument("--seq", type=int, default=64,
+                      help="sequence length of a GPT or an analytic transformer (default %(default)s)")
+    prof.add_argument("--reps", type=int, default=3, help="timed steps per block; the median is kept (default %(default)s)")
+    prof.add_argument("--hardware", help=_hardware_help())
     prof.add_argument("--flash-attention", action="store_true", help="analytic transformers: fused attention, scores never materialised")
     prof.add_argument("--ops", action="store_true",
                       help="measured models: also time each block's forward op by op (for the op-level planner)")
@@ -259,40 +279,45 @@ def build_parser() -> argparse.ArgumentParser:
     prof.set_defaults(run=_profile)
 
     plan = sub.add_parser("plan", help="choose a plan for a profile under a budget; compare every planner")
-    plan.add_argument("--profile", required=True)
-    plan.add_argument("--budget", required=True, help="e.g. 20GiB")
-    plan.add_argument("--planner", default="optimal")
-    plan.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
-    plan.add_argument("--prefetch", type=int, default=2)
+    plan.add_argument("--profile", required=True, help="a profile JSON from `ooc profile --out` (or profiles/*.json)")
+    plan.add_argument("--budget", required=True,
+                      help="device bytes for saved activations, e.g. 20GiB, 512MiB or 1.5GB (GiB/MiB: powers of 2)")
+    plan.add_argument("--planner", default="optimal", help=_planner_help() + "; the table compares them all")
+    plan.add_argument("--hardware", help=_hardware_help())
+    plan.add_argument("--prefetch", type=int, default=2,
+                      help="swapped blocks whose copies back may be in flight at once (default %(default)s)")
     plan.add_argument("--include-params", action="store_true",
                       help="the budget covers parameters too; stream some blocks' parameters from the host")
     plan.add_argument("--out", help="write the chosen plan JSON here")
     plan.set_defaults(run=_plan)
 
     sim = sub.add_parser("simulate", help="predict a plan's step; draw its timeline; or check the model against runs")
-    sim.add_argument("--profile")
-    sim.add_argument("--plan")
-    sim.add_argument("--hardware", help="preset name or a JSON file from `ooc calibrate`")
+    sim.add_argument("--profile", help="a profile JSON from `ooc profile --out`")
+    sim.add_argument("--plan", help="a plan JSON from `ooc plan --out`, for the same model as --profile")
+    sim.add_argument("--hardware", help=_hardware_help())
     sim.add_argument("--timeline", help="write a PNG Gantt chart with the memory curve")
     sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON")
     sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed)")
-    sim.add_argument("--reps", type=int, default=10)
+    sim.add_argument("--reps", type=int, default=10, help="--check: measured steps per plan (default %(default)s)")
     sim.set_defaults(run=_simulate)
 
     tr = sub.add_parser("train", help="train the reference GPT with the host optimizer; data-parallel under torchrun",
                         description="Single process: `ooc train`. Data-parallel on one machine: `torchrun "
                         "--nproc_per_node=2 -m ooc train`. Across machines: `torchrun --nnodes=2 --nproc_per_node=G "
-                        "--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT -m ooc train` on each.")
+                        "--rdzv_backend=c10d --rdzv_endpoint=HOST:PORT -m ooc train` on each. Ctrl-C stops it after the "
+                        "checkpoint version in flight is written, naming the newest one (exit status 130).")
     tr.add_argument("--preset", default="tiny", help="GPT preset (nano, tiny, ...)")
-    tr.add_argument("--steps", type=int, default=50)
+    tr.add_argument("--steps", type=int, default=50, help="steps this run adds, after a resumed version's (default %(default)s)")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-    tr.add_argument("--seq", type=int, default=64)
-    tr.add_argument("--lr", type=float, default=3e-3)
-    tr.add_argument("--weight-decay", type=float, default=0.1)
-    tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--seq", type=int, default=64, help="characters per sequence, at most the preset's (default %(default)s)")
+    tr.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
+    tr.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default %(default)s)")
+    tr.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and dropout (default %(default)s)")
     tr.add_argument("--dtype", default="float32", help="parameter dtype: float32 or bfloat16")
     tr.add_argument("--dropout", type=float, help="dropout probability (default: the preset's)")
-    tr.add_argument("--plan", default="recompute", help="keep, swap, recompute, budget:<fraction> or a plan JSON file")
+    tr.add_argument("--plan", default="recompute",
+                    help="keep, swap, recompute, budget:<fraction of the keep-all peak> or a plan JSON file from "
+                         "`ooc plan --out` (default %(default)s)")
     tr.add_argument("--shard", action="store_true", help="shard the host optimizer state across ranks")
     tr.add_argument("--reduce-on", default="auto",
                     help="where gradients are summed: device, host, auto (device with NCCL, else host) or model "
@@ -320,7 +345,7 @@ def build_parser() -> argparse.ArgumentParser:
     ck_sub = ck.add_subparsers(dest="action", required=True)
     ck_list = ck_sub.add_parser("list", help="one line per complete version: step, time, bytes, ranks, folder, metadata; "
                                  "and per version whose commit record is damaged: step, DAMAGED, why")
-    ck_list.add_argument("directory")
+    ck_list.add_argument("directory", help="the directory given to --save (or to Checkpointer)")
     ck_list.set_defaults(run=_checkpoints)
 
     part = sub.add_parser("partition", help="place a training op graph on K devices under memory limits (ParDNN and baselines)")
@@ -341,7 +366,7 @@ def build_parser() -> argparse.ArgumentParser:
     part.set_defaults(run=_partition)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
-    cal.add_argument("--backend", default="auto")
+    cal.add_argument("--backend", default="auto", help="auto (cuda if there is a GPU, else cpu), cuda or cpu")
     cal.add_argument("--out", help="write the hardware JSON here")
     cal.set_defaults(run=_calibrate)
 
@@ -349,6 +374,10 @@ def build_parser() -> argparse.ArgumentParser:
     doctor.add_arguments(doc)
     doc.set_defaults(run=doctor.run)
     return parser
+
+
+INTERRUPTED = 130
+"""The exit status after Ctrl-C, as a shell reports a process SIGINT ended (128 + 2)."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -359,6 +388,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ValueError, OSError) as exc:
         print(f"ooc {args.command}: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: one line, not a traceback through torch's internals
+        print(f"ooc {args.command}: interrupted", file=sys.stderr)
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -200,7 +200,7 @@ def _step_offline_install(result: StepResult, out: Path) -> None:
         figures["install_s"] = round(time.perf_counter() - start, 1)
         if done.returncode != 0:
             result.check("pip install exit code", done.returncode, "0", False)
-            result.reason = (done.stdout + done.stderr)[-1500:]
+            result.reason = pip_failure(done.stdout + done.stderr)
             return
         probe = ("import importlib.metadata, json, ooc, ooc.kernels, ooc.scheduler, torch; print(json.dumps({'ooc': ooc.__file__, "
                  "'kernels': ooc.kernels.__file__, 'scheduler': ooc.scheduler.__file__, 'torch': torch.__version__, "
@@ -222,6 +222,20 @@ def _step_offline_install(result: StepResult, out: Path) -> None:
         result.check("ooc's metadata comes from the new venv's install", 1 if own else 0, "1", own)
     result.summary = (f"editable install without index or deps in {figures['install_s']} s; torch {torch.__version__} "
                       f"accepted (pin {figures['torch_pin']} is for CPU CI); {len(gates)} version gates")
+
+
+def pip_failure(output: str) -> str:
+    """Why pip failed, its cause on the first line (the one doctor.md's table shows: the last line of
+    pip's output is box art such as ``╰─> [14 lines of output]``), then the end of the output."""
+    lines = [line for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.lstrip().startswith("error:")]
+    # The build's own error is indented deepest, under pip's ("error: subprocess-exited-with-error").
+    deepest = max(errors, key=lambda line: len(line) - len(line.lstrip()), default=None)
+    cause = (deepest or (lines[-1] if lines else "pip failed without output")).strip()
+    if "invalid command 'bdist_wheel'" in output:
+        cause += ("; --no-build-isolation builds with this environment's setuptools, which has no bdist_wheel: "
+                  "setuptools >= 70.1 has it, an older one needs the `wheel` package installed beside it")
+    return f"{cause}\n{output[-1500:]}"
 
 
 def _pytest_counts(text: str) -> dict[str, int]:

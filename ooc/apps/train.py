@@ -8,6 +8,7 @@ the global batch is split: one process with ``accumulate=2`` computes what two r
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import statistics
@@ -23,6 +24,7 @@ from tqdm import tqdm
 
 import ooc
 from ooc.api import hardware_for, plan_for_profile
+from ooc.apps.cli import INTERRUPTED
 from ooc.apps.demo import CharData, load_text
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
@@ -224,6 +226,16 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     )
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
         if cfg.save else None
+    try:
+        return _train_loop(cfg, model, opt, saver, plan, batch, seq, device, rank, world, show)
+    except BaseException:
+        _close_after_error(model, opt, saver)
+        raise
+
+
+def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointer | None, plan: Plan,
+                batch, seq: int, device: torch.device, rank: int, world: int, show) -> TrainResult:  # noqa: ANN001
+    """Resume, train ``cfg.steps`` steps, save, report; close the optimizer and the saver and unwrap."""
     start_step = _resume(cfg, model, opt, rank, world, saver, show)
     if saver is not None:
         saver.check_step(_first_save(cfg, start_step))  # a --resume older than --save's versions fails now, not later
@@ -257,7 +269,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
             sys.stdout.flush()
         done = step + 1  # a version's step: the steps done, so the step a resumed run starts at
         if saver is not None and (done == start_step + cfg.steps or (cfg.save_every and done % cfg.save_every == 0)):
-            saver.save(done, loss=losses[-1])
+            saver.save(done, loss=losses[-1], preset=cfg.preset)  # the preset: a resume checks it first
     bar.close()
     opt.synchronize()
     if saver is not None:
@@ -273,6 +285,19 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     opt.close()
     ooc.unwrap(model)
     return result
+
+
+def _close_after_error(model: GPT, opt: HostAdamW, saver: Checkpointer | None) -> None:
+    """After an error or Ctrl-C in training: let the version in flight be written and leave the
+    directory as a finished run does (no retired ``.spare-*`` folder, the writer lock released), and
+    stop the optimizer's threads. An error here would hide the one that stopped the run: dropped."""
+    if saver is not None:
+        with contextlib.suppress(Exception):
+            saver.close()
+    with contextlib.suppress(Exception):
+        opt.close()
+    with contextlib.suppress(Exception):
+        ooc.unwrap(model)
 
 
 def _first_save(cfg: TrainConfig, start_step: int) -> int:
@@ -312,8 +337,11 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     found, damaged = scan_versions(directory)
     if not found and not damaged:  # a damaged version: restore() names it (NOTE [damaged records])
         if auto:
+            if rank == 0:
+                show(f"--resume auto: no version in {directory} yet; starting from step 0")
             return 0
         raise ValueError(f"--resume {directory}: no complete checkpoint there")
+    _check_same_preset(cfg, directory, found)
     loader = saver if auto else Checkpointer(directory, model, opt, keep=None, rank=rank, world=world,
                                              layout=_layout(cfg), lazy=False)
     try:
@@ -341,6 +369,17 @@ def _resume(cfg: TrainConfig, model: GPT, opt: HostAdamW, rank: int, world: int,
     return version.step
 
 
+def _check_same_preset(cfg: TrainConfig, directory: Path, found: list[Version]) -> None:
+    """Refuse to resume a version another ``--preset`` trained (checkpoint.py's own check lists every
+    tensor of the model; this one says which option to change)."""
+    newest = max(found, key=lambda v: v.step, default=None)
+    saved = newest.metadata.get("preset") if newest is not None else None
+    if saved is not None and saved != cfg.preset:
+        raise ValueError(f"--resume {directory}: its newest version (step {newest.step}) is of --preset {saved}, "
+                         f"this run builds --preset {cfg.preset}; run with --preset {saved}, or --save into another "
+                         "directory to train a new model")
+
+
 def _fall_back(saver: Checkpointer, directory: Path, damage: CorruptCheckpointError) -> Version:
     """Restore the newest intact version of ``saver``'s directory, whose newest is damaged (NOTE
     [resume auto falls back past damaged versions])."""
@@ -365,14 +404,28 @@ def main(cfg: TrainConfig) -> int:
     rank = dist.get_rank() if distributed else 0
     try:
         train(cfg)
-    except (OocError, RuntimeError, ValueError, OSError) as exc:
-        print(f"ooc train: rank {rank}: error: {exc}", file=sys.stderr)
+    except (OocError, RuntimeError, ValueError, OSError, KeyboardInterrupt) as exc:
+        interrupted = isinstance(exc, KeyboardInterrupt)
+        print(f"ooc train: rank {rank}: " + (f"interrupted{_where_to_go_on(cfg)}" if interrupted else f"error: {exc}"),
+              file=sys.stderr)
+        code = INTERRUPTED if interrupted else 1
         if distributed:
             # The process group may wait on a dead peer forever at shutdown: leave now.
             sys.stdout.flush()
             sys.stderr.flush()
-            os._exit(1)
-        return 1
+            os._exit(code)
+        return code
     if distributed:
         dist.destroy_process_group()
     return 0
+
+
+def _where_to_go_on(cfg: TrainConfig) -> str:
+    """After Ctrl-C: the newest complete version of ``--save`` and how to continue from it."""
+    if not cfg.save:
+        return " (nothing saved: --save DIR keeps versions to continue from)"
+    found, _damaged = scan_versions(cfg.save)
+    if not found:
+        return f"; no complete version in {cfg.save} yet"
+    return (f"; the newest complete version in {cfg.save} is step {max(v.step for v in found)}: continue with "
+            f"--save {cfg.save} --resume auto")

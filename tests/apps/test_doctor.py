@@ -91,3 +91,16 @@ def test_run_capped_stops_the_command_and_what_it_started() -> None:
     stat = Path(f"/proc/{child}/stat")
     # Gone, or a zombie waiting for a container's init to reap it: either way no longer running.
     assert not stat.exists() or stat.read_text().split(")")[-1].split()[0] == "Z"
+
+
+def test_a_failed_offline_install_names_its_cause_first() -> None:
+    """doctor.md's table showed pip's last line, `╰─> [14 lines of output]`, for a venv whose setuptools
+    (65.5, as `python -m venv` installs on Python 3.11) cannot build an editable install without `wheel`."""
+    output = ("Obtaining file:///src\n  error: subprocess-exited-with-error\n  Checking if build backend supports build_editable: started\n"
+              "  × Preparing editable metadata (pyproject.toml) did not run successfully.\n"
+              "      running dist_info\n      error: invalid command 'bdist_wheel'\n      [end of output]\n"
+              "error: metadata-generation-failed\n╰─> See above for output.\n")
+    first, _, rest = doctor.pip_failure(output).partition("\n")
+    assert first.startswith("error: invalid command 'bdist_wheel'; --no-build-isolation builds with this "
+                            "environment's setuptools") and "`wheel`" in first
+    assert rest == output

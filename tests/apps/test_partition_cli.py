@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from ooc.apps.cli import main
@@ -40,3 +42,15 @@ def test_errors_are_one_line_with_exit_code_2(capsys) -> None:
     assert main(["partition", "--graph", "nothing-here"]) == 2
     assert main(["partition", "--graph", "lstm:300", "--method", "metis"]) == 2
     assert "choose from" in capsys.readouterr().err
+
+
+def test_the_best_line_says_how_many_times_one_devices_work_the_step_takes(capsys) -> None:
+    """It printed one device's time over the makespan as "0.29x one device", which reads as 29% of
+    one device's time where the step took 3.4 times as long."""
+    assert main(["partition", "--graph", "lstm:300", "--devices", "2", "--method", "pardnn"]) == 0
+    out = capsys.readouterr().out
+    work = float(re.search(r"([0-9.]+) ms of work on one device", out).group(1))
+    best = re.search(r"best: pardnn, ([0-9.]+) ms, ([0-9.]+)x the work of one device \(([0-9.]+) ms\)", out)
+    assert best, out
+    makespan, ratio, one = (float(g) for g in best.groups())
+    assert one == pytest.approx(work, abs=1e-3) and ratio == pytest.approx(makespan / work, abs=0.01)

@@ -95,6 +95,20 @@ def test_a_version_that_does_not_fit_the_model_loads_nothing(tmp_path: Path, oth
     assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
 
 
+def test_a_model_of_another_size_is_told_in_a_line_not_a_wall(tmp_path: Path) -> None:
+    """``ooc train --resume`` with another --preset listed every tensor of the model (60 of them) with
+    both shapes in one line; it names how many differ and the first few."""
+    ckpt = Checkpointer(tmp_path, nn.Sequential(*(nn.Linear(8, 8) for _ in range(6))))
+    ckpt.save(1)
+    ckpt.wait()
+    with pytest.raises(CheckpointError) as info:
+        Checkpointer(tmp_path, nn.Sequential(*(nn.Linear(4, 4) for _ in range(4)))).restore()
+    assert str(info.value) == (
+        f"checkpoint {tmp_path / 'step-000000001'} does not fit the model: tensors 4 unexpected (4.bias, 4.weight, "
+        "5.bias and 1 more), 8 of other shapes (0.weight: saved [8, 8], now [4, 4], 0.bias: saved [8], now [4], "
+        "1.weight: saved [8, 8], now [4, 4] and 5 more); build the model as it was saved")
+
+
 @pytest.mark.parametrize("damage", ["flipped", "truncated", "empty"])
 def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path, damage: str) -> None:
     """A commit record is renamed into place whole, so one that exists but does not parse was

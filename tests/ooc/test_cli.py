@@ -133,8 +133,11 @@ def test_calibration_check_peaks_are_exact() -> None:
     from ooc.apps.check import calibration_check, format_check
     from ooc.scheduler import preset
 
-    rows = calibration_check(reps=1, backend="cpu", hardware=preset("cpu"))
+    shown = []
+    rows = calibration_check(reps=1, backend="cpu", hardware=preset("cpu"), show=shown.append)
     assert [r.plan for r in rows] == ["keep-all", "swap-all", "recompute-all", "optimal@50%"]
+    # minutes on a loaded CPU: each stage says it has begun (it printed nothing until the table)
+    assert shown == ["profiling the demo GPT's 6 blocks on cpu", *(f"plan {k}/4, {r.plan}: 3 steps" for k, r in enumerate(rows, 1))]
     assert all(r.measured_peak == r.predicted_peak for r in rows)
     assert "peaks within 1% + 1 MiB: yes" in format_check(rows)
 

@@ -90,6 +90,13 @@ def test_parse_bytes_rejects(text) -> None:
         parse_bytes(text)
 
 
+@pytest.mark.parametrize("text", ["0.5", 0.5, "0.4 B"])
+def test_a_fraction_is_not_read_as_zero_bytes(text) -> None:
+    """``--budget 0.5`` meant as half: it read as 0 bytes, and the error said no plan fits 0 B."""
+    with pytest.raises(ValueError, match="not a fraction"):
+        parse_bytes(text, what="the budget")
+
+
 def test_format_bytes() -> None:
     assert format_bytes(100) == "100 B"
     assert format_bytes(1536) == "1.50 KiB"

@@ -155,3 +155,17 @@ def test_planners_refuse_a_budget_that_is_not_a_finite_byte_count(name: str, bud
 def test_planning_with_streaming_refuses_a_budget_that_is_not_finite(budget: float) -> None:
     with pytest.raises(SizeError, match="the budget"):
         plan_with_streaming(_profile(), preset("cpu"), budget, PLANNERS["optimal"])
+
+
+@pytest.mark.parametrize("load, given, says", [
+    (lambda d: Profile.from_dict(d), {"format": "ooc.plan"}, "not an ooc profile: this JSON is an ooc plan (from `ooc plan --out`)"),
+    (lambda d: Plan.from_dict(d), {"format": "ooc.profile"}, "not an ooc plan: this JSON is an ooc profile (from `ooc profile --out`)"),
+    (lambda d: Hardware.from_dict(d), {"format": "ooc.plan"}, "not an ooc hardware description: this JSON is an ooc plan"),
+    (lambda d: Plan.from_dict(d), {"format": "ooc.plann"}, "its \"format\" is 'ooc.plann', not 'ooc.plan'"),
+    (lambda d: Profile.from_dict(d), [], "the JSON has no \"format\": \"ooc.profile\" field; an ooc profile comes from `ooc profile --out`"),
+], ids=["plan-as-profile", "profile-as-plan", "plan-as-hardware", "misspelt-format", "no-format"])
+def test_a_json_of_another_kind_is_named(load, given, says) -> None:  # noqa: ANN001
+    """A plan passed to --profile said only that the JSON had no "format": "ooc.profile" field."""
+    with pytest.raises(OocError) as info:
+        load(given)
+    assert says in str(info.value)
