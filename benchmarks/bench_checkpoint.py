@@ -26,6 +26,13 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
   when the bucket's update comes before its write, which the blocking measurement never lets happen;
   the step-time rows count such copies).
 
+- the writer's CPU time per version of a 100M-parameter state (24 Linear(2048, 2048), HostAdamW, 1.2 GB
+  written), load-independent: the thread CPU time of the writer thread, its I/O thread and its fsync
+  threads, this version (pieces of large tensors written straight from their memory: NOTE [writes
+  straight from the tensors]) vs every byte copied into the bounce buffers and each piece's bytes taken
+  with torch calls (the version before), in
+  turns, in the same run (``--writer-cpu`` measures only this).
+
 ``--profile`` also prints where the writer thread spends its time over the timed lazy saves
 (cProfile, by own time: checksums, writes, fsyncs, serialization).
 
@@ -58,6 +65,84 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from common import machine_header, table  # noqa: E402
 
 PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def writer_cpu_per_version(directory: Path, repeats: int) -> list[list[str]]:
+    """Rows: the thread CPU time the writer spends on one version of a ~100M-parameter state, now
+    vs with every byte through the bounce buffers (the path before), median of ``repeats`` each,
+    in turns. CPU time, not wall time: a loaded machine stretches the wall time, hardly this."""
+    import torch
+
+    import ooc.checkpoint as ckpt_mod
+    from ooc.checkpoint import Checkpointer
+    from ooc.optim import HostAdamW
+    from ooc.scheduler.units import format_bytes
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(2048, 2048) for _ in range(24)])
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+    model(torch.randn(2, 2048)).square().sum().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    opt.synchronize()
+    threads = [0.0]  # CPU seconds of the I/O and fsync threads
+    cpu: list[tuple[float, float]] = []  # per version: the writer thread's, the I/O and fsync threads'
+
+    sink_write, fsync_dir, direct_span = ckpt_mod._Sink.write, ckpt_mod._fsync_dir, ckpt_mod._direct_span
+    piece = ckpt_mod._TensorFile._piece
+
+    def timed(fn, only_on: str | None = None):  # noqa: ANN001, ANN202
+        def run(*args: object) -> object:
+            if only_on is not None and threading.current_thread().name != only_on:
+                return fn(*args)  # on the writer thread: counted with it
+            before = time.thread_time()
+            try:
+                return fn(*args)
+            finally:
+                threads[0] += time.thread_time() - before
+        return run
+
+    class Counted(Checkpointer):
+        def _write(self, *job: object) -> None:
+            before, others = resource.getrusage(resource.RUSAGE_THREAD), threads[0]
+            try:
+                super()._write(*job)
+            finally:
+                after = resource.getrusage(resource.RUSAGE_THREAD)
+                cpu.append((after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime, threads[0] - others))
+
+    ckpt_mod._Sink.write = timed(sink_write)
+    ckpt_mod._fsync_dir = timed(fsync_dir, "ooc-checkpoint-fsync")
+    figures: dict[str, list[tuple[float, float]]] = {"now": [], "before": []}
+    try:
+        ckpt = Counted(directory / "writer-cpu", model, opt, keep=1)
+        for i in range(2 * repeats + 2):
+            mode = "now" if i % 2 else "before"
+            # Before: every byte copied into the bounce buffers, each piece's bytes taken with torch calls.
+            ckpt_mod._direct_span = direct_span if mode == "now" else lambda address, position, size, alignment: (size, size)
+            ckpt_mod._TensorFile._piece = piece if mode == "now" else \
+                lambda file, name, t, start: ckpt_mod._tensor_bytes(t, start, start + ckpt_mod._SLICE_BYTES)
+            ckpt.save(i)
+            ckpt.wait()
+            if i >= 2:  # the first two write new files; then each is written over a spare's (NOTE [recycled files])
+                figures[mode].append(cpu[-1])
+        version = sum(f["bytes"] for f in ckpt.latest().files.values())
+        ckpt.close()
+    finally:
+        ckpt_mod._Sink.write, ckpt_mod._fsync_dir, ckpt_mod._direct_span = sink_write, fsync_dir, direct_span
+        ckpt_mod._TensorFile._piece = piece
+        opt.close()
+    per_gb = lambda s: f"{s / version * 1e9 * 1e3:.0f} ms/GB"  # noqa: E731
+    rows = [["figure", "now", "before", "ratio", "napkin"]]
+    for what, part in (("writer + I/O + fsync threads", sum), ("writer thread (copy, checksum, serialization)",
+                                                                   lambda t: t[0]),
+                       ("I/O + fsync threads (the kernel's direct writes)", lambda t: t[1])):
+        now = statistics.median(part(t) for t in figures["now"])
+        before = statistics.median(part(t) for t in figures["before"])
+        rows.append([f"writer's CPU per version of 100.7M params ({format_bytes(version)}), {what}, median of {repeats}",
+                     f"{now * 1e3:.1f} ms", f"every byte bounced {before * 1e3:.1f} ms", f"{now / before:.2f}x",
+                     f"{per_gb(now)} vs {per_gb(before)}"])
+    return rows
 
 
 def rss() -> int:
@@ -114,7 +199,15 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--dir", default=None, help="folder to write in (default: a temporary one under /tmp)")
     parser.add_argument("--profile", action="store_true", help="print where the writer thread spends its time")
+    parser.add_argument("--writer-cpu", action="store_true", help="measure only the writer's CPU time per version")
+    parser.add_argument("--cpu-repeats", type=int, default=5, help="versions timed per path for the writer's CPU")
     args = parser.parse_args()
+    if args.writer_cpu:
+        with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
+            rows = writer_cpu_per_version(Path(tmp), args.cpu_repeats)
+        print(machine_header("bench_checkpoint --writer-cpu: thread CPU time per version"))
+        print(table(rows))
+        return
     rounds = args.rounds or (8 if args.quick else 2)
 
     import torch
@@ -183,6 +276,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         root = Path(tmp)
+        cpu_rows = writer_cpu_per_version(root, args.cpu_repeats)
         disk, dd_cmd = dd_bandwidth(root, state_bytes)
 
         # Blocking time of save() (lazy and eager snapshot) vs a synchronous torch.save (+ fsync), with
@@ -341,6 +435,7 @@ def main() -> None:
         ["extra host memory, torch.save", format_bytes(max(extra["torch.save"])), f"state {format_bytes(state_bytes)}",
          f"{max(extra['torch.save']) / state_bytes:.2f}x", ""],
     ]))
+    print(table(cpu_rows))
     print(f"\nversion {format_bytes(version_bytes)} on disk, torch.save file {format_bytes(sync_bytes)}; step times: "
           f"median over {rounds} rounds of 10-step blocks; {args.saves} timed saves (median)")
     if args.profile:

@@ -21,7 +21,7 @@ import torch.nn as nn
 import triton
 import triton.language as tl
 
-from ooc.kernels.quant import Quantized, quantize, use_triton
+from ooc.kernels.quant import Quantized, launch_device, quantize, use_triton
 from ooc.kernels.quant_reference import torch_dequantize
 
 # Tiles: 64x64 outputs, 32 rows of the reduction per step, 8 warps. Compiled for sm_80 (ptxas -v):
@@ -70,8 +70,9 @@ def grad_weight(grad_out: torch.Tensor, q: Quantized) -> torch.Tensor:
     out = torch.empty(N, K, dtype=torch.float32, device=grad_out.device)
     block_n, block_k, block_m, num_warps = INTERPRETER_TILES if os.environ.get("TRITON_INTERPRET") == "1" else GPU_TILES
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
-    _grad_weight_kernel[grid](grad_out, q.codes, q.scales, out, M, N, K, q.scales.shape[1], GROUP=q.group_size,
-                              PACK4=q.codec == "int4", BN=block_n, BK=block_k, BM=block_m, num_warps=num_warps)
+    with launch_device(out):  # NOTE [Triton launches on the current device] in ooc.kernels.quant
+        _grad_weight_kernel[grid](grad_out, q.codes, q.scales, out, M, N, K, q.scales.shape[1], GROUP=q.group_size,
+                                  PACK4=q.codec == "int4", BN=block_n, BK=block_k, BM=block_m, num_warps=num_warps)
     return out
 
 
@@ -79,8 +80,9 @@ class _LowBitLinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, bits: int, group_size: int):  # noqa: ANN205
         y = torch.nn.functional.linear(x, weight, bias)
-        # The only saved activation: x as codes + scales, written by one kernel that reads x once.
-        ctx.q = quantize(x.detach().reshape(-1, x.shape[-1]), bits=bits, group_size=group_size)
+        # The only saved activation: x as codes + scales, written by one kernel that reads x once
+        # (none for an empty batch, whose weight gradient is zero).
+        ctx.q = quantize(x.detach().reshape(-1, x.shape[-1]), bits=bits, group_size=group_size) if x.numel() else None
         ctx.save_for_backward(weight)
         ctx.has_bias = bias is not None
         ctx.x_shape = x.shape
@@ -90,8 +92,12 @@ class _LowBitLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_y: torch.Tensor):  # noqa: ANN205
         (weight,) = ctx.saved_tensors
         g = grad_y.reshape(-1, grad_y.shape[-1])
-        grad_x = (g @ weight).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
-        grad_w = grad_weight(g, ctx.q).to(weight.dtype) if ctx.needs_input_grad[1] else None
+        # Under autocast the forward's matmul ran in the autocast dtype, and so does this one, as
+        # nn.Linear's does (autograd casts dx to x's dtype); elsewhere the cast is a no-op.
+        grad_x = (g @ weight.to(g.dtype)).reshape(ctx.x_shape) if ctx.needs_input_grad[0] else None
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            grad_w = torch.zeros_like(weight) if ctx.q is None else grad_weight(g, ctx.q).to(weight.dtype)
         grad_b = g.sum(0).to(weight.dtype) if ctx.has_bias and ctx.needs_input_grad[2] else None
         ctx.q = None
         return grad_x, grad_w, grad_b, None, None
@@ -99,9 +105,14 @@ class _LowBitLinearFunction(torch.autograd.Function):
 
 def lowbit_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, bits: int = 8,
                   group_size: int = 64) -> torch.Tensor:
-    """``F.linear(x, weight, bias)`` that saves ``x`` quantized to ``bits`` (8 or 4) for the backward."""
+    """``F.linear(x, weight, bias)`` that saves ``x`` quantized to ``bits`` (8 or 4) for the backward;
+    plain ``F.linear`` where no weight gradient will be computed (grad mode off, or a frozen weight)."""
     if x.shape[-1] != weight.shape[1]:
         raise ValueError(f"x has {x.shape[-1]} features, weight expects {weight.shape[1]}")
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        # No backward will read codes of x: none at all (evaluation), or one that needs W alone
+        # (dx = dy @ W, a frozen weight): plain F.linear, without a quantize kernel and its host sync.
+        return torch.nn.functional.linear(x, weight, bias)
     return _LowBitLinearFunction.apply(x, weight, bias, bits, group_size)
 
 

@@ -69,18 +69,19 @@ def torch_unpack(buffer: torch.Tensor, layout: PackLayout, device: torch.device)
 
 
 def check_pack(tensors: list[torch.Tensor], out: torch.Tensor, layout: PackLayout) -> None:
-    """``out`` must be a 1-D ``uint8`` tensor of at least ``layout.nbytes`` on the tensors' device, or
+    """``out`` must be a contiguous 1-D ``uint8`` tensor of at least ``layout.nbytes`` on the tensors' device, or
     in pinned host memory when they are on an accelerator (the kernel writes it in place, asynchronously)."""
-    if out.dtype != torch.uint8 or out.dim() != 1 or out.numel() < layout.nbytes:
-        raise ValueError(f"out must be a 1-D uint8 tensor of at least {layout.nbytes} bytes")
+    if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() < layout.nbytes:
+        raise ValueError(f"out must be a 1-D uint8 tensor of at least {layout.nbytes} bytes, contiguous "
+                         "(the kernel writes at out.data_ptr() + offset)")
     _check_host_side(out, tensors[0].device, "out")
 
 
 def check_unpack(buffer: torch.Tensor, layout: PackLayout, device: torch.device) -> None:
-    """``buffer`` must be a 1-D ``uint8`` tensor of at least ``layout.nbytes`` on ``device``, or in
+    """``buffer`` must be a contiguous 1-D ``uint8`` tensor of at least ``layout.nbytes`` on ``device``, or in
     pinned host memory when ``device`` is an accelerator."""
-    if buffer.dtype != torch.uint8 or buffer.dim() != 1:
-        raise ValueError("buffer must be a 1-D uint8 tensor")
+    if buffer.dtype != torch.uint8 or buffer.dim() != 1 or not buffer.is_contiguous():
+        raise ValueError("buffer must be a 1-D uint8 tensor, contiguous (the kernel reads at buffer.data_ptr() + offset)")
     if buffer.numel() < layout.nbytes:
         raise ValueError(f"buffer holds {buffer.numel()} bytes, the layout needs {layout.nbytes}")
     _check_host_side(buffer, device, "buffer")

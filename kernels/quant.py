@@ -9,6 +9,8 @@ forces torch.
 
 from __future__ import annotations
 
+import contextlib
+import numbers
 import os
 
 import torch
@@ -16,7 +18,16 @@ import triton
 import triton.language as tl
 
 from ooc.kernels.capability import CODECS, check_codec
-from ooc.kernels.quant_reference import FLOAT_INPUTS, FP8, QMAX, Quantized, as_rows, torch_dequantize, torch_quantize
+from ooc.kernels.quant_reference import (
+    FLOAT_INPUTS,
+    FP8,
+    MAX_SCALE,
+    QMAX,
+    Quantized,
+    as_rows,
+    torch_dequantize,
+    torch_quantize,
+)
 
 # Groups per program: 32 groups of 64 values is a 2048-element tile, which keeps the interpreter's
 # per-program cost low (PLATFORM.md: cost is per program) and gives each GPU program 8 KiB of fp32
@@ -63,14 +74,15 @@ def _packed_tile(g, live, packed_cols, groups_per_row, GROUP: tl.constexpr):
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_int_kernel(
     x_ptr, codes_ptr, scales_ptr, total, cols, packed_cols, groups_per_row, seed,
-    QMAX: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr, STOCHASTIC: tl.constexpr,
+    QMAX: tl.constexpr, MAX_SCALE: tl.constexpr, GROUP: tl.constexpr, GPP: tl.constexpr, PACK4: tl.constexpr,
+    STOCHASTIC: tl.constexpr,
 ):
     g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")  # false for NaN and Inf
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
     # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
-    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0)
+    scale = tl.minimum(tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0), MAX_SCALE)  # NOTE [largest scale]
     safe = tl.where(scale > 0, scale, 1.0)
     v = tl.div_rn(x, safe[:, None])
     if STOCHASTIC:
@@ -144,6 +156,20 @@ def use_triton(x: torch.Tensor) -> bool:
     return x.is_cuda
 
 
+def launch_device(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """The context a Triton launch on ``t`` runs in: ``t``'s CUDA device made current.
+
+    NOTE [Triton launches on the current device]
+    Triton launches on ``torch.cuda.current_device()``'s current stream, whatever device the tensors
+    are on. A model on cuda:1 in a thread whose current device is cuda:0 (``model.to("cuda:1")``
+    without ``torch.cuda.set_device``) had its codes written by a kernel on cuda:0: an illegal address
+    without peer access, and otherwise a kernel on a stream that neither the producer of its input
+    (cuda:1's stream) nor the copy out of its codes waits for. PyTorch's own ops run on the current
+    stream of their tensors' device, which this makes the launch's too.
+    """
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
+
+
 def device_capability(device: torch.device) -> tuple[int, int] | None:
     """The CUDA compute capability of ``device``; None elsewhere (the interpreter runs every codec)."""
     return torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -156,7 +182,7 @@ def _check_device_runs(codec: str, device: torch.device) -> None:
 
 
 def _check_group_size(group_size: int) -> None:
-    if not 32 <= group_size <= 256 or group_size & (group_size - 1):
+    if not isinstance(group_size, numbers.Integral) or not 32 <= group_size <= 256 or group_size & (group_size - 1):
         raise ValueError(f"group_size must be a power of two from 32 to 256, got {group_size}")
 
 
@@ -202,7 +228,8 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     views = None if out is None else _out_views(out, x, codec, group_size)
     if use_triton(x):
         _check_device_runs(codec, x.device)
-        q = _quantize_triton(x, codec, group_size, stochastic, seed, views)
+        with launch_device(x):
+            q = _quantize_triton(x, codec, group_size, stochastic, seed, views)
     else:
         q = torch_quantize(x, codec=codec, group_size=group_size, stochastic=stochastic, seed=seed)
         if views is not None:
@@ -268,12 +295,13 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
         _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
     else:
         pack4 = codec == "int4"
+        qmax = QMAX[4 if pack4 else 8]
         if views is None:
             codes = torch.empty(rows, (cols + 1) // 2 if pack4 else cols, dtype=torch.uint8 if pack4 else torch.int8, device=x.device)
         else:
             codes = views[0]
-        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=QMAX[4 if pack4 else 8], GROUP=group_size,
-                                   GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
+        _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=qmax, MAX_SCALE=MAX_SCALE[qmax],
+                                   GROUP=group_size, GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
 
@@ -292,9 +320,10 @@ def dequantize(q: Quantized, *, out: torch.Tensor | None = None) -> torch.Tensor
     cols = q.cols
     result = out if out is not None else torch.empty(q.shape, dtype=q.dtype, device=q.codes.device)
     grid = (triton.cdiv(rows * groups, GROUPS_PER_PROGRAM),)
-    if q.codec in FP8:
-        _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
-    else:
-        _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
-                                     PACK4=q.codec == "int4", num_warps=NUM_WARPS)
+    with launch_device(result):  # NOTE [Triton launches on the current device]
+        if q.codec in FP8:
+            _dequantize_fp8_kernel[grid](q.codes, q.scales, result, rows * groups, cols, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
+        else:
+            _dequantize_int_kernel[grid](q.codes, q.scales, result, rows * groups, cols, (cols + 1) // 2, groups, GROUP=q.group_size, GPP=GROUPS_PER_PROGRAM,
+                                         PACK4=q.codec == "int4", num_warps=NUM_WARPS)
     return result

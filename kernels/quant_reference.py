@@ -4,7 +4,7 @@
 Layout: ``x`` is viewed as (rows, cols) with cols its last dimension; each row is cut into groups of
 ``group_size`` columns (the last one may be short). Per group:
 
-    scale = absmax / QMAX                     (fp32, IEEE division; 0 for an all-zero group)
+    scale = min(absmax / QMAX, MAX_SCALE[QMAX])   (fp32, IEEE division; 0 for an all-zero group)
     q     = clamp(floor(x / scale + r), -QMAX, QMAX)   r = 0.5, or a uniform draw (stochastic)
     x'    = q * scale
 
@@ -20,6 +20,23 @@ from dataclasses import dataclass
 import torch
 
 QMAX = {8: 127, 4: 7}
+
+
+def _max_scale(qmax: int) -> float:
+    """The largest fp32 scale whose ``qmax`` multiple is finite in fp32.
+
+    NOTE [largest scale]
+    ``FLT_MAX / 127`` rounds up, and ``127 * scale`` then overflows: a group holding -FLT_MAX (the mask
+    value of fp32 attention masks, ``torch.finfo(torch.float32).min``) came back -inf. Capped one ulp
+    lower, the value dequantizes to within two ulps of FLT_MAX; groups below the cap are unchanged.
+    """
+    scale = torch.tensor(torch.finfo(torch.float32).max, dtype=torch.float32) / qmax
+    while not torch.isfinite(scale * qmax):
+        scale = torch.nextafter(scale, torch.zeros((), dtype=torch.float32))
+    return float(scale)
+
+
+MAX_SCALE = {qmax: _max_scale(qmax) for qmax in QMAX.values()}
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -87,7 +104,7 @@ def torch_quantize(x: torch.Tensor, *, codec: str = "int8", group_size: int = 64
         scale = torch.where(bad, torch.full((), float("nan"), device=g.device), scale)
         return Quantized(codes, scale, x.shape, x.dtype, codec, group_size)
     qmax = QMAX[{"int8": 8, "int4": 4}[codec]]
-    scale = absmax / float(qmax)
+    scale = torch.clamp(absmax / float(qmax), max=MAX_SCALE[qmax])  # NOTE [largest scale]
     safe = torch.where(scale > 0, scale, torch.ones((), device=g.device))
     v = g / safe[..., None]
     if stochastic:

@@ -80,7 +80,9 @@ def plan_for_profile(
         chosen = None
     if chosen is None or peak_bytes(chosen, prof) > budget_bytes:
         minimum = minimum_peak(build_options(prof, hardware), prefetch)
-        detail = "" if planner == "optimal" else f"(the {planner!r} planner's own plan needs more; try planner='optimal')"
+        # Advice to switch planners only where 'optimal' would fit: below its minimum none does.
+        fits_optimal = planner != "optimal" and budget_bytes >= minimum
+        detail = f"(the {planner!r} planner's own plan needs more; try planner='optimal')" if fits_optimal else ""
         raise BudgetError(budget_bytes, minimum, detail)
     return annotate(chosen, prof)
 

@@ -21,7 +21,8 @@ NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
 loaded. The checksum catches a flipped byte, a torn or truncated page, a file from another version:
 accidents, not an adversary. So it is XXH3-64 (xxhash's, about 30 GB/s on one core here, computed by
-the writer thread over each bounce buffer just filled, with the GIL released: NOTE [direct writes]),
+the writer thread over each bounce buffer just filled, or over a tensor's bytes written straight from
+its memory, with the GIL released: NOTE [direct writes], NOTE [writes straight from the tensors]),
 not a cryptographic hash: sha256 ran at about 1 GB/s on the cores training runs on and was the
 writer's largest cost, and zlib's CRC-32 (format 3) at 7 GB/s still cost 0.23 s of CPU per version
 of gpt2's 1.53 GiB, which on a machine whose cores the training keeps busy comes out of the steps.
@@ -80,8 +81,10 @@ for the next one; it ends after ``_IDLE_SECONDS`` without a save (the next ``sav
 or at :meth:`Checkpointer.close`. Starting a thread per save cost the training loop up to a GIL
 switch interval (5 ms) per save: ``Thread.start`` waits until the new thread runs, and that thread
 then holds the GIL while it sets up the write. Handing a job to a waiting thread does not wait.
-Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most;
-a Checkpointer dropped without ``close`` is let go of that long after its last save. The thread is a
+Saves more than ``_IDLE_SECONDS`` apart pay that start again, a thousandth of the interval at most.
+The thread holds its Checkpointer only while it writes a version (a version in flight is written):
+a Checkpointer dropped without ``close`` is collected once its last version is written, and its
+waiting thread then ends (NOTE [a newer Checkpointer takes over]). The thread is a
 daemon, so a process that ends while it writes would lose that version (a script whose last line is
 ``save``), or abort in the torch code it runs ("terminate called without an active exception": the
 interpreter stops daemon threads as they take the GIL back); so at exit each live writer is handed
@@ -99,8 +102,10 @@ bucket's host state does not change between the end of its update and its next U
 listeners] in ooc.optim.stages), and its EXCHANGE ends, on the thread that then runs the UPDATE,
 before that UPDATE starts. So the writer thread writes (and checksums) each tensor straight from the
 live one, a slice of ``_SLICE_BYTES`` at a time, and a stage listener on EXCHANGE, before the
-bucket's next update may change it, waits for the slice of the bucket being read, if any, and copies
-aside the bucket's tensors not read to their end (the writer reads on from the copy). With
+bucket's next update may change it, waits for the slice of the bucket being read, if any (copied
+into a bounce buffer, or written straight from it until that write returns: NOTE [writes straight
+from the tensors]), and copies aside the bucket's tensors not read to their end (the writer reads
+on from the copy). With
 ``max_grad_norm`` a save between a backward and ``step()`` finds buckets past their EXCHANGE whose
 UPDATE waits for ``step()`` (``HostAdamW.held_buckets``): no listener call comes before it, so
 ``save`` copies those buckets' tensors at once. The training thread never waits for a copy of
@@ -146,6 +151,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import ctypes
 import errno
 import fcntl
 import functools
@@ -168,6 +174,7 @@ import time
 import warnings
 import weakref
 import zlib
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -189,6 +196,9 @@ READABLE_FORMATS = (2, 3, 4)
 _IDLE_SECONDS = 5.0
 """The writer thread ends after this long without a save (NOTE [writer thread])."""
 _VERSION_RE = re.compile(r"^step-(\d{9,})$")
+_OTHERS_LAG = 3
+"""Versions a rank commits after one still incomplete before it says the other ranks do not save
+(NOTE [every rank saves])."""
 _MOVED_ASIDE_RE = re.compile(r"^step-\d{9,}\.damaged-\d+(-\d+)?$")
 _SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
 """A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
@@ -433,9 +443,20 @@ class _Sink:
             self.fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             self.direct = False
         self.written = self.advised = 0
+        self.failed: OSError | None = None
+        """The error of a write: the writes queued after it write nothing (the file is doomed)."""
 
     def write(self, data: memoryview) -> None:
-        """Append ``data`` (a multiple of _ALIGN bytes, or the file's end)."""
+        """Append ``data`` (a multiple of the direct writes' alignment, or the file's end)."""
+        if self.failed is not None:
+            raise self.failed
+        try:
+            self._write(data)
+        except OSError as exc:
+            self.failed = exc
+            raise
+
+    def _write(self, data: memoryview) -> None:
         view = data
         while view:
             try:
@@ -458,9 +479,63 @@ class _Sink:
         self.direct = False
 
 
+_DIRECT_MIN_BYTES = 256 << 10
+"""A piece's run of bytes written straight from its memory must be at least this long: shorter
+runs go through the bounce buffer (a syscall of its own for a few bytes costs more than their copy)."""
+_STATX_DIOALIGN = 0x2000
+_AT_EMPTY_PATH = 0x1000
+
+
+@functools.cache
+def _statx() -> Callable[..., int] | None:
+    try:
+        return ctypes.CDLL(None, use_errno=True).statx
+    except (OSError, AttributeError):  # not glibc >= 2.28, or not Linux
+        return None
+
+
+def _dio_alignment(fd: int) -> tuple[int, int]:
+    """The (memory, file offset) alignment that direct I/O on ``fd``'s file needs: Linux's ``statx``
+    with ``STATX_DIOALIGN`` (6.1 on: ext4, xfs, f2fs, btrfs; here 512 and 512, the virtio disk's DMA
+    alignment and logical block), else ``_ALIGN`` for both, which every disk's divides."""
+    statx = _statx()
+    out = ctypes.create_string_buffer(256)  # struct statx
+    if statx is None or statx(fd, b"", _AT_EMPTY_PATH, _STATX_DIOALIGN, out) != 0:
+        return _ALIGN, _ALIGN
+    (mask,) = struct.unpack_from("<I", out, 0)
+    memory, offset = struct.unpack_from("<II", out, 0x98)  # stx_dio_mem_align, stx_dio_offset_align
+    if not mask & _STATX_DIOALIGN or not memory or not offset or offset > _ALIGN:
+        return _ALIGN, _ALIGN
+    return memory, offset
+
+
+def _direct_span(address: int, position: int, size: int, alignment: tuple[int, int]) -> tuple[int, int]:
+    """The bytes ``[head, stop)`` of ``size`` bytes at memory ``address``, written at file offset
+    ``position``, that a direct write can take straight from memory (NOTE [writes straight from
+    the tensors]); ``(size, size)`` if none are worth it. ``head`` is the first byte at which both
+    the memory and the file offset are aligned, and ``stop - head`` a multiple of the offset's
+    alignment; the memory and the file offset advance together, so they can both be aligned only
+    if they agree modulo the smaller alignment."""
+    memory, offset = alignment
+    if (address - position) % min(memory, offset):
+        return size, size
+    head = -(address if memory >= offset else position) % max(memory, offset)
+    stop = head + max(size - head, 0) // offset * offset
+    return (head, stop) if stop - head >= _DIRECT_MIN_BYTES else (size, size)
+
+
+def _write_then(sink: _Sink, data: memoryview, release: Callable[[], None]) -> None:
+    """On the I/O thread: write ``data``, read straight from a piece's memory, then let go of the piece."""
+    try:
+        sink.write(data)
+    finally:
+        release()
+
+
 class _FileWriter:
-    """A file being written: its chunks, fed one after another, go through two page-aligned bounce
-    buffers to the disk; :meth:`finish` fsyncs it and returns its size and XXH3-64 (NOTE [checksums]).
+    """A file being written: its chunks, fed one after another, go to the disk through two
+    page-aligned bounce buffers, or straight from their memory where direct I/O can take it;
+    :meth:`finish` fsyncs it and returns its size and XXH3-64 (NOTE [checksums]).
 
     NOTE [direct writes]
     The chunks are copied into one of two page-aligned bounce buffers (numpy's copy, without the
@@ -474,47 +549,111 @@ class _FileWriter:
     direct I/O (tmpfs, some network file systems: at open or at a write), the same buffers are
     written through the page cache, and every ``_WRITEBACK_BYTES`` the bytes written since are handed
     to the disk at once (``POSIX_FADV_DONTNEED`` starts their writeback without waiting) so that the
-    fsync waits for the tail only. Everything is the same after the fsync either way."""
+    fsync waits for the tail only. Everything is the same after the fsync either way.
+
+    NOTE [writes straight from the tensors]
+    The copy into the bounce buffer was the writer's largest CPU cost left (55 of 94 ms of its
+    thread per version of a 100M-parameter state, 1.2 GB). Direct I/O can read a chunk's own
+    memory where its address and its file offset are aligned as the file's disk needs
+    (:func:`_dio_alignment`) and agree (:func:`_direct_span`): then the bytes up to the first such
+    point are copied into the bounce buffer, which is written up to there, and the aligned run
+    goes to the disk from the chunk itself, checksummed in place (from memory, not the cache: 2.3x
+    the checksum's time, still 40% of the copy's). The chunk is a piece of a live tensor the
+    snapshot holds immutable (NOTE [lazy snapshots]) from before its checksum until that write has
+    returned (``release``, called by the I/O thread), so the disk gets the bytes checksummed. A
+    bucket's next update that finds the piece held waits for that write (a few ms) where it waited
+    for a copy (NOTE [write order] makes that rare). Live tensors are where the allocator put them
+    (glibc: 64 bytes past a page for large ones), so each safetensors header is padded with spaces,
+    as the format allows, to put the data where most bytes agree (:meth:`_TensorFile.header`)."""
 
     def __init__(self, path: Path, io: ThreadPoolExecutor) -> None:
         self._sink = _Sink(path)
         self._io = io
-        """The I/O thread: writes one buffer while this thread fills the other."""
+        """The I/O thread: writes one buffer (or a chunk's run) while this thread fills the other."""
+        self.alignment = _dio_alignment(self._sink.fd) if self._sink.direct else (1, 1)
+        """(memory, file offset) alignment of direct writes to this file; (1, 1): buffered writes,
+        which take any memory (the kernel's copy into the page cache is the bounce copy's stead)."""
         self._buffers: list[np.ndarray] = []
-        self._pending: Future[None] | None = None
+        self._buffer_writes: list[Future[None] | None] = [None, None]
+        """The write of each bounce buffer in flight, if any: waited for before it is filled again."""
+        self._writes: deque[Future[None]] = deque()
+        """The writes handed to the I/O thread and not yet seen done, in order."""
         self._digest = xxhash.xxh3_64()
         self._size = self._filled = self._current = 0
+        """Bytes checksummed and handed to the I/O thread; bytes in the current bounce buffer; which one."""
 
-    def feed(self, chunk: bytes | memoryview) -> None:
-        """Append ``chunk``; it is copied before this returns (the caller may change it then)."""
+    def feed(self, chunk: bytes | memoryview, release: Callable[[], None] | None = None) -> None:
+        """Append ``chunk``. ``release`` (called once, from any thread) lets go of it: once it has
+        been copied, or written straight from its memory (NOTE [writes straight from the tensors]);
+        without one, it is copied before this returns."""
         source = np.frombuffer(chunk, np.uint8)
+        try:
+            head = stop = len(source)
+            if release is not None:
+                head, stop = _direct_span(source.ctypes.data if len(source) else 0, self._size + self._filled,
+                                          len(source), self.alignment)
+            self._copy(source[:head])
+            if stop > head:
+                self._flush()  # the bytes before the run, up to an aligned offset
+                run = source[head:stop]
+                self._digest.update(run)  # releases the GIL
+                self._size += len(run)
+                self._copy(source[stop:])  # less than one block: the buffer holds it, nothing is written
+                self._submit(_write_then, self._sink, memoryview(run), release)
+                release = None  # the I/O thread's now
+        finally:
+            if release is not None:
+                release()
+
+    def _copy(self, source: np.ndarray) -> None:
         at = 0
         while at < len(source):
-            if not self._buffers:
-                self._buffers = _take_bounce_buffers()
-            buffer = self._buffers[self._current]
+            buffer = self._buffer()
             n = min(len(source) - at, _BOUNCE_BYTES - self._filled)
             buffer[self._filled:self._filled + n] = source[at:at + n]
             self._filled += n
             at += n
             if self._filled == _BOUNCE_BYTES:
-                self._digest.update(buffer)  # releases the GIL
-                self._size += self._filled
-                self._settle()  # the writes in order, and the other buffer free again
-                self._pending = self._io.submit(self._sink.write, memoryview(buffer))
-                self._current, self._filled = 1 - self._current, 0
+                self._flush()
+
+    def _buffer(self) -> np.ndarray:
+        """The current bounce buffer, its previous write done if it is empty."""
+        if not self._buffers:
+            self._buffers = _take_bounce_buffers()
+        pending = self._buffer_writes[self._current]
+        if not self._filled and pending is not None:
+            self._buffer_writes[self._current] = None
+            pending.result()  # raises its error
+        return self._buffers[self._current]
+
+    def _flush(self, padding: int = 0) -> None:
+        """Checksum the current buffer's bytes, hand them (and ``padding`` zeros) to the I/O thread
+        and go on in the other buffer."""
+        if not self._filled:
+            return
+        buffer = self._buffers[self._current]
+        self._digest.update(buffer[:self._filled])  # in the cache still; releases the GIL
+        self._size += self._filled
+        buffer[self._filled:self._filled + padding] = 0
+        self._buffer_writes[self._current] = self._submit(self._sink.write, memoryview(buffer[:self._filled + padding]))
+        self._current, self._filled = 1 - self._current, 0
+
+    def _submit(self, fn: Callable[..., None], *args: Any) -> Future[None]:
+        """Hand a write to the I/O thread, once at most one other is queued (the writes are few:
+        their buffers and held pieces too)."""
+        while len(self._writes) > 1:
+            self._writes.popleft().result()  # raises its error
+        future = self._io.submit(fn, *args)
+        self._writes.append(future)
+        return future
 
     def finish(self) -> tuple[int, str]:
         """Write the last buffer, fsync the file; return its size and XXH3-64 as 16 hex digits."""
-        self._settle()
         if self._filled:
-            buffer = self._buffers[self._current]
-            self._digest.update(buffer[:self._filled])
-            self._size += self._filled
-            padded = -self._filled % _ALIGN if self._sink.direct else 0
-            buffer[self._filled:self._filled + padded] = 0
-            self._sink.write(memoryview(buffer[:self._filled + padded]))
-            self._filled = 0
+            # Direct I/O writes whole blocks: the last one padded with zeros, cut off below.
+            self._flush(padding=-self._filled % _ALIGN if self._sink.direct else 0)
+        while self._writes:
+            self._writes.popleft().result()  # raises its error
         fd = self._sink.fd
         if os.fstat(fd).st_size != self._size:
             os.ftruncate(fd, self._size)  # the padding of the last block, or a longer recycled file's tail
@@ -522,20 +661,15 @@ class _FileWriter:
         return self._size, self._digest.hexdigest()
 
     def close(self) -> None:
-        """Close the file (finished or not) once no write of its buffers is in flight, and give
-        the buffers back for the next file."""
+        """Close the file (finished or not) once no write of it is in flight, and give the buffers
+        back for the next file."""
         try:
-            if self._pending is not None:
-                concurrent.futures.wait([self._pending])  # its error, if any, was raised or is moot now
+            concurrent.futures.wait(self._writes)  # their errors, if any, were raised or are moot now
         finally:
+            self._writes.clear()
             os.close(self._sink.fd)
             _give_back_bounce_buffers(self._buffers)
             self._buffers = []
-
-    def _settle(self) -> None:
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
 
 
 def _write_file(path: Path, chunks: Iterable[bytes | memoryview]) -> tuple[int, str]:
@@ -725,17 +859,20 @@ class _DirectoryLock:
     each other, which a restore caught only as a checksum error; each one's retention deleted the
     other's versions, and each refused the steps the other had committed. So the Checkpointer of
     rank ``r`` holds ``flock(LOCK_EX)`` on ``.writer-rank{r}.lock`` in the directory from its first
-    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another one of the
-    same rank that would write there gets a :class:`CheckpointError` saying another job holds the
-    directory (with the holder's pid and host, which the holder writes into the file). Every job has
+    ``save`` (or :meth:`Checkpointer.check_step`) until :meth:`Checkpointer.close`; another job's
+    Checkpointer of the same rank that would write there gets a :class:`CheckpointError` saying another
+    job holds the directory (with the holder's pid and host, which the holder writes into the file).
+    A newer Checkpointer in the same process takes the directory over instead (NOTE [a newer
+    Checkpointer takes over]). Every job has
     a rank 0, so of two jobs the second always fails (on every rank the two share; its ranks beyond
     the first job's world fail with it at their first collective). The ranks of one job lock files
     of their own and never exclude each other. Readers (:meth:`Checkpointer.restore`, ``versions``,
     ``latest``, ``export``, ``ooc checkpoints list``) take no lock: they go by the commit records, so
     they work while a job writes.
 
-    The lock belongs to the open file description: two Checkpointers in one process exclude each
-    other as two processes do, and the kernel drops it when its process dies (``kill -9`` included),
+    The lock belongs to the open file description, so two Checkpointers in one process would exclude
+    each other as two processes do (they never meet at the lock: the newer one first closes the
+    older one), and the kernel drops it when its process dies (``kill -9`` included),
     so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
     deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
     unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
@@ -744,13 +881,31 @@ class _DirectoryLock:
     none) and takes it again, as with the folder locks (NOTE [folder locks]).
 
     Where flock reaches across hosts (NFS emulates it with byte-range locks; Lustre with ``-o
-    flock``), jobs on other hosts are excluded too, but byte-range locks of one process never
-    conflict, so on NFS two Checkpointers in one process are not told apart; where it is local to a
+    flock``), jobs on other hosts are excluded too (byte-range locks of one process never conflict,
+    but two Checkpointers in one process are told apart without a lock); where it is local to a
     host (NFS mounted with ``local_lock=flock`` or ``all``, Lustre with ``-o localflock``) a job on
-    another host is not detected. Where the file system
-    has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
+    another host is not detected. Where the file
+    system has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
     without a lock manager) the directory is written without the lock, as before it: a second job
-    is not detected, and its versions are caught only by their checksums."""
+    is not detected, and its versions are caught only by their checksums.
+
+    NOTE [a newer Checkpointer takes over]
+    In a notebook, running again the cell ``ck = Checkpointer(d, model, opt)`` while the earlier
+    Checkpointer is unclosed and still alive (writing a version, referenced by a traceback or
+    ``Out``, in a reference cycle not collected yet) made the new one's first save fail: "another
+    job holds ... (this process)". Within one process the newest Checkpointer of a rank on a
+    directory wins, and never while another writes there: at its first ``save`` (or
+    ``check_step``) it looks up the Checkpointer of this process that holds the directory for its
+    rank (``_HOLDERS``, by the directory's device and inode), waits for that one's version in flight
+    to be committed and closes it (:meth:`Checkpointer._supersede`, under the older one's save lock:
+    between two of its saves, whatever thread makes them), and only then takes the lock, warning
+    once (:func:`_warn_taken_over`: which version was in flight, and its error if its write failed,
+    which no ``wait`` of the older one would report now). The older one's later ``save`` and
+    ``check_step`` raise a :class:`CheckpointError` saying it was superseded; it still reads. A
+    Checkpointer dropped unclosed does not wait to be taken over: the optimizer's stage listener and
+    the model's load hook hold it weakly (:func:`_weakly`), its idle writer thread not at all (NOTE
+    [writer thread]), and a ``weakref.finalize`` lets go of its lock when it is collected. Another
+    process is still refused: only a Checkpointer of this process can be known to be done with."""
 
     def __init__(self, path: Path, fd: int | None) -> None:
         self.path = path
@@ -800,6 +955,63 @@ class _DirectoryLock:
             os.close(fd)
 
 
+_HOLDERS: dict[tuple[int, int, int], weakref.ref[Checkpointer]] = {}
+"""(device, inode) of a checkpoint directory and a rank -> the Checkpointer of this process that holds
+the directory for that rank, or held it (a dead reference) (NOTE [a newer Checkpointer takes over])."""
+_HOLDERS_LOCK = threading.RLock()
+"""Reentrant: a collection under it (an allocation while it is held) may run a collected holder's
+finalizer (:func:`_let_go`) on this thread, which takes it too."""
+
+
+def _holder_key(directory: Path, rank: int) -> tuple[int, int, int]:
+    """The directory as a file (a path through a symbolic link or another spelling is the same one)
+    and the rank: the key of :data:`_HOLDERS`."""
+    st = os.stat(directory)
+    return st.st_dev, st.st_ino, rank
+
+
+def _forget_holder(key: tuple[int, int, int], ckpt: Checkpointer | None) -> None:
+    """Drop ``key`` from :data:`_HOLDERS` if ``ckpt`` (None: a collected one) is its holder."""
+    with _HOLDERS_LOCK:
+        ref = _HOLDERS.get(key)
+        if ref is not None and ref() is ckpt:
+            del _HOLDERS[key]
+
+
+def _let_go(lock: _DirectoryLock, key: tuple[int, int, int], ckpt: Checkpointer | None = None) -> None:
+    """Release the directory lock of ``ckpt``: at its close, or when it is collected unclosed (then
+    as a ``weakref.finalize``, whose reference to it is dead by now: ``ckpt`` None)."""
+    lock.release()
+    _forget_holder(key, ckpt)
+
+
+def _warn_taken_over(ckpt: Checkpointer, in_flight: int | None, error: BaseException | None) -> None:
+    """Say, once per takeover, that ``ckpt`` took its directory over from an earlier Checkpointer of
+    this process (NOTE [a newer Checkpointer takes over])."""
+    if in_flight is None:
+        written = "It had no version in flight"
+    elif error is None:
+        written = f"Its version of step {in_flight}, in flight, was written first"
+    else:
+        written = f"Its version of step {in_flight}, in flight, failed ({error})"
+    warnings.warn(f"a new Checkpointer of rank {ckpt.rank} on {ckpt.directory} took the directory over from an earlier "
+                  "Checkpointer of this process that was not closed (a notebook cell that makes one run again, or one "
+                  f"dropped while still referenced). {written}, and the earlier one is closed now: its save() raises. "
+                  "close() a Checkpointer you are done with to end it yourself", UserWarning, stacklevel=6)  # save()'s caller
+
+
+def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, a bound method, as a callable that holds its object weakly and does nothing once
+    the object is gone: a listener or hook that does not keep a dropped Checkpointer alive."""
+    ref = weakref.WeakMethod(method)
+
+    def call(*args: Any) -> Any:
+        bound = ref()
+        return None if bound is None else bound(*args)
+
+    return call
+
+
 def _flock_within(fd: int, seconds: float) -> bool:
     """Take ``flock(LOCK_EX)`` on ``fd``, trying for up to ``seconds``; return whether it was taken
     (raises the OSError of a file system without flock)."""
@@ -820,7 +1032,7 @@ def _held_error(directory: Path, path: Path) -> CheckpointError:
     except OSError:
         holder = "a process"
     if holder == f"pid {os.getpid()} on {os.uname().nodename}":
-        holder += " (this process: another Checkpointer on the directory, not closed, maybe one made earlier and dropped)"
+        holder += " (this process: a Checkpointer being collected; try again)"
     return CheckpointError(
         f"another job holds the checkpoint directory {directory}: {holder} has the lock on {path.name}, taken by a "
         "Checkpointer of this rank that saved there and is not closed (in this process or another). Two jobs saving "
@@ -972,7 +1184,8 @@ def _row_major(t: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
 
 _SLICE_BYTES = 4 << 20
 """Bytes of a live tensor the writer reads at a time: the longest a bucket's next update may wait
-for the writer (NOTE [lazy snapshots]) is one slice's copy and checksum, not a whole tensor's."""
+for the writer (NOTE [lazy snapshots]) is one slice's checksum and its copy or direct write (and the
+write queued before it: NOTE [writes straight from the tensors]), not a whole tensor's."""
 
 
 class _TensorFile:
@@ -987,11 +1200,18 @@ class _TensorFile:
         self._tensors = tensors
         self._snapshot = snapshot
         self._on_tensor = on_tensor
+        self._whole: dict[str, tuple[torch.Tensor, memoryview]] = {}
+        """Name -> a contiguous host tensor and its bytes, read a piece at a time without the torch
+        calls of :func:`_tensor_bytes` per piece (17 of the writer thread's 73 ms per version of a
+        100M-parameter state); made again if the slot holds another tensor (a copy aside)."""
         for name, t in tensors.items():
             if t.dtype not in _DTYPES:
                 raise CheckpointError(f"cannot save tensor {name!r} of dtype {t.dtype} in safetensors")
 
-    def header(self) -> bytes:
+    def header(self, alignment: tuple[int, int] | None = None) -> bytes:
+        """The 8-byte length and the JSON header, padded with spaces to a multiple of 8 bytes and, given
+        the direct writes' ``alignment``, to where most bytes can be written straight from the
+        tensors (NOTE [writes straight from the tensors])."""
         header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
         offset = 0
         for name, t in self._tensors.items():
@@ -999,8 +1219,27 @@ class _TensorFile:
             header[name] = {"dtype": _DTYPES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + nbytes]}
             offset += nbytes
         encoded = json.dumps(header, separators=(",", ":")).encode()
-        encoded += b" " * (-len(encoded) % 8)
+        start = 8 + len(encoded)
+        encoded += b" " * (-start % 8 if alignment is None else self._padding(start, alignment))
         return struct.pack("<Q", len(encoded)) + encoded
+
+    def _padding(self, start: int, alignment: tuple[int, int]) -> int:
+        """Spaces after a header ending at ``start`` that put the data at the offset (a multiple of 8,
+        as safetensors writes it) where the most bytes of the tensors' memory agree with their file
+        offsets modulo the direct writes' alignment (:func:`_direct_span`)."""
+        modulus = min(alignment)
+        votes: dict[int, int] = {}
+        offset = 0
+        for t in self._tensors.values():
+            nbytes = t.numel() * t.element_size()
+            if t.device.type == "cpu" and t.is_contiguous() and nbytes >= _DIRECT_MIN_BYTES:
+                residue = (t.data_ptr() - offset) % modulus
+                votes[residue] = votes.get(residue, 0) + nbytes
+            offset += nbytes
+        fits = [r for r in votes if r % min(8, modulus) == 0]  # a data start that is a multiple of 8 reaches
+        if modulus <= 8 or not fits:
+            return -start % 8
+        return (max(fits, key=votes.__getitem__) - start) % modulus
 
     def pieces(self) -> list[tuple[int, str, int]]:
         """(deadline, tensor, first byte) of each piece, in the file's order; the deadline is the
@@ -1015,15 +1254,44 @@ class _TensorFile:
     @contextlib.contextmanager
     def read(self, name: str, start: int) -> Iterator[memoryview]:
         """The piece of ``name`` from byte ``start``, held immutable until the block ends."""
+        piece, release = self.take(name, start)
+        try:
+            yield piece
+        finally:
+            release()
+
+    def _piece(self, name: str, t: torch.Tensor, start: int) -> memoryview:
+        """Bytes ``start:start + _SLICE_BYTES`` of ``t``, the tensor named ``name`` now."""
+        if t.device.type != "cpu" or not t.is_contiguous():
+            return _tensor_bytes(t, start, start + _SLICE_BYTES)
+        whole = self._whole.get(name)
+        if whole is None or whole[0] is not t:
+            whole = self._whole[name] = (t, memoryview(t.detach().reshape(-1).view(torch.uint8).numpy()))
+        return whole[1][start:start + _SLICE_BYTES]
+
+    def take(self, name: str, start: int) -> tuple[memoryview, Callable[[], None]]:
+        """The piece of ``name`` from byte ``start``, held immutable until the function returned with
+        it is called (from any thread; again: nothing)."""
         snapshot = self._snapshot
         t, token = snapshot.acquire(self._tensors, name) if snapshot is not None else (self._tensors[name], None)
+        finished = start + _SLICE_BYTES >= t.numel() * t.element_size()
+        held = [token]
+
+        def release() -> None:
+            try:
+                token = held.pop()  # atomic: released once, whichever thread comes first
+            except IndexError:
+                return
+            if snapshot is not None:
+                snapshot.release(token, finished=finished)
+
         try:
             if start == 0:
                 self._on_tensor(name)
-            yield _tensor_bytes(t, start, start + _SLICE_BYTES)
-        finally:
-            if snapshot is not None:
-                snapshot.release(token, finished=start + _SLICE_BYTES >= t.numel() * t.element_size())
+            return self._piece(name, t, start), release
+        except BaseException:
+            release()
+            raise
 
 
 def _write_tensor_files(files: list[tuple[Path, _TensorFile]]) -> list[tuple[int, str]]:
@@ -1039,14 +1307,18 @@ def _write_tensor_files(files: list[tuple[Path, _TensorFile]]) -> list[tuple[int
         try:
             for k, (path, file) in enumerate(files):
                 writers.append(_FileWriter(path, io))
-                writers[-1].feed(file.header())
+                writers[-1].feed(file.header(writers[-1].alignment))
                 if not left[k]:
                     results[k] = writers[k].finish()  # no tensors
             merged = heapq.merge(*([(deadline, k, name, start) for deadline, name, start in p]
                                    for k, p in enumerate(pieces)))
             for _, k, name, start in merged:
-                with files[k][1].read(name, start) as view:
-                    writers[k].feed(view)
+                piece, release = files[k][1].take(name, start)
+                try:
+                    writers[k].feed(piece, release)  # lets go of it once copied, or written from it
+                except BaseException:
+                    release()  # (a failed feed wrote nothing from it)
+                    raise
                 left[k] -= 1
                 if not left[k]:
                     results[k] = writers[k].finish()
@@ -1273,6 +1545,13 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
+
+    One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
+    job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
+    the newest Checkpointer on a directory wins (a notebook cell making one, run again): its first
+    ``save`` waits for the version an older, unclosed one is writing, closes that one and warns
+    once; the older one's ``save`` then raises, saying it was superseded. A Checkpointer dropped
+    unclosed lets go of the directory when it is collected (NOTE [a newer Checkpointer takes over]).
     """
 
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -1297,6 +1576,16 @@ class Checkpointer:
         self._jobs: queue.SimpleQueue[tuple[Any, ...] | None] = queue.SimpleQueue()
         self._writer: threading.Thread | None = None
         """The writer thread, while it waits for saves (NOTE [writer thread])."""
+        weakref.finalize(self, self._jobs.put, None)  # a Checkpointer dropped: its idle writer ends now
+        self._save_lock = threading.RLock()
+        """Held by ``save``, ``check_step`` and ``close``: a newer Checkpointer taking over the directory
+        closes this one between two saves, never within one (NOTE [a newer Checkpointer takes over])."""
+        self._superseded = False
+        """Set when a newer Checkpointer in this process took over the directory: ``save`` refuses."""
+        self._lock_finalizer: weakref.finalize | None = None
+        self._directory_key: tuple[int, int, int] | None = None
+        """The directory's key in ``_HOLDERS`` while this Checkpointer holds it."""
+        """Lets go of the directory's lock if this Checkpointer is collected unclosed."""
         self._last_saved: int | None = None
         """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
@@ -1335,9 +1624,12 @@ class Checkpointer:
         """Step -> the (device, inode) of its folder and the error, of the versions found damaged
         (NOTE [damaged versions moved aside])."""
         self._load_hook = None
+        # Weakly: the optimizer and the model outlive a Checkpointer dropped without close() (a
+        # notebook cell run again), and must not keep it, and its lock on the directory, alive.
+        self._listener = _weakly(self._on_stage)
         if self.lazy:
-            optimizer.stage_listeners.append(self._on_stage)
-            self._load_hook = model.register_load_state_dict_pre_hook(self._before_model_load)
+            optimizer.stage_listeners.append(self._listener)
+            self._load_hook = model.register_load_state_dict_pre_hook(_weakly(self._before_model_load))
         self.directory.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             self._clean()
@@ -1352,6 +1644,10 @@ class Checkpointer:
         ``if_busy``: when the previous version is still being written, ``"wait"`` for it (every
         save is written), or ``"skip"`` this one: nothing is written for ``step`` and ``save``
         returns False at once (NOTE [skipped saves]; one rank only)."""
+        with self._save_lock:
+            return self._save(step, if_busy, metadata)
+
+    def _save(self, step: int, if_busy: str, metadata: dict[str, Any]) -> bool:
         self._check_open()
         try:
             step = operator.index(step)  # np.int64 or a 0-d integer tensor: an int for the record's JSON
@@ -1372,6 +1668,7 @@ class Checkpointer:
         if if_busy == "skip" and not self._written.is_set():
             return False
         self.wait()
+        self._check_every_rank_saves()
         self.check_step(step)
         self._move_damaged_aside()
         if self.rank == 0 and self.world > 1:
@@ -1383,20 +1680,52 @@ class Checkpointer:
         files, tensors, slots, pending = self._payloads()
         if self.lazy:
             self._snapshot = _Snapshot(slots, self._aside, self._update_order or self._updating)
-            files = self._in_write_order(files, self._snapshot)
         else:
             self._snapshot = None
+        files = self._in_write_order(files, self._snapshot)
         self._written.clear()
         with self._writer_lock:
             self._last_saved = step
-            self._jobs.put((step, files, tensors, metadata, pending))
+            self._jobs.put((self, step, files, tensors, metadata, pending))
             if self._writer is None:
-                self._writer = threading.Thread(target=self._serve, name="ooc-checkpoint-writer", daemon=True)
+                self._writer = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)),
+                                                name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
                 # The version in flight is written before the interpreter ends (NOTE [writer thread]).
                 _WRITING.add(self)
                 _finish_writes_at_exit()
         return True
+
+    def _check_every_rank_saves(self) -> None:
+        """Raise if this rank committed versions that the other ranks do not save (the writer is idle).
+
+        NOTE [every rank saves]
+        ``if rank == 0: ckpt.save(step)``, the habit of ``torch.save`` checkpoints, saved nothing
+        restorable under data parallelism: a version is complete only with every rank's record, so
+        each save returned, none was ever complete, and the run learnt it when it resumed ("no
+        complete checkpoint"). Ranks that exchange gradients every step lag each other by a step or
+        two: a rank saves each version before the next step's exchange, and its next save waits for
+        that version's write. So a version this rank committed that is still incomplete after this
+        rank committed ``_OTHERS_LAG`` newer ones was not saved by some rank (or its write failed,
+        which that rank's next save reports): the next save raises, naming the ranks whose records
+        are missing. Every held folder lock is such a version (NOTE [folder locks]): a complete newer
+        version releases the older ones."""
+        if self.world == 1:
+            return
+        steps = sorted(int(_VERSION_RE.match(lock.folder.name).group(1)) for lock in self._held)
+        behind = [s for i, s in enumerate(steps) if len(steps) - 1 - i >= _OTHERS_LAG
+                  and _committed(self.directory / _name(s), s) is None]
+        if not behind:
+            return
+        folder = self.directory / _name(behind[0])
+        missing = [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
+        raise CheckpointError(
+            f"the versions of steps {', '.join(map(str, behind))} in {self.directory} have no commit record of "
+            f"{'rank' if len(missing) == 1 else 'ranks'} {', '.join(map(str, missing))}, and rank {self.rank} has "
+            f"committed {_OTHERS_LAG} newer ones since: with "
+            f"{self.world} ranks every rank must make a Checkpointer on this directory and call save() at the same "
+            "steps (not only rank 0): a version is complete, and restores, only with every rank's record"
+        )
 
     def _stop_writer(self) -> None:
         """Hand the writer thread its stop after the saves queued, and wait for it to end."""
@@ -1415,6 +1744,12 @@ class Checkpointer:
         self._stop_writer()
 
     def _check_open(self) -> None:
+        if self._superseded:
+            raise CheckpointError(
+                f"this Checkpointer was superseded: a newer Checkpointer of rank {self.rank} on {self.directory} in "
+                "this process took over the directory at its first save (as when a notebook cell that makes one runs "
+                "again), after this one's last version was written, and closed this one. Save with the newer one; "
+                "this one still reads (restore, versions)")
         if self._closed:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
@@ -1447,20 +1782,67 @@ class Checkpointer:
         (NOTE [one job per directory]); write nothing. From a check that passes on, the
         Checkpointer holds the directory for its rank, as its first save would. A run can check its
         first save's step before it trains."""
-        self._check_open()
-        claimed = self._directory_lock is None
-        if claimed:
-            self._directory_lock = _DirectoryLock.take(self.directory, self.rank)
-            # Read again now that no other job writes here: one that held the directory until now
-            # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
-            self._newest = None
-        if self._newest is None:
-            self._learn(*_scan(self.directory))
-        if step <= self._newest:
-            if claimed:  # a refused check leaves the directory as it found it
-                self._directory_lock.release()
-                self._directory_lock = None
-            raise _refusal(self.directory, step, self._newest)
+        with self._save_lock:
+            self._check_open()
+            claimed = self._directory_lock is None
+            if claimed:
+                self._take_directory()
+                # Read again now that no other job writes here: one that held the directory until now
+                # may have committed versions since this Checkpointer last read it (NOTE [saves go forward]).
+                self._newest = None
+            if self._newest is None:
+                self._learn(*_scan(self.directory))
+            if step <= self._newest:
+                if claimed:  # a refused check leaves the directory as it found it
+                    self._let_go_of_directory()
+                raise _refusal(self.directory, step, self._newest)
+
+    def _take_directory(self) -> None:
+        """Hold the directory for this rank (NOTE [one job per directory]), taking it over from an
+        earlier Checkpointer of this process that holds it (NOTE [a newer Checkpointer takes over])."""
+        key = _holder_key(self.directory, self.rank)
+        while True:
+            with _HOLDERS_LOCK:
+                ref = _HOLDERS.get(key)
+                holder = ref() if ref is not None else None
+                if holder is None or holder._closed:  # (closed: it let go of the directory)
+                    _HOLDERS[key] = weakref.ref(self)
+                    break
+            superseded = holder._supersede()  # outside the registry's lock: it waits for a write
+            if superseded is not None:
+                _warn_taken_over(self, *superseded)
+            del holder
+        try:
+            lock = _DirectoryLock.take(self.directory, self.rank)
+        except BaseException:
+            _forget_holder(key, self)
+            raise
+        self._directory_lock, self._directory_key = lock, key
+        self._lock_finalizer = weakref.finalize(self, _let_go, lock, key)
+
+    def _let_go_of_directory(self) -> None:
+        """Let go of the directory's lock, for another Checkpointer or job to take."""
+        if self._directory_lock is not None:
+            self._lock_finalizer.detach()
+            _let_go(self._directory_lock, self._directory_key, self)
+            self._directory_lock = None
+
+    def _supersede(self) -> tuple[int | None, BaseException | None] | None:
+        """Close this Checkpointer for a newer one of this process taking over its directory: wait
+        for the version in flight, then close; ``save`` refuses from then on. Returns the step of the
+        version that was in flight (None if none) and its error, or None if it was closed already
+        (NOTE [a newer Checkpointer takes over])."""
+        with self._save_lock:  # between two saves of another thread, never within one
+            if self._closed:
+                return None
+            in_flight = None if self._written.is_set() else self._last_saved
+            self._superseded = True
+            error = None
+            try:
+                self.close()
+            except BaseException as exc:  # noqa: BLE001 - the write's error: the warning tells it, no wait() will
+                error = exc
+            return in_flight, error
 
     def _learn(self, found: list[Version], damaged: dict[int, CorruptCheckpointError]) -> None:
         """Take the directory as read (``_scan``): the folders of its damaged records, and the
@@ -1491,27 +1873,6 @@ class Checkpointer:
             if moved is not None:  # else another rank did
                 warnings.warn(f"checkpoint version {folder} is damaged ({exc.path.name}: {exc.reason}); moved it "
                               f"aside to {moved.name}, kept for you to inspect or delete", stacklevel=3)
-
-    def _serve(self) -> None:
-        """The writer thread: write each save handed over, until none came for ``_IDLE_SECONDS``
-        or :meth:`close` (NOTE [writer thread])."""
-        while True:
-            try:
-                job = self._jobs.get(timeout=_IDLE_SECONDS)
-            except queue.Empty:
-                with self._writer_lock:
-                    if self._jobs.empty():  # save() puts its job and looks for this thread under the lock
-                        self._writer = None
-                        return
-                continue
-            if job is None:
-                return
-            try:
-                self._write(*job)  # hands its errors to wait()
-            except BaseException as exc:  # noqa: BLE001 - this thread must go on serving
-                self._error = self._error or exc
-            finally:
-                self._written.set()
 
     def _payloads(self) -> tuple[dict[str, Any], dict[str, dict[str, Any]], dict[int, list[tuple[Any, Any]]], list[Any]]:
         """This rank's files (name -> tensors dict for ``.safetensors``, JSON-able object for
@@ -1592,9 +1953,10 @@ class Checkpointer:
         }
         return files, index, slots, pending
 
-    def _in_write_order(self, files: dict[str, Any], snapshot: _Snapshot) -> dict[str, Any]:
-        """``files`` reordered for a lazy snapshot: in each safetensors file the tensors of the
-        buckets the last step updated first, first; the optimizer file first (NOTE [write order]).
+    def _in_write_order(self, files: dict[str, Any], snapshot: _Snapshot | None) -> dict[str, Any]:
+        """``files`` reordered: in each safetensors file the tensors under ``_DIRECT_MIN_BYTES`` first,
+        then, for a lazy snapshot, the tensors of the buckets the last step updated first, first; the
+        optimizer file first (NOTE [write order]).
 
         NOTE [write order]
         A bucket whose next update comes before the writer has read it is copied aside (NOTE [lazy
@@ -1611,12 +1973,24 @@ class Checkpointer:
         11 buckets and 81 to 348 MiB were copied aside per version, now 0 to 0.3 and 0 to 98 MiB
         (the embedding's bucket, 442 MiB written last, in a version whose write it outran; busy
         machine, 3 versions a run). A safetensors file may list its tensors in any order (readers go
-        by each one's offsets); tensors no bucket holds were copied in ``save`` and go last."""
+        by each one's offsets); tensors no bucket holds were copied in ``save`` and go last.
+
+        Small tensors (under ``_DIRECT_MIN_BYTES``) go first, in that order too. They are never
+        written straight from memory (NOTE [writes straight from the tensors]), and there they shift
+        no large tensor's file offset: each parameter's 4-byte ``step`` between its moments moved the
+        offsets of all the next ones by 4 bytes against their memory, so that only the first few
+        agreed with it modulo the disk's alignment (a third of the bytes of a 100M-parameter state
+        went straight from memory, all of them with small tensors first). Written first, they are
+        never copied aside."""
 
         def reordered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
             """``tensors`` itself, its entries reinserted in write order: the snapshot's slots are
             (this dict, key), so the dict must stay the one they name."""
-            items = sorted(tensors.items(), key=lambda item: snapshot.deadline(tensors, item[0]))  # stable
+            def order(item: tuple[str, torch.Tensor]) -> tuple[bool, int]:
+                deadline = snapshot.deadline(tensors, item[0]) if snapshot is not None else 0
+                return item[1].numel() * item[1].element_size() >= _DIRECT_MIN_BYTES, deadline
+
+            items = sorted(tensors.items(), key=order)  # stable
             tensors.clear()
             tensors.update(items)
             return tensors
@@ -2058,13 +2432,19 @@ class Checkpointer:
 
     def close(self) -> None:
         """Wait for the last save (raising its error), end the writer thread, remove the stage
-        listener and free the kept copies aside; a later :meth:`save` raises (restoring still works)."""
+        listener and free the kept copies aside; a later :meth:`save` raises (restoring still works).
+        Closing again does nothing."""
+        with self._save_lock:
+            if not self._closed:
+                self._close()
+
+    def _close(self) -> None:
         try:
             self.wait()
         finally:
             self._stop_writer()
-            if self.lazy and self._on_stage in self.optimizer.stage_listeners:
-                self.optimizer.stage_listeners.remove(self._on_stage)
+            if self.lazy and self._listener in self.optimizer.stage_listeners:
+                self.optimizer.stage_listeners.remove(self._listener)
             if self._load_hook is not None:
                 self._load_hook.remove()
                 self._load_hook = None
@@ -2073,9 +2453,39 @@ class Checkpointer:
             if self.rank == 0:
                 for spare in self._spares():  # the directory holds its versions only (NOTE [recycled files])
                     shutil.rmtree(spare, ignore_errors=True)
-            if self._directory_lock is not None:
-                self._directory_lock.release()  # another job may write here now (NOTE [one job per directory])
+            self._let_go_of_directory()  # another job may write here now (NOTE [one job per directory])
             self._closed = True
+
+
+def _serve(jobs: queue.SimpleQueue[tuple[Any, ...] | None], ref: weakref.ref[Checkpointer]) -> None:
+    """The writer thread of the Checkpointer ``ref``: write each save handed over, until none came
+    for ``_IDLE_SECONDS``, or :meth:`Checkpointer.close`, or the Checkpointer is collected (NOTE
+    [writer thread]). A job holds its Checkpointer (a version in flight is written); the waiting
+    thread does not."""
+    while True:
+        try:
+            job = jobs.get(timeout=_IDLE_SECONDS)
+        except queue.Empty:
+            ckpt = ref()
+            if ckpt is None:
+                return
+            with ckpt._writer_lock:
+                if jobs.empty():  # save() puts its job and looks for this thread under the lock
+                    ckpt._writer = None
+                    return
+            del ckpt
+            continue
+        if job is None:
+            return
+        ckpt, *args = job
+        del job
+        try:
+            ckpt._write(*args)  # hands its errors to wait()
+        except BaseException as exc:  # noqa: BLE001 - this thread must go on serving
+            ckpt._error = ckpt._error or exc
+        finally:
+            ckpt._written.set()
+        del ckpt, args  # waiting for the next save, this thread holds no Checkpointer
 
 
 _WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()

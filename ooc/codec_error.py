@@ -13,6 +13,12 @@ the relative L2 distance of the two gradients of the block's inputs and paramete
 differentiations use one forward, so dropout masks and every other random draw are the same; the
 model's buffers and RNG state are restored by the profiler.
 
+A RECOMPUTE whose swapped input is compressed moves the gradients another way: the block runs again
+from the dequantized input, so every tensor it saves moves (a sharp softmax: int8 moved a block's
+gradients by 2.3% as a SWAP and 3.5% so). That error is measured apart, with the block run again
+from its inputs put through the codec and the first forward's random draws, and recorded under
+``codec_error_name(codec, recompute=True)`` (``int8:recompute``), which gates the RECOMPUTE options.
+
 ``CODEC_ERROR_BOUND`` (scheduler) is the largest error the planner accepts for a block; a block above
 it is never given that codec.
 """
@@ -27,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ooc.scheduler.codecs import CODECS, SWAP_GROUP_SIZE
+from ooc.scheduler.codecs import CODECS, SWAP_GROUP_SIZE, codec_error_name
 from ooc.scheduler.plan import Codec
 
 _LOST = 1e9
@@ -77,26 +83,64 @@ class _Capture:
             h.remove()
 
 
-@contextlib.contextmanager
-def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_swap_bytes: int) -> Iterator[None]:
-    """Saved-tensor hooks that, while ``active[0]`` names a codec, unpack each tensor the runtime
-    would compress as it would come back: quantized and dequantized."""
+def _restored(tensor: torch.Tensor, codec: Codec, skip_ptrs: frozenset[int], min_swap_bytes: int) -> torch.Tensor:
+    """``tensor`` as the runtime gives it back after compressing it with ``codec``: its whole storage
+    quantized and dequantized, as one flat run of its dtype (``ooc.saved.CompressedStorage``), and the
+    view rebuilt on the result; ``tensor`` itself where the runtime does not compress it.
+
+    NOTE [the storage, not the view]
+    The runtime compresses a saved tensor's storage, in groups that start at its first element: a
+    slice's groups take in the values beside it, a transposed view's run along the storage. Quantizing
+    the view alone (``tensor.contiguous()``) measured other groups: a slice beside columns 1000 times
+    larger measured 0.2% under int8 where the run moved the gradients by 7%.
+    """
     from ooc.kernels.quant import dequantize, quantize
 
+    if not tensor.is_floating_point():
+        return tensor
+    storage = tensor.untyped_storage()
+    nbytes = storage.nbytes()
+    if not nbytes or storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
+        return tensor
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device).set_(storage, 0, (nbytes // tensor.element_size(),), (1,))
+    q = quantize(flat, codec=CODECS[codec].kernel, group_size=SWAP_GROUP_SIZE, check_finite=False)
+    return dequantize(q).as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+@contextlib.contextmanager
+def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_swap_bytes: int) -> Iterator[None]:
+    """Saved-tensor hooks that, while ``active[0]`` names a codec, unpack each saved tensor as the
+    runtime gives it back (``_restored``)."""
     def unpack(tensor: torch.Tensor) -> torch.Tensor:
         codec = active[0]
-        if codec is None or not tensor.is_floating_point():
-            return tensor
-        storage = tensor.untyped_storage()
-        nbytes = storage.nbytes()
-        if storage.data_ptr() in skip_ptrs or nbytes < min_swap_bytes or not CODECS[codec].compresses(nbytes, tensor.dtype):
-            return tensor
-        flat = tensor.detach().contiguous().reshape(-1)
-        q = quantize(flat, codec=CODECS[codec].kernel, group_size=SWAP_GROUP_SIZE, check_finite=False)
-        return dequantize(q).reshape(tensor.shape)
+        return tensor if codec is None else _restored(tensor, codec, skip_ptrs, min_swap_bytes)
 
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, unpack):
         yield
+
+
+def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
+    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+
+def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state_all(state[1])
+
+
+def _grad_leaves(tree: Any) -> list[torch.Tensor]:
+    return [t for t in tree_flatten(tree)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
+def _output_pairs(output: Any, grads: list[torch.Tensor | None]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each output that requires grad beside its recorded gradient, where the loss reached it."""
+    return [(o, g) for o, g in zip(_grad_leaves(output), grads, strict=False) if g is not None]
+
+
+def _gradients(pairs: list[tuple[torch.Tensor, torch.Tensor]], wrt: list[torch.Tensor]) -> list[torch.Tensor]:
+    got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], retain_graph=True, allow_unused=True)
+    return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
 
 
 def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
@@ -110,40 +154,45 @@ def _relative_error(got: list[torch.Tensor], want: list[torch.Tensor]) -> float:
 
 def block_codec_errors(
     module: nn.Module, inputs: tuple[tuple, dict], grads: list[torch.Tensor | None], codecs: list[Codec],
-    *, skip_ptrs: frozenset[int], min_swap_bytes: int,
+    *, skip_ptrs: frozenset[int], min_swap_bytes: int, recompute: bool = False,
 ) -> dict[Codec, float]:
     """The relative L2 error, per codec, of the gradients of ``module``'s floating inputs and
     parameters when its saved tensors go through the codec (NOTE [codec error]). ``inputs``: the
     block's ``(args, kwargs)``; ``grads``: the gradient of each of its outputs that requires grad, in
-    ``tree_flatten`` order (``None`` where the loss did not reach it)."""
-    args, kwargs = inputs
-    leaves = [t for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    wrt = leaves + [p for p in module.parameters() if p.requires_grad]
+    ``tree_flatten`` order (``None`` where the loss did not reach it).
+
+    ``recompute``: instead, when its inputs go through the codec and it runs again from them, its
+    saved tensors kept (a RECOMPUTE whose swapped input is compressed); the re-run draws the random
+    numbers the first forward drew (dropout masks), as the runtime's recomputation does."""
+    params = [p for p in module.parameters() if p.requires_grad]
     active: list[Codec | None] = [None]
+    rng = _rng_state()
     with _through_codec(active, skip_ptrs, min_swap_bytes):
-        output = module(*args, **kwargs)
-    outs = [t for t in tree_flatten(output)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-    pairs = [(o, g) for o, g in zip(outs, grads, strict=False) if g is not None]
+        output = module(*inputs[0], **inputs[1])
+    pairs, wrt = _output_pairs(output, grads), _grad_leaves(inputs) + params
     if not pairs or not wrt:
         return dict.fromkeys(codecs, 0.0)
-
-    def gradients() -> list[torch.Tensor]:
-        got = torch.autograd.grad([o for o, _ in pairs], wrt, [g for _, g in pairs], retain_graph=True, allow_unused=True)
-        return [torch.zeros_like(w) if g is None else g for g, w in zip(got, wrt, strict=True)]
-
-    exact = gradients()
+    exact = _gradients(pairs, wrt)
     errors = {}
     for codec in codecs:
-        active[0] = codec
-        errors[codec] = _relative_error(gradients(), exact)
+        if recompute:
+            again = tree_map(lambda t: _restored(t.detach(), codec, skip_ptrs, min_swap_bytes).requires_grad_(t.requires_grad)  # noqa: B023
+                             if isinstance(t, torch.Tensor) else t, inputs)
+            _set_rng_state(rng)
+            got = _gradients(_output_pairs(module(*again[0], **again[1]), grads), _grad_leaves(again) + params)
+        else:
+            active[0] = codec
+            got = _gradients(pairs, wrt)
+        errors[codec] = _relative_error(got, exact)
     return errors
 
 
 def measure_codec_errors(
     modules: list[nn.Module], capture_step: Callable[[], None], codecs: list[Codec], *,
     skip_ptrs: frozenset[int], min_swap_bytes: int, device: torch.device,
-) -> list[dict[Codec, float]]:
-    """Per block, the error of each codec (NOTE [codec error]). ``capture_step`` runs one training
+) -> list[dict[str, float]]:
+    """Per block, the error of each codec (NOTE [codec error]), by its profile name
+    (``ooc.scheduler.codecs.codec_error_name``): under a SWAP and under a RECOMPUTE. ``capture_step`` runs one training
     step of the model (forward and backward) during which the blocks' inputs and output gradients are
     recorded on the host; the blocks are then differentiated one at a time on ``device``."""
     capture = _Capture(modules)
@@ -154,11 +203,16 @@ def measure_codec_errors(
     errors = []
     for i, module in enumerate(modules):
         if capture.inputs[i] is None:
-            errors.append(dict.fromkeys(codecs, 0.0))
+            errors.append(dict.fromkeys((codec_error_name(c, recompute=r) for r in (False, True) for c in codecs), 0.0))
             continue
         back = lambda t: t.to(device).requires_grad_(t.requires_grad) if isinstance(t, torch.Tensor) else t  # noqa: E731
         inputs = tree_map(back, capture.inputs[i])
         grads = [None if g is None else g.to(device) for g in capture.grads[i]]
-        errors.append(block_codec_errors(module, inputs, grads, codecs, skip_ptrs=skip_ptrs, min_swap_bytes=min_swap_bytes))
+        errors.append({
+            codec_error_name(codec, recompute=recompute): error
+            for recompute in (False, True)
+            for codec, error in block_codec_errors(module, inputs, grads, codecs, skip_ptrs=skip_ptrs,
+                                                   min_swap_bytes=min_swap_bytes, recompute=recompute).items()
+        })
         capture.inputs[i] = None  # one block's inputs at a time beyond the step's own
     return errors

@@ -57,12 +57,16 @@ class DataParallel:
     - ``check``: compare every rank's model, plan and options at start-up.
     - ``timeout_s``: how long a gradient exchange waits for a peer before failing (a rank that died
       fails it at once; one that hangs, after this).
+    - ``broadcast_buffers``: the model's buffers (BatchNorm's running statistics) are rank 0's at the
+      start of each step's first forward, as ``DistributedDataParallel(broadcast_buffers=True)`` makes
+      them (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
     """
 
     shard: bool = False
     reduce_on: str = "auto"
     check: bool = True
     timeout_s: float = 300.0
+    broadcast_buffers: bool = True
 
     def __post_init__(self) -> None:
         check_reduce_on(self.reduce_on)
@@ -83,11 +87,19 @@ def backend_for(tensor: torch.Tensor, default: str) -> str:
 
 
 class GroupCommunicator:
-    """Collectives on process groups of all ranks: the exchange thread's (sums) and the update
-    thread's (broadcasts of updated shards, the clipping norms). Each collective goes to its
+    """Collectives on process groups of all ranks: the exchange thread's (sums), the update
+    thread's (broadcasts of updated shards, the clipping norms) and the training thread's (the
+    start-up handshake, the gradients of parameters kept on the device). Each collective goes to its
     thread's group of the backend its tensor needs (:func:`backend_for`): the update thread carries
     host tensors only (staging and flat buffers, the norms), so its group is gloo; the exchange
-    thread's is gloo for ``reduce_on="host"``, else the default backend (NCCL: device buffers)."""
+    thread's is gloo for ``reduce_on="host"``, else the default backend (NCCL: device buffers); the
+    training thread's is the default backend's.
+
+    NOTE [every collective times out]
+    Every group is made with ``timeout_s``, so that a rank that hangs fails the others within it.
+    The training thread's collectives ran on the default group, whose timeout is the one
+    ``init_process_group`` got (30 minutes by default): a hung peer held a rank in a step with
+    parameters kept on the device (``device_params_below``) until the peer went away."""
 
     def __init__(self, config: DataParallel) -> None:
         if not dist.is_available() or not dist.is_initialized():
@@ -108,6 +120,8 @@ class GroupCommunicator:
             ("exchange", exchange_backend): dist.new_group(ranks, backend=exchange_backend, timeout=timeout),
             ("update", "gloo"): dist.new_group(ranks, backend="gloo", timeout=timeout),
         }
+        self._groups[("training", self.default_backend)] = dist.new_group(ranks, backend=self.default_backend,
+                                                                          timeout=timeout)
 
     def group_for(self, thread: str, tensor: torch.Tensor) -> Any:
         """The process group of ``thread`` (``"exchange"`` or ``"update"``) for a collective on ``tensor``."""
@@ -120,17 +134,21 @@ class GroupCommunicator:
                 f"(it has {sorted(b for t, b in self._groups if t == thread)}); please report this"
             ) from None
 
-    def all_reduce(self, tensor: torch.Tensor) -> None:
+    def all_reduce(self, tensor: torch.Tensor, *, thread: str = "exchange") -> None:
         with peer_failures():
-            dist.all_reduce(tensor, group=self.group_for("exchange", tensor))
+            dist.all_reduce(tensor, group=self.group_for(thread, tensor))
 
     def reduce(self, tensor: torch.Tensor, dst: int) -> None:
         with peer_failures():
             dist.reduce(tensor, dst=dst, group=self.group_for("exchange", tensor))
 
-    def broadcast(self, tensor: torch.Tensor, src: int) -> None:
+    def training_group(self) -> Any:
+        """The training thread's group (the default backend's)."""
+        return next(group for (thread, _), group in self._groups.items() if thread == "training")
+
+    def broadcast(self, tensor: torch.Tensor, src: int, *, thread: str = "update") -> None:
         with peer_failures():
-            dist.broadcast(tensor, src=src, group=self.group_for("update", tensor))
+            dist.broadcast(tensor, src=src, group=self.group_for(thread, tensor))
 
     def sum_vector(self, tensor: torch.Tensor) -> None:
         with peer_failures():
@@ -178,16 +196,21 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
     return {
         "parameter names and shapes": digest([(n, s) for n, s, _ in layout]),
         "parameter dtypes": digest([d for _, _, d in layout]),
+        # A weight frozen on one rank only would take the others' gradients there (NOTE [gradients
+        # missing on some ranks] in ooc.optim.stages): trained on one rank, frozen on another.
+        "trainable parameters": digest([p.requires_grad for p in params]),
         "plan": digest(plan_json),
         "optimizer options": digest(options),
         "torch version": torch.__version__,
     }
 
 
-def check_world(mine: dict[str, str]) -> None:
-    """Raise :class:`WorldError` on every rank if any rank's fingerprint differs from rank 0's."""
+def check_world(mine: dict[str, str], group: Any = None) -> None:
+    """Raise :class:`WorldError` on every rank if any rank's fingerprint differs from rank 0's
+    (``group``: the process group to compare over, default the default group)."""
     everyone: list[dict[str, str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
+    with peer_failures():
+        dist.all_gather_object(everyone, mine, group=group)
     reference = everyone[0]
     problems = [
         f"rank {rank} differs from rank 0 in: {', '.join(k for k in reference if other.get(k) != reference[k])}"
@@ -195,10 +218,21 @@ def check_world(mine: dict[str, str]) -> None:
         if other != reference
     ]
     if problems:
+        plans = any(other is not None and other.get("plan") != reference["plan"] for other in everyone)
         raise WorldError(
             "; ".join(problems) + ". Every rank must build the same model (same sizes and dtypes), the same "
             "ooc plan and the same optimizer options; check the command line of each rank."
+            + (PLANS_DIFFER if plans else "")
         )
+
+
+PLANS_DIFFER = (
+    " A plan chosen from a budget (ooc.wrap(model, budget=..., sample=...)) is measured on each rank, and timing "
+    "noise can choose another on two ranks: choose it on one rank and give every rank that one, as ooc train does "
+    "(chosen = [ooc.plan(model, sample, budget=...).to_json() if rank == 0 else None]; "
+    "torch.distributed.broadcast_object_list(chosen, src=0); ooc.wrap(model, ooc.Plan.from_json(chosen[0])))."
+)
+"""What :func:`check_world` adds when the ranks' plans differ."""
 
 
 def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],
@@ -211,7 +245,7 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
     comm = GroupCommunicator(config)
     try:
         if config.check:
-            check_world(fingerprint(model, params, options_of(config, **options), plan_json))
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json), comm.training_group())
         broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:
@@ -222,11 +256,11 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
 
 def broadcast_parameters(params: Sequence[torch.Tensor], comm: GroupCommunicator) -> None:
     """Every rank starts from rank 0's weights (as DistributedDataParallel does): device parameters
-    over the default group, host ones (streamed parameters) over ``comm``'s gloo group."""
-    with torch.no_grad():
+    over the training thread's group, host ones (streamed parameters) over ``comm``'s gloo group."""
+    with torch.no_grad(), peer_failures():
         for p in params:
             if backend_for(p.data, comm.default_backend) == comm.default_backend:
-                dist.broadcast(p.data, src=0)
+                dist.broadcast(p.data, src=0, group=comm.training_group())
             else:
                 # Not yet running: the update thread's group is free for the start-up broadcast.
                 dist.broadcast(p.data, src=0, group=comm.group_for("update", p.data))

@@ -12,7 +12,7 @@ import contextlib
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -27,7 +27,7 @@ from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
-from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Codec, Plan, Policy
+from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedParameter, SharedStorage, machine_header
 from ooc.storage_sharing import measure_shared_storages
 
@@ -43,8 +43,9 @@ def default_loss(output: Any) -> torch.Tensor:
 
 
 def call_model(model: nn.Module, sample: Any) -> Any:
-    """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a dict."""
-    if isinstance(sample, dict):
+    """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a mapping (a
+    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict)."""
+    if isinstance(sample, Mapping):
         return model(**sample)
     if isinstance(sample, (tuple, list)):
         return model(*sample)
@@ -289,7 +290,7 @@ def _op_profiles(model: nn.Module, chain, backend: Backend, sample: Any, reps: i
         restore()
 
 
-def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[Codec, float]]:  # noqa: ANN001
+def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[str, float]]:  # noqa: ANN001
     """Per block, each codec's gradient error (NOTE [codec error]), from one step under ``plan``."""
     def capture_step() -> None:
         install(model, chain, plan, backend)
@@ -316,7 +317,7 @@ def outside_param_bytes(model, chain) -> int:  # noqa: ANN001
 def block_profiles_to_profile(
     chain, log: list, forward_s: list[float], backward_s: list[float], outputs: list[int], min_swap_bytes: int,
     outside_s: float, *, model: str, machine: dict[str, str], notes: str, outside_param_bytes: int = 0,
-    codec_errors: list[dict[Codec, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
+    codec_errors: list[dict[str, float]] | None = None, shared: list[tuple[SharedStorage, ...]] | None = None,
     ops: list[tuple[OpProfile, ...]] | None = None, rerun_s: list[float] | None = None,
     shared_params: frozenset[int] = frozenset(),
 ) -> Profile:
@@ -349,7 +350,7 @@ def block_profiles_to_profile(
                     (c, saved_compressed[0][i][c], inputs_compressed[0][i][c], saved_compressed[1][i][c], inputs_compressed[1][i][c])
                     for c in saved_compressed[0][i]
                 ),
-                codec_error=() if codec_errors is None else tuple((c.value, e) for c, e in codec_errors[i].items()),
+                codec_error=() if codec_errors is None else tuple(codec_errors[i].items()),
                 shared=() if shared is None else shared[i],
                 shared_params=tuple(SharedParameter(numbers.setdefault(id(p), len(numbers)), p.numel() * p.element_size())
                                     for p in params if id(p) in shared_params),

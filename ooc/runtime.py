@@ -110,6 +110,8 @@ class _Pass:
         them. Held here too, they live as the schedule says: released, copied back, freed when the
         block's backward ends, as a kept block's bytes are (``free_kept``)."""
         self.kept = [0] * n
+        self.nonfinite = runtime.swap_ctx.start_forward()
+        """NaN/Inf groups met while this pass's forward compressed (NOTE [non-finite counts per forward])."""
         self.last_forward = -1
         self.backward_started = False
         self.backward_id = -1
@@ -124,6 +126,9 @@ class _Pass:
         self.saved_versions: dict[int, tuple[int, weakref.ref, int]] = {}
         """id(packed) -> (block, the tensor whose version counter it shares, its version at pack);
         NOTE [saved tensors modified in place]."""
+        self.compressed_saves: list[tuple[SwappedStorage, torch.Tensor, int]] = []
+        """The compressed records the running block's forward made, each beside an alias of its source
+        and the source's version at the save, until ``seal_compressed`` (NOTE [saved tensors modified in place])."""
         # A graph dropped without a backward frees its saved tensors with it. A finalizer, not
         # ``__del__``: it exists only once the pass is whole (torch.compile builds and drops objects
         # whose ``__init__`` never ran, and their ``__del__`` printed "Exception ignored" tracebacks).
@@ -178,6 +183,9 @@ class _Pass:
         view of a streamed parameter, the parameter, whose version counter the view shared) and
         ``unpack`` compares it, as autograd would, when the backward uses the tensor. Recomputed blocks make
         the same check themselves (NOTE [the re-run sees the forward's state] in ooc.recompute).
+        A compressed record holds codes taken at the save, not its source: the source's version is
+        compared when the block's forward ends (``seal_compressed``), while the pack hook still holds the
+        source; a change after that through a tensor that dies before the backward goes unseen.
         """
         versions = self.saved_versions
 
@@ -194,13 +202,24 @@ class _Pass:
             # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
             # Weakly: the record frees its copied-back bytes when autograd drops its last view.
             raced = None
-            if isinstance(packed, SwappedView) and not isinstance(packed.storage, CompressedStorage):
-                packed.storage.watch(tensor.detach())
+            if isinstance(packed, SwappedView):
+                if isinstance(packed.storage, CompressedStorage):
+                    self.compressed_saves.append((packed.storage, tensor.detach(), tensor._version))
+                else:
+                    packed.storage.watch(tensor.detach())
                 raced = weakref.ref(packed.storage)
             versions[id(packed)] = (block, weakref.ref(watched), watched._version, tuple(watched.shape), raced)
             return packed
 
         return pack_versioned
+
+    def seal_compressed(self) -> None:
+        """The running block's forward is over: a compressed record whose source was changed in place
+        since its save is marked modified (its backward raises), and the sources' aliases go."""
+        for record, alias, version in self.compressed_saves:
+            if alias._version != version:
+                record.modified = True
+        self.compressed_saves.clear()
 
     def unpack(self, packed: object) -> torch.Tensor:
         entry = self.saved_versions.get(id(packed))
@@ -210,7 +229,9 @@ class _Pass:
             changed = watched is not None and watched._version != version
             if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
                 name = self.rt.chain.names[block]
-                versions = f"version {version} -> {watched._version}" if changed else "while its copy to the host was in flight"
+                versions = (f"version {version} -> {watched._version}" if changed
+                            else "in its forward, after it was compressed" if isinstance(record, CompressedStorage)
+                            else "while its copy to the host was in flight")
                 raise SavedTensorModifiedError(
                     f"a tensor that block {name!r} saved for its backward (shape {shape}) was modified "
                     f"in place after the forward ({versions}); plain PyTorch raises here "
@@ -266,7 +287,7 @@ class _Pass:
             self.backward_started = True
             # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
             # counts per step (the check the quantize kernel would otherwise sync for per storage).
-            self.rt.swap_ctx.check_finite()
+            self.nonfinite.check()
             for j in schedule.releases_before_backward:
                 self.release(j)
         if self.bwd_range is not None:
@@ -301,6 +322,22 @@ def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
         "run through this model's runtime. Copy the weights instead (model.state_dict() into a new model, or "
         "torch.save(model.state_dict())), or call ooc.unwrap(model) first and wrap again afterwards"
     )
+
+
+class _AttachWeights:
+    """A block's first forward pre-hook: its streamed weights go to the device before the caller's
+    pre-hooks run, so a hook that changes them in place changes the device copy, which the release
+    keeps, not a host copy that a copy in may still read (NOTE [weights changed around a stream-in]
+    in ooc.streaming)."""
+
+    __reduce_ex__ = _refuse_copy
+
+    def __init__(self, runtime: "Runtime", index: int) -> None:
+        self.rt = runtime
+        self.index = index
+
+    def __call__(self, _module: nn.Module, _args: Any) -> None:
+        self.rt.streamer.attach(self.index)
 
 
 class _BlockForward:
@@ -358,8 +395,11 @@ class _BlockForward:
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))
-                with saved_tensors_hooks(pack, step.unpack), rt.timer(i, "forward"):
-                    out = self.original(*args, **kwargs)
+                try:
+                    with saved_tensors_hooks(pack, step.unpack), rt.timer(i, "forward"):
+                        out = self.original(*args, **kwargs)
+                finally:
+                    step.seal_compressed()
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
         finally:
@@ -416,6 +456,8 @@ class Runtime:
         self.first_calls: list[int] | None = None
         """The blocks run during the model's first training forward, checked when it ends."""
         self._first_forward_hooks: list[Any] = []
+        self._attach_hooks: list[Any] = []
+        """Forward pre-hooks that bring a block's streamed weights in before the caller's pre-hooks."""
 
     def _make_streamer(self, plan: Plan) -> ParamStreamer:
         if any(b.streamed for b in plan.blocks):
@@ -452,7 +494,6 @@ class Runtime:
             current = _Pass(self)
             self._current = weakref.ref(current)
             self.tracker.start_step()
-            self.swap_ctx.reset_finite()  # a previous forward whose backward never ran
         current.last_forward = block
         return current
 
@@ -461,6 +502,7 @@ class Runtime:
             previous = module.__dict__.get("forward")
             module.forward = _BlockForward(self, i, module.forward)
             self._installed.append((module, previous))
+            self._attach_hooks.append(module.register_forward_pre_hook(_AttachWeights(self, i), prepend=True))
         self._first_forward_hooks = [
             self.model.register_forward_pre_hook(self._start_first_forward),
             self.model.register_forward_hook(self._end_first_forward),
@@ -485,9 +527,9 @@ class Runtime:
             raise BlockError(f"{exc} ooc unwrapped the model.") from None
 
     def uninstall(self) -> None:
-        for handle in self._first_forward_hooks:
+        for handle in (*self._first_forward_hooks, *self._attach_hooks):
             handle.remove()
-        self._first_forward_hooks = []
+        self._first_forward_hooks, self._attach_hooks = [], []
         for module, previous in self._installed:
             if previous is None:
                 module.__dict__.pop("forward", None)

@@ -43,31 +43,35 @@ class NonFiniteActivationError(OocError, ValueError):
     """A saved activation to be compressed held NaN or Inf."""
 
 
-class SwapContext:
-    """What a swapped storage needs to move itself: backend, host pool, tracker, range names, and
-    the per-block counts of non-finite groups met while compressing (``nonfinite_flag``)."""
+class NonFiniteCounts:
+    """Per block, the NaN/Inf groups the quantize kernels met while one forward compressed its saved
+    tensors, counted on the device (``flag``) and read once, by that forward's backward (``check``).
 
-    __slots__ = ("backend", "pool", "tracker", "names", "_nonfinite", "_pending")
+    NOTE [non-finite counts per forward]
+    The counts belong to one forward (one ``_Pass``), not to the runtime: several forwards may run
+    before one backward (micro-batches summed into one loss), and a forward's graph may be dropped
+    without a backward. Zeroing shared counts when a forward starts forgot the NaN of a forward whose
+    backward was still to come; keeping them let a dropped forward's NaN fail the next step. Each
+    backward reads its own forward's counts, and a dropped forward's die with it.
+    """
 
-    def __init__(self, backend: Backend, pool: HostPool, tracker: MemoryTracker, names: list[str]) -> None:
-        self.backend = backend
-        self.pool = pool
-        self.tracker = tracker
+    __slots__ = ("names", "_counts", "_pending")
+
+    def __init__(self, names: list[str]) -> None:
         self.names = names
-        self._nonfinite: torch.Tensor | None = None
-        """Per block, NaN/Inf groups counted on the device by the quantize kernels this step."""
+        self._counts: torch.Tensor | None = None
         self._pending = False
-        """Whether anything was compressed since the last ``check_finite``."""
+        """Whether anything was compressed since the last ``check``."""
 
-    def nonfinite_flag(self, block: int, device: torch.device) -> torch.Tensor:
+    def flag(self, block: int, device: torch.device) -> torch.Tensor:
         """The 1-element device counter that compressing a storage of ``block`` adds its NaN/Inf
-        groups to (read once per step by ``check_finite``, not once per storage)."""
-        if self._nonfinite is None or self._nonfinite.device != device:
-            self._nonfinite = torch.zeros(len(self.names), dtype=torch.int64, device=device)
+        groups to (read once per step by ``check``, not once per storage)."""
+        if self._counts is None or self._counts.device != device:
+            self._counts = torch.zeros(len(self.names), dtype=torch.int64, device=device)
         self._pending = True
-        return self._nonfinite[block:block + 1]
+        return self._counts[block:block + 1]
 
-    def check_finite(self) -> None:
+    def check(self) -> None:
         """Raise :class:`NonFiniteActivationError` naming the blocks whose compressed activations
         held NaN or Inf since the last check, and start counting afresh. One host sync, and only
         if anything was compressed."""
@@ -75,20 +79,38 @@ class SwapContext:
             return
         self._pending = False
         # Host sync (once per step): the counts are added on the compute stream, which this read follows.
-        counts = self._nonfinite.tolist()
+        counts = self._counts.tolist()
         if not any(counts):
             return
-        self._nonfinite.zero_()
+        self._counts.zero_()
         bad = ", ".join(f"{self.names[b]} ({n} group(s))" for b, n in enumerate(counts) if n)
         raise NonFiniteActivationError(
             f"quantize: saved activations of block(s) {bad} hold NaN or Inf; a swapped activation must be finite "
             "(check the loss scale, or keep these blocks' tensors uncompressed: codec 'none')")
 
-    def reset_finite(self) -> None:
-        """Forget the counts of a step whose backward never ran (no host sync)."""
-        if self._pending:
-            self._nonfinite.zero_()
-            self._pending = False
+
+class SwapContext:
+    """What a swapped storage needs to move itself: backend, host pool, tracker, range names, and
+    the current forward's counts of non-finite groups met while compressing (``nonfinite``)."""
+
+    __slots__ = ("backend", "pool", "tracker", "names", "nonfinite")
+
+    def __init__(self, backend: Backend, pool: HostPool, tracker: MemoryTracker, names: list[str]) -> None:
+        self.backend = backend
+        self.pool = pool
+        self.tracker = tracker
+        self.names = names
+        self.nonfinite = NonFiniteCounts(names)
+        """The counts the storages compressed from now on add to (NOTE [non-finite counts per forward])."""
+
+    def start_forward(self) -> NonFiniteCounts:
+        """Fresh counts for a forward that starts now; its backward checks them."""
+        self.nonfinite = NonFiniteCounts(self.names)
+        return self.nonfinite
+
+    def nonfinite_flag(self, block: int, device: torch.device) -> torch.Tensor:
+        """``NonFiniteCounts.flag`` of the current forward."""
+        return self.nonfinite.flag(block, device)
 
 
 class SwappedStorage:
@@ -131,8 +153,8 @@ class SwappedStorage:
                 ctx.tracker.alloc(block, self.nbytes, what)
             self.device = device_bytes
             self.host = ctx.pool.acquire(self.nbytes)
-            # The copy may start only once compute has produced the bytes it reads (codes are written
-            # in the encoding context's order, which this copy follows too).
+            # The copy may start only once compute has produced the bytes it reads (codes too: the
+            # quantize kernel runs on the compute stream, CompressedStorage.encode).
             produced = ctx.backend.record_compute()
             self.d2h_done = ctx.backend.copy_d2h(self.host, device_bytes, (produced,))
         ctx.tracker.swapped_out += self.nbytes
@@ -398,7 +420,8 @@ def make_pack_hook(
         if ptr in skip_ptrs:
             return _kept(tensor)
         nbytes = storage.nbytes()
-        if not swap or nbytes < (1 if swap_all else min_swap_bytes):  # an empty storage has nothing to move
+        # An empty storage has nothing to move (and no values to quantize), whatever min_swap_bytes says.
+        if not swap or not nbytes or (not swap_all and nbytes < min_swap_bytes):
             kept = _kept(tensor)
             if nbytes and ptr not in ledger:
                 ledger[ptr] = None

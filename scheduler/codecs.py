@@ -103,6 +103,15 @@ transformer block's gradients by 0.5% and fp8 by 1.6%, int4 by 8%; int8 on the B
 ResNet-18 at 32x32 moves them by 4-13%. ``optimal(max_codec_error=...)`` sets another bound."""
 
 
+def codec_error_name(codec: Codec | str, *, recompute: bool = False) -> str:
+    """The name a codec's measured gradient error has in a profile (``BlockProfile.codec_error``):
+    ``int8`` for a SWAP whose saved tensors go through it, ``int8:recompute`` for a RECOMPUTE whose
+    swapped input goes through it and whose re-run then starts from the dequantized input (NOTE [codec
+    error] in ``ooc.codec_error``)."""
+    name = Codec(codec).value
+    return f"{name}:recompute" if recompute else name
+
+
 def codec_spec(codec: Codec | str) -> CodecSpec:
     """The table's entry for ``codec`` (a ``Codec`` or its value); ``KeyError`` for ``none``."""
     return CODECS[Codec(codec)]

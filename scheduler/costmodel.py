@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ooc.scheduler.codecs import CODEC_ERROR_BOUND, CODECS
+from ooc.scheduler.codecs import CODEC_ERROR_BOUND, CODECS, codec_error_name
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.oplevel import selective_sets, swapped_sets
 from ooc.scheduler.plan import BlockPlan, Codec, Plan, Policy
@@ -224,6 +224,18 @@ def _numbers(c: BlockPlan, b: BlockProfile, hardware: Hardware | None) -> tuple[
     return (bytes_.forward_alloc, X, bytes_.recompute_alloc, D, bytes_.decode_transient), (rec, t_out, t_in, comp)
 
 
+def _codec_allowed(block: BlockProfile, choice: BlockPlan, max_codec_error: float) -> bool:
+    """Whether ``choice``'s codec moves ``block``'s gradients by at most ``max_codec_error``: a RECOMPUTE
+    by its own measured error (its re-run starts from the dequantized input), read as the SWAP's where a
+    profile predates that measurement; a codec the profile did not measure is allowed."""
+    error = None
+    if choice.policy is Policy.RECOMPUTE:
+        error = block.codec_error_of(codec_error_name(choice.codec, recompute=True))
+    if error is None:
+        error = block.codec_error_of(codec_error_name(choice.codec))
+    return error is None or error <= max_codec_error
+
+
 def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[BlockPlan, ...] = BASE_OPTIONS,
                   max_codec_error: float = CODEC_ERROR_BOUND, *, selective: int = 0,
                   selective_swap_input: bool = True, selective_swaps: int = 2) -> Options:
@@ -243,8 +255,7 @@ def build_options(profile: Profile, hardware: Hardware | None, choices: tuple[Bl
     for i, b in enumerate(profile.blocks):
         for k, c in enumerate(choices):
             if c.codec is not Codec.NONE:
-                error = b.codec_error_of(c.codec.value)
-                allowed[i, k] = error is None or error <= max_codec_error
+                allowed[i, k] = _codec_allowed(b, c, max_codec_error)
             (A[i, k], X[i, k], Rc[i, k], D[i, k], T[i, k]), (rec[i, k], t_out[i, k], t_in[i, k], comp[i, k]) = _numbers(c, b, hardware)
     nxt = np.array([profile.blocks[i + 1].forward_s for i in range(n - 1)] + [profile.outside_forward_s + profile.outside_backward_s])
     base = Options(choices, A, X, Rc, D, T, rec, t_out, t_in, comp, nxt, allowed)

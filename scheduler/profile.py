@@ -175,7 +175,9 @@ class BlockProfile:
     codec_error: tuple[tuple[str, float], ...] = ()
     """Per codec: the relative L2 error of the block's gradients (of its inputs and parameters) when
     its saved tensors go through the codec, measured by the profiler (NOTE [codec error] in
-    ``ooc.codec_error``); a codec missing here was not measured."""
+    ``ooc.codec_error``), and under ``<codec>:recompute`` when the block runs again from its inputs
+    put through the codec (``ooc.scheduler.codecs.codec_error_name``); a codec missing here was not
+    measured."""
     ops: tuple[OpProfile, ...] = ()
     """The block's forward op by op (NOTE [op-level profile]); empty when not profiled at that level."""
     shared: tuple[SharedStorage, ...] = ()

@@ -4,7 +4,6 @@ H2D), events, and host buffers. ``cuda`` runs it on streams; ``cpu`` on copy-eng
 from __future__ import annotations
 
 import abc
-import contextlib
 import threading
 from typing import Protocol
 
@@ -83,11 +82,6 @@ class Backend(abc.ABC):
     @abc.abstractmethod
     def synchronize(self) -> None:
         """Wait for every copy issued so far (used at shutdown and in tests)."""
-
-    def encode_context(self, source: torch.Tensor) -> contextlib.AbstractContextManager:
-        """Where a swapped tensor is compressed before its copy out: the D2H stream on CUDA (after
-        compute has produced ``source``), the host thread on CPU."""
-        return contextlib.nullcontext()
 
     def bind_thread(self) -> None:  # noqa: B027 - optional: only CUDA has a per-thread current device
         """Make this backend's device the calling thread's current device. A thread ooc starts calls

@@ -12,10 +12,8 @@ Nothing here runs at import time; ``torch.cuda`` is touched only when a ``CudaBa
 
 from __future__ import annotations
 
-import contextlib
 import random
 import threading
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -150,15 +148,6 @@ class CudaBackend(Backend):
 
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         return self._copy(self._h2d, dst, src, after)
-
-    @contextlib.contextmanager
-    def encode_context(self, source: torch.Tensor) -> Iterator[None]:
-        # The quantize kernel runs on the copy stream, after compute has produced its input; compute
-        # may drop the input meanwhile, so the allocator must know the copy stream still reads it.
-        self._d2h.wait_event(self.record_compute())
-        source.record_stream(self._d2h)
-        with torch.cuda.stream(self._d2h):
-            yield
 
     def bind_thread(self) -> None:
         # The current device is per thread and a new thread starts on cuda:0: events, streams and

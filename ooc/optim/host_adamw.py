@@ -25,10 +25,10 @@ from torch.optim.adamw import adamw
 
 from ooc.backend import Backend, resolve_backend
 from ooc.blocks import Chain, find_blocks
-from ooc.distributed import DataParallel, GroupCommunicator, join_world, peer_failures
+from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.layout import grad32_elements, make_layout
+from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
 from ooc.optim.stages import Hyper, StageListener, Stages
 from ooc.runtime import is_wrapped, register_weight_writer, runtime_of, weight_streamer
@@ -250,8 +250,12 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
+        self._buffers = _BufferSync(comm) \
+            if comm is not None and data_parallel.broadcast_buffers and model is not None else None
         self._pipelined = model is not None and pipeline
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
+        if comm is not None and not self._pipelined:
+            self._handles += self._note_grads()
         if streamer is not None:
             self._handles.append(_StreamGate(streamer, self._pipeline, self._buckets))
         self._finalizer = weakref.finalize(self, _shutdown, self._pipeline, self._handles, comm,
@@ -322,10 +326,13 @@ class HostAdamW(torch.optim.Optimizer):
                     lambda _m, _args, i=bucket.index: pipe.before_block_forward(i)))
         outside = tuple(b.index for b in self._buckets if b.block is None)
         streamer = weight_streamer(model)
+        buffers = self._buffers
 
         def before_forward(_m: nn.Module, _args: Any) -> None:
             _check_same_streamer(model, streamer)
             pipe.before_forward(outside)
+            if buffers is not None:
+                buffers.before_forward(model)
 
         handles.append(model.register_forward_pre_hook(before_forward))
         if on_grad:
@@ -335,6 +342,14 @@ class HostAdamW(torch.optim.Optimizer):
         handles.append(model.register_load_state_dict_pre_hook(loads.before))
         handles.append(model.register_load_state_dict_post_hook(loads.after))
         return handles
+
+    def _note_grads(self) -> list[Any]:
+        """Data-parallel without the pipeline's gradient hooks: hooks that note each gradient as it
+        arrives, for ``step()`` to refuse a change made in the loop, which would see this rank's own
+        gradients, not their average (NOTE [gradients read in the backward] in ooc.optim.pipeline)."""
+        pipe = self._pipeline
+        return [p.register_post_accumulate_grad_hook(lambda q, i=bucket.index: pipe.note_grad(i, q))
+                for bucket in self._buckets for p in bucket.params if p.requires_grad]
 
     def _loaded_over_masters(self, model: nn.Module, state_dict: dict[str, Any],
                              prefix: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
@@ -393,18 +408,28 @@ class HostAdamW(torch.optim.Optimizer):
             for p in params:
                 p.grad.mul_(coef.to(p.grad.device))
         self._step_device_params(params)
+        if self._buffers is not None:
+            self._buffers.forwards = 0
         if not self._pipelined:
             self.synchronize()
         return loss
 
     def _reduced_device_grads(self) -> list[torch.Tensor]:
-        """The parameters kept on their device that have a gradient, averaged across the ranks."""
-        params = [p for p in self._device_params if p.grad is not None]
-        if self._comm is not None:
-            for p in params:
-                with peer_failures():
-                    torch.distributed.all_reduce(p.grad)  # the default group: only this thread uses it
-                p.grad.div_(self._comm.world)
+        """The parameters kept on their device that have a gradient (on some rank), averaged across
+        the ranks: a rank without one takes zeros, as DDP does (NOTE [gradients missing on some
+        ranks] in ooc.optim.stages)."""
+        if self._comm is None or not self._device_params:
+            return [p for p in self._device_params if p.grad is not None]
+        # On the training thread's group, on the parameters' device as its backend needs.
+        flags = torch.tensor([p.grad is not None for p in self._device_params], dtype=torch.int32,
+                             device=self._device_params[0].device)
+        self._comm.all_reduce(flags, thread="training")
+        params = [p for p, n in zip(self._device_params, flags.tolist()) if n > 0]
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self._comm.all_reduce(p.grad, thread="training")
+            p.grad.div_(self._comm.world)
         return params
 
     def _step_device_params(self, params: list[torch.Tensor]) -> None:
@@ -440,6 +465,9 @@ class HostAdamW(torch.optim.Optimizer):
             self._pipeline.discard("zero_grad() without step() after a backward")
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
+        self._pipeline.forget_grads()
+        if self._buffers is not None:
+            self._buffers.forwards = 0
         super().zero_grad(set_to_none=set_to_none)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -531,6 +559,39 @@ class HostAdamW(torch.optim.Optimizer):
         """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
         done when the optimizer is garbage-collected."""
         self._finalizer()
+
+
+class _BufferSync:
+    """Data-parallel: the model's buffers become rank 0's before each step's last forward.
+
+    NOTE [buffers follow rank 0]
+    ``DistributedDataParallel`` broadcasts rank 0's buffers before a forward that follows one which
+    synced gradients (with grad enabled, outside ``no_sync()``): in a loop, before each step's first
+    forward. So every rank's BatchNorm running statistics are rank 0's updated by its own batches
+    of the step, and every rank evaluates alike. Each rank kept its own here: rank 0's (what a
+    checkpoint saves) equalled DDP's, the others' parted from them. So the first forward with grad
+    enabled after ``step()`` or ``zero_grad()`` (and the first of all) takes rank 0's buffers first,
+    one broadcast each on the training thread's group; ``DataParallel(broadcast_buffers=False)``
+    leaves them alone. Forwards without grad take none (DDP's would, after a step): an evaluation
+    on rank 0 alone must not wait for the other ranks."""
+
+    def __init__(self, comm: GroupCommunicator) -> None:
+        self.comm = comm
+        self.forwards = 0
+        """Forwards with grad enabled since the last ``step()`` or ``zero_grad()``."""
+
+    def before_forward(self, model: nn.Module) -> None:
+        if not torch.is_grad_enabled():
+            return
+        self.forwards += 1
+        if self.forwards > 1:
+            return
+        with torch.no_grad():
+            for buffer in model.buffers():
+                # Its memory as it lies (channels_last, transposed: NCCL refuses a tensor not contiguous
+                # in its memory format); one that is not dense (an expand()ed view) stays as it is.
+                if dense(buffer):
+                    self.comm.broadcast(storage_span(buffer), 0, thread="training")
 
 
 class _HostState(dict):

@@ -434,12 +434,11 @@ class UpdatePipeline:
         status.launched_in = self._serial if self.in_backward else -1
         status.backed_up = False
         for p in self.buckets[index].params:
-            if (grad := p.grad) is not None:
-                self._read_grads[id(p)] = (index, p, grad, grad._version, _fingerprint(grad))
-        if not job.grads:
-            if self.stages.comm is not None:
-                self._to_exchange(job)  # holds the bucket's place in the canonical order
+            self.note_grad(index, p)
+        if not job.grads and self.stages.comm is None:
             return
+        # Data-parallel, a bucket without gradients here goes on all the same: another rank's may
+        # have some, which this rank then updates with (NOTE [gradients missing on some ranks]).
         # The previous step's job of this bucket must be done with its buffers before they are
         # rewritten (it is, unless delayed_update: then its update had this whole step to finish).
         self._wait_done(index)
@@ -564,7 +563,13 @@ class UpdatePipeline:
         values of each gradient, and let a change that spared them through: ``clip_grad_value_``
         (Lightning's ``gradient_clip_algorithm="value"``) clamping other values, rows masked after
         the backward. ooc itself writes no gradient there; it moves a streamed weight's to a new
-        tensor of the same values, which the check follows (``grad_moved``)."""
+        tensor of the same values, which the check follows (``grad_moved``).
+        Data-parallel, the gradients between the backward and ``step()`` are each rank's own, not the
+        average DistributedDataParallel leaves there: a clip in the loop clipped each rank by its own
+        norm, and with ``pipeline=False`` (which the advice below named) nothing read them before
+        ``step()`` and the weights parted from DDP's without a word. So data-parallel HostAdamW notes
+        every gradient as it arrives (``note_grad``), pipelined or not, and the check refuses any
+        change, pointing to ``max_grad_norm=``."""
         touched = [(bucket, p, before) for bucket, p, grad, version, before in self._read_grads.values()
                    if p.grad is not grad or grad._version != version]
         # Values compared only where an op wrote (a device read waits for it; rare): a scale by 1.0
@@ -573,6 +578,17 @@ class UpdatePipeline:
         if not changed:
             return
         changed = [self.buckets[i].name for i in changed]
+        if self.stages.comm is not None:
+            # Not reset: the other ranks may be in this step's exchange already (a rank whose clip
+            # changed nothing goes on), so this rank cannot run it again alone.
+            raise PipelineError(
+                f"the gradients of {', '.join(changed)} changed between the backward and step() (e.g. "
+                "torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in the loop): with "
+                "data_parallel, the gradients a loop sees there are this rank's own, not yet averaged across the ranks "
+                "as DistributedDataParallel's are, so a clip there clips each rank by its own norm and the weights "
+                "part from DDP's. Clip by norm with HostAdamW(max_grad_norm=...), which clips the averaged gradients "
+                "by their global norm, and restart the ranks (from a checkpoint if this step's updates began)"
+            )
         why = (f"the gradients of {', '.join(changed)} changed between the backward and step(), after their host "
                "update had read them (e.g. torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in "
                "the loop; Lightning's gradient_clip_val; transformers.Trainer clips at its default max_grad_norm=1.0)")
@@ -594,6 +610,16 @@ class UpdatePipeline:
             "max_grad_norm=0), with Lightning no gradient_clip_val), or build HostAdamW(pipeline=False) to read the "
             f"gradients in step() (any other change to them). {reset}"
         )
+
+    def note_grad(self, bucket: int, p: torch.Tensor) -> None:
+        """Note the gradient of ``p`` (of ``bucket``) as it is now, for ``step()`` to check that it
+        stays so (NOTE [gradients read in the backward])."""
+        if (grad := p.grad) is not None:
+            self._read_grads[id(p)] = (bucket, p, grad, grad._version, _fingerprint(grad))
+
+    def forget_grads(self) -> None:
+        """``zero_grad()``: the gradients noted are gone."""
+        self._read_grads = {}
 
     def grad_moved(self, param: torch.Tensor, grad: torch.Tensor) -> None:
         """ooc moved ``param``'s gradient to a new tensor of the same values (a streamed weight's,
@@ -741,9 +767,10 @@ class UpdatePipeline:
                 expected += 1
 
     def _exchange(self, job: Job) -> None:
-        if not job.grads:
-            return
         self.stages.exchange(job)
+        if not job.grads:
+            self.status[job.bucket].done.set()  # no rank had a gradient for it: nothing to update
+            return
         self._ended(job.bucket, Stage.EXCHANGE)
         self._to_update(job)
 

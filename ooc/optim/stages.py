@@ -24,7 +24,9 @@ before the next step's COPY_OUT), and never overlap the next step's. After UPDAT
 masters and moments hold this step's update and stay unchanged until its next UPDATE, which runs
 on the same thread after the listener has returned: a snapshot taken (or waited for) in an UPDATE
 listener is consistent. A listener that raises stops the optimizer like any failed stage (the error
-is raised on the training thread). Buckets none of whose parameters got a gradient run no stage.
+is raised on the training thread). Buckets none of whose parameters got a gradient run no stage
+(data-parallel: on any rank; such a bucket runs COPY_OUT, with nothing to copy, before the exchange
+finds that out).
 """
 
 from __future__ import annotations
@@ -80,8 +82,9 @@ class Job:
     on_host: bool = False
     """``grads`` holds the reduced fp32 host gradients."""
     present: frozenset[int] = frozenset()
-    """The ids of the bucket's parameters that had a gradient at launch (on every rank: sharded, the
-    owners update and broadcast them; ``grads`` keeps only this rank's)."""
+    """The ids of the bucket's parameters that had a gradient at launch; after the exchange, on any
+    rank (the same set on every rank: sharded, the owners update and broadcast them; ``grads`` keeps
+    only this rank's)."""
 
 
 class Communicator(Protocol):
@@ -136,9 +139,10 @@ class Stages:
 
     def job(self, index: int) -> Job:
         """This step's job of bucket ``index``: its gradients (training thread, at launch)."""
-        grads = {id(p): p.grad for p in self.layout.buckets[index].params if p.grad is not None}
-        return Job(index, grads, {pid: self.state.hyper_of(self.layout.params[pid]) for pid in grads},
-                   present=frozenset(grads))
+        params = self.layout.buckets[index].params
+        grads = {id(p): p.grad for p in params if p.grad is not None}
+        # Every parameter's settings: data-parallel, one without a gradient here may have one on another rank.
+        return Job(index, grads, {id(p): self.state.hyper_of(p) for p in params}, present=frozenset(grads))
 
     # 1. training thread ------------------------------------------------------------------------
 
@@ -166,30 +170,60 @@ class Stages:
     # 2. exchange thread ------------------------------------------------------------------------
 
     def exchange(self, job: Job) -> None:
-        """Wait for the job's gradients and sum them across ranks."""
+        """Wait for the job's gradients and sum them across ranks; ``job.grads`` then holds every
+        parameter with a gradient on some rank (NOTE [gradients missing on some ranks])."""
         for event in job.after:
             event.synchronize()  # the gradients are on the host (device mode: concatenated)
+        if self.comm is None:
+            return
+        self._agree_on_present(job)
+        if not job.present:
+            return  # no rank has a gradient here: no collective on any rank
         for seg in self.layout.segments[job.bucket]:
             if self.reduce_on_device:
                 flat = seg.device_flat
                 self._reduce(seg, flat)
-                if seg.host_grad is None:
-                    job.grads.update(_present(seg, seg.views(flat), job.grads))
-                else:
+                if seg.host_grad is not None:
                     # NOTE: a collective is ordered on the issuing thread's current stream (NCCL
                     # makes that stream wait for it), not on the D2H stream: record an event there,
                     # after the collective, for the copy to wait on. Then wait on the host: the
                     # update reads the host copy next.
                     reduced = self.backend.record_compute()
                     self.backend.copy_d2h(seg.host_grad, flat, (reduced,)).synchronize()
-            elif self.comm is not None:
-                if seg.host_grad is None:
-                    # Own-master gradients are separate tensors: side by side for one collective.
-                    _gather(seg, seg.flat, job.grads)
-                    self._reduce(seg, seg.flat)
-                    job.grads.update(_present(seg, seg.views(seg.flat), job.grads))
-                else:
-                    self._reduce(seg, seg.host_grad)
+                    flat = seg.host_grad
+            elif seg.host_grad is None:
+                # Own-master gradients are separate tensors: side by side for one collective.
+                _gather(seg, seg.flat, job.grads)
+                self._reduce(seg, seg.flat)
+                flat = seg.flat
+            else:
+                for p, view in zip(seg.params, seg.views(seg.host_grad)):
+                    if id(p) in job.present and id(p) not in job.grads:
+                        view.zero_()  # copy_out left it as an earlier step wrote it; the copies are done
+                self._reduce(seg, seg.host_grad)
+                flat = seg.host_grad
+            job.grads.update(_present(seg, seg.views(flat), job.present))
+
+    def _agree_on_present(self, job: Job) -> None:
+        """Set ``job.present`` to the bucket's parameters that have a gradient on any rank (a collective
+        on the exchange thread's group, in the buffers' place: the device's, reducing there).
+
+        NOTE [gradients missing on some ranks]
+        A parameter the batch of one rank does not use (an auxiliary head, a branch the data takes)
+        has no gradient there. torch's DistributedDataParallel(find_unused_parameters=True) averages
+        it with zeros from that rank, and every rank updates it. A rank skipped the exchange of a
+        bucket without gradients, so the other's collective met its next bucket's (gloo aborts the
+        process on sizes that differ; equal sizes summed two buckets' gradients), and updated only
+        the parameters with a gradient of its own, while the others updated them too: the ranks'
+        weights parted without a word. So every rank exchanges every bucket each step, first the
+        flags of which parameters have a gradient, summed: a gradient missing here counts as zeros
+        (gathered ones are zeroed; a host copy-out buffer keeps an earlier step's values, so those
+        are zeroed here), and every rank updates the same parameters, as under DDP."""
+        bucket = self.layout.buckets[job.bucket]
+        device = self.layout.segments[job.bucket][0].device_flat.device if self.reduce_on_device else "cpu"
+        flags = torch.tensor([id(p) in job.grads for p in bucket.params], dtype=torch.int32, device=device)
+        self.comm.all_reduce(flags)
+        job.present = frozenset(id(p) for p, n in zip(bucket.params, flags.tolist()) if n > 0)
 
     def _reduce(self, seg: Segment, flat: torch.Tensor) -> None:
         if self.comm is None:
@@ -328,9 +362,9 @@ class Stages:
         return events
 
 
-def _present(seg: Segment, views: list[torch.Tensor], grads: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-    """The reduced views of the parameters that had a gradient."""
-    return {id(p): v for p, v in zip(seg.params, views) if id(p) in grads}
+def _present(seg: Segment, views: list[torch.Tensor], present: frozenset[int]) -> dict[int, torch.Tensor]:
+    """The reduced views of the parameters that had a gradient (on some rank)."""
+    return {id(p): v for p, v in zip(seg.params, views) if id(p) in present}
 
 
 @torch.no_grad()

@@ -51,6 +51,74 @@ def test_autograd_matches_nn_linear_except_the_quantized_weight_grad() -> None:
     assert 0 < rel < 0.01  # int8 input: ~0.4% per value
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_under_autocast_it_trains_as_nn_linear_does(dtype) -> None:
+    # The forward's matmul runs in the autocast dtype, so its output gradient comes back in it; the
+    # backward multiplied that by the fp32 weight and failed ("expected m1 and m2 to have the same
+    # dtype"), where nn.Linear computes in the autocast dtype.
+    torch.manual_seed(0)
+    dense = nn.Linear(96, 48)
+    low = LowBitLinear(96, 48, bits=8)
+    low.load_state_dict(dense.state_dict())
+    x = torch.randn(4, 10, 96, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    with torch.autocast("cpu", dtype=dtype):
+        y, y2 = dense(x), low(x2)
+    assert y2.dtype == y.dtype == dtype
+    y.float().square().sum().backward()
+    y2.float().square().sum().backward()
+    assert x2.grad.dtype == torch.float32 and torch.equal(x.grad, x2.grad)
+    assert torch.equal(low.bias.grad, dense.bias.grad)
+    assert low.weight.grad.dtype == torch.float32
+    rel = (low.weight.grad - dense.weight.grad).norm() / dense.weight.grad.norm()
+    assert 0 < rel < 0.02
+
+
+def test_an_empty_batch_gives_zero_gradients_as_nn_linear_does() -> None:
+    # A mixture-of-experts layer hands an expert no tokens now and then; quantize refused the empty input.
+    torch.manual_seed(0)
+    dense = nn.Linear(96, 48)
+    low = LowBitLinear(96, 48, bits=4)
+    low.load_state_dict(dense.state_dict())
+    x = torch.randn(0, 96, requires_grad=True)
+    x2 = x.detach().clone().requires_grad_()
+    dense(x).sum().backward()
+    y2 = low(x2)
+    y2.sum().backward()
+    assert y2.shape == (0, 48) and x2.grad.shape == (0, 96)
+    assert torch.equal(low.weight.grad, dense.weight.grad) and torch.equal(low.bias.grad, dense.bias.grad)
+
+
+def test_no_codes_are_made_where_no_weight_gradient_will_read_them(monkeypatch) -> None:
+    # Under no_grad (evaluation) and with a frozen weight (the base layers of a LoRA fine-tune) the
+    # backward needs no codes of x (dx = dy @ W), yet each call quantized x and synced the host for
+    # its NaN check, and raised on a NaN input where nn.Linear returns NaN.
+    import ooc.kernels.lowbit_linear as lowbit
+
+    calls: list[int] = []
+    real = lowbit.quantize
+    monkeypatch.setattr(lowbit, "quantize", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch.manual_seed(0)
+    dense = nn.Linear(64, 8)
+    low = LowBitLinear(64, 8)
+    low.load_state_dict(dense.state_dict())
+    x = torch.randn(4, 64)
+    x[0, 0] = float("nan")
+    with torch.no_grad():
+        torch.testing.assert_close(low(x), dense(x), equal_nan=True, rtol=0, atol=0)
+    for p in (*low.parameters(), *dense.parameters()):
+        p.requires_grad_(False)
+    x = torch.randn(4, 64)
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    dense(x1).square().sum().backward()
+    low(x2).square().sum().backward()
+    assert torch.equal(x1.grad, x2.grad)
+    assert calls == []
+    low.weight.requires_grad_(True)
+    low(x2).sum().backward()
+    assert calls == [1]
+
+
 def test_input_size_must_match() -> None:
     with pytest.raises(ValueError, match="features"):
         lowbit_linear(torch.randn(2, 5), torch.randn(3, 4))

@@ -49,6 +49,19 @@ def test_errors() -> None:
         unpack(buffer[:10], layout)
 
 
+def test_a_strided_buffer_is_refused_on_every_path() -> None:
+    # The kernel writes and reads bytes at base + offset, contiguous: a strided ``out`` (every other
+    # byte of a larger buffer) got the bytes the torch path spreads over its elements packed together,
+    # over the bytes between them, so the two paths disagreed and the GPU result was wrong.
+    tensors = [torch.randn(10), torch.arange(3)]
+    layout = layout_of(tensors)
+    strided = torch.zeros(2 * layout.nbytes, dtype=torch.uint8)[::2]
+    with pytest.raises(ValueError, match="contiguous"):
+        pack(tensors, strided)
+    with pytest.raises(ValueError, match="contiguous"):
+        unpack(strided, layout)
+
+
 def test_a_device_copy_needs_pinned_host_memory_on_every_path() -> None:
     # "meta" stands in for an accelerator on a CPU-only machine; the checks run before any dispatch.
     tensors = [torch.empty(100, device="meta"), torch.empty(3, dtype=torch.int8, device="meta")]

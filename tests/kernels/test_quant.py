@@ -169,6 +169,8 @@ def test_cuda_check_finite_false_does_not_synchronize() -> None:
         (dict(bits=3), "bits must be 8 or 4"),
         (dict(group_size=48), "power of two"),
         (dict(group_size=512), "power of two"),
+        (dict(group_size=64.0), "power of two"),  # an int, not a float: it was a bare TypeError from `&`
+        (dict(group_size="64"), "power of two"),
         (dict(stochastic=True), "needs seed"),
         (dict(codec="fp8_e4m3", stochastic=True, seed=1), "stochastic rounding applies"),
     ],
@@ -308,3 +310,72 @@ def test_offsets_past_two_to_the_31_do_not_wrap(tile) -> None:
     assert torch.equal(mask.bool(), expected_mask)
     assert torch.equal(out[expected_mask], expected[expected_mask])
     assert int(out[expected_mask].max()) >= 2**31
+
+
+# values at the dtype's limit -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("choice", ["reference", pytest.param("triton", marks=needs_interpreter)])
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_largest_finite_values_come_back_finite(kernels, choice, codec) -> None:
+    # -FLT_MAX is the mask value of Hugging Face's fp32 attention masks (torch.finfo(dtype).min), a
+    # tensor efficient attention saves. int8's scale FLT_MAX/127 rounds up, so 127 * scale overflowed:
+    # the mask came back -inf, and a fully masked row's softmax then gives NaN.
+    kernels(choice)
+    big = torch.finfo(torch.float32).max
+    x = torch.tensor([[-big, 0.0, 1.0, big] * 16, [big / 2, -big, 3.0, 0.0] * 16])
+    q = quantize(x, codec=codec)
+    restored = dequantize(q)
+    assert torch.isfinite(restored).all()
+    step = q.scales.repeat_interleave(64, dim=1)
+    assert torch.all((x - restored).abs() <= step / 2 + x.abs() * 2**-22)
+
+
+# the device a launch runs on ---------------------------------------------------------------------------
+
+
+def test_a_launch_makes_its_tensors_cuda_device_current(monkeypatch) -> None:
+    # NOTE [Triton launches on the current device]: Triton takes the current device's stream, so a
+    # tensor on cuda:1 must have cuda:1 current for the launch; a CPU tensor needs nothing.
+    from types import SimpleNamespace
+
+    from ooc.kernels.quant import launch_device
+
+    entered: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "device", lambda device: contextlib.nullcontext(entered.append(device)))
+    with launch_device(SimpleNamespace(is_cuda=True, device=torch.device("cuda", 1))):
+        pass
+    with launch_device(torch.zeros(1)):
+        pass
+    assert entered == [torch.device("cuda", 1)]
+
+
+@needs_interpreter
+def test_every_triton_launch_runs_in_its_tensors_device_context(kernels, monkeypatch) -> None:
+    import ooc.kernels.lowbit_linear as lowbit_linear
+    import ooc.kernels.quant as quant
+
+    kernels("triton")
+    contexts: list[torch.device] = []
+    monkeypatch.setattr(quant, "launch_device", lambda t: contextlib.nullcontext(contexts.append(t.device)))
+    monkeypatch.setattr(lowbit_linear, "launch_device", quant.launch_device)
+    x = torch.randn(4, 64)
+    for codec in ("int8", "fp8_e5m2"):
+        quant.dequantize(quant.quantize(x, codec=codec))
+    lowbit_linear.grad_weight(torch.randn(4, 8), quant.quantize(x))
+    assert contexts == [x.device] * 6
+
+
+@pytest.mark.gpu
+def test_cuda_launches_on_a_second_gpu_while_the_first_is_current() -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two GPUs")
+    from ooc.kernels.lowbit_linear import grad_weight
+
+    x = torch.randn(33, 4097, device="cuda:1")
+    assert torch.cuda.current_device() == 0
+    q = quantize(x)
+    ref = torch_quantize(x.cpu())
+    assert torch.equal(q.codes.cpu(), ref.codes) and torch.equal(dequantize(q).cpu(), torch_dequantize(ref))
+    g = torch.randn(33, 8, device="cuda:1")
+    torch.testing.assert_close(grad_weight(g, q).cpu(), g.cpu().t() @ torch_dequantize(ref), rtol=1e-4, atol=1e-4)

@@ -134,3 +134,17 @@ def test_a_torch_func_transform_over_a_wrapped_model_is_a_clear_error() -> None:
         model(*batch)[1].backward()  # the model is unharmed
     finally:
         ooc.unwrap(model)
+
+
+@pytest.mark.parametrize("planner", ["op-level", "greedy"])
+def test_a_budget_below_every_plan_does_not_advise_another_planner(planner: str) -> None:
+    """Below the smallest peak any plan reaches, ``optimal`` fits nothing either: the error used to
+    say "try planner='optimal'" all the same."""
+    from ooc.api import plan_for_profile
+    from ooc.scheduler.hardware import preset
+
+    torch.manual_seed(0)
+    prof = ooc.profile(GPT(NANO), gpt_batch(batch=2, seq=16), ops=True, codec_errors=False, reps=1, backend="cpu")
+    with pytest.raises(ooc.BudgetError) as info:
+        plan_for_profile(prof, 1024, hardware=preset("cpu"), planner=planner)
+    assert info.value.minimum_bytes > 1024 and "try planner='optimal'" not in str(info.value)

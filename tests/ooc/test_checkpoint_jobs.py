@@ -6,11 +6,14 @@ from __future__ import annotations
 import contextlib
 import errno
 import fcntl
+import gc
 import os
 import signal
 import subprocess
 import sys
 import threading
+import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -18,6 +21,7 @@ import torch
 from torch import nn
 
 from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
+from ooc.optim import HostAdamW
 
 
 def _linear(seed: int = 0) -> nn.Linear:
@@ -66,47 +70,183 @@ def _saving(directory: Path, steps: tuple[int, ...], seed: int = 0) -> Checkpoin
     return ckpt
 
 
-def test_a_second_checkpointer_saving_into_a_held_directory_is_refused_and_readers_work(tmp_path: Path) -> None:
-    """Two Checkpointers on one directory, the second saving the step the first is writing: their
-    files went into one folder over each other (the restore caught it as a checksum error, or a mix
-    of the two models' files restored). The second now fails at once, saying another job holds the
-    directory, and writes nothing; reading works meanwhile; once the first is closed, it saves."""
+def _writes(ckpt: Checkpointer, log: list[tuple[str, Checkpointer]], then=lambda point: None) -> None:  # noqa: ANN001
+    """Log the start and the end (its commit) of each version ``ckpt`` writes, then call ``then``."""
+    def hook(point: str) -> None:
+        if point.startswith("write:") and (not log or log[-1] != ("start", ckpt)):
+            log.append(("start", ckpt))
+        if point == "committed":
+            log.append(("end", ckpt))
+        then(point)
+
+    ckpt._hook = hook
+
+
+def _one_writer_at_a_time(log: list[tuple[str, Checkpointer]]) -> None:
+    """Every version in ``log`` ended before the next one started."""
+    assert [what for what, _ in log] == ["start", "end"] * (len(log) // 2), log
+    assert all(log[k][1] is log[k + 1][1] for k in range(0, len(log), 2)), log
+
+
+def test_a_new_checkpointer_in_the_process_takes_over_from_a_live_one_mid_write(tmp_path: Path) -> None:
+    """NOTE [a newer Checkpointer takes over]: a notebook cell ``ck = Checkpointer(d, ...)`` run
+    again while the earlier one, never closed, was writing a version: the new one's save was refused
+    ("another job holds ... (this process)"). Now it waits for the earlier one's version, closes the
+    earlier one and saves, warning once; the two never write at once; the earlier one's save then
+    says it was superseded, and reading works throughout."""
+    log: list[tuple[str, Checkpointer]] = []
     first = _saving(tmp_path, (1, 2))
     second = _saving(tmp_path, (), seed=1)
     in_flight, go = threading.Event(), threading.Event()
-    first._hook = lambda point: point == "write:model.safetensors" and (in_flight.set(), go.wait(10))
+    _writes(first, log, lambda point: point == "write:model.safetensors" and (in_flight.set(), go.wait(10)))
+    _writes(second, log)
     first.save(3)
     assert in_flight.wait(10)
-    before = sorted(p.name for p in tmp_path.rglob("*"))
-    for attempt in (lambda: second.save(3), lambda: second.save(4), lambda: second.check_step(4)):
-        with pytest.raises(CheckpointError, match=rf"another job holds the checkpoint directory {tmp_path}: pid "
-                                                  rf"{os.getpid()} on .*close\(\) its Checkpointer"):
-            attempt()
-    assert sorted(p.name for p in tmp_path.rglob("*")) == before
     assert second.restore().step == 2 and [v.step for v in second.versions()] == [1, 2]
-    go.set()
-    first.wait()
-    first.close()
-    assert _steps(tmp_path) == [1, 2, 3] and not list(tmp_path.glob(".writer-*"))
-    assert second.restore().step == 3
-    second.save(4)
+    threading.Timer(0.3, go.set).start()  # the takeover must wait for the write in flight
+    with pytest.warns(UserWarning, match=rf"a new Checkpointer of rank 0 on {tmp_path} took the directory over from an "
+                                         r"earlier Checkpointer of this process that was not closed .*Its version of "
+                                         r"step 3, in flight, was written first, and the earlier one is closed now"):
+        second.save(4)
+    assert go.is_set()
+    second.wait()
+    assert _steps(tmp_path) == [2, 3, 4]
+    _one_writer_at_a_time(log)
+    assert [c for what, c in log if what == "end"] == [first, second]
+    for attempt in (lambda: first.save(5), lambda: first.check_step(5)):
+        with pytest.raises(CheckpointError, match=rf"this Checkpointer was superseded: a newer Checkpointer of rank 0 "
+                                                  rf"on {tmp_path} in this process took over the directory"):
+            attempt()
+    first.close()  # closed already: nothing (it must not touch the directory the new one writes)
+    assert first.restore().step == 4
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        second.save(5)  # no second warning
+    second.close()
+    assert _steps(tmp_path) == [3, 4, 5] and not list(tmp_path.glob(".writer-*"))
+
+
+def test_a_write_error_of_the_checkpointer_taken_over_is_in_the_warning(tmp_path: Path) -> None:
+    """The earlier Checkpointer's version in flight failed: no wait() of its would ever say so, so
+    the takeover's warning does, and the new one saves."""
+    first = _saving(tmp_path, (1,))
+
+    def full_disk(point: str) -> None:
+        if point == "files-written":
+            raise OSError(28, "No space left on device")
+
+    first._hook = full_disk
+    first.save(2)
+    second = _saving(tmp_path, (), seed=1)
+    with pytest.warns(UserWarning, match=r"Its version of step 2, in flight, failed \(.*No space left"):
+        second.save(2)
     second.wait()
     second.close()
-    assert _steps(tmp_path) == [2, 3, 4] and not list(tmp_path.glob(".writer-*"))
+    assert _steps(tmp_path) == [1, 2]
+
+
+@pytest.mark.parametrize("how", ["dropped", "collected", "uncollected"])
+def test_a_checkpointer_dropped_unclosed_lets_go_of_the_directory(tmp_path: Path, how: str) -> None:
+    """A notebook re-running ``ck = Checkpointer(d, model, opt)`` with the same model and HostAdamW:
+    the optimizer's stage listener and the model's load hook kept the dropped one alive, holding
+    the directory, and the new one's save was refused. Now they hold it weakly: a dropped one is
+    collected and lets go of the directory (no warning); one in a reference cycle not collected yet
+    is taken over (with the warning)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+
+    def train() -> None:
+        model(torch.randn(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        opt.synchronize()
+
+    gc.disable()  # the cases below decide when the cycle is collected
+    try:
+        train()
+        ckpt = Checkpointer(tmp_path, model, opt)
+        assert ckpt.lazy
+        ckpt.save(1)
+        ckpt.wait()
+        if how != "dropped":
+            ckpt.cycle = ckpt
+        if how == "collected":
+            del ckpt
+            gc.collect()
+        train()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            ckpt = Checkpointer(tmp_path, model, opt)  # the cell again
+            ckpt.save(2)
+            ckpt.wait()
+        assert [str(w.message)[:32] for w in caught] == (["a new Checkpointer of rank 0 on "] if how == "uncollected"
+                                                         else [])
+        ckpt.close()
+    finally:
+        gc.enable()
+    assert _steps(tmp_path) == [1, 2] and not list(tmp_path.glob(".writer-*"))
+    opt.close()
+
+
+def test_two_threads_taking_the_directory_over_never_write_at_once(tmp_path: Path) -> None:
+    """A thread saving every step, and another making a Checkpointer on the directory and saving
+    while the first is inside a save (or its write): the second takes over once the first's version
+    in flight is written; the first's next save says it was superseded; no two versions are written
+    at once, and every version restores."""
+    log: list[tuple[str, Checkpointer]] = []
+    first = _saving(tmp_path, ())
+    second = _saving(tmp_path, (), seed=1)
+    _writes(first, log, lambda point: point == "write:model.safetensors" and time.sleep(0.02))
+    _writes(second, log)
+    errors: list[BaseException] = []
+    started = threading.Event()
+
+    def saving() -> None:
+        try:
+            for step in range(1, 1000):
+                first.save(step)
+                started.set()
+        except CheckpointError as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=saving)
+    thread.start()
+    assert started.wait(10)
+    time.sleep(0.1)
+    with pytest.warns(UserWarning, match="took the directory over"):
+        second.save(5000)
+    thread.join(60)
+    assert not thread.is_alive()
+    assert len(errors) == 1 and "this Checkpointer was superseded" in str(errors[0])
+    second.wait()
+    second.save(5001)
+    second.close()
+    _one_writer_at_a_time(log)
+    assert log[-2:] == [("start", second), ("end", second)] and log[-4:-2] == [("start", second), ("end", second)]
+    steps = _steps(tmp_path)
+    assert steps[-2:] == [5000, 5001] and len(steps) == 3
+    for step in steps:
+        assert second.restore(step).step == step
 
 
 def test_the_ranks_of_one_job_share_the_directory(tmp_path: Path) -> None:
-    """Each rank locks a file of its own: two ranks (here in one process) save alike, but a second
-    rank 1 is refused."""
+    """Each rank locks a file of its own: two ranks (here in one process) save alike; a second rank 1
+    in the process takes over from the first rank 1 only."""
     ranks = [Checkpointer(tmp_path, _linear(), rank=r, world=2) for r in range(2)]
     for ckpt in ranks:
         ckpt.save(1)
         ckpt.wait()
-    with pytest.raises(CheckpointError, match="another job holds"):
-        Checkpointer(tmp_path, _linear(), rank=1, world=2).save(2)
-    for ckpt in ranks:
+    again = Checkpointer(tmp_path, _linear(), rank=1, world=2)
+    with pytest.warns(UserWarning, match="rank 1 .* took the directory over"):
+        again.save(2)
+    with pytest.raises(CheckpointError, match="superseded"):
+        ranks[1].save(2)
+    ranks[0].save(2)
+    for ckpt in (ranks[0], again):
+        ckpt.wait()
         ckpt.close()
-    assert _steps(tmp_path) == [1]
+    assert _steps(tmp_path) == [1, 2]
 
 
 _HOLDS_THE_DIRECTORY = """
@@ -167,14 +307,17 @@ def test_a_crashs_lock_file_is_reused_and_cleaned(tmp_path: Path) -> None:
 
 
 def test_without_flock_the_directory_is_written_unlocked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A file system without flock (ENOLCK: Lustre without ``-o flock``): saves work as before, unlocked."""
+    """A file system without flock (ENOLCK: Lustre without ``-o flock``): saves work as before, unlocked
+    (another job is not detected); a newer Checkpointer in this process still takes over, which needs
+    no flock (NOTE [a newer Checkpointer takes over])."""
     def flock(fd: int, op: int) -> None:
         raise OSError(errno.ENOLCK, "No locks available")
 
     monkeypatch.setattr(fcntl, "flock", flock)
     ckpt = _saving(tmp_path, (1, 2))
     other = _saving(tmp_path, (), seed=1)
-    other.save(3)
+    with pytest.warns(UserWarning, match="took the directory over"):  # in one process: no flock needed
+        other.save(3)
     other.wait()
     for c in (ckpt, other):
         c.close()
