@@ -131,7 +131,9 @@ def test_host_tensors_go_over_gloo_and_device_tensors_over_nccl(nccl_world, redu
 def test_start_up_broadcast_sends_streamed_host_parameters_over_gloo(nccl_world) -> None:
     comm = distributed.GroupCommunicator(distributed.DataParallel())
     distributed.broadcast_parameters([torch.zeros(2), torch.zeros(2, device="meta")], comm)
-    assert [_backend_of(g) for _, g in nccl_world] == ["gloo", "default"]
+    # Device parameters over NCCL, on the training thread's group (made with timeout_s: NOTE [every
+    # collective times out]), not the default group.
+    assert [_backend_of(g) for _, g in nccl_world] == ["gloo", "nccl"]
 
 
 def test_backend_for_is_gloo_for_host_tensors() -> None:
