@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,16 +56,18 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
 
 def _call(model: nn.Module, state: dict, sample: Any) -> Any:
     """``ooc.profiler.call_model`` with the parameters and buffers in ``state``."""
-    if isinstance(sample, dict):
-        return torch.func.functional_call(model, state, (), sample)
+    if isinstance(sample, Mapping):
+        return torch.func.functional_call(model, state, (), dict(sample))
     if isinstance(sample, (tuple, list)):
         return torch.func.functional_call(model, state, tuple(sample))
     return torch.func.functional_call(model, state, (sample,))
 
 
 def _tensors(sample: Any) -> tuple[list[torch.Tensor], Callable[[tuple], Any]]:
-    """The tensors in ``sample``, and how to rebuild ``sample`` with others in their place."""
-    flat, spec = tree_flatten(sample)
+    """The tensors in ``sample``, and how to rebuild ``sample`` with others in their place (a
+    mapping as a dict: a tokenizer's or collator's BatchEncoding is a Mapping, not a dict, and one
+    opaque leaf to the pytree, whose tensors would be traced as constants, not the step's inputs)."""
+    flat, spec = tree_flatten(dict(sample) if isinstance(sample, Mapping) else sample)
     where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
 
     def rebuild(xs: tuple) -> Any:

@@ -49,3 +49,24 @@ def test_captured_graph_partitions() -> None:
     g = capture(_mlp(), torch.randn(8, 16), repeats=1)
     best = partition(g, Devices.uniform(2, int(g.total_bytes())))
     assert best.fits and best.placement.device.shape == (g.n,)
+
+
+class _Keywords(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.mlp = _mlp()
+
+    def forward(self, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return self.mlp(x) * scale
+
+
+def test_a_mapping_sample_is_captured_as_a_dict() -> None:
+    # A tokenizer's or collator's BatchEncoding is a UserDict, not a dict: it was passed as the
+    # model's one positional argument (and the pytree saw no tensors in it).
+    from collections import UserDict
+
+    sample = {"x": torch.randn(8, 16), "scale": torch.full((8, 4), 2.0)}
+    as_dict = capture(_Keywords(), sample, repeats=1)
+    as_mapping = capture(_Keywords(), UserDict(sample), repeats=1)
+    assert as_mapping.names == as_dict.names and "input.0" in as_mapping.index and "input.1" in as_mapping.index
+    assert as_mapping.held_bytes[as_mapping.index["input.0"]] == 8 * 16 * 4
