@@ -226,11 +226,7 @@ class HostAdamW(torch.optim.Optimizer):
             for p in mine:
                 self.state[p] = self._fresh_state(p, own=own_master(p))
             for p in self._device_params:
-                # step on the parameter's device, as torch.optim.AdamW(fused=True) keeps it: the fused
-                # CUDA kernel takes no CPU tensor.
-                self.state[p] = {"step": torch.zeros((), dtype=torch.float32, device=p.device),
-                                 "exp_avg": torch.zeros_like(p),
-                                 "exp_avg_sq": torch.zeros_like(p)}
+                self.state[p] = self._fresh_device_state(p)
             reduce_on_device = comm is not None and comm.reduce_on == "device"
             layout = make_layout(
                 self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
@@ -303,11 +299,20 @@ class HostAdamW(torch.optim.Optimizer):
             state["master"] = master
         return state
 
+    @staticmethod
+    def _fresh_device_state(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The state of a parameter kept on its device (``device_params_below``) before any update:
+        ``step`` on the parameter's device, as torch.optim.AdamW(fused=True) keeps it (the fused
+        CUDA kernel takes no CPU tensor)."""
+        return {"step": torch.zeros((), dtype=torch.float32, device=p.device),
+                "exp_avg": torch.zeros_like(p),
+                "exp_avg_sq": torch.zeros_like(p)}
+
     def _fresh_like(self, p: torch.Tensor, state: dict[str, Any]) -> dict[str, Any]:
         """A never-updated state of ``p`` laid out as ``state`` (on the host or on ``p``'s device, with
         or without a master), its master taken from the weight the model holds now."""
         if not isinstance(state, _HostState):
-            return {name: torch.zeros_like(v) for name, v in state.items()}
+            return self._fresh_device_state(p)
         home = self._pipeline.stages.layout.home[id(p)]
         return self._fresh_state(home, own="master" not in state)
 
