@@ -35,13 +35,18 @@ def test_triton_grad_weight_within_the_fp32_summation_bound(monkeypatch, shape, 
     assert got.shape == (N, K)
 
 
-def test_autograd_matches_nn_linear_except_the_quantized_weight_grad() -> None:
+def _dense_and_low_bit() -> tuple[nn.Linear, LowBitLinear, torch.Tensor, torch.Tensor]:
+    """An nn.Linear, a LowBitLinear with its weights, and one input (4, 10, 96) for each."""
     torch.manual_seed(0)
     dense = nn.Linear(96, 48)
     low = LowBitLinear(96, 48, bits=8)
     low.load_state_dict(dense.state_dict())
     x = torch.randn(4, 10, 96, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
+    return dense, low, x, x.detach().clone().requires_grad_()
+
+
+def test_autograd_matches_nn_linear_except_the_quantized_weight_grad() -> None:
+    dense, low, x, x2 = _dense_and_low_bit()
     dense(x).square().sum().backward()
     low(x2).square().sum().backward()
     assert torch.equal(low(x2), dense(x2))  # the forward is the plain matmul
@@ -56,12 +61,7 @@ def test_under_autocast_it_trains_as_nn_linear_does(dtype) -> None:
     # The forward's matmul runs in the autocast dtype, so its output gradient comes back in it; the
     # backward multiplied that by the fp32 weight and failed ("expected m1 and m2 to have the same
     # dtype"), where nn.Linear computes in the autocast dtype.
-    torch.manual_seed(0)
-    dense = nn.Linear(96, 48)
-    low = LowBitLinear(96, 48, bits=8)
-    low.load_state_dict(dense.state_dict())
-    x = torch.randn(4, 10, 96, requires_grad=True)
-    x2 = x.detach().clone().requires_grad_()
+    dense, low, x, x2 = _dense_and_low_bit()
     with torch.autocast("cpu", dtype=dtype):
         y, y2 = dense(x), low(x2)
     assert y2.dtype == y.dtype == dtype
