@@ -4,6 +4,8 @@ in between, and a finite activation comes back finite."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import pytest
 import torch
 import torch.nn as nn
@@ -81,24 +83,29 @@ class _SlicedBlock(nn.Module):
         return x + small * self.w + big.sum(1, keepdim=True) * 1e-5
 
 
-def _runtime_error(model: nn.Module, x: torch.Tensor, block: int, codec: str) -> float:
-    """The relative L2 error of ``block``'s input and parameter gradients when only it is swapped
-    under ``codec`` by the runtime, against the same step with every block kept."""
-    def grads(codec: str) -> torch.Tensor:
+def _mean_square(out: torch.Tensor) -> torch.Tensor:
+    return out.pow(2).mean()
+
+
+def _runtime_error(model: nn.Module, x: torch.Tensor, block: int, plan: ooc.BlockPlan,
+                   loss_fn: Callable[[torch.Tensor], torch.Tensor] = _mean_square) -> float:
+    """The relative L2 error of ``block``'s input and parameter gradients when only it runs under
+    ``plan`` by the runtime, against the same step with every block kept."""
+    def grads(plan: ooc.BlockPlan | str) -> torch.Tensor:
         plans: list = ["keep"] * len(model)
-        plans[block] = ooc.BlockPlan("swap", codec=codec)
+        plans[block] = plan
         ooc.wrap(model, ooc.Plan.of(plans, min_swap_bytes=1024), backend="cpu")
         seen: list[torch.Tensor] = []
         handle = model[block].register_forward_pre_hook(lambda _m, args: seen.append(args[0]) or args[0].retain_grad())
         try:
             model.zero_grad(set_to_none=True)
-            model(x.clone().requires_grad_()).pow(2).mean().backward()
+            loss_fn(model(x.clone().requires_grad_())).backward()
         finally:
             handle.remove()
             ooc.unwrap(model)
         return torch.cat([t.reshape(-1).double() for t in [seen[0].grad, *(p.grad for p in model[block].parameters())]])
 
-    exact, lossy = grads("none"), grads(codec)
+    exact, lossy = grads("keep"), grads(plan)
     return float((lossy - exact).norm() / exact.norm())
 
 
@@ -110,9 +117,9 @@ def test_the_profiled_codec_error_is_the_error_the_runtime_gives(codec: str) -> 
     torch.manual_seed(0)
     model = nn.Sequential(_SlicedBlock(), _SlicedBlock(), _SlicedBlock())
     x = torch.randn(256, 64)
-    prof = ooc.profile(model, (x,), min_swap_bytes=1024, loss_fn=lambda out: out.pow(2).mean())
+    prof = ooc.profile(model, (x,), min_swap_bytes=1024, loss_fn=_mean_square)
     predicted = dict(prof.blocks[1].codec_error)[codec]
-    assert predicted == pytest.approx(_runtime_error(model, x, 1, codec), rel=1e-3)
+    assert predicted == pytest.approx(_runtime_error(model, x, 1, ooc.BlockPlan("swap", codec=codec)), rel=1e-3)
 
 
 class _SharpSoftmaxBlock(nn.Module):
@@ -131,26 +138,6 @@ def _sharp_loss(out: torch.Tensor) -> torch.Tensor:
     return (out * torch.linspace(-1, 1, 64)).pow(2).mean()
 
 
-def _runtime_error_of(model: nn.Module, x: torch.Tensor, block: int, plan: ooc.BlockPlan) -> float:
-    """``_runtime_error`` for any plan of ``block`` and the loss ``_sharp_loss``."""
-    def grads(plan: ooc.BlockPlan | str) -> torch.Tensor:
-        plans: list = ["keep"] * len(model)
-        plans[block] = plan
-        ooc.wrap(model, ooc.Plan.of(plans, min_swap_bytes=1024), backend="cpu")
-        seen: list[torch.Tensor] = []
-        handle = model[block].register_forward_pre_hook(lambda _m, args: seen.append(args[0]) or args[0].retain_grad())
-        try:
-            model.zero_grad(set_to_none=True)
-            _sharp_loss(model(x.clone().requires_grad_())).backward()
-        finally:
-            handle.remove()
-            ooc.unwrap(model)
-        return torch.cat([t.reshape(-1).double() for t in [seen[0].grad, *(p.grad for p in model[block].parameters())]])
-
-    exact, lossy = grads("keep"), grads(plan)
-    return float((lossy - exact).norm() / exact.norm())
-
-
 @pytest.mark.parametrize("codec", ["int8", "int4"])
 def test_a_recompute_with_a_compressed_input_is_gated_by_its_own_error(codec: str) -> None:
     # RECOMPUTE + swap_input + codec re-runs the block on the dequantized input: every saved tensor
@@ -165,7 +152,7 @@ def test_a_recompute_with_a_compressed_input_is_gated_by_its_own_error(codec: st
     prof = ooc.profile(model, (x,), min_swap_bytes=1024, loss_fn=_sharp_loss)
     swap = ooc.BlockPlan("swap", codec=codec)
     recompute = ooc.BlockPlan("recompute", swap_input=True, codec=codec)
-    swap_error, recompute_error = (_runtime_error_of(model, x, 1, p) for p in (swap, recompute))
+    swap_error, recompute_error = (_runtime_error(model, x, 1, p, _sharp_loss) for p in (swap, recompute))
     block = prof.blocks[1]
     assert block.codec_error_of(codec_error_name(codec)) == pytest.approx(swap_error, rel=1e-3)
     assert block.codec_error_of(codec_error_name(codec, recompute=True)) == pytest.approx(recompute_error, rel=1e-3)
