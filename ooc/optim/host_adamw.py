@@ -391,6 +391,10 @@ class HostAdamW(torch.optim.Optimizer):
     def step(self, closure=None):  # noqa: ANN001, ANN201
         """Apply this step's gradients. With ``pipeline`` most updates have started in the backward
         already and the rest start here; this returns without waiting for them (see the class doc)."""
+        if not self._finalizer.alive:
+            # Its threads and hooks are gone: the step would return having updated nothing.
+            raise OocError("step() on a closed HostAdamW: close() ended it. Build a new HostAdamW for the model "
+                           "(load this one's state_dict() into it to go on from its state).")
         loss = None
         if closure is not None:
             with torch.enable_grad():

@@ -144,6 +144,21 @@ def test_a_second_optimizer_on_the_same_model_is_refused_until_the_first_is_gone
     third.close()
 
 
+@pytest.mark.parametrize("pipeline", [True, False])
+def test_a_step_on_a_closed_optimizer_is_refused(pipeline: bool) -> None:
+    """``close()`` makes the optimizer unusable; its ``step()`` returned as if it had updated, and training
+    went on with weights that never moved (a framework that still holds a closed optimizer steps it)."""
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, pipeline=pipeline)
+    _step(model, opt)
+    opt.close()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(*gpt_batch(seed=1))[1].backward()
+    with pytest.raises(OocError, match="closed"):
+        opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize("change", ["dtype", "delayed_update", "accumulate"])
 def test_loading_a_checkpoint_made_with_other_options_is_refused_up_front(change: str) -> None:
     """dtypes and delayed_update shape the host state, so a mismatch is refused; accumulate does not
