@@ -715,7 +715,11 @@ def _claim(model: nn.Module) -> None:
     if other is not None and other._finalizer.alive:
         raise OocError(
             f"{type(model).__name__} already has a live HostAdamW: two would both update it (a double update). "
-            "close() the first optimizer (or drop every reference to it) before building another."
+            "close() the first optimizer (or drop every reference to it) before building another. Frameworks hold "
+            "the one they built: Lightning keeps the optimizers of its last fit() or Tuner.lr_find() in "
+            "trainer.optimizers (close them before the next fit(): `for opt in trainer.optimizers: opt.close()`), "
+            "transformers.Trainer its own in trainer.optimizer (`trainer.optimizer.optimizer.close()` under "
+            "accelerate's wrapper)."
         )
 
 

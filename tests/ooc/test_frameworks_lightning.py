@@ -43,3 +43,36 @@ def test_the_optimizer_state_lightning_moves_to_the_device_stays_on_the_host(mon
         wrapped = example.train(wrapped=True)
     assert wrapped[0] == plain[0]
     assert all(torch.equal(wrapped[1][k], plain[1][k]) for k in plain[1])
+
+
+def _fit(module: torch.nn.Module, steps: int = 2) -> object:
+    """A new Lightning Trainer's ``fit`` on 8-row batches of random data; return the trainer."""
+    import lightning as L
+
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(8 * steps, 16, generator=g), torch.randint(0, 10, (8 * steps,), generator=g))
+    trainer = L.Trainer(max_steps=steps, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    return trainer
+
+
+def test_a_second_fit_says_how_to_close_the_optimizer_lightning_keeps() -> None:
+    """Lightning keeps the last ``fit()``'s (or ``Tuner.lr_find()``'s) optimizers in ``trainer.optimizers``
+    while the next ``fit()`` calls ``configure_optimizers``: the second HostAdamW on the model is refused
+    (two would both update it), and the refusal said only to close the first, which Lightning built
+    and holds. It now says where it is; closed there, the next fit trains."""
+    import ooc
+
+    module = _example().Classifier(wrapped=True)
+    first = _fit(module)
+    with pytest.raises(ooc.OocError, match=r"for opt in trainer\.optimizers: opt\.close\(\)"):
+        _fit(module)
+    for opt in first.optimizers:  # what the refusal advises
+        opt.close()
+    second = _fit(module)
+    assert float(second.optimizers[0].state[module.net.head.weight]["step"]) == 2
+    second.optimizers[0].close()
+    ooc.unwrap(module.net)
