@@ -507,6 +507,7 @@ class HostAdamW(torch.optim.Optimizer):
         # Plain dicts: torch.load(weights_only=True), as transformers.Trainer resumes, takes no other class.
         saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()
                           if not _never_updated(v)}
+        saved["param_groups"] = [{**group, **_FUSED_ADAMW} for group in saved["param_groups"]]
         return {**saved, "ooc": self._depends_on()}
 
     def _check_compatible(self, saved: dict[str, Any] | None) -> None:
@@ -702,6 +703,18 @@ def _check_number(name: str, value: Any) -> None:
     number = float(value)
     if not math.isfinite(number) or number < 0:
         raise ValueError(f"{name} must be a finite number >= 0, got {number}")
+
+
+_FUSED_ADAMW = dict(amsgrad=False, maximize=False, foreach=None, capturable=False, differentiable=False, fused=True,
+                    decoupled_weight_decay=True)
+"""The ``torch.optim.AdamW`` whose update made HostAdamW's state, written into each saved group.
+
+NOTE [a checkpoint names its update]
+``Optimizer.load_state_dict`` takes the saved groups whole, and ``AdamW`` fills the keys they lack
+with its defaults (``fused=None``). A HostAdamW checkpoint loaded into ``torch.optim.AdamW(fused=True)``
+(training goes on without ooc) named no kernel, and the AdamW went on unfused, a rounding apart from
+an uninterrupted fused run; naming the fused kernel, it goes on bit for bit. HostAdamW's own load
+ignores these keys (its update is always this one)."""
 
 
 _OWNER: weakref.WeakKeyDictionary[nn.Module, weakref.ref[HostAdamW]] = weakref.WeakKeyDictionary()

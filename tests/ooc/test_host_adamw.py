@@ -82,6 +82,25 @@ def test_state_dict_round_trip_resumes_identically() -> None:
     assert all(s["exp_avg"].device.type == "cpu" for s in opt_b.state.values())
 
 
+def test_its_checkpoint_resumes_torch_fused_adamw_identically() -> None:
+    """A user who trained with HostAdamW and goes on without ooc loads its state_dict into
+    ``torch.optim.AdamW(fused=True)``, the update HostAdamW equals. torch's load takes the saved groups
+    whole, and HostAdamW's named no kernel: the AdamW went on unfused (``fused`` None) and parted from
+    an uninterrupted fused run by rounding (4e-8 after two steps of a tiny GPT-2 under
+    transformers.Trainer)."""
+    torch.manual_seed(0)
+    a = GPT("nano")
+    b = copy.deepcopy(a)
+    host = HostAdamW(a.parameters(), lr=1e-3)
+    _train(a, host, range(3))
+    fused = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=True)
+    fused.load_state_dict(host.state_dict())
+    _train(a, fused, range(3, 6))
+    _train(b, torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True), range(6))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert fused.param_groups[0]["fused"] is True
+
+
 def test_lr_schedulers_drive_it() -> None:
     model = nn.Linear(4, 4)
     opt = HostAdamW(model.parameters(), lr=1.0)
