@@ -539,7 +539,9 @@ class HostAdamW(torch.optim.Optimizer):
         The base class would first cast every state tensor to its parameter's dtype and device,
         truncating the fp32 state of bf16/fp16 parameters and staging all of it in device memory.
         The state of parameters kept on their device (``device_params_below``) goes there, as the
-        base class puts it, with ``step`` on the device too (the fused kernel's rule)."""
+        base class puts it, with ``step`` on the device too (the fused kernel's rule). A state without
+        masters (a torch optimizer's, from training begun without ooc) gives each parameter that has
+        one here its weight as master: what torch's optimizer updated."""
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
         if self._pipeline.open_step():
@@ -559,6 +561,9 @@ class HostAdamW(torch.optim.Optimizer):
                 self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
             loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
+            if "master" in before.get(p, {}) and "master" not in loaded:
+                # A torch optimizer's state (training begun without ooc): its parameter was its master.
+                loaded["master"] = self._fresh_like(p, before[p])["master"]
             self.state[p] = loaded if id(p) in device_ids else _HostState(loaded)
         for p, state in before.items():
             if p not in self.state:  # never updated when saved (NOTE [a fresh state is not saved])

@@ -101,6 +101,30 @@ def test_its_checkpoint_resumes_torch_fused_adamw_identically() -> None:
     assert fused.param_groups[0]["fused"] is True
 
 
+@pytest.mark.parametrize("where", ["chaos", "bf16"])
+def test_it_resumes_from_a_torch_adamw_checkpoint(where: str) -> None:
+    """Training begun with ``torch.optim.AdamW`` goes on under HostAdamW from its state_dict (transformers.Trainer
+    resuming optimizer.pt). Where HostAdamW keeps masters apart from the parameters (every parameter on a
+    GPU: ``"chaos"`` stands in for its separate memory; bf16 ones anywhere), the torch state had none, and
+    the first update stopped the optimizer on a KeyError 'master'; a parameter's master is now its weight,
+    which is what torch's AdamW updated."""
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if where == "bf16" else torch.float32
+    a = GPT("nano").to(dtype)
+    b = copy.deepcopy(a)
+    plain = torch.optim.AdamW(a.parameters(), lr=1e-3, fused=True)
+    _train(a, plain, range(2))
+    host = HostAdamW(a.parameters(), lr=1e-3, model=a, backend="chaos" if where == "chaos" else "cpu")
+    host.load_state_dict(plain.state_dict())
+    _train(a, host, range(2, 4))
+    host.synchronize()
+    if where == "chaos":  # fp32 masters equal to the weights: bit for bit the uninterrupted run
+        _train(b, torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True), range(4))
+        assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    assert all(float(s["step"]) == 4 and s["master"].dtype == torch.float32 for s in host.state.values())
+    host.close()
+
+
 def test_lr_schedulers_drive_it() -> None:
     model = nn.Linear(4, 4)
     opt = HostAdamW(model.parameters(), lr=1.0)
