@@ -541,7 +541,8 @@ class HostAdamW(torch.optim.Optimizer):
         The state of parameters kept on their device (``device_params_below``) goes there, as the
         base class puts it, with ``step`` on the device too (the fused kernel's rule). A state without
         masters (a torch optimizer's, from training begun without ooc) gives each parameter that has
-        one here its weight as master: what torch's optimizer updated."""
+        one here its weight as master, and a saved master of a parameter that is its own master here is
+        dropped (NOTE [loaded masters follow this layout])."""
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
         if self._pipeline.open_step():
@@ -561,8 +562,16 @@ class HostAdamW(torch.optim.Optimizer):
                 self.state[key] = value  # not a parameter's: kept as is, as the base class does
                 continue
             loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
-            if "master" in before.get(p, {}) and "master" not in loaded:
-                # A torch optimizer's state (training begun without ooc): its parameter was its master.
+            # NOTE [loaded masters follow this layout]
+            # Whether a parameter has a master apart from it is this optimizer's layout (its device,
+            # dtype, backend), not the saver's: the update reads state["master"] where there is one
+            # and writes no other copy. A torch optimizer's state has none (training begun without
+            # ooc): its parameter was its master. A state saved on a GPU has one for every parameter:
+            # resumed where the parameter is its own (fp32 on the CPU), the update moved the loaded
+            # master and never the parameter; the parameter, loaded with the model, holds its values.
+            if p in before and "master" not in before[p]:
+                loaded.pop("master", None)
+            elif "master" in before.get(p, {}) and "master" not in loaded:
                 loaded["master"] = self._fresh_like(p, before[p])["master"]
             self.state[p] = loaded if id(p) in device_ids else _HostState(loaded)
         for p, state in before.items():

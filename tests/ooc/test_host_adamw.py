@@ -125,6 +125,27 @@ def test_it_resumes_from_a_torch_adamw_checkpoint(where: str) -> None:
     host.close()
 
 
+def test_a_checkpoint_with_masters_resumes_where_the_parameters_are_their_own() -> None:
+    """A HostAdamW checkpoint saved where it kept fp32 masters apart from the parameters (on a GPU:
+    ``"chaos"`` stands in for its separate memory), resumed where fp32 host parameters are their own
+    masters (the CPU): the loaded masters were updated in their place, the parameters never moved
+    again, and training went on without a word; the parameter, loaded with the model, is the master."""
+    torch.manual_seed(0)
+    a = GPT("nano")
+    b = copy.deepcopy(a)
+    saving = HostAdamW(a.parameters(), lr=1e-3, model=a, backend="chaos")
+    _train(a, saving, range(2))
+    saved = saving.state_dict()
+    saving.close()
+    host = HostAdamW(a.parameters(), lr=1e-3, model=a, backend="cpu")
+    host.load_state_dict(saved)
+    _train(a, host, range(2, 4))
+    host.synchronize()
+    _train(b, torch.optim.AdamW(b.parameters(), lr=1e-3, fused=True), range(4))
+    assert all(torch.equal(p, q) for p, q in zip(a.parameters(), b.parameters()))
+    host.close()
+
+
 def test_lr_schedulers_drive_it() -> None:
     model = nn.Linear(4, 4)
     opt = HostAdamW(model.parameters(), lr=1.0)
