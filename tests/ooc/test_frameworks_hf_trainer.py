@@ -36,7 +36,7 @@ def _train(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
     if optimizer == "cls":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            ooc.wrap(model, ooc.Plan.of(["recompute", "swap"]), backend="cpu")
+            ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")  # tiny tensors swap too
         kwargs["optimizer_cls_and_kwargs"] = (ooc.optim.HostAdamW, {"model": model, "lr": 1e-3, "max_grad_norm": 1.0})
     else:
         kwargs["optimizers"] = (torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True), None)
