@@ -644,7 +644,7 @@ def test_a_save_between_a_backward_and_a_clipped_step_holds_the_state_before_it(
     assert opt.held_buckets() == []
     go.set()
     ckpt.wait()
-    fresh, fresh_opt = _gpt_host(5, max_grad_norm=1.0)
+    fresh, fresh_opt = _gpt_host(5, max_grad_norm=1.0, backend=backend)
     try:
         Checkpointer(tmp_path, fresh, fresh_opt).restore(1)
         assert all(torch.equal(v, fresh.state_dict()[k]) for k, v in weights.items())
