@@ -249,15 +249,6 @@ class HostAdamW(torch.optim.Optimizer):
         self._buffers = _BufferSync(comm) \
             if comm is not None and data_parallel.broadcast_buffers and model is not None else None
         self._pipelined = model is not None and pipeline
-        # NOTE [a GradScaler hands its scale to step()]
-        # torch.amp.GradScaler unscales an optimizer's gradients in place before its step() with an op
-        # that bumps no version counter (torch._amp_foreach_non_finite_check_and_unscale_), so NOTE
-        # [gradients read in the backward] cannot see it: pipelined updates read the gradients scaled
-        # (infinite, on a step the scaler then skips), without a word. Claiming the scale as torch's
-        # fused AdamW does, a pipelined HostAdamW gets its gradients left alone and ``grad_scale`` and
-        # ``found_inf`` set on it before step(), which refuses them. Unpipelined, the scaler unscales
-        # as for any optimizer, before step() reads the gradients.
-        self._step_supports_amp_scaling = self._pipelined
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if comm is not None and not self._pipelined:
             self._handles += self._note_grads()
@@ -404,8 +395,6 @@ class HostAdamW(torch.optim.Optimizer):
             # Its threads and hooks are gone: the step would return having updated nothing.
             raise OocError("step() on a closed HostAdamW: close() ended it. Build a new HostAdamW for the model "
                            "(load this one's state_dict() into it to go on from its state).")
-        if getattr(self, "found_inf", None) is not None:
-            self._refuse_grad_scaler()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -511,22 +500,6 @@ class HostAdamW(torch.optim.Optimizer):
             "world": comm.world if comm is not None else 1,
             "sharded": bool(comm is not None and comm.sharded),
         }
-
-    def _refuse_grad_scaler(self) -> None:
-        """Reset the step a GradScaler hands to a pipelined HostAdamW and raise (NOTE [a GradScaler
-        hands its scale to step()])."""
-        for name in ("grad_scale", "found_inf"):
-            self.__dict__.pop(name, None)  # the scaler deletes them only after a step() that returns
-        why = ("a torch.amp.GradScaler scales the gradients (fp16 mixed precision; Lightning's precision=\"16-mixed\", "
-               "transformers.Trainer's fp16=True)")
-        applied = self._pipeline.discard(why, warn=False)
-        reset = (f"The step was reset, but {applied}: call zero_grad() before the next backward" if applied else
-                 "The step was reset, its updates undone")
-        raise PipelineError(
-            f"{why}, and a pipelined HostAdamW's updates read them in the backward, before the scaler unscales them "
-            "or skips a step with infinite ones. Build HostAdamW(pipeline=False), whose step() reads them unscaled, or "
-            f"train in bf16 (no scaler). {reset}"
-        )
 
     def state_dict(self) -> dict[str, Any]:
         self.synchronize()

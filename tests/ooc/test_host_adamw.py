@@ -430,44 +430,6 @@ def test_gradients_changed_after_a_pipelined_launch_are_refused(change: str) -> 
                                   reference, changing)
 
 
-def _train_under_a_grad_scaler(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    """fp16 mixed precision as torch documents it (what Lightning's ``precision="16-mixed"`` and
-    transformers.Trainer's ``fp16=True`` run): the loss scaled, the scaler's step and update."""
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
-    for step in steps:
-        torch.manual_seed(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = model(*gpt_batch(seed=step))[1]
-        scaler.scale(loss).backward()
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-
-
-def test_a_grad_scaler_is_refused_by_pipelined_updates() -> None:
-    """A GradScaler unscales the gradients in place between backward() and step() with an op that bumps
-    no version counter (``torch._amp_foreach_non_finite_check_and_unscale_``), so NOTE [gradients read
-    in the backward] missed it: the pipelined updates took the gradients 65536 times too large (and
-    would have taken infinite ones on a step the scaler skips), without a word. HostAdamW now takes the
-    scale from the scaler as torch's fused AdamW does (``_step_supports_amp_scaling``), and a pipelined
-    one refuses it; with ``pipeline=False`` the step reads the gradients unscaled and equals torch's fused
-    AdamW under the same scaler, bit for bit."""
-    from tests.helpers import NANO
-
-    torch.manual_seed(0)
-    model = GPT(NANO)
-    reference, plain = copy.deepcopy(model), copy.deepcopy(model)
-    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
-    try:
-        with pytest.raises(PipelineError, match=r"GradScaler.*pipeline=False"):
-            _train_under_a_grad_scaler(model, opt, range(1))
-    finally:
-        opt.close()
-    _train_under_a_grad_scaler(plain, HostAdamW(plain.parameters(), lr=1e-2, model=plain, pipeline=False), range(3))
-    _train_under_a_grad_scaler(reference, torch.optim.AdamW(reference.parameters(), lr=1e-2, fused=True), range(3))
-    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), reference.parameters()))
-
-
 @pytest.mark.parametrize("backend", ["cpu", "separate masters"])
 def test_a_scale_by_one_between_backward_and_step_is_no_change(backend: str) -> None:
     """transformers.Trainer calls ``clip_grad_norm_(params, inf)`` to log the norm even with its
