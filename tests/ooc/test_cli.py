@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -208,3 +209,16 @@ def test_plan_table_has_an_op_level_row(tmp_path, capsys) -> None:
     rows = {line.split()[0]: line.split() for line in capsys.readouterr().out.splitlines() if line.strip()}
     assert rows["op-level"][-1] == "yes" and float(rows["op-level"][2]) < float(rows["optimal"][2])
     assert any(b.cached_ops for b in Plan.from_json(out.read_text()).blocks)
+
+
+def test_train_in_float16_scales_the_loss_in_the_optimizer(tmp_path, capsys) -> None:  # noqa: ANN001
+    """``--dtype float16``: fp16 weights, the loss scaled by HostAdamW (GradScaler's defaults start at
+    2**16, which the nano GPT's first gradients overflow: that step is skipped and the scale halves)."""
+    out = tmp_path / "r.json"
+    code = main(["train", "--preset", "nano", "--steps", "6", "--batch-size", "4", "--seq", "32", "--no-progress",
+                 "--dtype", "float16", "--out", str(out)])
+    assert code == 0
+    text = capsys.readouterr().out
+    assert "float16" in text and "step(s) skipped, their gradients over the loss scale (now 32768)" in text
+    losses = json.loads(out.read_text())["losses"]
+    assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
