@@ -422,7 +422,8 @@ class HostAdamW(torch.optim.Optimizer):
             # NOTE [loss scaling in the optimizer]: the device-kept gradients are unscaled and checked
             # here, with the scale of the last step's decision (which this step's loss was scaled by).
             pipe.clip_factor()
-            found_inf = _unscale_in_place([p.grad for p in params], pipe.scale.inverse())
+            inverse = pipe.scale.inverse()
+            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
         clipped = pipe.config.max_grad_norm is not None and bool(params)
         # Clipping: the device-kept gradients count in the global norm (on the update thread, with
         # the buckets'), and the factor it gives scales them too, as clip_grad_norm_ does.
@@ -489,8 +490,8 @@ class HostAdamW(torch.optim.Optimizer):
         if scale is not None:
             inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
             grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-            for device_grads in _by_device(grads).values():
-                _unscale_in_place(device_grads, inverse)
+            for same in _by_device_and_dtype(grads):
+                _unscale_in_place(same, inverse)
         return True
 
     def _reduced_device_grads(self) -> list[torch.Tensor]:
@@ -820,11 +821,12 @@ def _claim(model: nn.Module) -> None:
         )
 
 
-def _by_device(tensors: list[torch.Tensor]) -> dict[tuple[torch.device, torch.dtype], list[torch.Tensor]]:
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in groups of one device and dtype, as GradScaler's kernel takes them."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
-    return groups
+    return list(groups.values())
 
 
 def _unscale_in_place(grads: list[torch.Tensor], inverse: torch.Tensor) -> bool:
