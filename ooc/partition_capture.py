@@ -51,7 +51,11 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
         grads = torch.autograd.grad(loss, list(p.values()))
         return (loss, *grads)
 
-    return make_fx(step)(params, buffers, *leaves)
+    # NOTE [a step of this sample]: the trace is of one step on this sample, as its shapes are. A
+    # value read on the host (``.item()``, a branch on ``(mask == 0).all()`` as Hugging Face's mask
+    # code takes) is taken as this sample gives it, a constant of the graph, where make_fx would
+    # refuse to read it at all.
+    return make_fx(step, _error_on_data_dependent_ops=False)(params, buffers, *leaves)
 
 
 def _call(model: nn.Module, state: dict, sample: Any) -> Any:
