@@ -55,7 +55,12 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     # value read on the host (``.item()``, a branch on ``(mask == 0).all()`` as Hugging Face's mask
     # code takes) is taken as this sample gives it, a constant of the graph, where make_fx would
     # refuse to read it at all.
-    return make_fx(step, _error_on_data_dependent_ops=False)(params, buffers, *leaves)
+    traced = make_fx(step, _error_on_data_dependent_ops=False)(params, buffers, *leaves)
+    # NOTE [a functional step]: an in-place op writes a storage that other nodes read through
+    # other views, with no edge between them; placed on another device it writes a copy, and the
+    # readers do not see it. Traced again through functionalize, every write is an op whose output
+    # its readers take.
+    return make_fx(torch.func.functionalize(traced), _error_on_data_dependent_ops=False)(params, buffers, *leaves)
 
 
 def _call(model: nn.Module, state: dict, sample: Any) -> Any:

@@ -72,3 +72,29 @@ def test_hugging_face_gpt2_with_dropout() -> None:
     eager = _eager(model, sample)
     torch.manual_seed(2)
     _assert_bit_identical(_placed(step, 0), eager)
+
+
+class _ShiftRight(nn.Module):
+    """Writes into views of a new tensor, then reads the tensor: T5's ``_shift_right`` of the labels."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 8)
+        self.fc = nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        shifted = ids.new_zeros(ids.shape)
+        shifted[:, 1:] = ids[:, :-1].clone()
+        shifted[:, 0] = 3
+        shifted.masked_fill_(shifted == 5, 0)
+        return self.fc(self.emb(shifted))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_writes_through_views_are_seen_on_every_device(seed: int) -> None:
+    # The writes into views of `shifted` were ops no later op had an edge from: on another device
+    # they wrote a copy, and the reader of `shifted` saw its zeros.
+    torch.manual_seed(0)
+    model, ids = _ShiftRight(), torch.randint(0, 10, (2, 6), generator=torch.Generator().manual_seed(1))
+    step = capture_step(model, ids, repeats=1)
+    _assert_bit_identical(_placed(step, seed), _eager(model, ids))
