@@ -40,9 +40,11 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise WrapError("the model has no parameter that requires a gradient; there is no backward to capture")
-    # Tracing runs the step for real: clones keep a BatchNorm's running statistics as they were.
+    # Tracing runs the step for real: clones keep a BatchNorm's running statistics, and an input
+    # the model writes in place, as they were.
     buffers = {n: b.clone() for n, b in model.named_buffers()}
     leaves, rebuild = _tensors(sample)
+    leaves = [x.clone() for x in leaves]
     loss_of = loss_fn or default_loss
 
     def step(p: dict, b: dict, *xs: torch.Tensor):
@@ -60,7 +62,24 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     # other views, with no edge between them; placed on another device it writes a copy, and the
     # readers do not see it. Traced again through functionalize, every write is an op whose output
     # its readers take.
-    return make_fx(torch.func.functionalize(traced), _error_on_data_dependent_ops=False)(params, buffers, *leaves)
+    functional = make_fx(torch.func.functionalize(traced), _error_on_data_dependent_ops=False)(params, buffers, *leaves)
+    return _without_write_backs(functional)
+
+
+def _without_write_backs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``gm`` less the ``copy_`` of a new value into a placeholder that functionalize adds for each
+    argument the step writes in place.
+
+    NOTE [a pure step]: the step's outputs are the loss and the gradients; a buffer's update in
+    forward (BatchNorm's running statistics, a running mean) is not one of them. Written back, it
+    changed the captured arguments at every run (capture's timing runs included), so each run
+    started from other values than the model's."""
+    for node in list(gm.graph.nodes):
+        if (node.target is torch.ops.aten.copy_.default and not node.users
+                and node.args[0].op == "placeholder"):
+            gm.graph.erase_node(node)
+    gm.recompile()
+    return gm
 
 
 def _call(model: nn.Module, state: dict, sample: Any) -> Any:

@@ -98,3 +98,33 @@ def test_writes_through_views_are_seen_on_every_device(seed: int) -> None:
     model, ids = _ShiftRight(), torch.randint(0, 10, (2, 6), generator=torch.Generator().manual_seed(1))
     step = capture_step(model, ids, repeats=1)
     _assert_bit_identical(_placed(step, seed), _eager(model, ids))
+
+
+class _RunningMean(nn.Module):
+    """Updates a buffer in forward and reads it back; scales its input in place."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("mean", torch.zeros(8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x.mul_(2)
+        h = self.fc(x)
+        with torch.no_grad():
+            self.mean.mul_(0.5).add_(h.mean(0), alpha=0.5)
+        return (h - self.mean).pow(2).mean()
+
+
+def test_a_step_that_writes_its_buffers_and_input_runs_again_from_the_same_values() -> None:
+    # The buffer's update was written back into the captured arguments by every run (capture's
+    # timing runs included), so the placed step started from another running mean than eager's;
+    # tracing scaled the caller's sample in place.
+    torch.manual_seed(0)
+    model, x = _RunningMean(), torch.randn(4, 8)
+    sample = x.clone()
+    step = capture_step(model, sample, repeats=2)
+    assert torch.equal(sample, x) and not model.mean.any()
+    eager = _eager(model, x.clone())
+    for seed in (0, 0, 1):
+        _assert_bit_identical(_placed(step, seed), eager)
