@@ -151,6 +151,11 @@ def storages(value: Any) -> dict[int, int]:
     return out
 
 
+def _draws(node: torch.fx.Node) -> bool:
+    """Whether ``node``'s op draws from the random number generator (dropout's ``bernoulli``)."""
+    return node.op == "call_function" and torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
 def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int = 3,
              labels: list[str] | None = None) -> OpGraph:
     """Run ``gm`` on ``args`` op by op, timing each, and return its :class:`OpGraph`: one node per
@@ -162,6 +167,7 @@ def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int
     owner: dict[int, int] = {}   # storage -> the node that created it
     placeholders = iter(args)
     label = iter(labels or [])
+    drew = None   # the last op that drew from the random number generator
     for node in gm.graph.nodes:
         if node.op == "output":
             continue
@@ -200,4 +206,12 @@ def graph_of(gm: torch.fx.GraphModule, args: list[torch.Tensor], *, repeats: int
         for r in sorted(read - direct - {me}):
             edges.append((r, me))
             carried.append(0)
+        if _draws(node):
+            # NOTE [random ops in program order]: every device draws from one generator (the CPU's,
+            # or one GPU's); an op that draws starts after the last one that drew before it (a
+            # 0-byte edge), so its masks are eager's whatever the placement.
+            if drew is not None and drew not in direct:
+                edges.append((drew, me))
+                carried.append(0)
+            drew = me
     return OpGraph.build(names, times, held, edges, carried)

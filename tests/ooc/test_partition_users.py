@@ -128,3 +128,38 @@ def test_a_step_that_writes_its_buffers_and_input_runs_again_from_the_same_value
     eager = _eager(model, x.clone())
     for seed in (0, 0, 1):
         _assert_bit_identical(_placed(step, seed), eager)
+
+
+class _TwoDropouts(nn.Module):
+    """Two branches, each with its dropout: the second branch's is short and comes later."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = nn.functional.dropout(self.b(self.a(x).relu()).relu(), 0.5)
+        return (h + nn.functional.dropout(self.c(x), 0.5)).sum()
+
+
+def test_random_ops_draw_in_program_order_on_any_placement() -> None:
+    # The second branch alone on device 1 started before the first branch's dropout on device 0:
+    # it drew its mask first from the one generator, and the loss was not eager's.
+    torch.manual_seed(0)
+    model, x = _TwoDropouts(), torch.randn(16, 64)
+    step = capture_step(model, x, repeats=1)
+    graph = step.graph
+    device = np.zeros(graph.n, dtype=np.int64)
+    # the second branch's forward: after the first dropout's last op (mul), before the sum (add)
+    device[graph.index["mul"] + 1:graph.index["add"]] = 1
+    assert graph.names[graph.index["mul"] + 1:graph.index["add"]][-2:] == ("div_1", "mul_1")
+    devices = Devices.uniform(2, int(graph.total_bytes()))
+    torch.manual_seed(5)
+    eager = _eager(model, x)
+    torch.manual_seed(5)
+    links = CpuLinks(2, check_order=True)
+    try:
+        run = run_placed(step, Placement.of("second branch apart", device, 2, graph.n), devices, links=links)
+    finally:
+        links.close()
+    _assert_bit_identical(run, eager)
