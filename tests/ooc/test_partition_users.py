@@ -59,6 +59,7 @@ def test_a_branch_on_the_data_is_taken_as_this_sample_takes_it() -> None:
     _assert_bit_identical(_placed(step, 0), _eager(model, x))
 
 
+@pytest.mark.slow  # ~7 s on 2 cores (importing transformers, two traces); the test above has the mechanism
 def test_hugging_face_gpt2_with_dropout() -> None:
     tf = pytest.importorskip("transformers")
     torch.manual_seed(0)
@@ -72,6 +73,20 @@ def test_hugging_face_gpt2_with_dropout() -> None:
     eager = _eager(model, sample)
     torch.manual_seed(2)
     _assert_bit_identical(_placed(step, 0), eager)
+
+
+@pytest.mark.slow  # ~5 s on 2 cores; test_writes_through_views_are_seen_on_every_device has the mechanism
+def test_hugging_face_t5() -> None:
+    """Its ``_shift_right`` writes the decoder's inputs into views of a new tensor."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.T5ForConditionalGeneration(tf.T5Config(
+        vocab_size=50, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, dropout_rate=0.0, use_cache=False,
+        decoder_start_token_id=0, pad_token_id=0))
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    sample = {"input_ids": ids, "labels": ids}
+    step = capture_step(model, sample, repeats=1)
+    _assert_bit_identical(_placed(step, 0), _eager(model, sample))
 
 
 class _ShiftRight(nn.Module):
