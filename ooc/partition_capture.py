@@ -36,7 +36,8 @@ from ooc.scheduler.partition.graph import OpGraph
 def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None) -> torch.fx.GraphModule:
     """The joint forward+backward aten graph of one step of ``model`` on ``sample``: placeholders
     (parameters, buffers, the sample's tensors), then the forward, the loss and the backward ops;
-    outputs the loss and one gradient per parameter that needs one."""
+    outputs the loss and one gradient per parameter that needs one (None where the step does not
+    use it)."""
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     if not params:
         raise WrapError("the model has no parameter that requires a gradient; there is no backward to capture")
@@ -50,7 +51,8 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     def step(p: dict, b: dict, *xs: torch.Tensor):
         out = _call(model, {**p, **b}, rebuild(xs))
         loss = loss_of(out)
-        grads = torch.autograd.grad(loss, list(p.values()))
+        # A parameter the step does not use gets None, as eager's backward leaves its .grad.
+        grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
         return (loss, *grads)
 
     # NOTE [a step of this sample]: the trace is of one step on this sample, as its shapes are. A

@@ -178,3 +178,29 @@ def test_random_ops_draw_in_program_order_on_any_placement() -> None:
     finally:
         links.close()
     _assert_bit_identical(run, eager)
+
+
+class _Spare(nn.Module):
+    """A parameter the step does not use (a pooler a masked-LM loss never reads)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.spare = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_an_unused_parameter_gets_no_gradient_as_in_eager() -> None:
+    # autograd.grad refused ("appears to not have been used in the graph"): no capture at all,
+    # where eager's backward leaves the parameter's .grad None.
+    torch.manual_seed(0)
+    model, x = _Spare(), torch.randn(4, 8)
+    step = capture_step(model, x, repeats=1)
+    run = _placed(step, 0, k=2)
+    loss = default_loss(model(x))
+    loss.backward()
+    assert len(run.outputs) == 5 and torch.equal(run.outputs[0], loss.detach())
+    for got, p in zip(run.outputs[1:], model.parameters()):
+        assert (got is None and p.grad is None) or torch.equal(got, p.grad)
