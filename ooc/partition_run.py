@@ -52,9 +52,8 @@ from ooc.tracker import MemoryTracker
 @dataclass(frozen=True, eq=False)
 class PlacedRun:
     """``outputs``: the step's outputs (loss, then one gradient per parameter, None for one the step
-    does not use); ``peak_bytes``:
-    ``(K,)`` measured peak per device; ``copies``: tensors copied between devices;
-    ``simulation``: the prediction the run followed."""
+    does not use); ``peak_bytes``: ``(K,)`` measured peak per device; ``copies``: tensors copied
+    between devices; ``simulation``: the prediction the run followed."""
 
     outputs: tuple[Any, ...]
     peak_bytes: np.ndarray
