@@ -122,6 +122,9 @@ class CapturedStep:
 def capture_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
                  repeats: int = 3) -> CapturedStep:
     """:func:`capture`, keeping the traced module and its arguments (to run under a placement)."""
+    if repeats < 1:
+        raise WrapError(f"repeats={repeats}: each op's time is a median of its timed runs; time it at least once "
+                        "(repeats >= 1)")
     gm = trace_step(model, sample, loss_fn)
     params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     leaves, _ = _tensors(sample)

@@ -70,3 +70,13 @@ def test_a_mapping_sample_is_captured_as_a_dict() -> None:
     as_mapping = capture(_Keywords(), UserDict(sample), repeats=1)
     assert as_mapping.names == as_dict.names and "input.0" in as_mapping.index and "input.1" in as_mapping.index
     assert as_mapping.held_bytes[as_mapping.index["input.0"]] == 8 * 16 * 4
+
+
+def test_repeats_below_one_is_refused_before_tracing() -> None:
+    # repeats=0 traced the whole step and then failed in statistics.median of no samples.
+    import pytest
+
+    from ooc.errors import WrapError
+
+    with pytest.raises(WrapError, match="repeats=0"):
+        capture(_mlp(), torch.randn(8, 16), repeats=0)
