@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ooc.scheduler.errors import PlanError
 from ooc.scheduler.partition.devices import Devices, Placement
 from ooc.scheduler.partition.graph import OpGraph
 
@@ -52,6 +53,11 @@ def simulate(graph: OpGraph, placement: Placement, devices: Devices) -> Simulati
     """Run the event model of NOTE [the event model of a placed graph] over ``placement``."""
     n, k = graph.n, devices.k
     device = placement.device
+    if device.shape != (n,):
+        raise PlanError(f"the placement places {device.shape[0]} ops; the graph has {n}: place this graph")
+    if n and device.max() >= k:
+        raise PlanError(f"the placement names device {int(device.max())}; the machine has {k} (0..{k - 1}): "
+                        f"place the graph on these devices")
     order = graph.order
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)

@@ -133,6 +133,15 @@ def test_placement_checks_devices() -> None:
         Placement.of("x", [0], 2, 2)
 
 
+def test_simulating_a_placement_of_another_machine_or_graph_is_refused() -> None:
+    # A placement over 4 devices (read back from a run on 4) simulated on 2 raised IndexError.
+    g = OpGraph.build(["a", "b", "c"], [1, 1, 1], [1, 1, 1], [("a", "b"), ("b", "c")])
+    with pytest.raises(PlanError, match="names device 3; the machine has 2"):
+        simulate(g, Placement.of("x", [0, 1, 3], 4, 3), Devices.uniform(2, 10))
+    with pytest.raises(PlanError, match="places 2 ops; the graph has 3"):
+        simulate(g, Placement.of("x", [0, 1], 2, 2), Devices.uniform(2, 10))
+
+
 # --- the partitioners --------------------------------------------------------------------------
 
 
