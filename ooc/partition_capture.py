@@ -94,19 +94,26 @@ def _call(model: nn.Module, state: dict, sample: Any) -> Any:
 
 
 def _tensors(sample: Any) -> tuple[list[torch.Tensor], Callable[[tuple], Any]]:
-    """The tensors in ``sample``, and how to rebuild ``sample`` with others in their place (a
+    """The tensors in ``sample`` (each once), and how to rebuild ``sample`` with others in their place (a
     mapping as a dict: a tokenizer's or collator's BatchEncoding is a Mapping, not a dict, and one
     opaque leaf to the pytree, whose tensors would be traced as constants, not the step's inputs)."""
     flat, spec = tree_flatten(dict(sample) if isinstance(sample, Mapping) else sample)
-    where = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor)]
+    # One tensor given twice is one input: self-attention called as ``mha(x, x, x)`` takes its
+    # packed path only where ``query is key``.
+    first: dict[int, int] = {}   # id of a tensor -> its index among the inputs
+    slot: dict[int, int] = {}    # position in flat -> index among the inputs
+    for i, x in enumerate(flat):
+        if isinstance(x, torch.Tensor):
+            slot[i] = first.setdefault(id(x), len(first))
+    unique = list({id(flat[i]): flat[i] for i in slot}.values())
 
     def rebuild(xs: tuple) -> Any:
         out = list(flat)
-        for i, x in zip(where, xs):
-            out[i] = x
+        for i, j in slot.items():
+            out[i] = xs[j]
         return tree_unflatten(out, spec)
 
-    return [flat[i] for i in where], rebuild
+    return unique, rebuild
 
 
 @dataclass(frozen=True, eq=False)

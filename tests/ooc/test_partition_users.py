@@ -204,3 +204,13 @@ def test_an_unused_parameter_gets_no_gradient_as_in_eager() -> None:
     assert len(run.outputs) == 5 and torch.equal(run.outputs[0], loss.detach())
     for got, p in zip(run.outputs[1:], model.parameters()):
         assert (got is None and p.grad is None) or torch.equal(got, p.grad)
+
+
+def test_one_tensor_passed_twice_is_one_input() -> None:
+    # Self-attention called as mha(x, x, x): the tensor was three placeholders, `query is key`
+    # failed in the trace, and the step took the three-projection path (not eager's packed one).
+    torch.manual_seed(0)
+    model, x = nn.MultiheadAttention(8, 2, batch_first=True), torch.randn(2, 5, 8)
+    step = capture_step(model, (x, x, x), repeats=1)
+    assert sum(name.startswith("input.") for name in step.graph.names) == 1
+    _assert_bit_identical(_placed(step, 0), _eager(model, (x, x, x)))
