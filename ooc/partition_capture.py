@@ -64,8 +64,20 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     # other views, with no edge between them; placed on another device it writes a copy, and the
     # readers do not see it. Traced again through functionalize, every write is an op whose output
     # its readers take.
-    functional = make_fx(torch.func.functionalize(traced), _error_on_data_dependent_ops=False)(params, buffers, *leaves)
+    functional = make_fx(torch.func.functionalize(traced), _IN_PLACE_DRAWS,
+                         _error_on_data_dependent_ops=False)(params, buffers, *leaves)
     return _without_write_backs(functional)
+
+
+def _bernoulli_in_place(x: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    return torch.empty_like(x).bernoulli_(p, generator=generator)
+
+
+# NOTE [draws in eager's layout]: functionalize turns dropout's ``empty_like(x).bernoulli_(p)`` into
+# ``bernoulli(x, p)``, whose mask is contiguous: for a transposed ``x`` (after batch-first attention)
+# its numbers land in another order than eager's. Drawn in place into ``empty_like(x)`` as eager
+# does, the mask is eager's; no other op reads the fresh tensor, so the write is safe to place.
+_IN_PLACE_DRAWS = {torch.ops.aten.bernoulli.p: _bernoulli_in_place}
 
 
 def _without_write_backs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:

@@ -214,3 +214,26 @@ def test_one_tensor_passed_twice_is_one_input() -> None:
     step = capture_step(model, (x, x, x), repeats=1)
     assert sum(name.startswith("input.") for name in step.graph.names) == 1
     _assert_bit_identical(_placed(step, 0), _eager(model, (x, x, x)))
+
+
+class _DropoutOfATranspose(nn.Module):
+    """Dropout on a transposed tensor, as nn.TransformerEncoderLayer's after batch-first attention."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.dropout(self.fc(x).transpose(0, 1), 0.5)
+
+
+def test_dropout_of_a_strided_tensor_draws_eager_s_mask() -> None:
+    # Functionalized, x.bernoulli_(p) on empty_like of a transposed tensor became bernoulli(x, p):
+    # a contiguous mask filled in another order, so the mask was not eager's.
+    torch.manual_seed(0)
+    model, x = _DropoutOfATranspose(), torch.randn(4, 6, 8)
+    step = capture_step(model, x, repeats=1)
+    torch.manual_seed(5)
+    eager = _eager(model, x)
+    torch.manual_seed(5)
+    _assert_bit_identical(_placed(step, 0), eager)
