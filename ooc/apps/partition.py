@@ -19,6 +19,7 @@ from ooc.scheduler.partition import (
     run_methods,
     write_pardnn,
 )
+from ooc.scheduler.partition.simulate import held_events
 from ooc.scheduler.partition.synthetic import SHAPES, profile_graph, synthetic
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.units import format_bytes, parse_bytes
@@ -142,10 +143,9 @@ def plot_placement(graph: OpGraph, outcome: Outcome, path: str | Path, *, title:
     gantt.set_title(f"{title}: {sim.makespan * 1e3:.2f} ms, {len(sim.transfers)} copies")
     for d in range(k):
         mine = device == d
-        times = np.concatenate([sim.start[mine], sim.release[mine]])
-        sizes = np.concatenate([graph.held_bytes[mine], -graph.held_bytes[mine]])
-        order = np.lexsort((sizes, times))
-        memory.step(np.concatenate([[0.0], times[order] * 1e3]), np.concatenate([[0.0], np.cumsum(sizes[order]) / 2**20]),
+        # The simulator's own sweep, so the rows reach its peaks.
+        times, sizes = held_events(sim.start[mine], sim.release[mine], graph.held_bytes[mine])
+        memory.step(np.concatenate([[0.0], times * 1e3]), np.concatenate([[0.0], np.cumsum(sizes) / 2**20]),
                     where="post", color=colors(d % 10), label=f"device {d}")
     memory.set_ylabel("held MiB")
     memory.set_xlabel("ms")
