@@ -65,6 +65,8 @@ def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
 
 def run_partition(cfg: PartitionConfig) -> int:
     graph = load_graph(cfg.graph, batch=cfg.batch, seq=cfg.seq)
+    if graph.n == 0:
+        raise ValueError(f"--graph {cfg.graph}: the graph has no ops; there is nothing to place")
     capacity = parse_bytes(cfg.capacity, what="--capacity") if cfg.capacity is not None else int(np.ceil(graph.total_bytes()))
     devices = Devices.uniform(cfg.devices, capacity, bandwidth_Bps=cfg.bandwidth_GBps * 1e9,
                               latency_s=cfg.latency_us * 1e-6)
@@ -83,8 +85,10 @@ def run_partition(cfg: PartitionConfig) -> int:
         raise InfeasiblePartition(devices, minimum, method)
     best = min(fitting, key=lambda o: o.simulation.makespan)
     # "0.29x one device" read as 29% of one device's time where it meant 3.4 times as long.
+    work = graph.total_time()
+    ratio = f"{best.simulation.makespan / work:.2f}x" if work > 0 else "-"
     print(f"best: {best.method}, {best.simulation.makespan * 1e3:.3f} ms, "
-          f"{best.simulation.makespan / graph.total_time():.2f}x the work of one device ({graph.total_time() * 1e3:.3f} ms)")
+          f"{ratio} the work of one device ({work * 1e3:.3f} ms)")
     if cfg.placement:
         Path(cfg.placement).write_text("".join(f"{n} {d}\n" for n, d in zip(graph.names, best.placement.device.tolist())))
         print(f"wrote {cfg.placement}")

@@ -74,3 +74,16 @@ def test_the_pictures_memory_rows_reach_the_simulated_peaks(tmp_path, monkeypatc
     outcome = run_methods(graph, Devices.uniform(2, 2**30), ["contiguous"])[0]
     plot_placement(graph, outcome, tmp_path / "g.png", title="t")
     assert drawn == [p / 2**20 for p in outcome.simulation.peak_bytes]
+
+
+def test_a_graph_of_no_work_or_no_ops(tmp_path, capsys) -> None:
+    """Ops of no time, or no ops at all (a ParDNN folder with an empty graph), ended in a
+    ZeroDivisionError's traceback (the makespan over one device's work)."""
+    from ooc.scheduler.partition import OpGraph, write_pardnn
+
+    write_pardnn(OpGraph.build(["a", "b"], [0.0, 0.0], [8, 8], [("a", "b")], [8]), tmp_path / "idle")
+    assert main(["partition", "--graph", str(tmp_path / "idle"), "--method", "pardnn"]) == 0
+    assert "best: pardnn, 0.000 ms" in capsys.readouterr().out
+    write_pardnn(OpGraph.build([], [], [], []), tmp_path / "empty")
+    assert main(["partition", "--graph", str(tmp_path / "empty")]) == 2
+    assert "no ops" in capsys.readouterr().err
