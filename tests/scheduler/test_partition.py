@@ -15,6 +15,7 @@ from ooc.scheduler.partition import (
     InfeasiblePartition,
     OpGraph,
     Placement,
+    minimum_capacity,
     partition,
     read_pardnn,
     read_pardnn_placement,
@@ -190,6 +191,16 @@ def test_infeasible_names_a_capacity_that_fits() -> None:
 def test_unknown_method() -> None:
     with pytest.raises(OocError, match="choose from"):
         run_methods(_held_until_the_end(), Devices.uniform(2, MB), ["metis"])
+
+
+@pytest.mark.parametrize("methods", [[], ["metis"]], ids=["none", "unknown"])
+def test_the_smallest_capacity_needs_known_methods(methods) -> None:
+    # No method: "no method fits even with every op on one device; this is a bug"; an unknown
+    # one: KeyError.
+    with pytest.raises(PlanError, match="choose from"):
+        minimum_capacity(_held_until_the_end(), Devices.uniform(2, 1), methods)
+    with pytest.raises(PlanError, match="choose from"):
+        partition(_held_until_the_end(), Devices.uniform(2, 1), methods)
 
 
 # --- what each method is for, on graphs small enough to know the answer ------------------------
