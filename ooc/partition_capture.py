@@ -2,7 +2,8 @@
 
 ``make_fx`` traces a function that runs the model functionally and calls ``torch.autograd.grad``:
 the trace holds every aten op of the forward and of the backward (the joint graph AOT autograd
-partitions), with the parameters, buffers and inputs as placeholders. Each op is then run alone
+partitions), with the parameters, buffers and inputs as placeholders, traced once more through
+``functionalize`` (NOTE [a functional step], NOTE [a pure step]). Each op is then run alone
 on the real values, ``repeats`` times, and its median time and its output's bytes become the node;
 an edge carries its producer's output bytes.
 
