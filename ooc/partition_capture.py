@@ -145,15 +145,19 @@ def capture_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.T
     if repeats < 1:
         raise WrapError(f"repeats={repeats}: each op's time is a median of its timed runs; time it at least once "
                         "(repeats >= 1)")
-    gm = trace_step(model, sample, loss_fn)
-    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    leaves, _ = _tensors(sample)
-    # Buffers are cloned: a BatchNorm's running statistics are updated in place by the step, and
-    # each op runs 1 + repeats times here.
-    values = [p.detach() for _, p in params] + [b.clone() for _, b in model.named_buffers()] + leaves
-    labels = ([f"param.{n}" for n, _ in params] + [f"buffer.{n}" for n, _ in model.named_buffers()]
-              + [f"input.{i}" for i in range(len(leaves))])
-    return CapturedStep(gm, tuple(values), graph_of(gm, values, repeats=repeats, labels=labels))
+    # Tracing twice and timing each op draw dropout's masks: the generators are left as they were,
+    # as ooc.profile leaves them.
+    gpus = sorted({t.device.index or 0 for t in model.parameters() if t.is_cuda})
+    with torch.random.fork_rng(devices=gpus):
+        gm = trace_step(model, sample, loss_fn)
+        params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        leaves, _ = _tensors(sample)
+        # Buffers are cloned: a BatchNorm's running statistics are updated in place by the step, and
+        # each op runs 1 + repeats times here.
+        values = [p.detach() for _, p in params] + [b.clone() for _, b in model.named_buffers()] + leaves
+        labels = ([f"param.{n}" for n, _ in params] + [f"buffer.{n}" for n, _ in model.named_buffers()]
+                  + [f"input.{i}" for i in range(len(leaves))])
+        return CapturedStep(gm, tuple(values), graph_of(gm, values, repeats=repeats, labels=labels))
 
 
 def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor] | None = None, *,
@@ -161,7 +165,8 @@ def capture(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Tensor
     """The op graph of one training step (see module docstring). ``loss_fn`` maps the model's
     output to a scalar (default: :func:`ooc.profiler.default_loss`). Times are each op's median over
     ``repeats`` runs after the run that gives the values (an in-place op is re-run on its own
-    output: its time stands, its values are not used again); the model is left as it was."""
+    output: its time stands, its values are not used again); the model, the sample and the random
+    number generators are left as they were."""
     return capture_step(model, sample, loss_fn, repeats=repeats).graph
 
 

@@ -80,3 +80,15 @@ def test_repeats_below_one_is_refused_before_tracing() -> None:
 
     with pytest.raises(WrapError, match="repeats=0"):
         capture(_mlp(), torch.randn(8, 16), repeats=0)
+
+
+def test_the_random_number_generator_is_left_as_it_was() -> None:
+    # Tracing twice and timing each op drew dropout masks from the global generator: a step
+    # seeded before capture drew other masks than the same step without it.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    torch.manual_seed(7)
+    capture(model, torch.randn(8, 16), repeats=2)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    torch.randn(8, 16)
+    assert torch.equal(after, torch.rand(4))
