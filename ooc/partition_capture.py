@@ -26,7 +26,8 @@ from typing import Any
 import torch
 import torch.fx
 import torch.nn as nn
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing, make_fx
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
 from ooc.errors import WrapError
@@ -50,10 +51,11 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     loss_of = loss_fn or default_loss
 
     def step(p: dict, b: dict, *xs: torch.Tensor):
-        out = _call(model, {**p, **b}, rebuild(xs))
-        loss = loss_of(out)
-        # A parameter the step does not use gets None, as eager's backward leaves its .grad.
-        grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
+        with _Redraws():
+            out = _call(model, {**p, **b}, rebuild(xs))
+            loss = loss_of(out)
+            # A parameter the step does not use gets None, as eager's backward leaves its .grad.
+            grads = torch.autograd.grad(loss, list(p.values()), allow_unused=True)
         return (loss, *grads)
 
     # NOTE [a step of this sample]: the trace is of one step on this sample, as its shapes are. A
@@ -68,6 +70,59 @@ def trace_step(model: nn.Module, sample: Any, loss_fn: Callable[[Any], torch.Ten
     functional = make_fx(torch.func.functionalize(traced), _IN_PLACE_DRAWS,
                          _error_on_data_dependent_ops=False)(params, buffers, *leaves)
     return _without_write_backs(functional)
+
+
+@torch.library.custom_op("ooc_partition::rng_state", mutates_args=(), tags=(torch.Tag.nondeterministic_seeded,))
+def _rng_state(like: torch.Tensor) -> torch.Tensor:
+    """The state of the generator ``like``'s device draws from (a CPU byte tensor)."""
+    return torch.cuda.get_rng_state(like.device) if like.is_cuda else torch.get_rng_state()
+
+
+@torch.library.custom_op("ooc_partition::bernoulli_at", mutates_args=())
+def _bernoulli_at(like: torch.Tensor, p: float, state: torch.Tensor) -> torch.Tensor:
+    """``empty_like(like).bernoulli_(p)`` drawn from the generator in ``state``, which is left as
+    it was (as torch.utils.checkpoint's recomputation draws)."""
+    with torch.random.fork_rng(devices=[like.device.index or 0] if like.is_cuda else []):
+        if like.is_cuda:
+            torch.cuda.set_rng_state(state.cpu(), like.device)
+        else:
+            torch.set_rng_state(state.cpu())
+        return torch.empty_like(like).bernoulli_(p)
+
+
+class _Redraws(TorchDispatchMode):
+    """Under make_fx: dropout's draw from a generator in the state of an earlier such draw is
+    traced as that draw again, from the generator's state taken before it.
+
+    NOTE [redraws]: torch.utils.checkpoint's recomputation (Hugging Face's gradient checkpointing)
+    sets the generator back to its state before the block's forward, draws the block's dropout
+    masks again and restores the generator. The trace sees neither state change, only a second
+    draw: at run time a fresh mask, and the generator taken on. The trace runs for real, so the
+    generator's state tells a redraw: each first draw is traced after a node that takes the state
+    (``rng_state``; unused ones are dropped), and a redraw as ``bernoulli_at`` that state, which
+    leaves the generator as it was, as eager's recomputation does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.drawn: dict[tuple, torch.Tensor] = {}   # (generator state, layout, p) -> the state's node
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        kwargs = kwargs or {}
+        if func is not torch.ops.aten.bernoulli_.float or kwargs.get("generator") is not None:
+            return func(*args, **kwargs)
+        dst, p = args[0], args[1] if len(args) > 1 else kwargs.get("p", 0.5)
+        with disable_proxy_modes_tracing():   # read, not traced (it would be a constant of the graph)
+            now = torch.cuda.get_rng_state(dst.device) if dst.is_cuda else torch.get_rng_state()
+            key = (now.numpy().tobytes(), dst.shape, dst.stride(), dst.dtype, dst.device, p)
+        if key in self.drawn:
+            out = torch.ops.ooc_partition.bernoulli_at(dst, p, self.drawn[key])
+            with disable_proxy_modes_tracing():
+                # Untraced: the trace's generator moves on as eager's redraw moves it, so the
+                # block's next redraw finds its own first draw's state.
+                torch.empty_like(dst).bernoulli_(p)
+            return dst.copy_(out)
+        self.drawn[key] = torch.ops.ooc_partition.rng_state(dst)
+        return func(*args, **kwargs)
 
 
 def _bernoulli_in_place(x: torch.Tensor, p: float, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -93,6 +148,8 @@ def _without_write_backs(gm: torch.fx.GraphModule) -> torch.fx.GraphModule:
         if (node.target is torch.ops.aten.copy_.default and not node.users
                 and node.args[0].op == "placeholder"):
             gm.graph.erase_node(node)
+        elif node.target is torch.ops.ooc_partition.rng_state.default and not node.users:
+            gm.graph.erase_node(node)   # NOTE [redraws]: a draw nothing draws again
     gm.recompile()
     return gm
 
