@@ -7,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
 from ooc.optim import HostAdamW
 
@@ -59,6 +61,13 @@ def test_a_relative_directory_stays_where_it_was_when_the_process_changes_direct
     fresh = _linear(seed=1)
     assert Checkpointer(tmp_path / "ckpt", fresh, torch.optim.AdamW(fresh.parameters())).restore().step == 2
     assert torch.equal(fresh.weight, model.weight)
+
+
+def _write_owner_record(path: Path, **fields: object) -> None:
+    """An owner record as a holder makes one (NOTE [owner records]): this process's, but for ``fields``."""
+    host, boot = ckpt_mod._kernel()
+    path.write_text(json.dumps({"host": host, "boot": boot, "pid": os.getpid(), "token": "0" * 16,
+                                "started": ckpt_mod._process_start(os.getpid()), **fields}))
 
 
 def _saving(directory: Path, steps: tuple[int, ...], seed: int = 0) -> Checkpointer:
@@ -296,12 +305,16 @@ def test_another_process_holds_the_directory_until_it_dies_or_closes(tmp_path: P
 
 
 def test_a_crashs_lock_file_is_reused_and_cleaned(tmp_path: Path) -> None:
-    """A killed job leaves its lock file, unlocked: the next job takes it, and rank 0's next cleanup
-    deletes one nobody holds."""
+    """A killed job leaves its lock file, unlocked, and its owner record (of a process of this host
+    that is gone: here an earlier process with this pid): the next job takes them over, and rank 0's
+    next cleanup deletes those nobody holds (NOTE [owner records])."""
     (tmp_path / ".writer-rank0.lock").write_text("pid 1 on elsewhere")
     (tmp_path / ".writer-rank3.lock").write_text("pid 1 on elsewhere")
+    for rank in (0, 3):
+        _write_owner_record(tmp_path / f".writer-rank{rank}.owner", started="1")
     ckpt = _saving(tmp_path, (1,))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", "step-000000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank0.owner", "step-000000001"]
+    assert json.loads((tmp_path / ".writer-rank0.owner").read_text())["started"] != "1"
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
 
