@@ -885,6 +885,7 @@ class _OwnerRecord:
         self.path = path
         self._fd: int | None = fd
         self.token = token
+        self._pid = os.getpid()
         self.took_over = False
         """Whether :meth:`claim` took it over from a dead holder."""
 
@@ -947,14 +948,15 @@ class _OwnerRecord:
                 os.utime(self._fd)
 
     def release(self) -> None:
-        """Stop the heartbeat and delete the record, if it is still this one (again: nothing)."""
+        """Stop the heartbeat and delete the record, if it is still this one (again: nothing; in a
+        forked child, only close it: the record is the parent's)."""
         with _BEATING_LOCK:
             _BEATING.discard(self)
             fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
-            if _same_file(fd, self.path):
+            if os.getpid() == self._pid and _same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)
         except OSError:
             pass  # a file system gone read-only: the record of a dead holder from now on, for a cleanup
@@ -1167,7 +1169,10 @@ class _DirectoryLock:
     so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
     deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
     unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
-    child lives holds the directory until the child exits. The holder deletes the file at
+    child lives holds the directory until the child exits. A child that ends as Python programs do
+    (``sys.exit``: its atexit handlers run the finalizer of the Checkpointer it copied) only closes
+    its copies: unlocking the shared description and deleting the file let another job in beside
+    the live parent. The holder deletes the file at
     ``close``; a taker that locked a file deleted meanwhile finds the path names another file (or
     none) and takes it again, as with the folder locks (NOTE [folder locks]).
 
@@ -1204,6 +1209,7 @@ class _DirectoryLock:
         self.path = path
         self._fd = fd
         self._record = record
+        self._pid = os.getpid()
 
     def __del__(self) -> None:
         self._record.release()  # a Checkpointer dropped without close(): the lock goes with it
@@ -1260,12 +1266,16 @@ class _DirectoryLock:
         return "no one (its record was deleted)" if holder is None else str(holder)
 
     def release(self) -> None:
-        """Delete the file and its owner record and unlock it (again: nothing)."""
+        """Delete the file and its owner record and unlock it (again: nothing). In a forked child
+        (its exit runs the finalizer of the Checkpointer it copied) only close them: the lock, the
+        file and the record are the parent's, which still writes."""
         self._record.release()
         fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
+            if os.getpid() != self._pid:
+                return
             if _same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)
             fcntl.flock(fd, fcntl.LOCK_UN)  # for a forked child sharing the open file description too

@@ -304,6 +304,40 @@ def test_another_process_holds_the_directory_until_it_dies_or_closes(tmp_path: P
         holder.wait()
 
 
+_FORKS_A_CHILD_THAT_EXITS = """
+import os, sys, time
+import torch
+from ooc.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], torch.nn.Linear(3, 2))
+ckpt.save(1)
+ckpt.wait()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # as a Python program ends: its atexit handlers run, the copied Checkpointer's finalizer too
+os.waitpid(child, 0)
+print("saved", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_directory_held(tmp_path: Path) -> None:
+    """A holder forks a child that ends as Python programs do (``sys.exit``: not a DataLoader
+    worker's ``os._exit``): the child's exit ran the finalizer of its copy of the Checkpointer, which
+    unlocked the lock's open file description it shares with the parent and deleted the lock file,
+    and another job then saved into the directory beside the live holder. Now it is still refused."""
+    holder = subprocess.Popen([sys.executable, "-c", _FORKS_A_CHILD_THAT_EXITS, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        ckpt = _saving(tmp_path, ())
+        with pytest.raises(CheckpointError, match=rf"another job holds .*: pid {holder.pid} on "):
+            ckpt.save(2)
+        assert {".writer-rank0.lock", ".writer-rank0.owner"} <= {p.name for p in tmp_path.iterdir()}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_crashs_lock_file_is_reused_and_cleaned(tmp_path: Path) -> None:
     """A killed job leaves its lock file, unlocked, and its owner record (of a process of this host
     that is gone: here an earlier process with this pid): the next job takes them over, and rank 0's
