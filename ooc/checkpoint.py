@@ -763,6 +763,8 @@ _STALE_SECONDS = 60.0
 [owner records]): many heartbeats, and more than the few seconds NTP lets clocks disagree."""
 _OWNER_RE = re.compile(r"^\.writer-rank\d+\.owner$")
 """The owner record beside a rank's directory lock file (NOTE [owner records])."""
+_OWNER_LEFTOVER_RE = re.compile(r"^\.writer-rank\d+\.owner\.[0-9a-f]+\.(tmp|dead)$")
+"""A record being made, or a dead holder's being dropped: left by a crash right then (NOTE [owner records])."""
 _WRITING_OWNER = ".writing-{token}.owner"
 """A writing rank's owner record in a version's folder (NOTE [owner records])."""
 
@@ -1401,6 +1403,14 @@ def _remove_dead_record(path: Path) -> None:
     holder = _read_holder(path)
     if holder is not None and not holder.live():
         _drop_dead_record(path, holder)
+
+
+def _remove_leftover(path: Path) -> None:
+    """Delete ``path``, the temporary file of a record made or dropped, once it is older than any
+    record still being made or dropped can be (``_STALE_SECONDS``; NOTE [owner records])."""
+    with contextlib.suppress(OSError):  # gone meanwhile
+        if time.time() - path.stat().st_mtime > _STALE_SECONDS:
+            path.unlink()
 
 
 def _remove_unless_written(folder: Path, step: int) -> bool:
@@ -2598,6 +2608,8 @@ class Checkpointer:
                 _remove_stale_writer_lock(path)  # a killed job's (NOTE [one job per directory])
             elif _OWNER_RE.match(path.name):
                 _remove_dead_record(path)  # a killed job's (NOTE [owner records])
+            elif _OWNER_LEFTOVER_RE.match(path.name):
+                _remove_leftover(path)
 
     def _removing(self) -> list[Path]:
         """Folders a cleanup moved away to delete, left by a crash meanwhile (NOTE [folder locks])."""

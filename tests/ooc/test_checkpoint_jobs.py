@@ -346,9 +346,16 @@ def test_a_crashs_lock_file_is_reused_and_cleaned(tmp_path: Path) -> None:
     (tmp_path / ".writer-rank3.lock").write_text("pid 1 on elsewhere")
     for rank in (0, 3):
         _write_owner_record(tmp_path / f".writer-rank{rank}.owner", started="1")
+    # Killed while it made a record, or dropped a dead one (a minute ago), and just now (maybe live).
+    for name in (".writer-rank0.owner.0123abcd.tmp", ".writer-rank0.owner.4567.dead", ".writer-rank1.owner.89ab.tmp"):
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (time.time() - 120,) * 2)
+    (tmp_path / ".writer-rank2.owner.cdef.tmp").write_text("{}")
     ckpt = _saving(tmp_path, (1,))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank0.owner", "step-000000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank0.owner",
+                                                          ".writer-rank2.owner.cdef.tmp", "step-000000001"]
     assert json.loads((tmp_path / ".writer-rank0.owner").read_text())["started"] != "1"
+    (tmp_path / ".writer-rank2.owner.cdef.tmp").unlink()
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
 
