@@ -896,20 +896,10 @@ class _OwnerRecord:
         """Make the record at ``path`` and keep its heartbeat, or return None if one is there."""
         token = os.urandom(8).hex()
         host, boot = _kernel()
-        tmp = path.with_name(f".{path.name.lstrip('.')}.{token}.tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, json.dumps({"host": host, "boot": boot, "pid": os.getpid(), "token": token,
-                                     "started": _process_start(os.getpid())}).encode())
-            os.link(tmp, path)
-        except BaseException as exc:
-            os.close(fd)
-            if isinstance(exc, FileExistsError):
-                return None
-            raise
-        finally:
-            with contextlib.suppress(OSError):  # a file system gone read-only: the caller's error is the one
-                tmp.unlink(missing_ok=True)
+        fd = _made_whole(path, json.dumps({"host": host, "boot": boot, "pid": os.getpid(), "token": token,
+                                           "started": _process_start(os.getpid())}).encode())
+        if fd is None:
+            return None
         record = cls(path, fd, token)
         _beat(record)
         return record
@@ -966,6 +956,41 @@ class _OwnerRecord:
             os.close(fd)
 
 
+_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+"""link()'s errors where the file system has no hard links (vfat, exFAT, FUSE file systems such as s3fs)."""
+
+
+def _made_whole(path: Path, data: bytes) -> int | None:
+    """Make the file ``path`` holding ``data`` and return it open, or None if the name is taken: with
+    ``link()`` from a temporary file, so that it is whole when it appears; where the file system has
+    no hard links, with ``O_EXCL`` (a reader may find it empty a moment: a damaged record, judged by
+    its heartbeat, fresh)."""
+    tmp = path.with_name(f".{path.name.lstrip('.')}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.link(tmp, path)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, FileExistsError):
+            return None
+        if exc.errno not in _NO_LINKS:
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):  # a file system gone read-only: the caller's error is the one
+            tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    os.write(fd, data)
+    return fd
+
+
 def _drop_dead_record(path: Path, holder: _Holder) -> None:
     """Remove the record at ``path`` judged to be ``holder``'s, a dead one, unless another taker has
     replaced it since it was read (NOTE [owner records])."""
@@ -976,8 +1001,11 @@ def _drop_dead_record(path: Path, holder: _Holder) -> None:
         return  # another taker's doing
     moved = _read_holder(aside)
     if moved is not None and (moved.identity, moved.token) != (holder.identity, holder.token):
-        with contextlib.suppress(FileExistsError):
-            os.link(aside, path)  # a live taker's record, made since: put back
+        # A live taker's record, made since: put back. (Where that fails, a third taker's record is
+        # there, or the file system has no hard links: the taker finds its record gone and its next
+        # save fails, saying so, rather than two jobs writing.)
+        with contextlib.suppress(OSError):
+            os.link(aside, path)
     aside.unlink(missing_ok=True)
 
 

@@ -233,3 +233,27 @@ def test_a_holder_taken_over_by_another_host_writes_and_deletes_nothing_more(tmp
     assert [v.step for v in list_versions(tmp_path)] == ([1] if when == "between-versions" else [1, 2])
     ckpt.close()
     assert json.loads(record.read_text())["pid"] == 4242
+
+
+def test_a_file_system_without_hard_links_still_saves_and_refuses_another_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """vfat, exFAT and FUSE file systems such as s3fs refuse ``link()`` (EPERM, EOPNOTSUPP): every
+    save failed making its owner record. There a record is made with ``O_EXCL`` instead, and still
+    refuses a job on another host."""
+    def link(src: str | Path, dst: str | Path) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", str(src))
+
+    monkeypatch.setattr(os, "link", link)
+    ckpt = _checkpointer(tmp_path)
+    ckpt.save(1)
+    ckpt.wait()
+    assert json.loads((tmp_path / ".writer-rank0.owner").read_text())["pid"] == os.getpid()
+    with monkeypatch.context() as elsewhere:
+        _as_host_b(elsewhere, "host")
+        holder = ckpt_mod._read_holder(tmp_path / ".writer-rank0.owner")
+        assert holder.live() and str(holder) == f"pid {os.getpid()} on {_HOST}"
+    ckpt.save(2)
+    ckpt.wait()
+    ckpt.close()
+    assert [v.step for v in list_versions(tmp_path)] == [2]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002"]
