@@ -857,9 +857,11 @@ class _OwnerRecord:
     beside each flock a writer holds a second guard that needs no lock: an owner record, a small
     JSON file naming its host, boot id, pid, the pid's start time and a random token, made with
     ``link()`` from a temporary file (whole when it appears; ``link`` fails if the name is taken,
-    on NFS too, where ``O_EXCL`` did not always hold), and its mtime the heartbeat: a daemon thread
-    of this process touches every record it holds each ``_HEARTBEAT_SECONDS`` (``utime`` of the
-    open file: the kernel's time, or on NFS the server's, so that readers compare with one clock).
+    on NFS too, where ``O_EXCL`` did not always hold; without hard links, with ``O_EXCL``:
+    :func:`_made_whole`), and its mtime the heartbeat: a daemon thread of this process touches
+    every record it holds each ``_HEARTBEAT_SECONDS`` (``utime`` of the open file: the kernel's
+    time, or on NFS the server's, so that readers compare with one clock; so clocks must agree
+    within seconds, as NTP keeps them, and an mtime ahead of the reader's clock is fresh).
     ``.writer-rank{r}.owner`` beside the directory lock (NOTE [one job per directory]) and
     ``.writing-{token}.owner`` per rank in the folder of the version it writes (NOTE [folder locks]).
 
@@ -873,8 +875,11 @@ class _OwnerRecord:
     record is checked once the flock is taken (or where there is no flock at all). A directory
     whose record's holder is live is refused, naming its host and pid; a dead holder's record is
     taken over (:func:`_drop_dead_record`: renamed away, checked to be the record judged dead,
-    else put back, as another taker may have replaced it meanwhile). A cleanup leaves an incomplete
-    folder that holds a live writer's record, and a rank's lock file whose record is live.
+    else put back, as another taker may have replaced it meanwhile), and rank 0 then cleans the
+    directory again: the dead job's incomplete folders, left by its cleanup at construction while
+    the job looked live. A cleanup leaves an incomplete folder that holds a live writer's record,
+    and a rank's lock file whose record is live; it deletes a dead holder's record, and a record's
+    temporary file once it is ``_STALE_SECONDS`` old (a crash while one was made or dropped).
 
     A holder checks, before each version it writes and before retention deletes, that the record at
     its path is still its own (:meth:`ours`); if a job on another host took it over (this process
