@@ -84,7 +84,8 @@ def _quantize_int_kernel(
     # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
     scale = tl.minimum(tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0), MAX_SCALE)  # NOTE [largest scale]
     safe = tl.where(scale > 0, scale, 1.0)
-    v = tl.div_rn(x, safe[:, None])
+    # NOTE [one division per group]: the reciprocal, correctly rounded, then a multiply per value.
+    v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]
     if STOCHASTIC:
         v = v + _uniform(base + col, seed)
     else:
@@ -126,7 +127,7 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, total, cols, groups_per_r
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
     scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX)
     safe = tl.where(scale > 0, scale, 1.0)
-    v = tl.div_rn(x, safe[:, None])
+    v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]  # NOTE [one division per group]
     tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
 
@@ -292,7 +293,8 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
         codes = torch.empty(rows, cols, dtype=fp8_dtype, device=x.device) if views is None else views[0]
-        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS)
+        _quantize_fp8_kernel[grid](x2, codes, scales, rows * groups, cols, groups, FP8_MAX=fp8_max, GROUP=group_size, GPP=GROUPS_PER_PROGRAM, num_warps=NUM_WARPS,
+                                   enable_fp_fusion=False)  # NOTE [one division per group]
     else:
         pack4 = codec == "int4"
         qmax = QMAX[4 if pack4 else 8]
@@ -301,7 +303,8 @@ def _quantize_triton(x: torch.Tensor, codec: str, group_size: int, stochastic: b
         else:
             codes = views[0]
         _quantize_int_kernel[grid](x2, codes, scales, rows * groups, cols, (cols + 1) // 2, groups, seed, QMAX=qmax, MAX_SCALE=MAX_SCALE[qmax],
-                                   GROUP=group_size, GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS)
+                                   GROUP=group_size, GPP=GROUPS_PER_PROGRAM, PACK4=pack4, STOCHASTIC=stochastic, num_warps=NUM_WARPS,
+                                   enable_fp_fusion=False)  # NOTE [one division per group]
     return Quantized(codes, scales, x.shape, x.dtype, codec, group_size)
 
 

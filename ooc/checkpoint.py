@@ -13,9 +13,12 @@ A checkpoint directory holds one folder per version, ``step-000000012/``::
                                     each file, and the index of its optimizer tensors
     .writing.lock                   while the version is written: the file its writers lock (NOTE [folder
                                     locks]); deleted once every rank has committed
+    .writing-{token}.owner          while a rank writes the version: its owner record (NOTE [owner records])
 
 and, beside the versions, ``.writer-rank{r}.lock``: while a job writes into the directory, the file
-its rank ``r`` locks, so that a second job is refused (NOTE [one job per directory]).
+its rank ``r`` locks, so that a second job is refused (NOTE [one job per directory]), and
+``.writer-rank{r}.owner``, its owner record, which refuses a job on a host that flock does not reach
+(NOTE [owner records]).
 
 NOTE [checksums]
 A version's files are checked against their commit record's sizes and checksums before anything is
@@ -753,6 +756,320 @@ def _same_file(fd: int, path: Path) -> bool:
     return (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino)
 
 
+_HEARTBEAT_SECONDS = 5.0
+"""How often this process refreshes the heartbeat of the owner records it holds (NOTE [owner records])."""
+_STALE_SECONDS = 60.0
+"""How long after its last heartbeat an owner record of another host counts as a dead holder's (NOTE
+[owner records]): many heartbeats, and more than the few seconds NTP lets clocks disagree."""
+_OWNER_RE = re.compile(r"^\.writer-rank\d+\.owner$")
+"""The owner record beside a rank's directory lock file (NOTE [owner records])."""
+_OWNER_LEFTOVER_RE = re.compile(r"^\.writer-rank\d+\.owner\.[0-9a-f]+\.(tmp|dead)$")
+"""A record being made, or a dead holder's being dropped: left by a crash right then (NOTE [owner records])."""
+_WRITING_OWNER = ".writing-{token}.owner"
+"""A writing rank's owner record in a version's folder (NOTE [owner records])."""
+
+
+def _kernel() -> tuple[str, str]:
+    """This machine's host name and boot id (new at each boot): whose processes and flocks this
+    process sees (NOTE [owner records])."""
+    try:
+        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        boot = ""
+    return os.uname().nodename, boot
+
+
+def _process_start(pid: int) -> str | None:
+    """When process ``pid`` started (clock ticks after boot), which tells it from a later process
+    given its pid; None if there is no such process here, or it is a zombie (killed, not reaped)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2:].split()  # from the third field on: state, ..., starttime (22nd)
+    return None if fields[0] in ("Z", "X") else fields[19]
+
+
+@dataclass(frozen=True)
+class _Holder:
+    """What an owner record says of its holder, and how long ago its heartbeat came (NOTE [owner records])."""
+
+    host: str
+    boot: str
+    pid: int
+    started: str | None
+    token: str | None
+    age: float
+    identity: tuple[int, int]
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} on {self.host}"
+
+    def live(self, *, flocked: bool = False) -> bool:
+        """Whether the holder may still write: a process of this kernel while it runs; another
+        host's until its heartbeat is ``_STALE_SECONDS`` old. ``flocked``: the caller holds the
+        flock that every writer of this kernel would hold too, so a record of this kernel is a dead
+        holder's (one whose release failed: a file system gone read-only)."""
+        if (self.host, self.boot) == _kernel():
+            if flocked:
+                return False
+            if self.started is None:  # no /proc where it was made: by the pid alone
+                try:
+                    os.kill(self.pid, 0)
+                except ProcessLookupError:
+                    return False
+                except PermissionError:
+                    pass
+                return True
+            return _process_start(self.pid) == self.started
+        return self.age < _STALE_SECONDS
+
+
+def _read_holder(path: Path) -> _Holder | None:
+    """The holder of the owner record at ``path``; None if there is none. A damaged record's holder
+    is known by its heartbeat only."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        st = os.fstat(fd)  # after an open: a network file system's attributes as its server has them
+        raw = os.read(fd, 4096)
+    finally:
+        os.close(fd)
+    try:
+        fields = json.loads(raw)
+        holder = (str(fields["host"]), str(fields["boot"]), int(fields["pid"]), fields["started"], str(fields["token"]))
+    except (ValueError, KeyError, TypeError):
+        holder = ("an unknown host", "", 0, None, None)
+    return _Holder(*holder, age=time.time() - st.st_mtime, identity=(st.st_dev, st.st_ino))
+
+
+class _OwnerRecord:
+    """An owner record this process holds, and refreshes the heartbeat of, until :meth:`release`.
+
+    NOTE [owner records]
+    flock excludes writers only as far as the file system carries it: NFS mounted with
+    ``local_lock=flock`` or ``all``, Lustre with ``-o localflock`` and some FUSE and GPFS set-ups
+    keep flocks on the host that took them. A job on another host then took ``.writer-rank{r}.lock``
+    too and wrote the same versions, and its first cleanup moved away the folder of the version the
+    first job was writing (its ``.writing.lock`` was free, as far as that host could see). So
+    beside each flock a writer holds a second guard that needs no lock: an owner record, a small
+    JSON file naming its host, boot id, pid, the pid's start time and a random token, made with
+    ``link()`` from a temporary file (whole when it appears; ``link`` fails if the name is taken,
+    on NFS too, where ``O_EXCL`` did not always hold; without hard links, with ``O_EXCL``:
+    :func:`_made_whole`), and its mtime the heartbeat: a daemon thread of this process touches
+    every record it holds each ``_HEARTBEAT_SECONDS`` (``utime`` of the open file: the kernel's
+    time, or on NFS the server's, so that readers compare with one clock; so clocks must agree
+    within seconds, as NTP keeps them, and an mtime ahead of the reader's clock is fresh).
+    ``.writer-rank{r}.owner`` beside the directory lock (NOTE [one job per directory]) and
+    ``.writing-{token}.owner`` per rank in the folder of the version it writes (NOTE [folder locks]).
+
+    A reader of a record judges its holder (:meth:`_Holder.live`): another host's by its heartbeat,
+    live until it is ``_STALE_SECONDS`` old (its process killed, its host crashed, or the process
+    stopped that long); a process of this kernel (host name and boot id alike) by the flock where
+    the reader holds it (every writer of this kernel would hold it too: a record of this kernel is
+    then a dead holder's, one whose release failed on a file system gone read-only), else by its
+    pid and start time (dead at once after a ``kill -9``, whatever the heartbeat; containers of one
+    host name and kernel are taken to share their pids). The flock stays the first guard; the
+    record is checked once the flock is taken (or where there is no flock at all). A directory
+    whose record's holder is live is refused, naming its host and pid; a dead holder's record is
+    taken over (:func:`_drop_dead_record`: renamed away, checked to be the record judged dead,
+    else put back, as another taker may have replaced it meanwhile), and rank 0 then cleans the
+    directory again: the dead job's incomplete folders, left by its cleanup at construction while
+    the job looked live. A cleanup leaves an incomplete folder that holds a live writer's record,
+    and a rank's lock file whose record is live; it deletes a dead holder's record, and a record's
+    temporary file once it is ``_STALE_SECONDS`` old (a crash while one was made or dropped).
+
+    A holder checks, before each version it writes and before retention deletes, that the record at
+    its path is still its own (:meth:`ours`); if a job on another host took it over (this process
+    stopped past ``_STALE_SECONDS``: suspended, or its heartbeat thread starved), the save fails
+    saying so, and nothing is deleted. The remaining window, a version begun just before the check
+    while another host takes over, ends at worst in a failed write, as another job's cleanup moves
+    its folder away before the commit: the versions before it stay loadable."""
+
+    def __init__(self, path: Path, fd: int, token: str) -> None:
+        self.path = path
+        self._fd: int | None = fd
+        self.token = token
+        self._pid = os.getpid()
+        self.took_over = False
+        """Whether :meth:`claim` took it over from a dead holder."""
+
+    @classmethod
+    def make(cls, path: Path) -> _OwnerRecord | None:
+        """Make the record at ``path`` and keep its heartbeat, or return None if one is there."""
+        token = os.urandom(8).hex()
+        host, boot = _kernel()
+        fd = _made_whole(path, json.dumps({"host": host, "boot": boot, "pid": os.getpid(), "token": token,
+                                           "started": _process_start(os.getpid())}).encode())
+        if fd is None:
+            return None
+        record = cls(path, fd, token)
+        _beat(record)
+        return record
+
+    @classmethod
+    def claim(cls, path: Path, refusal: Callable[[_Holder], BaseException], *, flocked: bool) -> _OwnerRecord:
+        """Make the record at ``path``, taking over a dead holder's; raise ``refusal(holder)`` if a
+        live one holds it (``flocked``: as :meth:`_Holder.live`)."""
+        took_over = False
+        for _ in range(_LOCK_TRIES):
+            record = cls.make(path)
+            if record is not None:
+                record.took_over = took_over
+                return record
+            holder = _read_holder(path)
+            if holder is None:
+                continue  # released meanwhile
+            if holder.live(flocked=flocked):
+                raise refusal(holder)
+            _drop_dead_record(path, holder)
+            took_over = True
+        raise CheckpointError(f"could not make {path}: others kept making it {_LOCK_TRIES} times; is another "
+                              "program writing the checkpoint directory's files?")
+
+    def ours(self) -> bool:
+        """Whether the record at the path is still this one (not taken over by another host)."""
+        for _ in range(2):  # a taker that renamed it away to check it puts it back at once
+            if self._fd is not None and _same_file(self._fd, self.path):
+                return True
+            time.sleep(0.05)
+        return False
+
+    def beat(self) -> None:
+        """Refresh the heartbeat (under ``_BEATING_LOCK``, which :meth:`release` takes to close the
+        file: a number reused by another file is never touched)."""
+        if self._fd is not None:
+            with contextlib.suppress(OSError):  # a network file system's error: the next beat
+                os.utime(self._fd)
+
+    def release(self) -> None:
+        """Stop the heartbeat and delete the record, if it is still this one (again: nothing; in a
+        forked child, only close it: the record is the parent's)."""
+        with _BEATING_LOCK:
+            _BEATING.discard(self)
+            fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            if os.getpid() == self._pid and _same_file(fd, self.path):
+                self.path.unlink(missing_ok=True)
+        except OSError:
+            pass  # a file system gone read-only: the record of a dead holder from now on, for a cleanup
+        finally:
+            os.close(fd)
+
+
+_NO_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOSYS})
+"""link()'s errors where the file system has no hard links (vfat, exFAT, FUSE file systems such as s3fs)."""
+
+
+def _made_whole(path: Path, data: bytes) -> int | None:
+    """Make the file ``path`` holding ``data`` and return it open, or None if the name is taken: with
+    ``link()`` from a temporary file, so that it is whole when it appears; where the file system has
+    no hard links, with ``O_EXCL`` (a reader may find it empty a moment: a damaged record, judged by
+    its heartbeat, fresh)."""
+    tmp = path.with_name(f".{path.name.lstrip('.')}.{os.urandom(8).hex()}.tmp")
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.link(tmp, path)
+        return fd
+    except OSError as exc:
+        os.close(fd)
+        if isinstance(exc, FileExistsError):
+            return None
+        if exc.errno not in _NO_LINKS:
+            raise
+    except BaseException:
+        os.close(fd)
+        raise
+    finally:
+        with contextlib.suppress(OSError):  # a file system gone read-only: the caller's error is the one
+            tmp.unlink(missing_ok=True)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return None
+    os.write(fd, data)
+    return fd
+
+
+def _drop_dead_record(path: Path, holder: _Holder) -> None:
+    """Remove the record at ``path`` judged to be ``holder``'s, a dead one, unless another taker has
+    replaced it since it was read (NOTE [owner records])."""
+    aside = path.with_name(f".{path.name.lstrip('.')}.{os.urandom(4).hex()}.dead")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return  # another taker's doing
+    moved = _read_holder(aside)
+    if moved is not None and (moved.identity, moved.token) != (holder.identity, holder.token):
+        # A live taker's record, made since: put back. (Where that fails, a third taker's record is
+        # there, or the file system has no hard links: the taker finds its record gone and its next
+        # save fails, saying so, rather than two jobs writing.)
+        with contextlib.suppress(OSError):
+            os.link(aside, path)
+    aside.unlink(missing_ok=True)
+
+
+def _live_holder(path: Path, *, flocked: bool) -> _Holder | None:
+    """The holder of the record at ``path`` if it is live (``flocked``: as :meth:`_Holder.live`), else None."""
+    holder = _read_holder(path)
+    return holder if holder is not None and holder.live(flocked=flocked) else None
+
+
+def _written_elsewhere(folder: Path, *, flocked: bool) -> _Holder | None:
+    """A live writer of ``folder`` by its owner records (NOTE [owner records]), or None."""
+    for path in folder.glob(_WRITING_OWNER.format(token="*")):
+        holder = _live_holder(path, flocked=flocked)
+        if holder is not None:
+            return holder
+    return None
+
+
+_BEATING: set[_OwnerRecord] = set()
+"""The owner records this process holds, whose heartbeat its thread refreshes."""
+_BEATING_LOCK = threading.Lock()
+_BEAT = threading.Event()
+"""Set to refresh at once (a record added; a test's shorter ``_HEARTBEAT_SECONDS``)."""
+_beating_thread: threading.Thread | None = None
+
+
+def _beat(record: _OwnerRecord) -> None:
+    """Keep ``record``'s heartbeat until it is released, starting the heartbeat thread if need be."""
+    global _beating_thread
+    with _BEATING_LOCK:
+        _BEATING.add(record)
+        if _beating_thread is None or not _beating_thread.is_alive():
+            _beating_thread = threading.Thread(target=_heartbeats, name="ooc-checkpoint-heartbeat", daemon=True)
+            _beating_thread.start()
+    _BEAT.set()
+
+
+def _heartbeats() -> None:
+    """The heartbeat thread: touch every record held, each ``_HEARTBEAT_SECONDS``, for the process's life."""
+    while True:
+        _BEAT.wait(_HEARTBEAT_SECONDS)
+        _BEAT.clear()
+        with _BEATING_LOCK:
+            for record in _BEATING:
+                record.beat()
+
+
+def _forget_heartbeats_in_child() -> None:
+    """A forked child holds no records (its parent's heartbeat is the parent's) and no thread; its
+    lock may have been held by the parent's thread when it forked."""
+    global _beating_thread, _BEATING_LOCK, _BEAT
+    _BEATING.clear()
+    _BEATING_LOCK, _BEAT = threading.Lock(), threading.Event()
+    _beating_thread = None
+
+
+os.register_at_fork(after_in_child=_forget_heartbeats_in_child)
+
+
 class _FolderLock:
     """A rank's shared lock on the version folder it writes into (NOTE [folder locks]).
 
@@ -791,16 +1108,19 @@ class _FolderLock:
     deletes it (and a retired version's goes with its spare). A process forked while a version is
     written (a DataLoader's workers) shares the open file description, so the folder stays locked
     until the child exits too. Ranks on other hosts see each other's locks where flock reaches
-    across hosts (NFS emulates it with byte-range locks; Lustre with ``-o flock``). Where the file
-    system has no flock (``_NO_FLOCK``) versions are written unlocked and a cleanup removes every
-    incomplete folder, as it cannot tell."""
+    across hosts (NFS emulates it with byte-range locks; Lustre with ``-o flock``). Where it does
+    not (flock local to each host), or the file system has no flock (``_NO_FLOCK``: versions are
+    written unlocked), each writing rank's owner record in the folder, made once it holds the lock,
+    keeps a cleanup from removing the folder while its heartbeat is fresh (NOTE [owner records])."""
 
-    def __init__(self, folder: Path, fd: int | None) -> None:
+    def __init__(self, folder: Path, fd: int | None, record: _OwnerRecord) -> None:
         self.folder = folder
         self._fd = fd
+        self._record = record
 
     def __del__(self) -> None:
-        if self._fd is not None:  # a Checkpointer dropped without close() while holding it
+        self._record.release()  # a Checkpointer dropped without close() while holding it
+        if self._fd is not None:
             os.close(self._fd)
 
     @classmethod
@@ -818,16 +1138,24 @@ class _FolderLock:
                 os.close(fd)
                 if exc.errno not in _NO_FLOCK:
                     raise
-                return cls(folder, None)
-            if _same_file(fd, folder / _LOCK_FILE):
-                return cls(folder, fd)
-            os.close(fd)  # the folder was moved away before the lock was ours: make it again
+                fd = None
+            try:
+                record = _OwnerRecord.make(folder / _WRITING_OWNER.format(token=os.urandom(8).hex()))
+            except FileNotFoundError:
+                record = None  # the folder was moved away meanwhile
+            if record is not None and (fd is None or _same_file(fd, folder / _LOCK_FILE)):
+                return cls(folder, fd, record)
+            if record is not None:
+                record.release()
+            if fd is not None:
+                os.close(fd)  # the folder was moved away before the lock was ours: make it again
         raise CheckpointError(f"could not lock {folder} to write it: a cleanup moved it away {_LOCK_TRIES} times; "
                               "is another program deleting the checkpoint directory's folders?")
 
     def release(self, *, complete: bool) -> None:
         """Let go of the lock (again: nothing); ``complete``: the version is committed by every
         rank, so delete the lock file (if it is still the one held)."""
+        self._record.release()
         fd, self._fd = self._fd, None
         if fd is None:
             return
@@ -876,7 +1204,10 @@ class _DirectoryLock:
     so a crash leaves at most the file, which the next holder reuses and rank 0's next cleanup
     deletes. A process forked meanwhile (a DataLoader's workers) shares the description: ``close``
     unlocks it (``LOCK_UN``, for the children too) before closing it; a job killed while such a
-    child lives holds the directory until the child exits. The holder deletes the file at
+    child lives holds the directory until the child exits. A child that ends as Python programs do
+    (``sys.exit``: its atexit handlers run the finalizer of the Checkpointer it copied) only closes
+    its copies: unlocking the shared description and deleting the file let another job in beside
+    the live parent. The holder deletes the file at
     ``close``; a taker that locked a file deleted meanwhile finds the path names another file (or
     none) and takes it again, as with the folder locks (NOTE [folder locks]).
 
@@ -884,10 +1215,12 @@ class _DirectoryLock:
     flock``), jobs on other hosts are excluded too (byte-range locks of one process never conflict,
     but two Checkpointers in one process are told apart without a lock); where it is local to a
     host (NFS mounted with ``local_lock=flock`` or ``all``, Lustre with ``-o localflock``) a job on
-    another host is not detected. Where the file
-    system has no flock at all (``_NO_FLOCK``: Lustre without ``-o flock``, some FUSE file systems, NFS
-    without a lock manager) the directory is written without the lock, as before it: a second job
-    is not detected, and its versions are caught only by their checksums.
+    another host takes the lock too. Where the file system has no flock at all (``_NO_FLOCK``:
+    Lustre without ``-o flock``, some FUSE file systems, NFS without a lock manager) the directory is
+    written without the lock. In both, the rank's owner record ``.writer-rank{r}.owner``, claimed
+    once the lock is taken (or not there), refuses a second job while its holder is live, and is
+    taken over from a dead one (NOTE [owner records]); a cleanup leaves alone a lock file whose
+    record is live (deleting it would let a second job of the holder's own host lock a new file).
 
     NOTE [a newer Checkpointer takes over]
     In a notebook, running again the cell ``ck = Checkpointer(d, model, opt)`` while the earlier
@@ -907,12 +1240,15 @@ class _DirectoryLock:
     [writer thread]), and a ``weakref.finalize`` lets go of its lock when it is collected. Another
     process is still refused: only a Checkpointer of this process can be known to be done with."""
 
-    def __init__(self, path: Path, fd: int | None) -> None:
+    def __init__(self, path: Path, fd: int | None, record: _OwnerRecord) -> None:
         self.path = path
         self._fd = fd
+        self._record = record
+        self._pid = os.getpid()
 
     def __del__(self) -> None:
-        if self._fd is not None:  # a Checkpointer dropped without close(): the lock goes with it
+        self._record.release()  # a Checkpointer dropped without close(): the lock goes with it
+        if self._fd is not None:
             os.close(self._fd)
 
     @classmethod
@@ -921,33 +1257,60 @@ class _DirectoryLock:
         Checkpointer holds it."""
         path = _writer_lock_file(directory, rank)
         for _ in range(_LOCK_TRIES):
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            fd: int | None = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
             try:
                 if not _flock_within(fd, _CONTENDED_SECONDS):
                     raise _held_error(directory, path)
             except OSError as exc:
                 os.close(fd)
-                if exc.errno in _NO_FLOCK:
-                    return cls(path, None)
-                raise
+                if exc.errno not in _NO_FLOCK:
+                    raise
+                fd = None
             except BaseException:
                 os.close(fd)
                 raise
-            if _same_file(fd, path):
+            if fd is not None and not _same_file(fd, path):
+                os.close(fd)  # deleted by its holder's close (or a cleanup) before it was ours: take it again
+                continue
+            try:  # a job on a host whose flocks this one does not see (NOTE [owner records])
+                record = _OwnerRecord.claim(path.with_suffix(".owner"), functools.partial(_held_error, directory, path),
+                                            flocked=fd is not None)
+            except BaseException:
+                if fd is not None:
+                    os.close(fd)
+                raise
+            if fd is not None:
                 holder = f"pid {os.getpid()} on {os.uname().nodename}".encode()
                 os.ftruncate(fd, 0)
                 os.pwrite(fd, holder, 0)
-                return cls(path, fd)
-            os.close(fd)  # deleted by its holder's close (or a cleanup) before it was ours: take it again
+            return cls(path, fd, record)
         raise CheckpointError(f"could not lock {path}: it was deleted under this Checkpointer {_LOCK_TRIES} times; "
                               "is another program deleting the checkpoint directory's files?")
 
+    @property
+    def took_over(self) -> bool:
+        """Whether it was taken over from a dead holder's record (NOTE [owner records])."""
+        return self._record.took_over
+
+    def taken_over(self) -> str | None:
+        """Who took the directory over from this holder, another host's job that judged it dead
+        (NOTE [owner records]); None while it holds it."""
+        if self._record.ours():
+            return None
+        holder = _read_holder(self._record.path)
+        return "no one (its record was deleted)" if holder is None else str(holder)
+
     def release(self) -> None:
-        """Delete the file and unlock it (again: nothing)."""
+        """Delete the file and its owner record and unlock it (again: nothing). In a forked child
+        (its exit runs the finalizer of the Checkpointer it copied) only close them: the lock, the
+        file and the record are the parent's, which still writes."""
+        self._record.release()
         fd, self._fd = self._fd, None
         if fd is None:
             return
         try:
+            if os.getpid() != self._pid:
+                return
             if _same_file(fd, self.path):
                 self.path.unlink(missing_ok=True)
             fcntl.flock(fd, fcntl.LOCK_UN)  # for a forked child sharing the open file description too
@@ -1026,31 +1389,41 @@ def _flock_within(fd: int, seconds: float) -> bool:
             time.sleep(0.01)
 
 
-def _held_error(directory: Path, path: Path) -> CheckpointError:
-    try:
-        holder = path.read_text(errors="replace").strip() or "a process"
-    except OSError:
-        holder = "a process"
+def _held_error(directory: Path, path: Path, record: _Holder | None = None) -> CheckpointError:
+    """The refusal of a directory whose lock file ``path`` another Checkpointer holds, or whose owner
+    record ``record``'s live holder holds (NOTE [owner records])."""
+    if record is None:
+        try:
+            holder = path.read_text(errors="replace").strip() or "a process"
+        except OSError:
+            holder = "a process"
+        how, gone = f"has the lock on {path.name}", ""
+    else:
+        holder = str(record)
+        how = (f"holds its owner record {path.with_suffix('.owner').name} (last heartbeat {record.age:.0f} s ago; "
+               "a lock taken on another host is not seen on this file system)")
+        gone = (f". If that job is gone (its host crashed or was cut off), its record counts as stale "
+                f"{_STALE_SECONDS:.0f} s after its last heartbeat: try again then")
     if holder == f"pid {os.getpid()} on {os.uname().nodename}":
         holder += " (this process: a Checkpointer being collected; try again)"
     return CheckpointError(
-        f"another job holds the checkpoint directory {directory}: {holder} has the lock on {path.name}, taken by a "
+        f"another job holds the checkpoint directory {directory}: {holder} {how}, taken by a "
         "Checkpointer of this rank that saved there and is not closed (in this process or another). Two jobs saving "
         "into one directory would write over each other's files and delete each other's versions. Stop that job or "
         "close() its Checkpointer, or save into another directory (ooc train --save NEW_DIR); its versions can be "
-        "read meanwhile (restore, versions, ooc checkpoints list)")
+        f"read meanwhile (restore, versions, ooc checkpoints list){gone}")
 
 
 def _remove_stale_writer_lock(path: Path) -> None:
     """Delete ``path``, a rank's directory lock file, unless a Checkpointer holds it (NOTE [one job
-    per directory])."""
+    per directory]): by its lock, or on another host by its owner record (NOTE [owner records])."""
     try:
         fd = os.open(path, os.O_RDWR)
     except OSError:
         return  # gone already, or not ours to change
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        if _same_file(fd, path):
+        if _same_file(fd, path) and _live_holder(path.with_suffix(".owner"), flocked=True) is None:
             path.unlink(missing_ok=True)
     except OSError:
         pass  # held (a writing job's), or no flock here: left be
@@ -1058,25 +1431,47 @@ def _remove_stale_writer_lock(path: Path) -> None:
         os.close(fd)
 
 
+def _remove_dead_record(path: Path) -> None:
+    """Delete the owner record ``path`` if its holder is dead (NOTE [owner records])."""
+    holder = _read_holder(path)
+    if holder is not None and not holder.live():
+        _drop_dead_record(path, holder)
+
+
+def _remove_leftover(path: Path) -> None:
+    """Delete ``path``, the temporary file of a record made or dropped, once it is older than any
+    record still being made or dropped can be (``_STALE_SECONDS``; NOTE [owner records])."""
+    with contextlib.suppress(OSError):  # gone meanwhile
+        if time.time() - path.stat().st_mtime > _STALE_SECONDS:
+            path.unlink()
+
+
 def _remove_unless_written(folder: Path, step: int) -> bool:
     """Remove ``folder``, version ``step``'s and incomplete when listed, unless a writer holds its
-    lock or it is committed meanwhile (then only a lock file left in it goes); return whether it
+    lock or its live owner record (a writer on another host: NOTE [owner records]) or it is
+    committed meanwhile (then only a lock file and owner records left in it go); return whether it
     was removed (NOTE [folder locks])."""
     try:
         fd = os.open(folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)  # a crash's folder may have none
     except OSError:
         return False  # gone already (another cleanup), or not ours to change
     try:
+        flocked = True
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno not in _NO_FLOCK:
                 return False  # EWOULDBLOCK: a writer holds it
+            flocked = False
         if not _same_file(fd, folder / _LOCK_FILE):
             return False  # moved away or made anew since it was opened: another cleanup's, or a writer's
         if _committed(folder, step) is not None:
             (folder / _LOCK_FILE).unlink(missing_ok=True)
+            for record in folder.glob(_WRITING_OWNER.format(token="*")):
+                record.unlink(missing_ok=True)  # every rank has committed: none writes here
             return False
+        if _written_elsewhere(folder, flocked=flocked) is not None:
+            return False  # a writer on a host whose flocks this one does not see (NOTE [owner records])
         removing = folder.with_name(f".removing-{folder.name}-{os.urandom(4).hex()}")
         try:
             os.rename(folder, removing)
@@ -1819,6 +2214,20 @@ class Checkpointer:
             raise
         self._directory_lock, self._directory_key = lock, key
         self._lock_finalizer = weakref.finalize(self, _let_go, lock, key)
+        if lock.took_over and self.rank == 0:
+            self._clean()  # a dead job's folders, left by the cleanup at construction while it looked live
+
+    def _check_still_held(self) -> None:
+        """Raise :class:`CheckpointError` if a job on another host took the directory over from this
+        Checkpointer, judging it dead (NOTE [owner records]): it writes and deletes nothing more."""
+        lock = self._directory_lock
+        taker = lock.taken_over() if lock is not None else None
+        if taker is not None:
+            raise CheckpointError(
+                f"this Checkpointer no longer holds the checkpoint directory {self.directory}: {taker} took it over, "
+                f"as this process's heartbeat on {lock.path.with_suffix('.owner').name} had stopped for "
+                f"{_STALE_SECONDS:.0f} s (the process stopped or suspended that long?). Its versions are that job's "
+                "now; stop one of the two jobs, and save into another directory")
 
     def _let_go_of_directory(self) -> None:
         """Let go of the directory's lock, for another Checkpointer or job to take."""
@@ -2046,6 +2455,7 @@ class Checkpointer:
             if self._snapshot is not None:
                 self._hook("snapshot")
             self._release_held(everything=False)
+            self._check_still_held()
             lock = _FolderLock.writing(folder)
             self._write_version(folder, step, files, tensors, metadata, lock)
             self._end_snapshot()  # every live slot written: the listener has nothing more to do
@@ -2161,6 +2571,7 @@ class Checkpointer:
         the newest complete one (left by a crash). With several ranks, one version more than
         ``keep`` may remain until the next save (rank 0 deletes only behind a version every rank
         has committed)."""
+        self._check_still_held()
         complete, damaged = _scan(self.directory)
         if not complete:
             return
@@ -2228,6 +2639,10 @@ class Checkpointer:
         for path in self.directory.iterdir():
             if _WRITER_LOCK_RE.match(path.name):
                 _remove_stale_writer_lock(path)  # a killed job's (NOTE [one job per directory])
+            elif _OWNER_RE.match(path.name):
+                _remove_dead_record(path)  # a killed job's (NOTE [owner records])
+            elif _OWNER_LEFTOVER_RE.match(path.name):
+                _remove_leftover(path)
 
     def _removing(self) -> list[Path]:
         """Folders a cleanup moved away to delete, left by a crash meanwhile (NOTE [folder locks])."""

@@ -86,7 +86,6 @@ bookkeeping is host time in Python, on the critical path where kernels are short
 from __future__ import annotations
 
 import statistics
-import time
 import weakref
 from collections.abc import Callable, Collection
 from collections.abc import Set as AbstractSet
@@ -98,6 +97,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
+from ooc.clock import Clock
 from ooc.errors import ProfileError
 from ooc.scheduler.oplevel import dead_ops
 from ooc.scheduler.plan import op_signature
@@ -475,33 +475,6 @@ class OpCounter(TorchDispatchMode):
 # -- measuring (the op-level profile) ----------------------------------------------------------------
 
 
-class _Clock:
-    """Times one op: ``perf_counter`` on the CPU; on CUDA, events around its kernels, read after the step."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-
-    def start(self) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return event
-        return time.perf_counter()
-
-    def stop(self, started: Any) -> Any:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            return (started, event)
-        return time.perf_counter() - started
-
-    def seconds(self, stamp: Any) -> float:
-        if self.cuda:
-            # Called after the forward synchronized (measure_ops): both events have completed.
-            return stamp[0].elapsed_time(stamp[1]) / 1e3
-        return stamp
-
-
 class OpRecorder(OpCounter):
     """One forward of one block, op by op: name, time, the device storages each op creates, which of
     them the block saves for backward (``note_saved``, its pack hook), and whether it is cacheable."""
@@ -509,7 +482,7 @@ class OpRecorder(OpCounter):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.clock = _Clock(device)
+        self.clock = Clock(device)
         self.names: list[str] = []
         self.stamps: list[Any] = []
         self.created: list[dict[int, int]] = []
@@ -536,9 +509,9 @@ class OpRecorder(OpCounter):
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
         read = _read_storages(args, kwargs)  # before it runs: a resize_ moves its self into a new storage
-        started = self.clock.start()
+        started = self.clock.now()
         out = func(*args, **kwargs)
-        self.stamps.append(self.clock.stop(started))
+        self.stamps.append((started, self.clock.now()))
         self.names.append(str(func))
         self.why_not.append(why_not_cacheable(func, args, kwargs, out))
         for t in _mutated(func, args, kwargs):
@@ -588,7 +561,7 @@ class OpRecorder(OpCounter):
         self._refs = []
 
     def seconds(self) -> list[float]:
-        return [self.clock.seconds(s) for s in self.stamps]
+        return [self.clock.seconds(start, end) for start, end in self.stamps]
 
 
 class _Dropped:
@@ -646,7 +619,7 @@ def measure_ops(
             with torch.enable_grad():
                 run()
             if device.type == "cuda":
-                torch.cuda.synchronize(device)  # every op's end event has completed (_Clock.seconds)
+                torch.cuda.synchronize(device)  # every op's end event has completed (Clock.seconds)
     finally:
         for module, previous in installed:
             if previous is None:

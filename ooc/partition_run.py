@@ -51,9 +51,9 @@ from ooc.tracker import MemoryTracker
 
 @dataclass(frozen=True, eq=False)
 class PlacedRun:
-    """``outputs``: the step's outputs (loss, then one gradient per parameter); ``peak_bytes``:
-    ``(K,)`` measured peak per device; ``copies``: tensors copied between devices;
-    ``simulation``: the prediction the run followed."""
+    """``outputs``: the step's outputs (loss, then one gradient per parameter, None for one the step
+    does not use); ``peak_bytes``: ``(K,)`` measured peak per device; ``copies``: tensors copied
+    between devices; ``simulation``: the prediction the run followed."""
 
     outputs: tuple[Any, ...]
     peak_bytes: np.ndarray
@@ -80,8 +80,8 @@ class Links(abc.ABC):
 
     @abc.abstractmethod
     def buffer_like(self, t: torch.Tensor, d: int) -> torch.Tensor:
-        """An uninitialised tensor on device ``d`` with ``t``'s dtype, shape and dense strides
-        (step 1)."""
+        """An uninitialised 1-D tensor on device ``d`` with the dtype and length of the 1-D
+        ``t`` (step 1)."""
 
     @abc.abstractmethod
     def record(self, d: int) -> Event:
@@ -125,7 +125,7 @@ class CpuLinks(Links):
         return kwargs
 
     def buffer_like(self, t: torch.Tensor, d: int) -> torch.Tensor:
-        return _shaped(self.backends[d].device_buffer(t.numel() * t.element_size()), t)
+        return self.backends[d].device_buffer(t.numel() * t.element_size()).view(t.dtype)
 
     def record(self, d: int) -> Event:
         # One host thread issues every virtual device's ops: its compute stream stands for all of
@@ -178,8 +178,7 @@ class CudaLinks(Links):
         # Allocated on the copy stream, the first to write it; the compute stream that reads it is
         # recorded in copy(), so the allocator does not hand the block out again before it is done.
         with torch.cuda.stream(self.copy_streams[d]):
-            raw = torch.empty(t.numel() * t.element_size(), dtype=torch.uint8, device=self.devices[d])
-        return _shaped(raw, t)
+            return torch.empty(t.numel(), dtype=t.dtype, device=self.devices[d])
 
     def record(self, d: int) -> Event:
         # On the producer's compute stream, right after the producing op was queued there.
@@ -211,35 +210,16 @@ class CudaLinks(Links):
             torch.cuda.synchronize(dev)
 
 
-def _shaped(raw: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """The ``uint8`` bytes ``raw`` as a tensor of ``like``'s dtype, shape and (dense) strides."""
-    flat = raw.view(like.dtype)
-    perm = _dense_order(like)
-    if perm is None:
-        return flat.view(like.shape)
-    return flat.view([like.shape[i] for i in perm]).permute(_inverse(perm))
-
-
-def _dense_order(t: torch.Tensor) -> list[int] | None:
-    """The permutation that makes a dense, non-overlapping but not contiguous ``t`` contiguous;
-    ``None`` for a contiguous ``t`` or one that is not dense."""
-    if t.is_contiguous() or t.dim() < 2:
-        return None
-    perm = sorted(range(t.dim()), key=lambda i: (-t.stride(i), i))
-    return perm if t.permute(perm).is_contiguous() else None
-
-
-def _inverse(perm: list[int]) -> list[int]:
-    out = [0] * len(perm)
-    for i, p in enumerate(perm):
-        out[p] = i
-    return out
+def _span(t: torch.Tensor) -> torch.Tensor:
+    """The elements of ``t``'s storage from its first to its last, as a 1-D contiguous tensor
+    (strides are never negative, so ``t``'s storage offset is its first element)."""
+    extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+    return t.as_strided((extent,), (1,))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:
-    """The bytes of a contiguous or dense ``t`` in memory order, as a flat ``uint8`` tensor."""
-    perm = _dense_order(t)
-    return (t.permute(perm) if perm is not None else t).reshape(-1).view(torch.uint8)
+    """A 1-D contiguous ``t`` (a span) as ``uint8``."""
+    return t.view(torch.uint8)
 
 
 def _send(links: Links, value: Any, src: int, dst: int) -> tuple[Any, list[Event]]:
@@ -250,11 +230,15 @@ def _send(links: Links, value: Any, src: int, dst: int) -> tuple[Any, list[Event
     def one(t: Any) -> Any:
         if not isinstance(t, torch.Tensor):
             return t
-        if not t.is_contiguous() and _dense_order(t) is None:
-            t = t.contiguous()   # not dense (a strided view): copied in its logical order
-        buf = links.buffer_like(t, dst)
-        pairs.append((buf, t))
-        return buf
+        # NOTE [a copy keeps the strides]: the consumer gets ``t``'s strides, not a contiguous
+        # copy: a kernel may add in another order over another layout (a mean over a slice was
+        # 1 ulp off eager's). The span from ``t``'s first element to its last is copied, gaps
+        # included (all of a slice's base but the rows past its last; an ``expand`` copies its
+        # source once).
+        span = _span(t)
+        buf = links.buffer_like(span, dst)
+        pairs.append((buf, span))
+        return buf.as_strided(t.shape, t.stride())
 
     out = tree_map(one, value)
     if not pairs:

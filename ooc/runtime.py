@@ -507,6 +507,10 @@ class Runtime:
             self.model.register_forward_pre_hook(self._start_first_forward),
             self.model.register_forward_hook(self._end_first_forward),
         ]
+        # NOTE [a forward that raises] in ooc.streaming (also for a plan chosen after the first step,
+        # which may stream: the streamer is looked up at each call)
+        self._attach_hooks.append(self.model.register_forward_hook(
+            lambda _module, _args, _out: self.streamer.release_all(), always_call=True))
 
     def _start_first_forward(self, _module: nn.Module, _args: Any) -> None:
         self.first_calls = [] if torch.is_grad_enabled() else None

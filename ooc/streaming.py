@@ -45,6 +45,16 @@ it, not by one through ``.data``) tells: ``release`` copies a device copy whose 
 before the caller's, so a pre-hook changes the device copy (and ``release`` keeps it); where the
 host copy still changes after ``issue`` (code between two blocks), ``attach`` waits for the copy in
 flight and copies the host copy in again.
+
+NOTE [a forward that raises]
+A block's weights go to the device in its pre-hook and come back at the end of its forward, and the
+blocks after it are issued during its forward (prefetch). A forward that raises before or after
+(in a caller's pre-hook or hook of the block, or in the block itself) skipped both: the block's
+weights, or the next block's, stayed on the device until that block's next forward, and the next
+step ran with a block more than its plan holds. So the wrapped model's forward ends, also when it
+raises, by sending every streamed block back (``release_all``; a hook with ``always_call``). After
+a forward that returns nothing is on the device either: each block's forward released its own,
+and the blocks it issued ran and released theirs; the backward streams its blocks in itself.
 """
 
 from __future__ import annotations

@@ -276,6 +276,7 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
     if profile is not None and len(profile) != n:
         raise PlanError(f"the plan has {n} blocks, the profile {len(profile)}; they must describe one model")
     prof = list(profile.blocks) if profile is not None else [None] * n
+    updated = _bytes_updated(prof) if update is not None and profile is not None else []
     shared = shared_adjustments(plan, profile) if profile is not None else [SharedAdjustment()] * n
     per_block = [block_bytes(plan.blocks[i], prof[i], shared[i]) for i in range(n)]
     swaps = [plan.blocks[i].swaps_anything for i in range(n)]
@@ -360,12 +361,12 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         add(OpKind.BACKWARD, b, Resource.COMPUTE, wait, free_bytes=per_block[b].resident_at_backward, copies=issued_copies,
             param_free=params[b] if streamed[b] else 0)
         if update is not None and update.overlap and profile is not None:
-            _host_update_ops(add, update, last_compute[-1], b, prof[b].param_bytes, prof[b].grad_bytes)
+            _host_update_ops(add, update, last_compute[-1], b, *updated[b])
     if update is not None and profile is not None:
         after = last_compute[-1]
         if not update.overlap:
             for b in range(n - 1, -1, -1):
-                _host_update_ops(add, update, after, b, prof[b].param_bytes, prof[b].grad_bytes)
+                _host_update_ops(add, update, after, b, *updated[b])
         if profile.outside_param_bytes:
             _host_update_ops(add, update, after, None, profile.outside_param_bytes, profile.outside_param_bytes)
 
@@ -392,6 +393,20 @@ def build_schedule(plan: Plan, profile: Profile | None = None, hardware: Hardwar
         _memory=tuple(memory),
         _param_memory=tuple(param_memory) if profile is not None else (),
     )
+
+
+def _bytes_updated(blocks) -> list[tuple[int, int]]:  # noqa: ANN001
+    """Per block, the parameter and gradient bytes its bucket's update moves. A parameter several
+    blocks hold is one parameter of the optimizer, in the bucket of the first block that holds it
+    (``ooc.optim.buckets``): the others leave it out (its gradient counts once too, where the holders
+    agree it has one)."""
+    seen: set[int] = set()
+    out = []
+    for b in blocks:
+        counted = sum(p.nbytes for p in b.shared_params if p.id in seen)
+        seen.update(p.id for p in b.shared_params)
+        out.append((b.param_bytes - counted, max(0, b.grad_bytes - counted)))
+    return out
 
 
 def _host_update_ops(add, update: HostUpdate, after: int, block: int | None, param_bytes: int, grad_bytes: int) -> None:  # noqa: ANN001

@@ -317,7 +317,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
     tr.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default %(default)s)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and dropout (default %(default)s)")
-    tr.add_argument("--dtype", default="float32", help="parameter dtype: float32 or bfloat16")
+    tr.add_argument("--dtype", default="float32",
+                    help="parameter dtype: float32, bfloat16, or float16 (the loss scaled by the optimizer, as GradScaler does)")
     tr.add_argument("--dropout", type=float, help="dropout probability (default: the preset's)")
     tr.add_argument("--plan", default="recompute",
                     help="keep, swap, recompute, budget:<fraction of the keep-all peak> or a plan JSON file from "

@@ -19,6 +19,7 @@ from ooc.scheduler.partition import (
     run_methods,
     write_pardnn,
 )
+from ooc.scheduler.partition.simulate import held_events
 from ooc.scheduler.partition.synthetic import SHAPES, profile_graph, synthetic
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.units import format_bytes, parse_bytes
@@ -64,6 +65,8 @@ def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
 
 def run_partition(cfg: PartitionConfig) -> int:
     graph = load_graph(cfg.graph, batch=cfg.batch, seq=cfg.seq)
+    if graph.n == 0:
+        raise ValueError(f"--graph {cfg.graph}: the graph has no ops; there is nothing to place")
     capacity = parse_bytes(cfg.capacity, what="--capacity") if cfg.capacity is not None else int(np.ceil(graph.total_bytes()))
     devices = Devices.uniform(cfg.devices, capacity, bandwidth_Bps=cfg.bandwidth_GBps * 1e9,
                               latency_s=cfg.latency_us * 1e-6)
@@ -82,8 +85,10 @@ def run_partition(cfg: PartitionConfig) -> int:
         raise InfeasiblePartition(devices, minimum, method)
     best = min(fitting, key=lambda o: o.simulation.makespan)
     # "0.29x one device" read as 29% of one device's time where it meant 3.4 times as long.
+    work = graph.total_time()
+    ratio = f"{best.simulation.makespan / work:.2f}x" if work > 0 else "-"
     print(f"best: {best.method}, {best.simulation.makespan * 1e3:.3f} ms, "
-          f"{best.simulation.makespan / graph.total_time():.2f}x the work of one device ({graph.total_time() * 1e3:.3f} ms)")
+          f"{ratio} the work of one device ({work * 1e3:.3f} ms)")
     if cfg.placement:
         Path(cfg.placement).write_text("".join(f"{n} {d}\n" for n, d in zip(graph.names, best.placement.device.tolist())))
         print(f"wrote {cfg.placement}")
@@ -142,10 +147,9 @@ def plot_placement(graph: OpGraph, outcome: Outcome, path: str | Path, *, title:
     gantt.set_title(f"{title}: {sim.makespan * 1e3:.2f} ms, {len(sim.transfers)} copies")
     for d in range(k):
         mine = device == d
-        times = np.concatenate([sim.start[mine], sim.release[mine]])
-        sizes = np.concatenate([graph.held_bytes[mine], -graph.held_bytes[mine]])
-        order = np.lexsort((sizes, times))
-        memory.step(np.concatenate([[0.0], times[order] * 1e3]), np.concatenate([[0.0], np.cumsum(sizes[order]) / 2**20]),
+        # The simulator's own sweep, so the rows reach its peaks.
+        times, sizes = held_events(sim.start[mine], sim.release[mine], graph.held_bytes[mine])
+        memory.step(np.concatenate([[0.0], times * 1e3]), np.concatenate([[0.0], np.cumsum(sizes) / 2**20]),
                     where="post", color=colors(d % 10), label=f"device {d}")
     memory.set_ylabel("held MiB")
     memory.set_xlabel("ms")

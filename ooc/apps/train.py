@@ -38,12 +38,14 @@ from ooc.checkpoint import (
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
-from ooc.optim import HostAdamW
+from ooc.optim import HostAdamW, LossScale
 from ooc.scheduler.dataparallel import choose_reduce_on
 from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.units import format_bytes
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""float16 is loss-scaled by the optimizer (``HostAdamW(loss_scale=LossScale())``; NOTE [loss scaling in the
+optimizer] in ooc.optim.loss_scale)."""
 
 
 @dataclass(frozen=True)
@@ -225,6 +227,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
         model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, model=model, pipeline=cfg.pipeline,
         delayed_update=cfg.delayed_update, accumulate=cfg.accumulate, max_grad_norm=cfg.max_grad_norm,
         device_params_below=cfg.device_params_below,
+        loss_scale=LossScale() if cfg.dtype == "float16" else None,
         data_parallel=DataParallel(shard=cfg.shard, reduce_on=reduce_on, timeout_s=cfg.timeout_s) if world > 1 else None,
     )
     saver = Checkpointer(cfg.save, model, opt, keep=cfg.keep, rank=rank, world=world, layout=_layout(cfg)) \
@@ -247,6 +250,7 @@ def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointe
              f"on {world} rank(s), global batch {cfg.batch_size * world * cfg.accumulate} x {seq}, plan {plan.name} "
              f"[{' '.join(p.value for p in plan.policies)}], host AdamW{' sharded' if cfg.shard else ''}")
     losses, times = [], []
+    skipped = 0  # float16: steps whose gradients overflowed the loss scale
     bar = tqdm(range(start_step, start_step + cfg.steps), desc="training", unit="step", leave=False,
                disable=None if cfg.progress and rank == 0 else True)
     for step in bar:
@@ -257,10 +261,12 @@ def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointe
             x, y = batch(step, index, world * cfg.accumulate)
             torch.manual_seed(cfg.seed * 7919 + step * 4096 + index)  # dropout masks follow the micro-batch
             _, loss = model(x, y)
-            (loss / cfg.accumulate).backward()
+            scaled = loss / cfg.accumulate
+            (opt.scale(scaled) if cfg.dtype == "float16" else scaled).backward()
             total += loss.detach().float()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        skipped += opt.last_step_skipped
         if world > 1:
             with peer_failures():
                 dist.all_reduce(total)  # for the log only; the default group, used by this thread alone
@@ -281,7 +287,9 @@ def _train_loop(cfg: TrainConfig, model: GPT, opt: HostAdamW, saver: Checkpointe
         median = statistics.median(times[1:] if len(times) > 1 else times)
         report = ooc.memory_report(model)
         show(f"loss {losses[0]:.4f} -> {losses[-1]:.4f} over {cfg.steps} steps; median step {median * 1e3:.1f} ms; "
-             f"peak device-resident activations {format_bytes(report.peak_bytes)}")
+             f"peak device-resident activations {format_bytes(report.peak_bytes)}"
+             + (f"; {skipped} step(s) skipped, their gradients over the loss scale (now {opt.get_scale():g})"
+                if cfg.dtype == "float16" else ""))
         newest = saver.latest() if saver is not None else None
         if newest is not None:
             show(f"saved {newest.path} (`ooc checkpoints list {cfg.save}`; continue with --save {cfg.save} --resume auto)")

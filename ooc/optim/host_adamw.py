@@ -12,6 +12,7 @@ way (:mod:`ooc.distributed`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -29,6 +30,7 @@ from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
 from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
+from ooc.optim.loss_scale import LossScale
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
 from ooc.optim.stages import Hyper, StageListener, Stages
 from ooc.runtime import is_wrapped, register_weight_writer, runtime_of, weight_streamer
@@ -94,6 +96,12 @@ class HostAdamW(torch.optim.Optimizer):
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
       needs every gradient, so updates wait for ``step()``; only the copies and the data-parallel
       exchange still overlap the backward.
+    - ``loss_scale``: a :class:`~ooc.optim.LossScale` for fp16 training: multiply the loss by
+      :meth:`scale` (``opt.scale(loss).backward()``) and ``step()`` unscales the averaged gradients,
+      skips the step where one is inf or NaN on any rank, and grows or shrinks the scale as
+      ``torch.amp.GradScaler`` does (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale).
+      Use it instead of a GradScaler, which cannot drive a pipelined or data-parallel HostAdamW. As
+      with ``max_grad_norm``, updates wait for ``step()``.
     - ``rollback``: keep each bucket's host state from before its update (masters and moments: 12
       more bytes of host memory per parameter) until ``step()`` commits the step, so that a step
       no ``step()`` commits (an interrupted backward, gradient inspection) is undone at the next
@@ -131,6 +139,7 @@ class HostAdamW(torch.optim.Optimizer):
         rollback: bool = False,
         device_params_below: int = 0,
         data_parallel: DataParallel | None = None,
+        loss_scale: LossScale | None = None,
     ) -> None:
         if isinstance(params, nn.Module):
             model, params = _model_as_params(params, model)
@@ -148,10 +157,13 @@ class HostAdamW(torch.optim.Optimizer):
                 raise TypeError(f"{name} is True or False, got {flag!r} ({type(flag).__name__})")
         if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float))):
             raise TypeError(f"max_grad_norm must be a number or None, got {max_grad_norm!r}")
+        if loss_scale is not None and not isinstance(loss_scale, LossScale):
+            raise TypeError(f"loss_scale is an ooc.optim.LossScale (e.g. LossScale() for GradScaler's defaults) or None, "
+                            f"got {loss_scale!r}")
         if isinstance(device_params_below, bool) or not isinstance(device_params_below, int):
             raise TypeError(f"device_params_below is a number of elements (an int), got {device_params_below!r}")
         config = PipelineConfig(delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                                rollback=rollback, inline=model is None or not pipeline)
+                                rollback=rollback, inline=model is None or not pipeline, loss_scale=loss_scale)
         if device_params_below < 0:
             raise ValueError(f"device_params_below must be >= 0, got {device_params_below}")
         if model is not None and not isinstance(model, nn.Module):
@@ -207,7 +219,8 @@ class HostAdamW(torch.optim.Optimizer):
                 plan_json = runtime_of(model).plan.to_json() if model is not None and is_wrapped(model) else None
                 options = dict(lr=lr, betas=list(betas), eps=eps, weight_decay=weight_decay,
                                delayed_update=delayed_update, accumulate=accumulate, max_grad_norm=max_grad_norm,
-                               device_params_below=device_params_below)
+                               device_params_below=device_params_below,
+                               loss_scale=None if loss_scale is None else dataclasses.asdict(loss_scale))
                 comm, owner = join_world(data_parallel, model=model, params=tensors, host_params=host_params,
                                          options=options, plan_json=plan_json)
             rank = comm.rank if comm else 0
@@ -218,7 +231,7 @@ class HostAdamW(torch.optim.Optimizer):
 
             mine = [p for p in host_params if is_mine(p)]
             needed = _host_bytes_needed(mine, host_params, own_master, data_parallel=comm is not None) \
-                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=max_grad_norm is not None) \
+                + 4 * grad32_elements(self._buckets, is_mine, per_bucket=config.holds_updates) \
                 + (sum(12 * p.numel() + 4 for p in mine) if rollback else 0)
             available = available_host_bytes()
             if needed > available:
@@ -232,7 +245,7 @@ class HostAdamW(torch.optim.Optimizer):
                 self._buckets, backend=backend_obj, own_master=own_master, home=home, owner=owner,
                 norm_order=_norm_order(model, tensors), rank=rank,
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
-                reduce_on_device=reduce_on_device, grad32_per_bucket=max_grad_norm is not None,
+                reduce_on_device=reduce_on_device, grad32_per_bucket=config.holds_updates,
             )
             state_view = _StateView(self)
             stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
@@ -404,24 +417,86 @@ class HostAdamW(torch.optim.Optimizer):
                 "step() after a backward that did not finish (it raised or was interrupted): its gradients are "
                 "partial. Call zero_grad() and run the forward and backward again."
             )
+        if (found := getattr(self, "found_inf", None)) is not None and not self._take_grad_scaler(found):
+            return loss  # GradScaler found an inf: it skips this step (and backs its scale off)
         params = self._reduced_device_grads()
-        clipped = self._pipeline.config.max_grad_norm is not None and bool(params)
+        pipe = self._pipeline
+        found_inf = False
+        if pipe.scale is not None and params:
+            # NOTE [loss scaling in the optimizer]: the device-kept gradients are unscaled and checked
+            # here, with the scale of the last step's decision (which this step's loss was scaled by).
+            pipe.clip_factor()
+            inverse = pipe.scale.inverse()
+            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
+        clipped = pipe.config.max_grad_norm is not None and bool(params)
         # Clipping: the device-kept gradients count in the global norm (on the update thread, with
         # the buckets'), and the factor it gives scales them too, as clip_grad_norm_ does.
         norms = None
         if clipped:
             norms = {id(p): torch.linalg.vector_norm(p.grad).to("cpu", torch.float32) for p in params}
             self.backend.record_compute().synchronize()  # the update thread reads them (a CUDA .to("cpu") waited already)
-        self._pipeline.finish_step(norms)
-        if clipped and (coef := self._pipeline.clip_factor()) is not None:
-            for p in params:
-                p.grad.mul_(coef.to(p.grad.device))
+        pipe.finish_step(norms, found_inf=found_inf)
+        if pipe.config.holds_updates and params:
+            coef = pipe.clip_factor()  # the step's decision: its clip factor, and whether it was skipped
+            if pipe.skipped:
+                params = []
+            elif coef is not None:
+                for p in params:
+                    p.grad.mul_(coef.to(p.grad.device))
         self._step_device_params(params)
         if self._buffers is not None:
             self._buffers.forwards = 0
         if not self._pipelined:
             self.synchronize()
         return loss
+
+    _step_supports_amp_scaling = True
+    """NOTE [a GradScaler drives HostAdamW]: ``torch.amp.GradScaler.step`` then passes its scale and what it
+    found as ``self.grad_scale`` and ``self.found_inf`` instead of unscaling the gradients itself."""
+
+    def _take_grad_scaler(self, found_inf: torch.Tensor) -> bool:
+        """A ``torch.amp.GradScaler`` calls ``step()``; whether to update (False: it found an inf).
+
+        NOTE [a GradScaler drives HostAdamW]
+        GradScaler unscales the gradients with a kernel that leaves their version counters alone, so
+        the check of gradients changed after a pipelined update read them (NOTE [gradients read in
+        the backward] in ooc.optim.pipeline) did not see it: a pipelined HostAdamW trained on the
+        scaled gradients, and an inf reached the weights, without a word. With
+        ``_step_supports_amp_scaling`` GradScaler leaves the gradients as they are and hands its
+        scale (``grad_scale``; None after the loop's own ``unscale_``) and ``found_inf`` to
+        ``step()``. Where the updates read the gradients in ``step()`` (``pipeline=False``, one
+        rank) this unscales them and skips as GradScaler would; where they ran in the backward on
+        the scaled gradients, or data-parallel, where GradScaler's check and scale are each rank's
+        own (the ranks would part: one skipping, one not; their scales apart), the step is refused,
+        pointing to ``loss_scale=`` (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale)."""
+        fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
+               "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
+        if self._pipeline.scale is not None or self._comm is not None or self._pipelined:
+            # Refused: GradScaler deletes what it set only after a step() that returns.
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+        if self._pipeline.scale is not None:
+            raise OocError(f"this HostAdamW scales the loss itself (loss_scale=...); a torch.amp.GradScaler scaled it too: "
+                           f"{fix}, not both")
+        if self._comm is not None or self._pipelined:
+            where = ("data-parallel, GradScaler checks and scales each rank's own gradients, so the ranks would part"
+                     if self._comm is not None else
+                     "this pipelined HostAdamW updated in the backward, on the scaled gradients")
+            applied = self._pipeline.discard(f"a torch.amp.GradScaler drives this HostAdamW ({where})", warn=False) \
+                if self._comm is None else ""
+            raise PipelineError(f"a torch.amp.GradScaler drives this HostAdamW: {where}. {fix}; or, on one rank, "
+                                "HostAdamW(pipeline=False), which reads the gradients in step()"
+                                + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
+                                   if applied else ""))
+        if found_inf.item() > 0:
+            return False
+        scale = getattr(self, "grad_scale", None)
+        if scale is not None:
+            inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
+            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+            for same in _by_device_and_dtype(grads):
+                _unscale_in_place(same, inverse)
+        return True
 
     def _reduced_device_grads(self) -> list[torch.Tensor]:
         """The parameters kept on their device that have a gradient (on some rank), averaged across
@@ -454,6 +529,31 @@ class HostAdamW(torch.optim.Optimizer):
                   [s["step"] for s in state], foreach=False, fused=mine[0].device.type in ("cpu", "cuda"),
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
                   eps=group["eps"], maximize=False)
+
+    def scale(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times the loss scale (with ``loss_scale``; NOTE [loss scaling in the optimizer] in
+        ooc.optim.loss_scale): call ``backward()`` on this, as on ``GradScaler.scale(loss)``. It waits
+        for the last ``step()``'s decision, which may have changed the scale."""
+        if self._pipeline.scale is None:
+            raise OocError("HostAdamW.scale(loss) needs HostAdamW(..., loss_scale=ooc.optim.LossScale()); this one "
+                           "has no loss scale (bf16 and fp32 training need none: call loss.backward())")
+        self._pipeline.clip_factor()
+        return loss * self._pipeline.scale.scale.to(loss.device)
+
+    def get_scale(self) -> float | None:
+        """The current loss scale (None without ``loss_scale``), after the last ``step()``'s decision."""
+        if self._pipeline.scale is None:
+            return None
+        self._pipeline.clip_factor()
+        return float(self._pipeline.scale.scale.item())
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last ``step()`` was skipped because a gradient was inf or NaN (``loss_scale``)."""
+        if self._pipeline.scale is None:
+            return False
+        self._pipeline.clip_factor()
+        return self._pipeline.skipped
 
     def synchronize(self) -> None:
         """Wait until every update issued so far is in the parameters (with ``delayed_update``: the
@@ -508,7 +608,10 @@ class HostAdamW(torch.optim.Optimizer):
         saved["state"] = {k: dict(v) if isinstance(v, _HostState) else v for k, v in saved["state"].items()
                           if not _never_updated(v)}
         saved["param_groups"] = [{**group, **_FUSED_ADAMW} for group in saved["param_groups"]]
-        return {**saved, "ooc": self._depends_on()}
+        info = self._depends_on()
+        if self._pipeline.scale is not None:
+            info["loss_scale"] = self._pipeline.scale.state()  # NOTE [loss scaling in the optimizer]
+        return {**saved, "ooc": info}
 
     def _check_compatible(self, saved: dict[str, Any] | None) -> None:
         if saved is None:
@@ -545,6 +648,9 @@ class HostAdamW(torch.optim.Optimizer):
         dropped (NOTE [loaded masters follow this layout])."""
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
+        info = state_dict.get("ooc")
+        if self._pipeline.scale is not None and isinstance(info, dict) and "loss_scale" in info:
+            self._pipeline.scale.load(info["loss_scale"])
         if self._pipeline.open_step():
             self._pipeline.supersede()
         state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
@@ -748,6 +854,22 @@ def _claim(model: nn.Module) -> None:
             "transformers.Trainer its own in trainer.optimizer (`trainer.optimizer.optimizer.close()` under "
             "accelerate's wrapper)."
         )
+
+
+def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """``tensors`` in groups of one device and dtype, as GradScaler's kernel takes them."""
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    return list(groups.values())
+
+
+def _unscale_in_place(grads: list[torch.Tensor], inverse: torch.Tensor) -> bool:
+    """Multiply ``grads`` (on one device, of one dtype) by ``inverse``; whether any was inf or NaN
+    (GradScaler's kernel)."""
+    found = torch.zeros((1,), dtype=torch.float32, device=grads[0].device)
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse.to(grads[0].device))
+    return bool(found.item() > 0)  # a device read: step() waits for the backward's gradients here
 
 
 def _shutdown(pipeline: UpdatePipeline, handles: list[Any], comm: GroupCommunicator | None,

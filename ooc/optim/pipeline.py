@@ -55,6 +55,7 @@ import torch.distributed as dist
 from ooc.backend import Event
 from ooc.errors import OocError
 from ooc.optim.layout import release_buffers
+from ooc.optim.loss_scale import LossScale, ScaleState
 from ooc.optim.stages import Job, Stage, StageListener, Stages
 
 _WAIT_SLICE_S = 0.05
@@ -76,6 +77,8 @@ class PipelineConfig:
     - ``delayed_update``: a bucket's new weights are copied in at its launch in the next step.
     - ``accumulate``: backward passes per step; a bucket launches after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm; the updates then wait for ``step()``.
+    - ``loss_scale``: dynamic loss scaling (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale);
+      the updates then wait for ``step()`` too.
     - ``rollback``: keep each bucket's host state from before its update until ``step()`` commits it,
       so that a step no ``step()`` commits is undone (NOTE [a step is a transaction]).
     - ``inline``: run every stage on the calling thread at ``step()`` (no overlap to gain: no model
@@ -87,6 +90,13 @@ class PipelineConfig:
     max_grad_norm: float | None = None
     rollback: bool = False
     inline: bool = False
+    loss_scale: LossScale | None = None
+
+    @property
+    def holds_updates(self) -> bool:
+        """Whether the updates wait for ``step()``: the step's decision needs every gradient (the
+        global norm's clip factor; whether the loss scale overflowed anywhere)."""
+        return self.max_grad_norm is not None or self.loss_scale is not None
 
     def __post_init__(self) -> None:
         if isinstance(self.accumulate, bool) or not isinstance(self.accumulate, int) or self.accumulate < 1:
@@ -215,8 +225,13 @@ class UpdatePipeline:
         """Clipping: the norms of the step's gradients no bucket holds (``finish_step``)."""
         self._coef: torch.Tensor | None = None
         self._clipped = threading.Event()
-        """Clipping: ``_coef`` holds the clip factor of the last ``finish_step`` (set by the update thread)."""
+        """Held updates: ``_coef`` and ``skipped`` hold the last ``finish_step``'s clip factor and whether it
+        skipped the step (set by the update thread)."""
         self._clipped.set()
+        self.scale = ScaleState(config.loss_scale) if config.loss_scale is not None else None
+        """The running loss scale (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale)."""
+        self.skipped = False
+        self._found_inf = False
         self.inline = config.inline and stages.comm is None
         self._exchange_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._update_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
@@ -312,7 +327,7 @@ class UpdatePipeline:
         if self.in_backward:
             self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
         launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
-        if launched and self.config.max_grad_norm is None:  # with clipping they wait for step(): old weights
+        if launched and not self.config.holds_updates:  # held, they wait for step(): old weights
             warnings.warn(
                 f"a forward between the backward and step(): the host updates of {', '.join(launched)} started in "
                 "the backward (pipeline=True), so this forward reads their new weights. Call step() first, or build "
@@ -335,13 +350,13 @@ class UpdatePipeline:
             raise PipelineError(
                 f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
             )
-        if self.config.rollback and self.config.max_grad_norm is None:
+        if self.config.rollback and not self.config.holds_updates:
             for i, status in enumerate(self.status):
                 if status.launched:
                     self._wait_done(i)
                     self._restore(i)
-        elif self.config.max_grad_norm is not None:
-            # Clipping holds every update until step() (NOTE [clipping stalls the pipeline]): none ran,
+        elif self.config.holds_updates:
+            # Clipping (or loss scaling) holds every update until step() (NOTE [clipping stalls the pipeline]): none ran,
             # so dropping them undoes the step whole, as zero_grad() does for torch's optimizers.
             if launched:
                 self._to_exchange(Signal.DISCARD)
@@ -366,7 +381,7 @@ class UpdatePipeline:
         ``zero_grad()`` (with ``rollback`` that put the state from before them back over the loaded
         one). With clipping the step's updates are held until ``step()``, and are left to
         :meth:`discard`."""
-        if self.config.max_grad_norm is not None:
+        if self.config.holds_updates:
             return
         if self.stages.comm is not None and (self.in_backward or any(s.launched for s in self.status)):
             self.discard("load_state_dict() after a backward without step()")  # raises: ranks cannot agree
@@ -520,13 +535,14 @@ class UpdatePipeline:
         else:
             self._update_q.put(job)
 
-    def finish_step(self, others: dict[int, torch.Tensor] | None = None) -> None:
+    def finish_step(self, others: dict[int, torch.Tensor] | None = None, found_inf: bool = False) -> None:
         """``step()``: launch what no hook launched (unused parameters, no model), and close the step.
         ``others``: with clipping, the norms of gradients no bucket holds (``Stages.clip``); the
-        clip factor is then :meth:`clip_factor`'s."""
+        clip factor is then :meth:`clip_factor`'s. ``found_inf``: with loss scaling, whether a
+        gradient no bucket holds overflowed (``skipped`` then says whether the step was skipped)."""
         self.raise_error()
         self._check_grads_unchanged()
-        if self.config.max_grad_norm is not None:
+        if self.config.holds_updates:
             # The last step's clip must have read its norms and set its factor before these replace
             # them: a step() without device-kept gradients does not wait for it (the update thread
             # may still be behind when nothing else waited on it, as after a step without gradients).
@@ -542,6 +558,7 @@ class UpdatePipeline:
                 self.launch(i)
         # Only now, with the end queued next: a launch that raised leaves no clip to wait for.
         self._others = others or {}
+        self._found_inf = found_inf
         self._clipped.clear()
         self._to_exchange(Signal.END_OF_STEP)
         self._reset()
@@ -587,7 +604,9 @@ class UpdatePipeline:
                 "data_parallel, the gradients a loop sees there are this rank's own, not yet averaged across the ranks "
                 "as DistributedDataParallel's are, so a clip there clips each rank by its own norm and the weights "
                 "part from DDP's. Clip by norm with HostAdamW(max_grad_norm=...), which clips the averaged gradients "
-                "by their global norm, and restart the ranks (from a checkpoint if this step's updates began)"
+                "by their global norm; for a GradScaler (fp16), HostAdamW(loss_scale=ooc.optim.LossScale()) with "
+                "opt.scale(loss).backward(), which skips a step on every rank alike. Restart the ranks (from a "
+                "checkpoint if this step's updates began)"
             )
         why = (f"the gradients of {', '.join(changed)} changed between the backward and step(), after their host "
                "update had read them (e.g. torch.nn.utils.clip_grad_norm_, clip_grad_value_ or GradScaler.unscale_ in "
@@ -607,8 +626,9 @@ class UpdatePipeline:
         raise PipelineError(
             f"{why}: a pipelined HostAdamW reads each block's gradients as its backward ends, so the change came too "
             "late. Clip by norm with HostAdamW(max_grad_norm=...) (with transformers.Trainer also TrainingArguments("
-            "max_grad_norm=0), with Lightning no gradient_clip_val), or build HostAdamW(pipeline=False) to read the "
-            f"gradients in step() (any other change to them). {reset}"
+            "max_grad_norm=0), with Lightning no gradient_clip_val); for a GradScaler (fp16), scale with "
+            "HostAdamW(loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward(); or build HostAdamW(pipeline=False) "
+            f"to read the gradients in step() (any other change to them). {reset}"
         )
 
     def note_grad(self, bucket: int, p: torch.Tensor) -> None:
@@ -665,10 +685,11 @@ class UpdatePipeline:
         one bucket]: the exchange waited for the one after the bucket's backward, which this forward
         follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
         event after them, and the update's copies in wait for it (``_BucketState.after``)."""
-        return self.config.max_grad_norm is not None and self.status[index].launched
+        return self.config.holds_updates and self.status[index].launched
 
     def clip_factor(self) -> torch.Tensor | None:
-        """With clipping, after ``finish_step``: wait for the step's clip factor (None: no gradient)."""
+        """With held updates, after ``finish_step``: wait for the step's decision; the clip factor
+        (None: no gradient, no clipping, or a skipped step)."""
         while not self._clipped.wait(_WAIT_SLICE_S):
             self.raise_error()
         self.raise_error()
@@ -681,7 +702,7 @@ class UpdatePipeline:
     def applied(self) -> list[int]:
         """The buckets whose update of the open step started in the backward, which no ``step()`` has
         committed yet (not those clipping holds for ``step()``)."""
-        if self.config.max_grad_norm is not None:
+        if self.config.holds_updates:
             return []
         return [i for i, s in enumerate(self.status) if s.launched]
 
@@ -785,14 +806,11 @@ class UpdatePipeline:
             self._step_jobs = []
             return
         if item is Signal.END_OF_STEP:
-            if self.config.max_grad_norm is not None:
-                self._coef = self.stages.clip(self._step_jobs, self._others)
-                self._clipped.set()
-                for job in self._step_jobs:
-                    self._update(job)
+            if self.config.holds_updates:
+                self._end_held_step()
             self._step_jobs = []
             return
-        if self.config.max_grad_norm is not None:
+        if self.config.holds_updates:
             # NOTE [clipping stalls the pipeline]: the global norm needs every bucket's gradient,
             # so with clipping the updates wait for step(); only the copies out and the exchange
             # still overlap the backward.
@@ -800,6 +818,24 @@ class UpdatePipeline:
             self._step_jobs.append(item)
             return
         self._update(item)
+
+    def _end_held_step(self) -> None:
+        """``step()`` closed a step whose updates were held: unscale and check the gradients (loss
+        scaling), clip them, and run the updates, or skip them all if a gradient overflowed."""
+        skipped = False
+        if self.scale is not None:
+            skipped = self.stages.unscale(self._step_jobs, self.scale.inverse(), self._found_inf)
+            self.scale.update(skipped)
+        self._coef = None
+        if not skipped and self.config.max_grad_norm is not None:
+            self._coef = self.stages.clip(self._step_jobs, self._others)
+        self.skipped = skipped
+        self._clipped.set()
+        for job in self._step_jobs:
+            if skipped:
+                self.status[job.bucket].done.set()  # NOTE [loss scaling in the optimizer]: no update
+            else:
+                self._update(job)
 
     def _update(self, job: Job) -> None:
         status = self.status[job.bucket]

@@ -256,6 +256,22 @@ class Stages:
         job.grads = out
         job.on_host = True
 
+    def unscale(self, jobs: Sequence[Job], inverse: torch.Tensor, found_elsewhere: bool) -> bool:
+        """Loss scaling: multiply every gradient of ``jobs`` (fp32, on the host) by ``inverse`` (the
+        scale's reciprocal) and return whether any gradient, of any rank, is inf or NaN (NOTE [loss
+        scaling in the optimizer] in ooc.optim.loss_scale). ``found_elsewhere``: whether one no bucket
+        holds (``device_params_below``, checked in ``step()``) is. Unsharded, every rank holds the
+        same averaged gradients and decides alike; sharded, each holds its own share, and the ranks
+        add up what they found."""
+        grads = [g for job in jobs for g in job.grads.values()]
+        found = torch.full((1,), float(found_elsewhere), dtype=torch.float32)
+        if grads:
+            # GradScaler's own kernel: one pass that unscales and flags a non-finite value.
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inverse)
+        if self.layout.sharded:
+            self.comm.sum_vector(found)
+        return bool(found.item() > 0)
+
     def clip(self, jobs: Sequence[Job], others: dict[int, torch.Tensor] | None = None) -> torch.Tensor | None:
         """Scale every gradient of ``jobs`` (fp32, on the host) by the global norm's clip factor, and
         return it (None: no gradient). ``others``: parameter id -> the norm (a 0-d host tensor) of

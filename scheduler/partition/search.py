@@ -56,16 +56,23 @@ class Outcome:
 
 def run_methods(graph: OpGraph, devices: Devices, methods: Sequence[str] = tuple(METHODS)) -> list[Outcome]:
     """Each of ``methods`` on ``graph``: placed, timed, simulated."""
+    _check(methods)
     out = []
     for name in methods:
-        if name not in METHODS:
-            raise PlanError(f"no partitioning method {name!r}; choose from {sorted(METHODS)}")
         t0, c0 = time.perf_counter(), time.process_time()
         placement = METHODS[name](graph, devices)
         seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
         sim = simulate(graph, placement, devices)
         out.append(Outcome(placement, sim, seconds, sim.fits(devices), cpu))
     return out
+
+
+def _check(methods: Sequence[str]) -> None:
+    """Refuse an empty or unknown list of methods before any is run."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or not methods:
+        what = f"no partitioning method {unknown[0]!r}" if unknown else "no partitioning method given"
+        raise PlanError(f"{what}; choose from {sorted(METHODS)}")
 
 
 def partition(graph: OpGraph, devices: Devices, methods: Sequence[str] = tuple(METHODS)) -> Outcome:
@@ -85,6 +92,7 @@ def minimum_capacity(graph: OpGraph, devices: Devices, methods: Sequence[str] = 
     ``tolerance``) on which one of ``methods`` fits, found by bisection over the factor, and that
     method. A method that fits at one factor need not fit at every larger one, so the answer is a
     capacity that was seen to fit, not a proven minimum."""
+    _check(methods)
     # A device of 0 bytes scales from 1 byte, so that every device grows with the factor.
     devices = Devices(tuple(max(int(c), 1) for c in devices.capacities), devices.bandwidth_Bps, devices.latency_s)
     floor_ = float(min(devices.capacities))

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ooc.scheduler.errors import PlanError
 from ooc.scheduler.partition.devices import Devices, Placement
 from ooc.scheduler.partition.graph import OpGraph
 
@@ -52,6 +53,11 @@ def simulate(graph: OpGraph, placement: Placement, devices: Devices) -> Simulati
     """Run the event model of NOTE [the event model of a placed graph] over ``placement``."""
     n, k = graph.n, devices.k
     device = placement.device
+    if device.shape != (n,):
+        raise PlanError(f"the placement places {device.shape[0]} ops; the graph has {n}: place this graph")
+    if n and device.max() >= k:
+        raise PlanError(f"the placement names device {int(device.max())}; the machine has {k} (0..{k - 1}): "
+                        f"place the graph on these devices")
     order = graph.order
     position = np.empty(n, dtype=np.int64)
     position[order] = np.arange(n)
@@ -112,26 +118,28 @@ def simulate(graph: OpGraph, placement: Placement, devices: Devices) -> Simulati
 
 def _peaks(device: np.ndarray, start: np.ndarray, release: np.ndarray, held: np.ndarray,
            k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Sweep allocation/free events per device; at one instant frees of intervals with positive
-    length come first, then allocations, then frees of zero-length intervals (an op that holds
-    its output only for the instant it runs still needs the room)."""
-    where, lo, hi, size = device, start, release, held
-    keep = size > 0
-    where, lo, hi, size = where[keep], lo[keep], hi[keep], size[keep]
-    ev_dev = np.concatenate([where, where])
-    ev_t = np.concatenate([lo, hi])
-    ev_kind = np.concatenate([np.ones(lo.size), np.where(hi > lo, 0, 2)])
-    ev_sz = np.concatenate([size, -size])
-    order = np.lexsort((ev_kind, ev_t, ev_dev))
-    ev_dev, ev_t, ev_sz = ev_dev[order], ev_t[order], ev_sz[order]
+    """Each device's highest level of :func:`held_events` and when it is first reached."""
     peak = np.zeros(k)
     when = np.zeros(k)
-    bounds = np.searchsorted(ev_dev, np.arange(k + 1))
     for d in range(k):
-        a, b = bounds[d], bounds[d + 1]
-        if a == b:
+        mine = device == d
+        times, sizes = held_events(start[mine], release[mine], held[mine])
+        if not times.size:
             continue
-        level = np.cumsum(ev_sz[a:b])
+        level = np.cumsum(sizes)
         i = int(np.argmax(level))
-        peak[d], when[d] = level[i], ev_t[a + i]
+        peak[d], when[d] = level[i], times[i]
     return peak, when
+
+
+def held_events(start: np.ndarray, release: np.ndarray, held: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """One device's allocations (``+held`` at ``start``) and frees (``-held`` at ``release``) as
+    ``(times, sizes)`` in the order of the sweep: at one instant frees of lifetimes with positive
+    length come first, then allocations, then frees of zero-length ones (an op that holds its output
+    only for the instant it runs still needs the room). Their running sum is the device's memory."""
+    keep = held > 0
+    lo, hi, size = start[keep], release[keep], held[keep]
+    times = np.concatenate([lo, hi])
+    kinds = np.concatenate([np.ones(lo.size), np.where(hi > lo, 0, 2)])
+    order = np.lexsort((kinds, times))
+    return times[order], np.concatenate([size, -size])[order]

@@ -54,3 +54,36 @@ def test_the_best_line_says_how_many_times_one_devices_work_the_step_takes(capsy
     assert best, out
     makespan, ratio, one = (float(g) for g in best.groups())
     assert one == pytest.approx(work, abs=1e-3) and ratio == pytest.approx(makespan / work, abs=0.01)
+
+
+def test_the_pictures_memory_rows_reach_the_simulated_peaks(tmp_path, monkeypatch) -> None:
+    """An op of no time whose output nobody reads holds it for an instant: the simulator counts it
+    at that instant, the picture freed it before allocating it and drew a lower peak."""
+    import matplotlib.axes
+    import numpy as np
+
+    from ooc.apps.partition import plot_placement
+    from ooc.scheduler.partition import Devices, OpGraph, run_methods
+
+    graph = OpGraph.build(["a", "b", "c"], [1.0, 0.0, 1.0], [5 * 2**20, 7 * 2**20, 3 * 2**20], [("a", "b")],
+                          [5 * 2**20])
+    drawn = []
+    real_step = matplotlib.axes.Axes.step
+    monkeypatch.setattr(matplotlib.axes.Axes, "step",
+                        lambda self, x, y, *a, **kw: (drawn.append(float(np.max(y))), real_step(self, x, y, *a, **kw))[1])
+    outcome = run_methods(graph, Devices.uniform(2, 2**30), ["contiguous"])[0]
+    plot_placement(graph, outcome, tmp_path / "g.png", title="t")
+    assert drawn == [p / 2**20 for p in outcome.simulation.peak_bytes]
+
+
+def test_a_graph_of_no_work_or_no_ops(tmp_path, capsys) -> None:
+    """Ops of no time, or no ops at all (a ParDNN folder with an empty graph), ended in a
+    ZeroDivisionError's traceback (the makespan over one device's work)."""
+    from ooc.scheduler.partition import OpGraph, write_pardnn
+
+    write_pardnn(OpGraph.build(["a", "b"], [0.0, 0.0], [8, 8], [("a", "b")], [8]), tmp_path / "idle")
+    assert main(["partition", "--graph", str(tmp_path / "idle"), "--method", "pardnn"]) == 0
+    assert "best: pardnn, 0.000 ms" in capsys.readouterr().out
+    write_pardnn(OpGraph.build([], [], [], []), tmp_path / "empty")
+    assert main(["partition", "--graph", str(tmp_path / "empty")]) == 2
+    assert "no ops" in capsys.readouterr().err

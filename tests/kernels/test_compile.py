@@ -66,6 +66,20 @@ def test_quantize_divides_with_ieee_rounding(compiled, case) -> None:
         assert _found(ptx, "div.rn.f32", "div.full", "div.approx") == {"div.rn.f32": True, "div.full": False, "div.approx": False}
 
 
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
+def test_quantize_divides_once_per_group_and_fuses_no_multiply_add(compiled, case) -> None:
+    # NOTE [one division per group] in ooc.kernels.quant_reference: each value is multiplied by the
+    # group's reciprocal, in IEEE roundings as the reference's two ops; Triton fuses x * inv + 0.5 into
+    # an fma by default, and ptxas fuses a mul.f32 and add.f32 without .rn, either a rounding apart.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert "fma" not in ptx and not re.search(r"\b(mul|add)\.f32", ptx)
+        if case not in ("quantize_int8_one_element", "quantize_int4_bf16_odd_cols"):
+            # Rows of whole groups (4 x 4096): a thread divides once for its group, then multiplies each value
+            # (17 divisions a thread before; odd shapes replicate the group's division either way).
+            assert ptx.count("div.rn.f32") < ptx.count("mul.rn.f32")
+
+
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("grad_weight")))
 def test_grad_weight_dot_is_fp32_not_tf32(compiled, case) -> None:
     # Its test bounds the error by fp32 summation; a TF32 tensor-core dot keeps 10 mantissa bits.

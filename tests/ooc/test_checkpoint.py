@@ -241,9 +241,9 @@ def test_retention_keeps_the_newest(tmp_path: Path) -> None:
     ckpt.wait()
     assert [v.step for v in ckpt.versions()] == [3, 4]
     # The newest version retired is the next one's spare (NOTE [recycled files]), deleted by close(), as
-    # is the lock of the writing job (NOTE [one job per directory]).
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare-000000002", ".writer-rank0.lock", "step-000000003",
-                                                          "step-000000004"]
+    # are the lock and the owner record of the writing job (NOTE [one job per directory], NOTE [owner records]).
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".spare-000000002", ".writer-rank0.lock", ".writer-rank0.owner",
+                                                          "step-000000003", "step-000000004"]
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000003", "step-000000004"]
     opt.close()
@@ -689,8 +689,8 @@ def test_a_version_that_failed_on_another_rank_is_let_go_of_and_removed_after_a_
             ckpt.save(step)
             ckpt.wait()
     assert [v.step for v in list_versions(tmp_path)] == [4, 5]
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank1.lock", "step-000000004",
-                                                          "step-000000005"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank0.owner", ".writer-rank1.lock",
+                                                          ".writer-rank1.owner", "step-000000004", "step-000000005"]
     for ckpt in ckpts:
         ckpt.close()
     for _, opt, _ in ranks:
@@ -915,7 +915,8 @@ def test_large_files_are_written_directly_in_aligned_blocks(tmp_path: Path, monk
     done = writes["optimizer-rank0.safetensors"]
     assert len(done) == -(-size // (64 << 10))
     assert all(direct and n % ckpt_mod._ALIGN == 0 for direct, n in done)
-    assert all(direct for name, w in writes.items() for direct, _ in w)
+    # Not a version's file: a writer's owner record, a hundred bytes written once (NOTE [owner records]).
+    assert all(direct for name, w in writes.items() if ".owner." not in name for direct, _ in w)
     _assert_restores(tmp_path, None, expected, expected_state)
     ckpt.close()
     opt.close()

@@ -7,6 +7,7 @@ import contextlib
 import errno
 import fcntl
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -20,6 +21,7 @@ import pytest
 import torch
 from torch import nn
 
+import ooc.checkpoint as ckpt_mod
 from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
 from ooc.optim import HostAdamW
 
@@ -59,6 +61,13 @@ def test_a_relative_directory_stays_where_it_was_when_the_process_changes_direct
     fresh = _linear(seed=1)
     assert Checkpointer(tmp_path / "ckpt", fresh, torch.optim.AdamW(fresh.parameters())).restore().step == 2
     assert torch.equal(fresh.weight, model.weight)
+
+
+def _write_owner_record(path: Path, **fields: object) -> None:
+    """An owner record as a holder makes one (NOTE [owner records]): this process's, but for ``fields``."""
+    host, boot = ckpt_mod._kernel()
+    path.write_text(json.dumps({"host": host, "boot": boot, "pid": os.getpid(), "token": "0" * 16,
+                                "started": ckpt_mod._process_start(os.getpid()), **fields}))
 
 
 def _saving(directory: Path, steps: tuple[int, ...], seed: int = 0) -> Checkpointer:
@@ -295,13 +304,58 @@ def test_another_process_holds_the_directory_until_it_dies_or_closes(tmp_path: P
         holder.wait()
 
 
+_FORKS_A_CHILD_THAT_EXITS = """
+import os, sys, time
+import torch
+from ooc.checkpoint import Checkpointer
+ckpt = Checkpointer(sys.argv[1], torch.nn.Linear(3, 2))
+ckpt.save(1)
+ckpt.wait()
+child = os.fork()
+if child == 0:
+    sys.exit(0)  # as a Python program ends: its atexit handlers run, the copied Checkpointer's finalizer too
+os.waitpid(child, 0)
+print("saved", flush=True)
+time.sleep(120)
+"""
+
+
+def test_a_forked_child_that_exits_leaves_the_directory_held(tmp_path: Path) -> None:
+    """A holder forks a child that ends as Python programs do (``sys.exit``: not a DataLoader
+    worker's ``os._exit``): the child's exit ran the finalizer of its copy of the Checkpointer, which
+    unlocked the lock's open file description it shares with the parent and deleted the lock file,
+    and another job then saved into the directory beside the live holder. Now it is still refused."""
+    holder = subprocess.Popen([sys.executable, "-c", _FORKS_A_CHILD_THAT_EXITS, str(tmp_path)],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "saved"
+        ckpt = _saving(tmp_path, ())
+        with pytest.raises(CheckpointError, match=rf"another job holds .*: pid {holder.pid} on "):
+            ckpt.save(2)
+        assert {".writer-rank0.lock", ".writer-rank0.owner"} <= {p.name for p in tmp_path.iterdir()}
+    finally:
+        holder.kill()
+        holder.wait()
+
+
 def test_a_crashs_lock_file_is_reused_and_cleaned(tmp_path: Path) -> None:
-    """A killed job leaves its lock file, unlocked: the next job takes it, and rank 0's next cleanup
-    deletes one nobody holds."""
+    """A killed job leaves its lock file, unlocked, and its owner record (of a process of this host
+    that is gone: here an earlier process with this pid): the next job takes them over, and rank 0's
+    next cleanup deletes those nobody holds (NOTE [owner records])."""
     (tmp_path / ".writer-rank0.lock").write_text("pid 1 on elsewhere")
     (tmp_path / ".writer-rank3.lock").write_text("pid 1 on elsewhere")
+    for rank in (0, 3):
+        _write_owner_record(tmp_path / f".writer-rank{rank}.owner", started="1")
+    # Killed while it made a record, or dropped a dead one (a minute ago), and just now (maybe live).
+    for name in (".writer-rank0.owner.0123abcd.tmp", ".writer-rank0.owner.4567.dead", ".writer-rank1.owner.89ab.tmp"):
+        (tmp_path / name).write_text("{}")
+        os.utime(tmp_path / name, (time.time() - 120,) * 2)
+    (tmp_path / ".writer-rank2.owner.cdef.tmp").write_text("{}")
     ckpt = _saving(tmp_path, (1,))
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", "step-000000001"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".writer-rank0.lock", ".writer-rank0.owner",
+                                                          ".writer-rank2.owner.cdef.tmp", "step-000000001"]
+    assert json.loads((tmp_path / ".writer-rank0.owner").read_text())["started"] != "1"
+    (tmp_path / ".writer-rank2.owner.cdef.tmp").unlink()
     ckpt.close()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000001"]
 

@@ -104,3 +104,40 @@ def test_wrapping_a_module_inside_a_wrapped_model_is_refused() -> None:
         ooc.wrap(inner, backend="cpu")
     assert not ooc.is_wrapped(inner)
     ooc.unwrap(outer)
+
+
+@pytest.mark.parametrize("where", ["pre-hook", "inside", "post-hook"])
+@pytest.mark.parametrize("policy", ["keep", "recompute"])
+def test_a_forward_that_raises_sends_the_streamed_weights_back(policy: str, where: str) -> None:
+    """A forward that raises in a streamed block (in its forward, or in a hook of the caller's before
+    or after it) leaves no block's weights on the device: neither the block's own, attached by ooc's
+    pre-hook before the caller's ran, nor those of the next block, prefetched during its forward.
+    They stayed until that block's next forward, so the next step ran with a block more than its plan
+    (on a GPU: what an OOM handler that retries with a smaller batch has least to spare)."""
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    batch = gpt_batch(batch=2, seq=8)
+    ooc.wrap(model, ooc.Plan.uniform(policy, NANO.n_layer).streaming(range(NANO.n_layer)), backend="cpu")
+    try:
+        model(*batch)[1].backward()
+        model.zero_grad(set_to_none=True)
+        clean = ooc.memory_report(model)
+
+        def interrupt(*_args: object) -> None:
+            raise Interrupted
+
+        block = model.blocks[1]
+        handle = {"pre-hook": lambda: block.register_forward_pre_hook(interrupt),
+                  "inside": lambda: block.attn.register_forward_hook(interrupt),
+                  "post-hook": lambda: block.register_forward_hook(interrupt)}[where]()
+        with pytest.raises(Interrupted):
+            model(*batch)
+        handle.remove()
+        streamer = runtime_of(model).streamer
+        assert ooc.memory_report(model).param_bytes == clean.param_bytes
+        assert all(e.device is None and e.param.data_ptr() == e.host.data_ptr()
+                   for entries in streamer.blocks.values() for e in entries)
+        model(*batch)[1].backward()  # the next step holds what a step holds
+        assert ooc.memory_report(model).param_peak_bytes == clean.param_peak_bytes
+    finally:
+        ooc.unwrap(model)

@@ -70,3 +70,25 @@ def test_a_mapping_sample_is_captured_as_a_dict() -> None:
     as_mapping = capture(_Keywords(), UserDict(sample), repeats=1)
     assert as_mapping.names == as_dict.names and "input.0" in as_mapping.index and "input.1" in as_mapping.index
     assert as_mapping.held_bytes[as_mapping.index["input.0"]] == 8 * 16 * 4
+
+
+def test_repeats_below_one_is_refused_before_tracing() -> None:
+    # repeats=0 traced the whole step and then failed in statistics.median of no samples.
+    import pytest
+
+    from ooc.errors import WrapError
+
+    with pytest.raises(WrapError, match="repeats=0"):
+        capture(_mlp(), torch.randn(8, 16), repeats=0)
+
+
+def test_the_random_number_generator_is_left_as_it_was() -> None:
+    # Tracing twice and timing each op drew dropout masks from the global generator: a step
+    # seeded before capture drew other masks than the same step without it.
+    model = nn.Sequential(nn.Linear(16, 16), nn.Dropout(0.5), nn.Linear(16, 4))
+    torch.manual_seed(7)
+    capture(model, torch.randn(8, 16), repeats=2)
+    after = torch.rand(4)
+    torch.manual_seed(7)
+    torch.randn(8, 16)
+    assert torch.equal(after, torch.rand(4))

@@ -148,3 +148,41 @@ def test_on_gpus_bit_identical_with_predicted_peaks() -> None:
     for got, want in zip(run.outputs, eager, strict=True):
         assert torch.equal(got.to("cuda:0"), want)
     np.testing.assert_array_equal(run.peak_bytes, run.simulation.peak_bytes)
+
+
+def _eager_and_step(model, x):
+    step = capture_step(model, x, repeats=1)
+    loss = model(x).mean()
+    return step, (loss.detach(), *torch.autograd.grad(loss, list(model.parameters())))
+
+
+def test_a_strided_view_reaches_its_consumer_with_its_strides() -> None:
+    """A slice that crossed devices arrived contiguous: the mean over it summed in another order
+    than eager's over the strided view (1 ulp off)."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8)
+    sliced = nn.Sequential(model, _Slice())
+    x = torch.randn(2, 8)
+    step, eager = _eager_and_step(sliced, x)
+    device = (np.arange(step.graph.n) >= step.graph.index["mean"]).astype(np.int64)
+    devices = Devices.uniform(2, int(step.graph.total_bytes()))
+    run = run_placed(step, Placement.of("the mean apart", device, 2, step.graph.n), devices)
+    _check(run, eager)
+
+
+class _Slice(torch.nn.Module):
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h[:, :2]
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_tensors_with_dims_of_one_cross_devices(seed: int) -> None:
+    """A batch of one: a (1, 1) tensor with a stride other than 1 (``expand``'s 0) could not be
+    viewed as bytes to be copied."""
+    import torch.nn as nn
+
+    torch.manual_seed(0)
+    step, eager = _eager_and_step(nn.Linear(1, 1), torch.randn(1, 1))
+    _check(_random_run(step, None, seed=seed, k=2), eager)

@@ -81,3 +81,27 @@ def test_the_model_chooses_where_to_sum() -> None:
     fast_hosts = replace(HW, net=HW.net / 100, host_net=HW.net)
     where, seconds = choose_reduce_on(KEEP, PROFILE, fast_hosts, world=8)
     assert where == "host" and seconds["host"] < seconds["device"]
+
+
+def test_a_weight_several_blocks_hold_is_updated_once() -> None:
+    """A weight every block holds (ALBERT's shared layer) is one parameter of the optimizer: updated,
+    and its gradient copied out and its weight in, once, with the first block that holds it (its
+    bucket: ``ooc.optim.buckets``). The model counted it in every holder's bucket."""
+    import dataclasses
+
+    from ooc.scheduler.profile import SharedParameter
+
+    shared = 64 * 2**20
+    tied = dataclasses.replace(PROFILE, blocks=tuple(
+        dataclasses.replace(b, param_bytes=b.param_bytes + shared, grad_bytes=b.grad_bytes + shared,
+                            shared_params=(SharedParameter(0, shared),))
+        for b in PROFILE.blocks))
+    update = HostUpdate(value_bytes=2)
+    ops = build_schedule(KEEP, tied, HW, update).ops
+    untied = build_schedule(KEEP, PROFILE, HW, update).ops
+    fp32_shared = shared * 2
+    for kind, extra in ((OpKind.UPDATE, fp32_shared), (OpKind.GRAD_OUT, shared), (OpKind.PARAM_IN, shared)):
+        field = "update_bytes" if kind is OpKind.UPDATE else "bytes_moved"
+        by_block = {op.block: getattr(op, field) for op in ops if op.kind is kind}
+        alone = {op.block: getattr(op, field) for op in untied if op.kind is kind}
+        assert by_block == {b: alone[b] + (extra if b == 0 else 0) for b in alone}

@@ -15,6 +15,7 @@ from ooc.scheduler.partition import (
     InfeasiblePartition,
     OpGraph,
     Placement,
+    minimum_capacity,
     partition,
     read_pardnn,
     read_pardnn_placement,
@@ -133,6 +134,15 @@ def test_placement_checks_devices() -> None:
         Placement.of("x", [0], 2, 2)
 
 
+def test_simulating_a_placement_of_another_machine_or_graph_is_refused() -> None:
+    # A placement over 4 devices (read back from a run on 4) simulated on 2 raised IndexError.
+    g = OpGraph.build(["a", "b", "c"], [1, 1, 1], [1, 1, 1], [("a", "b"), ("b", "c")])
+    with pytest.raises(PlanError, match="names device 3; the machine has 2"):
+        simulate(g, Placement.of("x", [0, 1, 3], 4, 3), Devices.uniform(2, 10))
+    with pytest.raises(PlanError, match="places 2 ops; the graph has 3"):
+        simulate(g, Placement.of("x", [0, 1], 2, 2), Devices.uniform(2, 10))
+
+
 # --- the partitioners --------------------------------------------------------------------------
 
 
@@ -181,6 +191,16 @@ def test_infeasible_names_a_capacity_that_fits() -> None:
 def test_unknown_method() -> None:
     with pytest.raises(OocError, match="choose from"):
         run_methods(_held_until_the_end(), Devices.uniform(2, MB), ["metis"])
+
+
+@pytest.mark.parametrize("methods", [[], ["metis"]], ids=["none", "unknown"])
+def test_the_smallest_capacity_needs_known_methods(methods) -> None:
+    # No method: "no method fits even with every op on one device; this is a bug"; an unknown
+    # one: KeyError.
+    with pytest.raises(PlanError, match="choose from"):
+        minimum_capacity(_held_until_the_end(), Devices.uniform(2, 1), methods)
+    with pytest.raises(PlanError, match="choose from"):
+        partition(_held_until_the_end(), Devices.uniform(2, 1), methods)
 
 
 # --- what each method is for, on graphs small enough to know the answer ------------------------
