@@ -641,8 +641,6 @@ class HostAdamW(torch.optim.Optimizer):
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
         info = state_dict.get("ooc")
-        if self._pipeline.scale is not None and isinstance(info, dict) and "loss_scale" in info:
-            self._pipeline.scale.load(info["loss_scale"])
         if self._pipeline.open_step():
             self._pipeline.supersede()
         state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
@@ -664,6 +662,9 @@ class HostAdamW(torch.optim.Optimizer):
         for p, state in before.items():
             if p not in self.state:  # never updated when saved (NOTE [a fresh state is not saved])
                 self.state[p] = self._fresh_like(p, state)
+        if self._pipeline.scale is not None and isinstance(info, dict) and "loss_scale" in info:
+            # After the base class's checks: a load they refuse leaves the scale as it was.
+            self._pipeline.scale.load(info["loss_scale"])
         self._pipeline.after_load()
 
     def close(self) -> None:

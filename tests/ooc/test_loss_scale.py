@@ -146,6 +146,25 @@ def test_the_scale_resumes_from_a_checkpoint(tmp_path) -> None:  # noqa: ANN001
     assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), resumed.parameters()))
 
 
+def test_a_load_that_fails_leaves_the_scale_as_it_was() -> None:
+    """load_state_dict of a state whose groups do not fit raises (torch's check), and changes nothing:
+    the scale took the refused checkpoint's before the check, and training went on with it beside
+    the old moments."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = HostAdamW(model.parameters(), loss_scale=LossScale(init_scale=8.0))
+    try:
+        opt.scale(model(torch.ones(1, 4)).sum()).backward()
+        opt.step()
+        saved = opt.state_dict()
+        saved["ooc"]["loss_scale"] = {"scale": 2.0, "growth_tracker": 0}
+        saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:3]
+        with pytest.raises(ValueError, match="doesn't match the size"):
+            opt.load_state_dict(saved)
+        assert opt.state_dict()["ooc"]["loss_scale"] == {"scale": 8.0, "growth_tracker": 1}
+    finally:
+        opt.close()
+
+
 def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     """fp16 parameters on the host optimizer (fp32 masters): a scale of 2**24 overflows fp16's
     gradients; the steps are skipped and the scale halves until it fits (2**15 here), then the loss
