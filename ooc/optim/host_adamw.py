@@ -418,13 +418,20 @@ class HostAdamW(torch.optim.Optimizer):
         params = self._reduced_device_grads()
         pipe = self._pipeline
         found_inf = False
-        if pipe.scale is not None and params:
-            # NOTE [loss scaling in the optimizer]: the device-kept gradients are unscaled and checked
-            # here, with the scale of the last step's decision (which this step's loss was scaled by).
-            pipe.clip_factor()
-            inverse = pipe.scale.inverse()
-            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
         clipped = pipe.config.max_grad_norm is not None and bool(params)
+        grad_scale = None
+        if pipe.scale is not None and params:
+            # NOTE [loss scaling in the optimizer]: the device-kept gradients are checked here, with the
+            # scale of the last step's decision (which this step's loss was scaled by). The fused kernel
+            # unscales them in fp32, as torch.optim.AdamW(fused=True) under a GradScaler: in place, an
+            # fp16 gradient below fp16's normal range lost its low bits or became 0. Clipping needs
+            # them unscaled for the norm first (GradScaler.unscale_, which refuses fp16 gradients).
+            pipe.clip_factor()
+            fused = all(p.device.type in ("cpu", "cuda") for p in params)
+            # A copy: the step's decision (finish_step) updates the scale in place.
+            grad_scale = pipe.scale.scale.clone() if fused and not clipped else None
+            inverse = pipe.scale.inverse() if grad_scale is None else torch.ones((1,), dtype=torch.float32)
+            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
         # Clipping: the device-kept gradients count in the global norm (on the update thread, with
         # the buckets'), and the factor it gives scales them too, as clip_grad_norm_ does.
         norms = None
@@ -439,7 +446,7 @@ class HostAdamW(torch.optim.Optimizer):
             elif coef is not None:
                 for p in params:
                     p.grad.mul_(coef.to(p.grad.device))
-        self._step_device_params(params)
+        self._step_device_params(params, grad_scale)
         if self._buffers is not None:
             self._buffers.forwards = 0
         if not self._pipelined:
@@ -512,7 +519,9 @@ class HostAdamW(torch.optim.Optimizer):
             p.grad.div_(self._comm.world)
         return params
 
-    def _step_device_params(self, params: list[torch.Tensor]) -> None:
+    def _step_device_params(self, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None) -> None:
+        """torch's AdamW on the parameters kept on their device; ``grad_scale``: the loss scale their
+        gradients still hold, which the fused kernel divides them by (NOTE [loss scaling in the optimizer])."""
         if not params:
             return
         for group in self.param_groups:
@@ -524,7 +533,8 @@ class HostAdamW(torch.optim.Optimizer):
             adamw(mine, [p.grad for p in mine], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state], [],
                   [s["step"] for s in state], foreach=False, fused=mine[0].device.type in ("cpu", "cuda"),
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+                  eps=group["eps"], maximize=False,
+                  grad_scale=None if grad_scale is None else grad_scale.to(mine[0].device))
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (with ``loss_scale``; NOTE [loss scaling in the optimizer] in

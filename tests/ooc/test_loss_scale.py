@@ -191,6 +191,20 @@ def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     assert all(torch.isfinite(p).all() for p in model.parameters())
 
 
+def test_fp16_gradients_kept_on_the_device_are_unscaled_in_fp32_as_fused_adamw_does() -> None:
+    """fp16 parameters kept on their device (``device_params_below``) are updated by torch's fused
+    AdamW there: weights and scales equal GradScaler's + AdamW(fused=True)'s, whose kernel unscales
+    each gradient in fp32. Unscaled in place, in fp16, the small gradients (below fp16's normal
+    range, the ones the scale is for) lost their low bits or became 0."""
+    torch.manual_seed(0)
+    reference = GPT("nano").half()
+    model = copy.deepcopy(reference)
+    expected = _with_grad_scaler(reference, None)
+    scales, skipped = _with_host_adamw(model, device_params_below=10**9)
+    assert scales == expected and skipped == [step in OVERFLOW for step in range(STEPS)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
 def _ddp_grad_scaler(rank: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     torch.manual_seed(0)
     model = Net()
