@@ -471,7 +471,10 @@ class HostAdamW(torch.optim.Optimizer):
         rank) this unscales them and skips as GradScaler would; where they ran in the backward on
         the scaled gradients, or data-parallel, where GradScaler's check and scale are each rank's
         own (the ranks would part: one skipping, one not; their scales apart), the step is refused,
-        pointing to ``loss_scale=`` (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale)."""
+        pointing to ``loss_scale=`` (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale). So
+        are fp16 gradients with GradScaler's scale: unscaled in place, in fp16, they lost what lay
+        below fp16's normal range (GradScaler.unscale_ refuses them for that; ``loss_scale=``
+        unscales them in fp32)."""
         fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
                "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
         if self._pipeline.scale is not None or self._comm is not None or self._pipelined:
@@ -491,12 +494,18 @@ class HostAdamW(torch.optim.Optimizer):
                                 "HostAdamW(pipeline=False), which reads the gradients in step()"
                                 + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
                                    if applied else ""))
+        scale = getattr(self, "grad_scale", None)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if scale is not None and any(g.dtype == torch.float16 for g in grads):
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise OocError(f"a torch.amp.GradScaler drives this HostAdamW with fp16 gradients: unscaled here, in fp16, "
+                           f"they would lose what lies below fp16's normal range (GradScaler.unscale_ refuses fp16 "
+                           f"gradients for that). {fix[0].upper()}{fix[1:]}: it unscales them in fp32")
         if found_inf.item() > 0:
             return False
-        scale = getattr(self, "grad_scale", None)
         if scale is not None:
             inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
             for same in _by_device_and_dtype(grads):
                 _unscale_in_place(same, inverse)
         return True

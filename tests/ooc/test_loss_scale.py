@@ -328,3 +328,22 @@ def test_a_grad_scaler_drives_an_optimizer_that_updates_in_step(unscale_in_the_l
     assert scales == expected
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+def test_a_grad_scaler_on_fp16_gradients_is_refused_pointing_to_loss_scale() -> None:
+    """GradScaler hands its scale to step(), which unscaled the gradients in place: fp16 ones in
+    fp16, losing what lay below fp16's normal range (GradScaler.unscale_ refuses fp16 gradients for
+    that; torch's fused AdamW divides in fp32). loss_scale= unscales them in fp32 on the host."""
+    torch.manual_seed(0)
+    model = GPT("nano").half()
+    opt = HostAdamW(model.parameters(), lr=1e-3, pipeline=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        scaler.scale(_loss(model, 0).float()).backward()
+        with pytest.raises(OocError, match=r"fp16.*loss_scale=ooc\.optim\.LossScale\(\)"):
+            scaler.step(opt)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    finally:
+        opt.close()
