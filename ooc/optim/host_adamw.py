@@ -422,13 +422,20 @@ class HostAdamW(torch.optim.Optimizer):
         params = self._reduced_device_grads()
         pipe = self._pipeline
         found_inf = False
-        if pipe.scale is not None and params:
-            # NOTE [loss scaling in the optimizer]: the device-kept gradients are unscaled and checked
-            # here, with the scale of the last step's decision (which this step's loss was scaled by).
-            pipe.clip_factor()
-            inverse = pipe.scale.inverse()
-            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
         clipped = pipe.config.max_grad_norm is not None and bool(params)
+        grad_scale = None
+        if pipe.scale is not None and params:
+            # NOTE [loss scaling in the optimizer]: the device-kept gradients are checked here, with the
+            # scale of the last step's decision (which this step's loss was scaled by). The fused kernel
+            # unscales them in fp32, as torch.optim.AdamW(fused=True) under a GradScaler: in place, an
+            # fp16 gradient below fp16's normal range lost its low bits or became 0. Clipping needs
+            # them unscaled for the norm first (GradScaler.unscale_, which refuses fp16 gradients).
+            pipe.clip_factor()
+            fused = all(p.device.type in ("cpu", "cuda") for p in params)
+            # A copy: the step's decision (finish_step) updates the scale in place.
+            grad_scale = pipe.scale.scale.clone() if fused and not clipped else None
+            inverse = pipe.scale.inverse() if grad_scale is None else torch.ones((1,), dtype=torch.float32)
+            found_inf = any([_unscale_in_place(grads, inverse) for grads in _by_device_and_dtype([p.grad for p in params])])
         # Clipping: the device-kept gradients count in the global norm (on the update thread, with
         # the buckets'), and the factor it gives scales them too, as clip_grad_norm_ does.
         norms = None
@@ -443,7 +450,7 @@ class HostAdamW(torch.optim.Optimizer):
             elif coef is not None:
                 for p in params:
                     p.grad.mul_(coef.to(p.grad.device))
-        self._step_device_params(params)
+        self._step_device_params(params, grad_scale)
         if self._buffers is not None:
             self._buffers.forwards = 0
         if not self._pipelined:
@@ -468,7 +475,10 @@ class HostAdamW(torch.optim.Optimizer):
         rank) this unscales them and skips as GradScaler would; where they ran in the backward on
         the scaled gradients, or data-parallel, where GradScaler's check and scale are each rank's
         own (the ranks would part: one skipping, one not; their scales apart), the step is refused,
-        pointing to ``loss_scale=`` (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale)."""
+        pointing to ``loss_scale=`` (NOTE [loss scaling in the optimizer] in ooc.optim.loss_scale). So
+        are fp16 gradients with GradScaler's scale: unscaled in place, in fp16, they lost what lay
+        below fp16's normal range (GradScaler.unscale_ refuses them for that; ``loss_scale=``
+        unscales them in fp32)."""
         fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
                "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
         if self._pipeline.scale is not None or self._comm is not None or self._pipelined:
@@ -488,12 +498,18 @@ class HostAdamW(torch.optim.Optimizer):
                                 "HostAdamW(pipeline=False), which reads the gradients in step()"
                                 + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
                                    if applied else ""))
+        scale = getattr(self, "grad_scale", None)
+        grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
+        if scale is not None and any(g.dtype == torch.float16 for g in grads):
+            self.__dict__.pop("grad_scale", None)
+            self.__dict__.pop("found_inf", None)
+            raise OocError(f"a torch.amp.GradScaler drives this HostAdamW with fp16 gradients: unscaled here, in fp16, "
+                           f"they would lose what lies below fp16's normal range (GradScaler.unscale_ refuses fp16 "
+                           f"gradients for that). {fix[0].upper()}{fix[1:]}: it unscales them in fp32")
         if found_inf.item() > 0:
             return False
-        scale = getattr(self, "grad_scale", None)
         if scale is not None:
             inverse = scale.double().reciprocal().float()  # as GradScaler.unscale_ computes it
-            grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
             for same in _by_device_and_dtype(grads):
                 _unscale_in_place(same, inverse)
         return True
@@ -516,7 +532,9 @@ class HostAdamW(torch.optim.Optimizer):
             p.grad.div_(self._comm.world)
         return params
 
-    def _step_device_params(self, params: list[torch.Tensor]) -> None:
+    def _step_device_params(self, params: list[torch.Tensor], grad_scale: torch.Tensor | None = None) -> None:
+        """torch's AdamW on the parameters kept on their device; ``grad_scale``: the loss scale their
+        gradients still hold, which the fused kernel divides them by (NOTE [loss scaling in the optimizer])."""
         if not params:
             return
         for group in self.param_groups:
@@ -528,7 +546,8 @@ class HostAdamW(torch.optim.Optimizer):
             adamw(mine, [p.grad for p in mine], [s["exp_avg"] for s in state], [s["exp_avg_sq"] for s in state], [],
                   [s["step"] for s in state], foreach=False, fused=mine[0].device.type in ("cpu", "cuda"),
                   amsgrad=False, beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
-                  eps=group["eps"], maximize=False)
+                  eps=group["eps"], maximize=False,
+                  grad_scale=None if grad_scale is None else grad_scale.to(mine[0].device))
 
     def scale(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss`` times the loss scale (with ``loss_scale``; NOTE [loss scaling in the optimizer] in
@@ -649,8 +668,6 @@ class HostAdamW(torch.optim.Optimizer):
         self.synchronize()
         self._check_compatible(state_dict.get("ooc"))
         info = state_dict.get("ooc")
-        if self._pipeline.scale is not None and isinstance(info, dict) and "loss_scale" in info:
-            self._pipeline.scale.load(info["loss_scale"])
         if self._pipeline.open_step():
             self._pipeline.supersede()
         state_dict = {k: v for k, v in state_dict.items() if k != "ooc"}
@@ -683,6 +700,9 @@ class HostAdamW(torch.optim.Optimizer):
         for p, state in before.items():
             if p not in self.state:  # never updated when saved (NOTE [a fresh state is not saved])
                 self.state[p] = self._fresh_like(p, state)
+        if self._pipeline.scale is not None and isinstance(info, dict) and "loss_scale" in info:
+            # After the base class's checks: a load they refuse leaves the scale as it was.
+            self._pipeline.scale.load(info["loss_scale"])
         self._pipeline.after_load()
 
     def close(self) -> None:

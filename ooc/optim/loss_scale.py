@@ -9,9 +9,12 @@ while the others ran it (their next exchange then waited for it until ``timeout_
 scales itself, with GradScaler's rule and arithmetic: ``opt.scale(loss)`` multiplies the loss by the
 scale; the updates wait for ``step()`` (as with ``max_grad_norm``: the decision needs every
 gradient); ``step()`` multiplies the averaged gradients by the scale's reciprocal (computed in
-fp64, as GradScaler does), and if any is inf or NaN, on any rank, it skips the whole step (no
-weight, moment or step count changes) and multiplies the scale by ``backoff_factor``; after
-``growth_interval`` steps without one it multiplies it by ``growth_factor`` (``torch._amp_update_scale_``).
+fp64, as GradScaler does; those kept on their device, unclipped, the fused kernel divides by the
+scale in fp32 instead, as torch.optim.AdamW(fused=True) under a GradScaler: fp16 ones unscaled in
+place lost what lay below fp16's normal range), and if any is inf or NaN, on any rank, it skips
+the whole step (no weight, moment or step count changes) and multiplies the scale by
+``backoff_factor``; after ``growth_interval`` steps without one it multiplies it by
+``growth_factor`` (``torch._amp_update_scale_``).
 With ``max_grad_norm`` the unscaled gradients are clipped. The scale and its growth count are part
 of ``state_dict()["ooc"]``, so a checkpoint resumes with them.
 """

@@ -146,6 +146,25 @@ def test_the_scale_resumes_from_a_checkpoint(tmp_path) -> None:  # noqa: ANN001
     assert all(torch.equal(p, q) for p, q in zip(whole.parameters(), resumed.parameters()))
 
 
+def test_a_load_that_fails_leaves_the_scale_as_it_was() -> None:
+    """load_state_dict of a state whose groups do not fit raises (torch's check), and changes nothing:
+    the scale took the refused checkpoint's before the check, and training went on with it beside
+    the old moments."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+    opt = HostAdamW(model.parameters(), loss_scale=LossScale(init_scale=8.0))
+    try:
+        opt.scale(model(torch.ones(1, 4)).sum()).backward()
+        opt.step()
+        saved = opt.state_dict()
+        saved["ooc"]["loss_scale"] = {"scale": 2.0, "growth_tracker": 0}
+        saved["param_groups"][0]["params"] = saved["param_groups"][0]["params"][:3]
+        with pytest.raises(ValueError, match="doesn't match the size"):
+            opt.load_state_dict(saved)
+        assert opt.state_dict()["ooc"]["loss_scale"] == {"scale": 8.0, "growth_tracker": 1}
+    finally:
+        opt.close()
+
+
 def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     """fp16 parameters on the host optimizer (fp32 masters): a scale of 2**24 overflows fp16's
     gradients; the steps are skipped and the scale halves until it fits (2**15 here), then the loss
@@ -170,6 +189,20 @@ def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     assert 0 < first_good < 12 and not any(skipped[first_good:])
     assert losses[-1] < losses[first_good]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_gradients_kept_on_the_device_are_unscaled_in_fp32_as_fused_adamw_does() -> None:
+    """fp16 parameters kept on their device (``device_params_below``) are updated by torch's fused
+    AdamW there: weights and scales equal GradScaler's + AdamW(fused=True)'s, whose kernel unscales
+    each gradient in fp32. Unscaled in place, in fp16, the small gradients (below fp16's normal
+    range, the ones the scale is for) lost their low bits or became 0."""
+    torch.manual_seed(0)
+    reference = GPT("nano").half()
+    model = copy.deepcopy(reference)
+    expected = _with_grad_scaler(reference, None)
+    scales, skipped = _with_host_adamw(model, device_params_below=10**9)
+    assert scales == expected and skipped == [step in OVERFLOW for step in range(STEPS)]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
 
 
 def _ddp_grad_scaler(rank: int) -> tuple[dict[str, torch.Tensor], list[float]]:
@@ -295,3 +328,22 @@ def test_a_grad_scaler_drives_an_optimizer_that_updates_in_step(unscale_in_the_l
     assert scales == expected
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
     assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+
+
+def test_a_grad_scaler_on_fp16_gradients_is_refused_pointing_to_loss_scale() -> None:
+    """GradScaler hands its scale to step(), which unscaled the gradients in place: fp16 ones in
+    fp16, losing what lay below fp16's normal range (GradScaler.unscale_ refuses fp16 gradients for
+    that; torch's fused AdamW divides in fp32). loss_scale= unscales them in fp32 on the host."""
+    torch.manual_seed(0)
+    model = GPT("nano").half()
+    opt = HostAdamW(model.parameters(), lr=1e-3, pipeline=False)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    before = [p.detach().clone() for p in model.parameters()]
+    try:
+        scaler.scale(_loss(model, 0).float()).backward()
+        with pytest.raises(OocError, match=r"fp16.*loss_scale=ooc\.optim\.LossScale\(\)"):
+            scaler.step(opt)
+        assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before))
+        assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
+    finally:
+        opt.close()
