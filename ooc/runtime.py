@@ -340,6 +340,20 @@ class _AttachWeights:
         self.rt.streamer.attach(self.index)
 
 
+class _ReleaseWeights:
+    """The wrapped model's last forward hook, called also when its forward raises: every streamed
+    block's weights go back to the host (NOTE [a forward that raises] in ooc.streaming). The streamer
+    is looked up at each call: a plan chosen after the first step may stream."""
+
+    __reduce_ex__ = _refuse_copy
+
+    def __init__(self, runtime: "Runtime") -> None:
+        self.rt = runtime
+
+    def __call__(self, _module: nn.Module, _args: Any, _out: Any) -> None:
+        self.rt.streamer.release_all()
+
+
 class _BlockForward:
     """Stands in for ``block.forward`` while the model is wrapped."""
 
@@ -507,10 +521,7 @@ class Runtime:
             self.model.register_forward_pre_hook(self._start_first_forward),
             self.model.register_forward_hook(self._end_first_forward),
         ]
-        # NOTE [a forward that raises] in ooc.streaming (also for a plan chosen after the first step,
-        # which may stream: the streamer is looked up at each call)
-        self._attach_hooks.append(self.model.register_forward_hook(
-            lambda _module, _args, _out: self.streamer.release_all(), always_call=True))
+        self._attach_hooks.append(self.model.register_forward_hook(_ReleaseWeights(self), always_call=True))
 
     def _start_first_forward(self, _module: nn.Module, _args: Any) -> None:
         self.first_calls = [] if torch.is_grad_enabled() else None
