@@ -7,6 +7,7 @@ are queued on.
 from __future__ import annotations
 
 import copy
+import threading
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ import torch
 import ooc
 from ooc.models import GPT
 from tests.gpu.test_cuda_runtime import NANO, cuda_backend
-from tests.helpers import gpt_batch
+from tests.helpers import gpt_batch, gpt_loss
 
 pytestmark = pytest.mark.gpu
 
@@ -41,3 +42,37 @@ def test_weights_written_after_a_streamed_forward_do_not_reach_it() -> None:
     finally:
         ooc.unwrap(model)
 
+
+def test_the_host_optimizers_threads_queue_on_streams_of_their_own() -> None:
+    """NOTE [a stream per ooc thread] in ooc.backend.cuda: the exchange thread queued its work (NCCL
+    collectives: a deadlock across ranks that interleave it differently with the training thread's)
+    on the default stream, the training thread's. Here an EXCHANGE listener, on that thread, spins
+    its current stream for seconds: the training thread's stream must not wait for it."""
+    from ooc.optim import HostAdamW
+    from ooc.optim.stages import Stage
+
+    torch.manual_seed(0)
+    model = GPT(NANO).cuda()
+    backend = cuda_backend()
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model, backend=backend)
+    queued, spun = threading.Event(), []
+
+    def spin_once(_bucket: int, stage: Stage) -> None:
+        if stage is Stage.EXCHANGE and not spun:
+            torch.cuda._sleep(4_000_000_000)  # seconds, on this thread's current stream
+            spun.append(torch.cuda.Event())
+            spun[0].record()
+            queued.set()
+
+    opt.stage_listeners.append(spin_once)
+    try:
+        gpt_loss(model, tuple(t.cuda() for t in gpt_batch())).backward()
+        assert queued.wait(30)
+        mine = torch.cuda.Event()
+        mine.record()  # on the training thread's stream, after the spin was queued
+        mine.synchronize()
+        assert not spun[0].query(), "the training thread's stream waited for the exchange thread's spin"
+        opt.step()
+        opt.synchronize()
+    finally:
+        opt.close()
