@@ -411,8 +411,10 @@ class UpdatePipeline:
             return
         self.stages.stage_weights(index, restored, arriving=status.backed_up_ids)
         # The update's own copies into the parameters were issued; these follow them on the copy
-        # stream, and the bucket's next forward waits for them (the gate).
-        status.gate = self.stages.copy_in(index)
+        # stream, and the bucket's next forward waits for them (the gate). They also wait for the
+        # compute queued so far: a forward since the backward (warned: it read the new weights) may
+        # still be reading the weights they overwrite.
+        status.gate = self.stages.copy_in(index, after=(self.stages.backend.record_compute(),))
 
     def _save(self, job: Job) -> None:
         """``rollback``: the host state of the job's parameters, before the update changes it."""

@@ -76,3 +76,37 @@ def test_the_host_optimizers_threads_queue_on_streams_of_their_own() -> None:
         opt.synchronize()
     finally:
         opt.close()
+
+
+def _forward_between_a_backward_and_its_rollback(sync: bool) -> torch.Tensor:
+    """The logits of a forward run between a backward and ``zero_grad()`` with ``rollback`` (the
+    forward reads the step's new weights; the reset copies the old ones back in), the compute stream
+    held back so that the forward's kernels run late; ``sync``: wait for them before the reset."""
+    from ooc.optim import HostAdamW, UncommittedStepWarning
+
+    torch.manual_seed(0)
+    model = GPT(NANO).cuda().eval()
+    backend = cuda_backend()
+    ooc.wrap(model, ooc.Plan.of(["keep"] * 4), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, rollback=True)
+    try:
+        batch = tuple(t.cuda() for t in gpt_batch())
+        gpt_loss(model, batch).backward()
+        torch.cuda._sleep(1_000_000_000)  # the compute stream runs the next forward late
+        with pytest.warns(UncommittedStepWarning):
+            logits = model(*batch)[0]
+        if sync:
+            torch.cuda.synchronize()
+        opt.zero_grad()  # undoes the step: the old weights go back into the parameters
+        opt.synchronize()
+        return logits.cpu()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
+def test_a_rollback_copies_the_old_weights_in_after_the_forwards_that_read_the_new_ones() -> None:
+    """The reset's copies into the parameters waited on no compute event (race (g) in
+    tests/ooc/test_stream_order.py): they overwrote the new weights under the forward's late kernels."""
+    assert torch.equal(_forward_between_a_backward_and_its_rollback(sync=False),
+                       _forward_between_a_backward_and_its_rollback(sync=True))

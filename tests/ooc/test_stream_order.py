@@ -270,6 +270,27 @@ def test_a_streamed_parameter_is_back_on_the_host_only_after_its_stream_in_read_
         backend.close()
 
 
+def test_a_rollback_copies_the_old_weights_in_after_the_forwards_that_read_the_new_ones() -> None:
+    """Race (g): with ``rollback``, a forward between the backward and ``zero_grad()`` (warned: it reads
+    the new weights) queued kernels that read them; the reset's copies of the old weights into the
+    parameters waited on no compute event, and on a GPU overwrote them under those kernels."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.002), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, rollback=True)
+    try:
+        model(*gpt_batch())[1].backward()
+        with pytest.warns(ooc.optim.UncommittedStepWarning):
+            model(*gpt_batch(seed=1))
+        opt.zero_grad()  # undoes the step: the old weights go back in
+        opt.synchronize()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+        backend.close()
+
+
 class _ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
