@@ -110,3 +110,35 @@ def test_a_rollback_copies_the_old_weights_in_after_the_forwards_that_read_the_n
     tests/ooc/test_stream_order.py): they overwrote the new weights under the forward's late kernels."""
     assert torch.equal(_forward_between_a_backward_and_its_rollback(sync=False),
                        _forward_between_a_backward_and_its_rollback(sync=True))
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs a second GPU")
+def test_a_host_optimizer_without_a_model_copies_on_its_parameters_gpu() -> None:
+    """HostAdamW(params on cuda:1) without a model made its backend on cuda:0: the copies' events were
+    recorded on cuda:0's streams while the copies ran on cuda:1's, and the host read gradients before
+    they landed (tests/ooc/test_bind_thread.py checks the device chosen on any machine)."""
+    from ooc.optim import HostAdamW
+
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(1 << 20, generator=g)
+    w = start.to("cuda:1").requires_grad_()
+    ref = start.clone().requires_grad_()
+    opt = HostAdamW([w], lr=1e-2, weight_decay=0.1)
+    ref_opt = torch.optim.AdamW([ref], lr=1e-2, weight_decay=0.1, fused=True)
+    try:
+        assert opt.backend.device == torch.device("cuda", 1)
+        for _ in range(3):
+            grad = torch.randn(1 << 20, generator=g)
+            torch.cuda._sleep(50_000_000)  # on the current device, cuda:0: nothing of cuda:1's waits for it
+            with torch.cuda.device(1):
+                torch.cuda._sleep(50_000_000)  # cuda:1's stream runs the gradient's copy late
+                w.grad = grad.to("cuda:1", non_blocking=True)
+            ref.grad = grad
+            opt.step()
+            ref_opt.step()
+            opt.zero_grad()
+            ref_opt.zero_grad()
+        opt.synchronize()
+        assert torch.equal(w.detach().cpu(), ref.detach())
+    finally:
+        opt.close()
