@@ -129,6 +129,27 @@ def _cupy_ready(device: torch.device) -> bool:
     return True
 
 
+class _StreamHandle:
+    """A raw ``cudaStream_t`` as an object of the CUDA stream protocol (``__cuda_stream__``: version
+    0 and the handle), which CuPy's ``Stream.from_external`` takes."""
+
+    def __init__(self, ptr: int) -> None:
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return 0, self.ptr
+
+
+def cupy_stream(cupy, stream: torch.cuda.Stream):  # noqa: ANN001, ANN201 - cupy is an optional import
+    """``stream`` (PyTorch's) as a CuPy stream that CuPy does not own: ``Stream.from_external`` from
+    CuPy 14 on, which deprecates ``ExternalStream``; ``ExternalStream`` on older CuPy, which has no
+    ``from_external``. Either launches on the very stream PyTorch queued the tensors' producers on."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is None:
+        return cupy.cuda.ExternalStream(stream.cuda_stream, stream.device.index)
+    return from_external(_StreamHandle(stream.cuda_stream))
+
+
 def _launch(device: torch.device, table: list[list[int]], layout: PackLayout) -> None:
     import cupy
     import numpy
@@ -140,7 +161,7 @@ def _launch(device: torch.device, table: list[list[int]], layout: PackLayout) ->
     meta = host.to(device, non_blocking=True)
     count = len(layout.sizes)
     with cupy.cuda.Device(device.index):  # CuPy launches on its current device, not the tensors'
-        with cupy.cuda.ExternalStream(stream.cuda_stream, device.index):
+        with cupy_stream(cupy, stream):
             _module().get_function("copy_many")(
                 launch_grid(layout.sizes), (THREADS,),
                 (meta[0].data_ptr(), meta[1].data_ptr(), meta[2].data_ptr(), meta[3].data_ptr(), numpy.uint64(count)),

@@ -1741,7 +1741,9 @@ def _host_copy(value: torch.Tensor, pending: list[Any]) -> torch.Tensor:
     stream = torch.cuda.current_stream(value.device)
     with torch.cuda.stream(stream):
         host.copy_(value, non_blocking=True)
-        event = torch.cuda.Event()
+        # Blocking: the writer thread waits for it while the GPU may be a step behind; a default
+        # event spin-waits there, burning the core the host optimizer needs (as in ooc.backend.cuda).
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)  # the writer waits for this before reading ``host``
     pending.append(event)
     return host

@@ -55,6 +55,15 @@ step ran with a block more than its plan holds. So the wrapped model's forward e
 raises, by sending every streamed block back (``release_all``; a hook with ``always_call``). After
 a forward that returns nothing is on the device either: each block's forward released its own,
 and the blocks it issued ran and released theirs; the backward streams its blocks in itself.
+
+NOTE [the host copy is released last]
+``release`` points ``p.data`` back at the host copy, which code outside ooc may then write at once
+(an in-place op on a host tensor runs on the host, ordered by no stream: a clamp or an EMA after a
+forward, ``load_state_dict``). On a GPU the block's stream-in copy, queued behind the host, may not
+have read it yet, and the block's kernels then ran on half-new weights (a forward without grad has
+no later sync: no gradient comes back to wait for). So ``release`` waits on the host for the
+stream-in first. It costs little: the block's kernels are queued after that copy already, so the GPU
+stays busy; the host only cannot run more than a block ahead of the H2D stream.
 """
 
 from __future__ import annotations
@@ -269,6 +278,8 @@ class ParamStreamer:
         if not entries or entries[0].device is None:
             return
         for e in entries:
+            # NOTE [the host copy is released last]: the stream-in may still be reading it.
+            e.ready.synchronize()
             self._by_ptr.pop(e.device.untyped_storage().data_ptr(), None)
             if e.param.data_ptr() == e.device.data_ptr() and e.param._version != e.attached_version:
                 self._copy_back(e)

@@ -10,7 +10,8 @@ from ooc.backend.base import Backend, Event
 from ooc.backend.cpu import ChaosConfig, CpuBackend
 from ooc.scheduler.errors import OocError
 
-__all__ = ["Backend", "BackendDeviceError", "ChaosConfig", "CpuBackend", "Event", "model_device", "resolve_backend"]
+__all__ = ["Backend", "BackendDeviceError", "ChaosConfig", "CpuBackend", "Event", "backend_on", "model_device",
+           "resolve_backend", "tensors_device"]
 
 
 class BackendDeviceError(OocError, ValueError):
@@ -23,7 +24,13 @@ def model_device(model: torch.nn.Module) -> torch.device | None:
     tensors beside it are streamed parameters or host-side state), ``cpu`` if all are on the host,
     ``None`` for a model with no tensors (or only ``meta`` ones). Raises
     :class:`BackendDeviceError` if the tensors are spread over several CUDA devices."""
-    return _device_of(t.device for t in (*model.parameters(), *model.buffers()))
+    return tensors_device((*model.parameters(), *model.buffers()))
+
+
+def tensors_device(tensors: Iterable[torch.Tensor]) -> torch.device | None:
+    """The device of ``tensors`` as :func:`model_device` tells a model's (an optimizer's parameters
+    without a model)."""
+    return _device_of(t.device for t in tensors)
 
 
 def _device_of(devices: Iterable[torch.device]) -> torch.device | None:
@@ -57,7 +64,11 @@ def resolve_backend(spec: str | Backend, model: torch.nn.Module) -> Backend:
     the CPU); ``"cuda"`` on the model's CUDA device (the current one for a model without tensors);
     ``"cpu"``/``"chaos"`` on the CPU. Raises :class:`BackendDeviceError` when the backend asked for
     (or given) is on another device than the model."""
-    device = model_device(model)
+    return backend_on(spec, model_device(model))
+
+
+def backend_on(spec: str | Backend, device: torch.device | None) -> Backend:
+    """The backend for tensors on ``device`` (``None``: no tensors), as :func:`resolve_backend`."""
     if isinstance(spec, Backend):
         check_backend_device(spec.device, device)
         return spec

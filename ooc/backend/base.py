@@ -83,10 +83,12 @@ class Backend(abc.ABC):
     def synchronize(self) -> None:
         """Wait for every copy issued so far (used at shutdown and in tests)."""
 
-    def bind_thread(self) -> None:  # noqa: B027 - optional: only CUDA has a per-thread current device
+    def bind_thread(self, *, own_stream: bool = False) -> None:  # noqa: B027 - optional: only CUDA has a per-thread current device
         """Make this backend's device the calling thread's current device. A thread ooc starts calls
         it first: CUDA's current device is per thread and starts at ``cuda:0``, so on rank 1 a
-        thread that did not would make its events and collectives on another GPU's context."""
+        thread that did not would make its events and collectives on another GPU's context.
+        ``own_stream``: the thread also queues its device work (collectives) on a stream of its own,
+        not on the training thread's (NOTE [a stream per ooc thread] in ooc.backend.cuda)."""
 
     def close(self) -> None:  # noqa: B027 - optional: only backends with threads override it
         """Stop worker threads, if any."""

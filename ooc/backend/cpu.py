@@ -141,8 +141,9 @@ class CpuBackend(Backend):
             self._checker.allocated(buffer, "host_buffer", host=True)
         return buffer
 
-    def bind_thread(self) -> None:
-        # No current device on the CPU; the call is recorded so tests can see which threads bind.
+    def bind_thread(self, *, own_stream: bool = False) -> None:
+        # No current device on the CPU; the call is recorded so tests can see which threads bind. The
+        # stream-order checker gives every thread a compute stream of its own already (own_stream).
         self.bound_threads.append((threading.current_thread().name, self.device))
 
     def on_carve(self, piece: torch.Tensor) -> None:

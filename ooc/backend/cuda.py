@@ -7,6 +7,19 @@ spin between them; device buffers are poisoned on the compute stream when alloca
 reads NaN or half-old bytes, so a missing stream wait fails a bit-for-bit test instead of passing
 by luck of timing.
 
+NOTE [a stream per ooc thread]
+Every host thread starts on the same default stream of a device, the one the training thread's
+kernels and its collectives (the buffers' broadcast, the gradients of parameters kept on the device)
+are queued on. The host optimizer's exchange thread queued its NCCL collectives there too (NCCL
+orders a collective on the issuing thread's current stream). The ranks' threads interleave
+differently: where rank 0 queued the exchange's all-reduce before a training-thread collective and
+rank 1 the other way round, each rank's second collective waited on that stream for its first,
+which waited for the other rank's first, queued behind that rank's second: a deadlock. It also held
+every later kernel of the training thread until the exchange's collective ended. So the threads ooc
+starts queue their device work on a stream of their own (``bind_thread(own_stream=True)``), as the
+CPU stream-order checker models them (``compute[T]`` per thread); they order it against compute by
+the events they wait on, as before.
+
 Nothing here runs at import time; ``torch.cuda`` is touched only when a ``CudaBackend`` is built.
 """
 
@@ -149,10 +162,13 @@ class CudaBackend(Backend):
     def copy_h2d(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         return self._copy(self._h2d, dst, src, after)
 
-    def bind_thread(self) -> None:
+    def bind_thread(self, *, own_stream: bool = False) -> None:
         # The current device is per thread and a new thread starts on cuda:0: events, streams and
         # collectives made there on rank >= 1 would belong to another GPU.
         torch.cuda.set_device(self.device)
+        if own_stream:
+            # NOTE [a stream per ooc thread]
+            torch.cuda.set_stream(torch.cuda.Stream(self.device))
 
     def wait_compute(self, event: Event) -> None:
         # GPU-side wait: the host keeps queueing kernels; compute will not pass this point before the copy.

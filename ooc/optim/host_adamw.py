@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw
 
-from ooc.backend import Backend, resolve_backend
+from ooc.backend import Backend, backend_on, resolve_backend, tensors_device
 from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
@@ -1054,7 +1054,12 @@ def _backend_for(spec: str | Backend | None, model: nn.Module | None, params: li
         return runtime_of(model).backend, False
     if spec is None or spec == "auto":
         spec = "cuda" if params and params[0].is_cuda else "cpu"
-    return resolve_backend(spec, model if model is not None else nn.Module()), True
+    if model is not None:
+        return resolve_backend(spec, model), True
+    # Without a model, on the parameters' device, not the current one (cuda:0 in a new process):
+    # torch copies a cuda:1 tensor on cuda:1's current stream, so a backend on cuda:0 recorded the
+    # copies' events on streams they never ran on, and the host read gradients before they landed.
+    return backend_on(spec, tensors_device(params)), True
 
 
 def _host_bytes_needed(mine: list[torch.Tensor], host_params: list[torch.Tensor], own_master, *,  # noqa: ANN001

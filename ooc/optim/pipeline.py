@@ -236,8 +236,8 @@ class UpdatePipeline:
         self._exchange_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._update_q: queue.SimpleQueue[Message] = queue.SimpleQueue()
         self._threads = [] if self.inline else [
-            threading.Thread(target=self._guard, args=(self._exchange_loop,), name="ooc-exchange", daemon=True),
-            threading.Thread(target=self._guard, args=(self._update_loop,), name="ooc-host-update", daemon=True),
+            threading.Thread(target=self._guard, args=(self._exchange_loop, True), name="ooc-exchange", daemon=True),
+            threading.Thread(target=self._guard, args=(self._update_loop, True), name="ooc-host-update", daemon=True),
         ]
         self.closed = False
         for thread in self._threads:
@@ -411,8 +411,10 @@ class UpdatePipeline:
             return
         self.stages.stage_weights(index, restored, arriving=status.backed_up_ids)
         # The update's own copies into the parameters were issued; these follow them on the copy
-        # stream, and the bucket's next forward waits for them (the gate).
-        status.gate = self.stages.copy_in(index)
+        # stream, and the bucket's next forward waits for them (the gate). They also wait for the
+        # compute queued so far: a forward since the backward (warned: it read the new weights) may
+        # still be reading the weights they overwrite.
+        status.gate = self.stages.copy_in(index, after=(self.stages.backend.record_compute(),))
 
     def _save(self, job: Job) -> None:
         """``rollback``: the host state of the job's parameters, before the update changes it."""
@@ -745,10 +747,13 @@ class UpdatePipeline:
 
     # worker threads ----------------------------------------------------------------------------
 
-    def _guard(self, loop: Callable[[], None]) -> None:
+    def _guard(self, loop: Callable[[], None], own_thread: bool = False) -> None:
+        """Run ``loop``; a failure stops the optimizer. ``own_thread``: on a thread of the pipeline's
+        own, whose device work goes on a stream of its own (NOTE [a stream per ooc thread] in
+        ooc.backend.cuda); not inline on the training thread, whose stream is its compute's."""
         try:
             # Before any CUDA call of this thread: its current device is the model's, not cuda:0.
-            self.stages.backend.bind_thread()
+            self.stages.backend.bind_thread(own_stream=own_thread)
             loop()
         except BaseException as exc:  # noqa: BLE001 - handed to the training thread
             self._stop(exc)

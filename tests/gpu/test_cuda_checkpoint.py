@@ -37,3 +37,22 @@ def test_device_buffers_are_saved_as_they_were_at_save(tmp_path: Path) -> None:
     for name, value in fresh.state_dict().items():
         assert torch.equal(value.cpu(), expected[name]), name
     ckpt.close()
+
+
+def test_the_writer_sleeps_while_it_waits_for_the_device_copies(tmp_path: Path) -> None:
+    """The writer waits for save()'s device copies on a CUDA event; a default one spin-waits, so the
+    writer thread burnt a CPU core (the host optimizer's) for as long as the GPU ran behind the host."""
+    import time
+
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)).cuda()
+    ckpt = Checkpointer(tmp_path, model)
+    ckpt.save(1)  # warms the pinned allocator: save(2)'s copies need no new page-locked memory
+    ckpt.wait()
+    torch.cuda._sleep(2_000_000_000)  # about a second: save(2)'s copies are queued behind it
+    ckpt.save(2)
+    wall, cpu = time.perf_counter(), time.process_time()
+    ckpt.wait()
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    ckpt.close()
+    assert wall > 0.3, "save() waited for the device itself: nothing left to measure"
+    assert cpu < 0.5 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s of waiting"

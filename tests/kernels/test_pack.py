@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+import types
+import warnings
+
 import pytest
 import torch
 
-from ooc.kernels.pack import ALIGN, MAX_GRID_Y, copy_table, launch_grid, layout_of, pack, unpack
+from ooc.kernels.pack import ALIGN, MAX_GRID_Y, copy_table, cupy_stream, launch_grid, layout_of, pack, unpack
 
 
 def _tensors(device: str = "cpu") -> list[torch.Tensor]:
@@ -110,4 +113,58 @@ def test_cuda_one_launch_round_trip_into_pinned_memory() -> None:
     torch.cuda.synchronize()
     restored = unpack(pinned.cuda(), layout)
     torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(tensors, restored))
+
+
+class _FakeCupyStreams:
+    """The two ways CuPy wraps a stream it does not own: ``Stream.from_external`` (CuPy 14+) and
+    ``ExternalStream``, which CuPy 14 deprecates (each call records what it got)."""
+
+    def __init__(self, *, new: bool) -> None:
+        calls = self.calls = []
+
+        class Stream:
+            pass
+
+        if new:
+            Stream.from_external = staticmethod(lambda obj: calls.append(("from_external", obj.__cuda_stream__())))
+
+        def external_stream(ptr: int, device_id: int = -1) -> None:
+            warnings.warn("ExternalStream is deprecated. Use Stream.from_external()", DeprecationWarning, stacklevel=2)
+            calls.append(("ExternalStream", (ptr, device_id)))
+
+        self.cuda = types.SimpleNamespace(Stream=Stream, ExternalStream=external_stream)
+
+
+def test_a_torch_stream_goes_to_cupy_without_the_deprecated_external_stream() -> None:
+    """CuPy 14 deprecates ``ExternalStream`` (a DeprecationWarning at every launch on a GPU): the
+    stream goes through ``Stream.from_external`` and the CUDA stream protocol where CuPy has it,
+    and through ``ExternalStream`` on an older CuPy."""
+    stream = types.SimpleNamespace(cuda_stream=0x1234, device=torch.device("cuda", 1))
+    new, old = _FakeCupyStreams(new=True), _FakeCupyStreams(new=False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        cupy_stream(new, stream)
+    assert new.calls == [("from_external", (0, 0x1234))]
+    with pytest.warns(DeprecationWarning):
+        cupy_stream(old, stream)
+    assert old.calls == [("ExternalStream", (0x1234, 1))]
+
+
+@pytest.mark.gpu
+def test_cuda_pack_launches_on_torchs_current_stream_without_a_deprecation_warning() -> None:
+    """On a side stream whose producer is late (a spin, then the sources written), the kernel must run
+    on that stream, after them; and CuPy 14 must not warn that ``ExternalStream`` is deprecated."""
+    pytest.importorskip("cupy")
+    side = torch.cuda.Stream()
+    tensors = [t.cuda() for t in _tensors()]
+    with warnings.catch_warnings(), torch.cuda.stream(side):
+        warnings.simplefilter("error", DeprecationWarning)
+        sources = [torch.zeros_like(t) for t in tensors]
+        torch.cuda._sleep(20_000_000)  # the producers below land late, on `side` only
+        for s, t in zip(sources, tensors):
+            s.copy_(t)
+        packed, layout = pack(sources)
+        restored = unpack(packed, layout)
+    side.synchronize()
     assert all(torch.equal(a, b) for a, b in zip(tensors, restored))

@@ -249,6 +249,48 @@ def test_weight_streaming_orders_its_copies(policy: str) -> None:
         backend.close()
 
 
+def test_a_streamed_parameter_is_back_on_the_host_only_after_its_stream_in_read_it() -> None:
+    """Race (f): ``release`` pointed ``p.data`` back at the host copy while the block's stream-in copy
+    could still be reading it (queued behind the host; a forward without grad has no later sync).
+    An in-place write to the weights after the forward (a clamp, an EMA, a load) then ran on the
+    host at once, and the forward's kernels read half-new weights."""
+    torch.manual_seed(0)
+    model = GPT("nano").eval()
+    expected = copy.deepcopy(model)(*gpt_batch())[0]
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.002), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 4).streaming([0, 1, 2, 3]), backend=backend)
+    try:
+        with torch.no_grad():
+            logits = model(*gpt_batch())[0]
+            for p in model.blocks.parameters():
+                p.mul_(0.5)  # on the host copy, at once
+        assert torch.equal(logits, expected)
+    finally:
+        ooc.unwrap(model)
+        backend.close()
+
+
+def test_a_rollback_copies_the_old_weights_in_after_the_forwards_that_read_the_new_ones() -> None:
+    """Race (g): with ``rollback``, a forward between the backward and ``zero_grad()`` (warned: it reads
+    the new weights) queued kernels that read them; the reset's copies of the old weights into the
+    parameters waited on no compute event, and on a GPU overwrote them under those kernels."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.002), check_order=True)
+    ooc.wrap(model, Plan.uniform("keep", 4), backend=backend)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend, rollback=True)
+    try:
+        model(*gpt_batch())[1].backward()
+        with pytest.warns(ooc.optim.UncommittedStepWarning):
+            model(*gpt_batch(seed=1))
+        opt.zero_grad()  # undoes the step: the old weights go back in
+        opt.synchronize()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+        backend.close()
+
+
 class _ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
