@@ -15,6 +15,7 @@ import ooc
 from ooc.models import GPT
 from ooc.optim import HostAdamW, LossScale
 from tests.helpers import gpt_batch
+from tests.ooc.test_loss_scale import fp16_from_an_overflowing_scale
 
 pytestmark = pytest.mark.gpu
 
@@ -63,21 +64,5 @@ def test_a_scaled_run_equals_the_unscaled_one_less_its_overflowed_steps(device_p
 
 def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     torch.manual_seed(0)
-    model = GPT("nano").cuda().half()
-    ooc.wrap(model, ooc.Plan.of(MIXED), backend="cuda")
-    opt = HostAdamW(model.parameters(), lr=3e-3, model=model, loss_scale=LossScale(init_scale=2.0**24))
-    losses, skipped = [], []
-    try:
-        for _ in range(16):
-            opt.zero_grad()
-            loss = _loss(model, 0)
-            opt.scale(loss.float()).backward()
-            opt.step()
-            losses.append(loss.item())
-            skipped.append(opt.last_step_skipped)
-    finally:
-        opt.close()
-        ooc.unwrap(model)
-    first_good = skipped.index(False)
-    assert 0 < first_good < 12 and not any(skipped[first_good:])
-    assert losses[-1] < losses[first_good]
+    fp16_from_an_overflowing_scale(GPT("nano").cuda().half(), ooc.Plan.of(MIXED), "cuda",
+                                   tuple(t.cuda() for t in gpt_batch(seed=0)))

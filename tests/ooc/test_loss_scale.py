@@ -165,19 +165,19 @@ def test_a_load_that_fails_leaves_the_scale_as_it_was() -> None:
         opt.close()
 
 
-def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
-    """fp16 parameters on the host optimizer (fp32 masters): a scale of 2**24 overflows fp16's
-    gradients; the steps are skipped and the scale halves until it fits (2**15 here), then the loss
-    goes down."""
-    torch.manual_seed(0)
-    model = GPT("nano").half()
-    ooc.wrap(model, ooc.Plan.uniform("recompute", len(model.blocks)), backend="cpu")
+def fp16_from_an_overflowing_scale(model: GPT, plan: ooc.Plan, backend: str,
+                                   batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """Train fp16 ``model`` wrapped in ``plan`` 16 steps on ``batch``, from a scale of 2**24, which
+    overflows fp16's gradients: the steps are skipped and the scale halves until it fits (2**15 for
+    the nano GPT), then the loss goes down. The CPU test and the CUDA one (tests/gpu) share this."""
+    ooc.wrap(model, plan, backend=backend)
     opt = HostAdamW(model.parameters(), lr=3e-3, model=model, loss_scale=LossScale(init_scale=2.0**24))
     losses, skipped = [], []
     try:
         for _ in range(16):
             opt.zero_grad()
-            loss = model(*gpt_batch(seed=0))[1]
+            torch.manual_seed(0)  # the same dropout masks at every step
+            loss = model(*batch)[1]
             opt.scale(loss.float()).backward()
             opt.step()
             losses.append(loss.item())
@@ -189,6 +189,13 @@ def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
     assert 0 < first_good < 12 and not any(skipped[first_good:])
     assert losses[-1] < losses[first_good]
     assert all(torch.isfinite(p).all() for p in model.parameters())
+
+
+def test_fp16_weights_train_once_the_scale_backs_off_below_overflow() -> None:
+    """fp16 parameters on the host optimizer (fp32 masters)."""
+    torch.manual_seed(0)
+    model = GPT("nano").half()
+    fp16_from_an_overflowing_scale(model, ooc.Plan.uniform("recompute", len(model.blocks)), "cpu", gpt_batch(seed=0))
 
 
 def test_fp16_gradients_kept_on_the_device_are_unscaled_in_fp32_as_fused_adamw_does() -> None:
