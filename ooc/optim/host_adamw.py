@@ -479,33 +479,14 @@ class HostAdamW(torch.optim.Optimizer):
         are fp16 gradients with GradScaler's scale: unscaled in place, in fp16, they lost what lay
         below fp16's normal range (GradScaler.unscale_ refuses them for that; ``loss_scale=``
         unscales them in fp32)."""
-        fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
-               "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
-        if self._pipeline.scale is not None or self._comm is not None or self._pipelined:
-            # Refused: GradScaler deletes what it set only after a step() that returns.
-            self.__dict__.pop("grad_scale", None)
-            self.__dict__.pop("found_inf", None)
-        if self._pipeline.scale is not None:
-            raise OocError(f"this HostAdamW scales the loss itself (loss_scale=...); a torch.amp.GradScaler scaled it too: "
-                           f"{fix}, not both")
-        if self._comm is not None or self._pipelined:
-            where = ("data-parallel, GradScaler checks and scales each rank's own gradients, so the ranks would part"
-                     if self._comm is not None else
-                     "this pipelined HostAdamW updated in the backward, on the scaled gradients")
-            applied = self._pipeline.discard(f"a torch.amp.GradScaler drives this HostAdamW ({where})", warn=False) \
-                if self._comm is None else ""
-            raise PipelineError(f"a torch.amp.GradScaler drives this HostAdamW: {where}. {fix}; or, on one rank, "
-                                "HostAdamW(pipeline=False), which reads the gradients in step()"
-                                + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
-                                   if applied else ""))
         scale = getattr(self, "grad_scale", None)
         grads = [p.grad for group in self.param_groups for p in group["params"] if p.grad is not None]
-        if scale is not None and any(g.dtype == torch.float16 for g in grads):
+        refusal = self._grad_scaler_refusal(scale is not None and any(g.dtype == torch.float16 for g in grads))
+        if refusal is not None:
+            # GradScaler deletes what it set only after a step() that returns.
             self.__dict__.pop("grad_scale", None)
             self.__dict__.pop("found_inf", None)
-            raise OocError(f"a torch.amp.GradScaler drives this HostAdamW with fp16 gradients: unscaled here, in fp16, "
-                           f"they would lose what lies below fp16's normal range (GradScaler.unscale_ refuses fp16 "
-                           f"gradients for that). {fix[0].upper()}{fix[1:]}: it unscales them in fp32")
+            raise refusal
         if found_inf.item() > 0:
             return False
         if scale is not None:
@@ -513,6 +494,31 @@ class HostAdamW(torch.optim.Optimizer):
             for same in _by_device_and_dtype(grads):
                 _unscale_in_place(same, inverse)
         return True
+
+    def _grad_scaler_refusal(self, fp16_to_unscale: bool) -> OocError | None:
+        """Why a GradScaler cannot drive this HostAdamW (NOTE [a GradScaler drives HostAdamW]), or
+        None; a pipelined step is reset first. ``fp16_to_unscale``: GradScaler left fp16 gradients
+        for ``step()`` to unscale."""
+        fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
+               "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
+        if self._pipeline.scale is not None:
+            return OocError(f"this HostAdamW scales the loss itself (loss_scale=...); a torch.amp.GradScaler scaled it "
+                            f"too: {fix}, not both")
+        if self._comm is not None or self._pipelined:
+            where = ("data-parallel, GradScaler checks and scales each rank's own gradients, so the ranks would part"
+                     if self._comm is not None else
+                     "this pipelined HostAdamW updated in the backward, on the scaled gradients")
+            applied = self._pipeline.discard(f"a torch.amp.GradScaler drives this HostAdamW ({where})", warn=False) \
+                if self._comm is None else ""
+            return PipelineError(f"a torch.amp.GradScaler drives this HostAdamW: {where}. {fix}; or, on one rank, "
+                                 "HostAdamW(pipeline=False), which reads the gradients in step()"
+                                 + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
+                                    if applied else ""))
+        if fp16_to_unscale:
+            return OocError(f"a torch.amp.GradScaler drives this HostAdamW with fp16 gradients: unscaled here, in fp16, "
+                            f"they would lose what lies below fp16's normal range (GradScaler.unscale_ refuses fp16 "
+                            f"gradients for that). {fix[0].upper()}{fix[1:]}: it unscales them in fp32")
+        return None
 
     def _reduced_device_grads(self) -> list[torch.Tensor]:
         """The parameters kept on their device that have a gradient (on some rank), averaged across
