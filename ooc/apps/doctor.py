@@ -15,7 +15,8 @@ check against its target, and each step's time. Steps:
   (target >= 0.8), each timed with calls queued back to back (one call per timing is a figure too).
 - ``overlap`` (GPU): an all-SWAP step of a chain whose compute outlasts its copies hides >= 80% of
   the copy time: ``1 - (t_swap - t_keep) / t_copy``.
-- ``gpt2`` (GPU): GPT-2 small, batch 4x512: plain vs all-KEEP (overhead <= 3%), and the optimal
+- ``gpt2`` (GPU): GPT-2 small, batch 4x512: plain vs all-KEEP (overhead <= 3%, in alternating
+  rounds of each), and the optimal
   plan at 50% and 25% of all-KEEP's activation bytes (step time within 20% of the simulator's
   prediction, tracked peak within the budget).
 - ``gpu-lane`` (GPU): ``pytest -m "gpu and not slow"``.
@@ -453,6 +454,24 @@ def _gpt2_on_cuda():  # noqa: ANN202
     return model, (x, torch.roll(x, -1, dims=1)), loss_fn
 
 
+def _alternated_medians(model, batch, loss_fn, plan, backend, rounds: int = 8, steps: int = 3) -> tuple[float, float]:  # noqa: ANN001
+    """Median step seconds of the plain model and of ``plan`` wrapped, measured in alternating
+    rounds of ``steps`` each: the GPU's clocks and the host's load drift over a run by as much as
+    the few percent an overhead check looks for, and the plain figure of the step's start was taken
+    minutes before the wrapped one."""
+    import ooc
+
+    plain, wrapped = [], []
+    for _ in range(rounds):
+        plain.append(_median_step(model, batch, loss_fn, steps, warmup=1))
+        ooc.wrap(model, plan, backend=backend)
+        try:
+            wrapped.append(_median_step(model, batch, loss_fn, steps, warmup=1))
+        finally:
+            ooc.unwrap(model)
+    return statistics.median(plain), statistics.median(wrapped)
+
+
 def _measure_plans(result: StepResult, model, batch, loss_fn, prof, rows, hw, backend, plain_s: float) -> None:  # noqa: ANN001
     """Run each (name, plan, budget) of ``rows`` wrapped on ``backend``; record its measured and
     predicted step time and peaks in ``result.figures[name]``; check the prediction within 20% and,
@@ -478,8 +497,10 @@ def _measure_plans(result: StepResult, model, batch, loss_fn, prof, rows, hw, ba
                              budget_bytes=budget, cuda_max_allocated=report.cuda_max_allocated,
                              measured_over_plain=measured / plain_s)
         if budget is None:
-            overhead = measured / plain_s - 1.0
-            result.check("all-KEEP overhead vs plain PyTorch", overhead, "<= 0.03", overhead <= 0.03)
+            plain_round, wrapped_round = _alternated_medians(model, batch, loss_fn, plan, backend)
+            overhead = wrapped_round / plain_round - 1.0
+            figures[name].update(alternated_plain_ms=plain_round * 1e3, alternated_measured_ms=wrapped_round * 1e3)
+            result.check("all-KEEP overhead vs plain PyTorch (alternated)", overhead, "<= 0.03", overhead <= 0.03)
         else:
             error = abs(measured - predicted.step_time_s) / measured
             result.check(f"{name}: |measured - predicted| / measured step time", error, "<= 0.20", error <= 0.2)
