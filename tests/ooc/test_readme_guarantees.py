@@ -430,3 +430,36 @@ def test_a_weight_tied_between_blocks_is_on_the_device_when_either_runs(code: st
         assert weight_streamer(model).host_copy(model.blocks[0]["linear"].bias) is not None or code[0] != "T"
     finally:
         ooc.unwrap(model)
+
+
+# "What raises, before anything changes: ... a torch.func transform over a wrapped model (unwrap first)" --------
+
+
+_TRANSFORMS = {
+    "vmap": lambda m, x: torch.func.vmap(m)(x.unsqueeze(0).expand(3, *x.shape)),
+    "grad-of-input": lambda m, x: torch.func.grad(lambda x: m(x).sum())(x),
+    "jacrev": lambda m, x: torch.func.jacrev(m)(x),
+    "jvp": lambda m, x: torch.func.jvp(m, (x,), (torch.ones_like(x),)),
+    "vjp": lambda m, x: torch.func.vjp(m, x),
+}
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+@pytest.mark.parametrize("transform", sorted(_TRANSFORMS))
+def test_every_torch_func_transform_over_a_wrapped_model_raises_a_wrap_error(transform: str, policy: str) -> None:
+    # Only torch.func.grad over the parameters raised WrapError; a transform of the input failed inside
+    # ooc's hooks or torch's with "Cannot access storage of BatchedTensorImpl", "Attempted to access the
+    # data pointer on an invalid python storage" or "torch.func.{grad, ...} don't yet support saved tensor
+    # hooks": none an ooc.OocError, none saying to unwrap.
+    model = _mlp()
+    ooc.wrap(model, plan=ooc.Plan.uniform(policy, 3), backend="cpu")
+    try:
+        with pytest.raises(ooc.WrapError, match="unwrap"):
+            _TRANSFORMS[transform](model, _mlp_batch()[0])
+        assert runtime_of(model).tracker.current == 0
+        _mlp_step(model)  # the model is unharmed
+        with torch.no_grad():  # nothing is saved without autograd: a transform may run the plain forward
+            torch.func.vmap(model)(_mlp_batch()[0].unsqueeze(0))
+    finally:
+        ooc.unwrap(model)
+    assert torch.func.jacrev(model)(_mlp_batch()[0][:2]).shape == (2, 4, 2, 16)
