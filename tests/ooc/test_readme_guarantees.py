@@ -463,3 +463,34 @@ def test_every_torch_func_transform_over_a_wrapped_model_raises_a_wrap_error(tra
     finally:
         ooc.unwrap(model)
     assert torch.func.jacrev(model)(_mlp_batch()[0][:2]).shape == (2, 4, 2, 16)
+
+
+# "What raises, before anything changes: ... a second HostAdamW on a model that has one" -------------------
+
+
+@pytest.mark.parametrize("order", ["model-then-params", "params-then-model", "params-then-params", "a-shared-weight"])
+def test_a_second_host_adamw_over_the_same_parameters_is_refused(order: str) -> None:
+    # Only a second HostAdamW given model= was refused: HostAdamW(model.parameters()) beside the one
+    # built with model=model (or before it) took the same weights, and each step updated them twice.
+    from ooc.optim import HostAdamW
+
+    model = _mlp()
+    first_model = model if order == "model-then-params" else None
+    first = HostAdamW(model.parameters(), lr=1e-2, model=first_model)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ooc.OocError, match="double update"):
+            if order == "a-shared-weight":  # one weight of the first's among others
+                HostAdamW([nn.Parameter(torch.zeros(3)), model.blocks[1].up.weight], lr=1e-2)
+            else:
+                HostAdamW(model.parameters(), lr=1e-2, model=model if order == "params-then-model" else None)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        _mlp_step(model)
+        first.step()
+        first.zero_grad()
+        other = HostAdamW([nn.Parameter(torch.zeros(3))], lr=1e-2)  # other parameters: no refusal
+        other.close()
+    finally:
+        first.close()
+    second = HostAdamW(model.parameters(), lr=1e-2, model=model)  # the first is closed: it no longer counts
+    second.close()
