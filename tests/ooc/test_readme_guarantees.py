@@ -494,3 +494,35 @@ def test_a_second_host_adamw_over_the_same_parameters_is_refused(order: str) -> 
         first.close()
     second = HostAdamW(model.parameters(), lr=1e-2, model=model)  # the first is closed: it no longer counts
     second.close()
+
+
+# "Nothing leaked ... the tracker returns to zero"; "retain_graph=True" works as without ooc ----------------
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+def test_a_retained_graph_backs_twice_and_leaves_the_tracker_at_zero_once_dropped(policy: str) -> None:
+    import gc
+
+    torch.manual_seed(0)
+    plain = MLPChain(64, 256, 3, 4)
+    model = MLPChain(64, 256, 3, 4)
+    model.load_state_dict(plain.state_dict())
+    ooc.wrap(model, plan=ooc.Plan(blocks=ooc.Plan.uniform(policy, 3).blocks, min_swap_bytes=0), backend="cpu")
+    try:
+        x = torch.randn(32, 64)
+        grads = []
+        for m in (plain, model):
+            loss = m(x).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            grads.append([p.grad for p in m.parameters()])
+            del loss
+        gc.collect()
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        assert runtime_of(model).tracker.current == 0
+        model.zero_grad()
+        _ = model(x)  # a graph dropped without a backward
+        del _
+        assert runtime_of(model).tracker.current == 0
+    finally:
+        ooc.unwrap(model)
