@@ -7,6 +7,8 @@ dicts or lists, sharing weights, with frozen parameters, strided inputs and othe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -526,3 +528,35 @@ def test_a_retained_graph_backs_twice_and_leaves_the_tracker_at_zero_once_droppe
         assert runtime_of(model).tracker.current == 0
     finally:
         ooc.unwrap(model)
+
+
+# Checkpoints: "`ckpt.export(step, path)` writes one version's weights, into a directory's `model.safetensors`
+# if `path` is one" --------------------------------------------------------------------------------------
+
+
+def test_export_into_a_directory_named_with_a_trailing_slash(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # export(step, "weights/") with no such directory wrote a file named "weights"; a file path in a
+    # missing directory failed with FileNotFoundError naming ".w.safetensors.tmp", a name the caller never gave.
+    from safetensors.torch import load_file
+
+    from ooc.checkpoint import Checkpointer, CheckpointError
+    from ooc.optim import HostAdamW
+
+    monkeypatch.chdir(tmp_path)
+    model = _mlp()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    ckpt = Checkpointer("ckpt", model, opt)
+    try:
+        _mlp_step(model)
+        opt.step()
+        ckpt.save(0)
+        ckpt.wait()
+        out = ckpt.export(0, "weights/")
+        assert out == Path("weights") / "model.safetensors" and out.is_file()
+        assert set(load_file(out)) == set(model.state_dict())
+        with pytest.raises(CheckpointError, match="no directory.*missing"):
+            ckpt.export(0, "missing/w.safetensors")
+        assert not Path("missing").exists()
+    finally:
+        ckpt.close()
+        opt.close()
