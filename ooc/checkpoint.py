@@ -2828,7 +2828,8 @@ class Checkpointer:
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable
         with ``safetensors.torch.load_file`` into a plain PyTorch model (a directory: to its
-        ``model.safetensors``, the file HF's ``from_pretrained`` reads); return the file's path."""
+        ``model.safetensors``, the file HF's ``from_pretrained`` reads; a path that ends with a slash is
+        a directory, made if need be); return the file's path."""
         found = {v.step: v for v in self.versions()}
         step = (max(found) if found else None) if version is None else (version.step if isinstance(version, Version) else version)
         if step not in found:
@@ -2836,8 +2837,13 @@ class Checkpointer:
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         out = Path(path)
+        if os.fspath(path).endswith(os.sep):  # "weights/": a directory, made if need be (Path drops the slash)
+            out.mkdir(parents=True, exist_ok=True)
         if out.is_dir():
             out = out / MODEL_FILE
+        if not out.parent.is_dir():  # else the error would name the temporary file below
+            raise CheckpointError(f"no directory {out.parent} to export {out.name} into; make it first, or end the "
+                                  "path with a slash to export into a directory of that name")
         tmp = out.with_name(f".{out.name}.tmp")
         try:
             _write_file(tmp, [data])

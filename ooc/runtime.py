@@ -386,6 +386,22 @@ def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
     )
 
 
+def _refuse_functorch_transform() -> None:
+    """Raise :class:`WrapError` inside a ``torch.func`` transform (vmap, grad, jacrev, jvp, vjp, ...).
+
+    Its tensors are wrappers without storage (vmap's batched tensors, jvp's dual ones), which the pack
+    hooks cannot count or copy, and torch.func refuses saved-tensor hooks under grad/vjp/jacrev: each
+    failed with an error of its own that named neither ooc nor the way out.
+    """
+    if torch._C._functorch.peek_interpreter_stack() is not None:
+        raise WrapError(
+            "a torch.func transform (vmap, grad, jacrev, jvp, vjp, ...) runs over this wrapped model: ooc's "
+            "saved-tensor hooks and copies need real tensors, and torch.func does not take saved-tensor hooks. "
+            "Call ooc.unwrap(model) before the torch.func transform (wrap again afterwards), or use "
+            "torch.autograd.grad"
+        )
+
+
 class _AttachWeights:
     """A block's first forward pre-hook: its streamed weights go to the device before the caller's
     pre-hooks run, so a hook that changes them in place changes the device copy, which the release
@@ -435,6 +451,7 @@ class _BlockForward:
                 return self.original(*args, **kwargs)  # nothing is saved without autograd
             finally:
                 rt.streamer.release(i)
+        _refuse_functorch_transform()
         if rt.first_calls is not None:
             rt.first_calls.append(i)
         step = rt.pass_for(i)

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ooc.backend import Backend, backend_on, resolve_backend, tensors_device
 from ooc.blocks import Chain, find_blocks
@@ -185,6 +186,7 @@ class HostAdamW(torch.optim.Optimizer):
             # and the weights would end other than torch.optim.AdamW's.
             raise ValueError("HostAdamW got the same parameter more than once (in one group or in two); pass each "
                              "parameter once, e.g. list(model.parameters()), which leaves out tied duplicates")
+        _claim_parameters(tensors)
         if model is not None and tensors and not {id(p) for p in tensors} & {id(q) for q in model.parameters()}:
             # Its forward hooks would gate nothing of these parameters: a forward could read weights
             # while the host thread writes them.
@@ -272,6 +274,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._finalizer.atexit = False  # no collectives at exit: the ranks may be gone
         # But the host threads stop before the interpreter goes (NOTE [threads stop at exit]).
         weakref.finalize(self, self._pipeline.close)
+        for p in tensors:
+            _PARAMETER_OWNER[p] = weakref.ref(self)
         if model is not None:
             _OWNER[model] = weakref.ref(self)
             register_weight_writer(model, self._settle)
@@ -880,6 +884,28 @@ def _claim(model: nn.Module) -> None:
             "transformers.Trainer its own in trainer.optimizer (`trainer.optimizer.optimizer.close()` under "
             "accelerate's wrapper)."
         )
+
+
+_PARAMETER_OWNER: WeakIdKeyDictionary = WeakIdKeyDictionary()
+"""The live HostAdamW of each parameter (by identity: a tensor's ``==`` compares values). The model's
+claim alone let ``HostAdamW(model.parameters())`` beside one built with ``model=model`` update the same
+weights twice a step."""
+
+
+def _claim_parameters(tensors: list[torch.Tensor]) -> None:
+    """Refuse parameters that a live HostAdamW already updates (a closed or collected one no longer counts)."""
+    for p in tensors:
+        ref = _PARAMETER_OWNER.get(p)
+        other = ref() if ref is not None else None
+        if other is not None and other._finalizer.alive:
+            name = next((n for g in other.param_groups for n, q in zip(g.get("param_names", ()), g["params"])
+                         if q is p), None)
+            raise OocError(
+                f"a parameter{f' ({name})' if name else ''} of shape {tuple(p.shape)} is already updated by a live "
+                "HostAdamW: two would both update it (a double update). close() the first optimizer (or drop every "
+                "reference to it) before building another over the same parameters, or give each optimizer "
+                "parameters of its own."
+            )
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:

@@ -7,6 +7,8 @@ dicts or lists, sharing weights, with frozen parameters, strided inputs and othe
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn as nn
@@ -430,3 +432,131 @@ def test_a_weight_tied_between_blocks_is_on_the_device_when_either_runs(code: st
         assert weight_streamer(model).host_copy(model.blocks[0]["linear"].bias) is not None or code[0] != "T"
     finally:
         ooc.unwrap(model)
+
+
+# "What raises, before anything changes: ... a torch.func transform over a wrapped model (unwrap first)" --------
+
+
+_TRANSFORMS = {
+    "vmap": lambda m, x: torch.func.vmap(m)(x.unsqueeze(0).expand(3, *x.shape)),
+    "grad-of-input": lambda m, x: torch.func.grad(lambda x: m(x).sum())(x),
+    "jacrev": lambda m, x: torch.func.jacrev(m)(x),
+    "jvp": lambda m, x: torch.func.jvp(m, (x,), (torch.ones_like(x),)),
+    "vjp": lambda m, x: torch.func.vjp(m, x),
+}
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+@pytest.mark.parametrize("transform", sorted(_TRANSFORMS))
+def test_every_torch_func_transform_over_a_wrapped_model_raises_a_wrap_error(transform: str, policy: str) -> None:
+    # Only torch.func.grad over the parameters raised WrapError; a transform of the input failed inside
+    # ooc's hooks or torch's with "Cannot access storage of BatchedTensorImpl", "Attempted to access the
+    # data pointer on an invalid python storage" or "torch.func.{grad, ...} don't yet support saved tensor
+    # hooks": none an ooc.OocError, none saying to unwrap.
+    model = _mlp()
+    ooc.wrap(model, plan=ooc.Plan.uniform(policy, 3), backend="cpu")
+    try:
+        with pytest.raises(ooc.WrapError, match="unwrap"):
+            _TRANSFORMS[transform](model, _mlp_batch()[0])
+        assert runtime_of(model).tracker.current == 0
+        _mlp_step(model)  # the model is unharmed
+        with torch.no_grad():  # nothing is saved without autograd: a transform may run the plain forward
+            torch.func.vmap(model)(_mlp_batch()[0].unsqueeze(0))
+    finally:
+        ooc.unwrap(model)
+    assert torch.func.jacrev(model)(_mlp_batch()[0][:2]).shape == (2, 4, 2, 16)
+
+
+# "What raises, before anything changes: ... a second HostAdamW on a model that has one" -------------------
+
+
+@pytest.mark.parametrize("order", ["model-then-params", "params-then-model", "params-then-params", "a-shared-weight"])
+def test_a_second_host_adamw_over_the_same_parameters_is_refused(order: str) -> None:
+    # Only a second HostAdamW given model= was refused: HostAdamW(model.parameters()) beside the one
+    # built with model=model (or before it) took the same weights, and each step updated them twice.
+    from ooc.optim import HostAdamW
+
+    model = _mlp()
+    first_model = model if order == "model-then-params" else None
+    first = HostAdamW(model.parameters(), lr=1e-2, model=first_model)
+    try:
+        before = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(ooc.OocError, match="double update"):
+            if order == "a-shared-weight":  # one weight of the first's among others
+                HostAdamW([nn.Parameter(torch.zeros(3)), model.blocks[1].up.weight], lr=1e-2)
+            else:
+                HostAdamW(model.parameters(), lr=1e-2, model=model if order == "params-then-model" else None)
+        assert all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+        _mlp_step(model)
+        first.step()
+        first.zero_grad()
+        other = HostAdamW([nn.Parameter(torch.zeros(3))], lr=1e-2)  # other parameters: no refusal
+        other.close()
+    finally:
+        first.close()
+    second = HostAdamW(model.parameters(), lr=1e-2, model=model)  # the first is closed: it no longer counts
+    second.close()
+
+
+# "Nothing leaked ... the tracker returns to zero"; "retain_graph=True" works as without ooc ----------------
+
+
+@pytest.mark.parametrize("policy", ["keep", "swap", "recompute"])
+def test_a_retained_graph_backs_twice_and_leaves_the_tracker_at_zero_once_dropped(policy: str) -> None:
+    import gc
+
+    torch.manual_seed(0)
+    plain = MLPChain(64, 256, 3, 4)
+    model = MLPChain(64, 256, 3, 4)
+    model.load_state_dict(plain.state_dict())
+    ooc.wrap(model, plan=ooc.Plan(blocks=ooc.Plan.uniform(policy, 3).blocks, min_swap_bytes=0), backend="cpu")
+    try:
+        x = torch.randn(32, 64)
+        grads = []
+        for m in (plain, model):
+            loss = m(x).sum()
+            loss.backward(retain_graph=True)
+            loss.backward()
+            grads.append([p.grad for p in m.parameters()])
+            del loss
+        gc.collect()
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+        assert runtime_of(model).tracker.current == 0
+        model.zero_grad()
+        _ = model(x)  # a graph dropped without a backward
+        del _
+        assert runtime_of(model).tracker.current == 0
+    finally:
+        ooc.unwrap(model)
+
+
+# Checkpoints: "`ckpt.export(step, path)` writes one version's weights, into a directory's `model.safetensors`
+# if `path` is one" --------------------------------------------------------------------------------------
+
+
+def test_export_into_a_directory_named_with_a_trailing_slash(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    # export(step, "weights/") with no such directory wrote a file named "weights"; a file path in a
+    # missing directory failed with FileNotFoundError naming ".w.safetensors.tmp", a name the caller never gave.
+    from safetensors.torch import load_file
+
+    from ooc.checkpoint import Checkpointer, CheckpointError
+    from ooc.optim import HostAdamW
+
+    monkeypatch.chdir(tmp_path)
+    model = _mlp()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+    ckpt = Checkpointer("ckpt", model, opt)
+    try:
+        _mlp_step(model)
+        opt.step()
+        ckpt.save(0)
+        ckpt.wait()
+        out = ckpt.export(0, "weights/")
+        assert out == Path("weights") / "model.safetensors" and out.is_file()
+        assert set(load_file(out)) == set(model.state_dict())
+        with pytest.raises(CheckpointError, match="no directory.*missing"):
+            ckpt.export(0, "missing/w.safetensors")
+        assert not Path("missing").exists()
+    finally:
+        ckpt.close()
+        opt.close()
