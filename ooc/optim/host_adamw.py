@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -419,6 +420,9 @@ class HostAdamW(torch.optim.Optimizer):
             )
         if (found := getattr(self, "found_inf", None)) is not None and not self._take_grad_scaler(found):
             return loss  # GradScaler found an inf: it skips this step (and backs its scale off)
+        if found is None and _called_by_grad_scaler() \
+                and (refusal := self._grad_scaler_refusal(False, behind_a_wrapper=True)) is not None:
+            raise refusal
         params = self._reduced_device_grads()
         pipe = self._pipeline
         found_inf = False
@@ -495,22 +499,25 @@ class HostAdamW(torch.optim.Optimizer):
                 _unscale_in_place(same, inverse)
         return True
 
-    def _grad_scaler_refusal(self, fp16_to_unscale: bool) -> OocError | None:
+    def _grad_scaler_refusal(self, fp16_to_unscale: bool, *, behind_a_wrapper: bool = False) -> OocError | None:
         """Why a GradScaler cannot drive this HostAdamW (NOTE [a GradScaler drives HostAdamW]), or
         None; a pipelined step is reset first. ``fp16_to_unscale``: GradScaler left fp16 gradients
-        for ``step()`` to unscale."""
+        for ``step()`` to unscale. ``behind_a_wrapper``: GradScaler unscaled the gradients itself
+        (NOTE [a GradScaler behind a wrapper])."""
+        drives = ("a torch.amp.GradScaler drives this HostAdamW through an optimizer wrapper that hides its "
+                  "_step_supports_amp_scaling, so GradScaler unscaled the gradients itself"
+                  if behind_a_wrapper else "a torch.amp.GradScaler drives this HostAdamW")
         fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
                "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
         if self._pipeline.scale is not None:
-            return OocError(f"this HostAdamW scales the loss itself (loss_scale=...); a torch.amp.GradScaler scaled it "
-                            f"too: {fix}, not both")
+            return OocError(f"this HostAdamW scales the loss itself (loss_scale=...) and {drives}: it scaled the loss "
+                            f"too. {fix[0].upper()}{fix[1:]}, not both")
         if self._comm is not None or self._pipelined:
             where = ("data-parallel, GradScaler checks and scales each rank's own gradients, so the ranks would part"
                      if self._comm is not None else
                      "this pipelined HostAdamW updated in the backward, on the scaled gradients")
-            applied = self._pipeline.discard(f"a torch.amp.GradScaler drives this HostAdamW ({where})", warn=False) \
-                if self._comm is None else ""
-            return PipelineError(f"a torch.amp.GradScaler drives this HostAdamW: {where}. {fix}; or, on one rank, "
+            applied = self._pipeline.discard(f"{drives} ({where})", warn=False) if self._comm is None else ""
+            return PipelineError(f"{drives}: {where}. {fix}; or, on one rank, "
                                  "HostAdamW(pipeline=False), which reads the gradients in step()"
                                  + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
                                     if applied else ""))
@@ -838,6 +845,37 @@ def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Mod
         raise ValueError(f"HostAdamW got a module ({type(module).__name__}) in place of the parameters and another "
                          f"model= ({type(model).__name__}): pass the parameters (or the model alone) first")
     return module, list(module.parameters())
+
+
+_CALLERS_TO_SEARCH = 16
+"""Frames above ``step()`` searched for GradScaler's: its decorators, ``Optimizer``'s step hooks
+and a framework's wrappers (NOTE [a GradScaler behind a wrapper])."""
+
+
+def _called_by_grad_scaler() -> bool:
+    """``step()`` was called by ``torch.amp.GradScaler.step`` without ``_step_supports_amp_scaling``.
+
+    NOTE [a GradScaler behind a wrapper]
+    An optimizer wrapper that forwards ``step()``, ``zero_grad()`` and ``param_groups`` but not other
+    attributes hides ``_step_supports_amp_scaling`` from GradScaler (NOTE [a GradScaler drives
+    HostAdamW]): GradScaler then unscales the gradients itself, with a kernel that leaves their version
+    counters alone, and calls ``step()`` from ``_maybe_opt_step`` only if it found no inf. A pipelined
+    HostAdamW had read them in the backward, and trained on the scaled gradients without a word. Its
+    frame among the callers is the one sign GradScaler leaves on this path (it sets nothing on the
+    wrapper's optimizer), and costs no read of the gradients; ``step()`` then refuses as with
+    ``_step_supports_amp_scaling``, except where the gradients it reads now are right: ``pipeline=False``
+    on one rank without ``loss_scale``. An inf found skips ``step()`` altogether; a pipelined step's
+    updates that began in the backward are then reported at the next ``zero_grad()`` or forward
+    (``UncommittedStepWarning``), as for any backward without ``step()``."""
+    target = torch.amp.GradScaler._maybe_opt_step.__code__
+    frame = sys._getframe(1)
+    for _ in range(_CALLERS_TO_SEARCH):
+        if frame is None:
+            return False
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def _check_number(name: str, value: Any) -> None:
