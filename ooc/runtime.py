@@ -32,6 +32,7 @@ from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
+from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, SwappedView, make_pack_hook, unpack
@@ -318,9 +319,10 @@ def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
     """``__reduce_ex__`` of what ``wrap`` puts on a model: copying or pickling it would copy the
     runtime (threads, locks, the host pool), or leave the copy calling into this one."""
     raise WrapError(
-        "a model wrapped by ooc cannot be deep-copied or pickled (copy.deepcopy, torch.save(model)): its blocks "
-        "run through this model's runtime. Copy the weights instead (model.state_dict() into a new model, or "
-        "torch.save(model.state_dict())), or call ooc.unwrap(model) first and wrap again afterwards"
+        "a model wrapped by ooc (or a block of it) cannot be pickled or deep-copied alone (torch.save(model), "
+        "copy.deepcopy(block)): its blocks run through this model's runtime. Copy the weights instead "
+        "(model.state_dict() into a new model, or torch.save(model.state_dict())), take copy.deepcopy(model) of the "
+        "whole wrapped model (a plain, unwrapped copy of it), or call ooc.unwrap(model) first and wrap again afterwards"
     )
 
 
@@ -522,6 +524,9 @@ class Runtime:
             self.model.register_forward_hook(self._end_first_forward),
         ]
         self._attach_hooks.append(self.model.register_forward_hook(_ReleaseWeights(self), always_call=True))
+        # NOTE [a deep copy of a wrapped model] in ooc.plain_copy: copy.deepcopy(model) gives the user's module.
+        self.model.__dict__["__deepcopy__"] = PlainDeepCopy(self.model, lambda: list(self._installed),
+                                                            lambda: settle_weights(self.model))
 
     def _start_first_forward(self, _module: nn.Module, _args: Any) -> None:
         self.first_calls = [] if torch.is_grad_enabled() else None
@@ -551,6 +556,7 @@ class Runtime:
             else:
                 module.forward = previous
         self._installed.clear()
+        self.model.__dict__.pop("__deepcopy__", None)
         self._current = None
         self.backend.synchronize()
         self._restore_streamer()
