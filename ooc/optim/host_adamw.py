@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from torch.optim.adamw import adamw
 
-from ooc.backend import Backend, backend_on, resolve_backend, tensors_device
+from ooc.backend import Backend, backend_on, check_backend_device, resolve_backend, tensors_device
 from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
@@ -1093,6 +1093,10 @@ def _chain_of(model: nn.Module | None) -> Chain | None:
 def _backend_for(spec: str | Backend | None, model: nn.Module | None, params: list[torch.Tensor]) -> tuple[Backend, bool]:
     """The backend to copy with, and whether this optimizer made it (and so closes it)."""
     if isinstance(spec, Backend):
+        # One on another device would copy the gradients on streams they never ran on. A wrapped
+        # model's streamed weights rest on the host: its runtime's backend tells its device.
+        wrapped = model is not None and is_wrapped(model)
+        check_backend_device(spec.device, runtime_of(model).backend.device if wrapped else tensors_device(params))
         return spec, False
     if spec is None and model is not None and is_wrapped(model):
         return runtime_of(model).backend, False
