@@ -187,6 +187,11 @@ class _Pass:
         A compressed record holds codes taken at the save, not its source: the source's version is
         compared when the block's forward ends (``seal_compressed``), while the pack hook still holds the
         source; a change after that through a tensor that dies before the backward goes unseen.
+        A swapped (or compressed) tensor that is a view is watched through its base, which shares its
+        version counter: the view often dies with the forward (``h[:, :32]`` saved by the next op)
+        while its base lives on (a probe or hook that keeps ``h``), and a change to the base went
+        unseen where plain PyTorch raises. A living alias holds the base, so a change through one is
+        seen; only the weak reference is held, so the base's storage is freed as before when it dies.
         """
         versions = self.saved_versions
 
@@ -196,8 +201,13 @@ class _Pass:
                 # The view itself dies with the forward's device copy; the backward's is rebuilt
                 # from the parameter's bytes as they are then.
                 watched = packed.parameter
+            elif isinstance(packed, torch.Tensor):
+                watched = packed
             else:
-                watched = packed if isinstance(packed, torch.Tensor) else tensor
+                # A swapped view's base, which shares its version counter and outlives it: a view that
+                # died with the forward left its base to be changed, unseen (NOTE [saved tensors
+                # modified in place]).
+                watched = tensor if tensor._base is None else tensor._base
             # A compressed record read its bytes when it encoded them, at the save: no copy races.
             # Detached (the same version counter), or node -> record -> tensor -> grad_fn -> node
             # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
