@@ -68,6 +68,10 @@ class Recorder(Protocol):
     def finish(self) -> Any:
         """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
 
+    def observer(self, block: int) -> Callable[[torch.Tensor, str], None] | None:
+        """Called with each tensor argument ("input") and saved tensor ("saved") of a recomputed
+        block's forward (``run_recomputed``'s ``observe``), or None."""
+
 
 class _NoRecorder:
     """The runtime's recorder hooks, doing nothing while no recorder is attached."""
@@ -80,6 +84,10 @@ class _NoRecorder:
 
     def mark(self, block: int, what: str) -> None:
         pass
+
+    def observer(self, block: int) -> None:
+        """What a recomputed block's forward reports its tensors to (none)."""
+        return None
 
 
 def _remove_all(handles: list) -> None:
@@ -418,6 +426,7 @@ class _BlockForward:
                     swapped_ops=decision.swapped_ops,
                     op_signature=decision.op_signature,
                     swap_cached=step.pack_hook(i, swap=True, what="cache", swap_all=True) if decision.swapped_ops else None,
+                    observe=rt.timer.observer(i),  # the first step of wrap(budget=...): its shared storages
                 )
             else:
                 pack = step.versioned(i, step.pack_hook(i, swap=decision.policy is Policy.SWAP, what="save"))
