@@ -603,7 +603,11 @@ class HostAdamW(torch.optim.Optimizer):
         """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
         (NOTE [a step is a transaction] in ooc.optim.pipeline: a warning names the updates applied)."""
         if self._pipeline.open_step():
-            self._pipeline.discard("zero_grad() without step() after a backward")
+            # A GradScaler that found an inf skips step() without a word to this optimizer (behind a
+            # wrapper that hides _step_supports_amp_scaling: NOTE [a GradScaler behind a wrapper]).
+            self._pipeline.discard("zero_grad() without step() after a backward (a torch.amp.GradScaler that found an "
+                                   "inf or NaN skips step(): for fp16, scale with HostAdamW(loss_scale=ooc.optim."
+                                   "LossScale()) and opt.scale(loss).backward() instead)")
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
         self._pipeline.forget_grads()
@@ -865,8 +869,9 @@ def _called_by_grad_scaler() -> bool:
     wrapper's optimizer), and costs no read of the gradients; ``step()`` then refuses as with
     ``_step_supports_amp_scaling``, except where the gradients it reads now are right: ``pipeline=False``
     on one rank without ``loss_scale``. An inf found skips ``step()`` altogether; a pipelined step's
-    updates that began in the backward are then reported at the next ``zero_grad()`` or forward
-    (``UncommittedStepWarning``), as for any backward without ``step()``."""
+    updates that began in the backward (on the non-finite gradients) are then reported at the next
+    ``zero_grad()``, whose ``UncommittedStepWarning`` names a GradScaler and ``loss_scale=``: nothing
+    reaches this optimizer on that path to refuse it by."""
     target = torch.amp.GradScaler._maybe_opt_step.__code__
     frame = sys._getframe(1)
     for _ in range(_CALLERS_TO_SEARCH):

@@ -434,3 +434,26 @@ def test_a_grad_scaler_through_a_wrapper_and_loss_scale_both_is_refused() -> Non
             scaler.step(_ForwardingOptimizer(opt))
     finally:
         opt.close()
+
+
+def test_a_step_a_grad_scaler_skipped_through_a_wrapper_names_loss_scale() -> None:
+    """An overflow: GradScaler skips step() (it never calls into HostAdamW), after the pipelined
+    updates had applied the non-finite gradients in the backward. Nothing can refuse that step; the
+    warning at zero_grad() names the likely cause and the way that works."""
+    from ooc.optim.pipeline import UncommittedStepWarning
+
+    torch.manual_seed(0)
+    model = GPT("nano")
+    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+    wrapper = _ForwardingOptimizer(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        scaler.scale(_loss(model, min(OVERFLOW))).backward()
+        scaler.step(wrapper)
+        scaler.update()
+        with pytest.warns(UncommittedStepWarning, match=r"GradScaler.*skips step\(\).*loss_scale=ooc\.optim\.LossScale\(\)"):
+            wrapper.zero_grad()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
