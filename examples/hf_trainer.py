@@ -37,9 +37,12 @@ def train(steps: int = 4, wrapped: bool = True) -> tuple[list[float], dict[str, 
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     model = LlamaForCausalLM(config)
     if wrapped:
+        # min_swap_bytes=0: this toy model's activations are a few KiB each, below the default threshold
+        # (256 KiB; a swapped block leaves smaller tensors on the device, each copy costing ~10 us), so
+        # the "swap" block would move nothing. A real model's MB-sized activations need no such setting.
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*use_cache.*")  # ooc turns HF's cache off while wrapped
-            ooc.wrap(model, ooc.Plan.of(["recompute", "swap", "keep", "recompute"]))
+            ooc.wrap(model, ooc.Plan.of(["recompute", "swap", "keep", "recompute"], min_swap_bytes=0))
         # Clipping needs every gradient, so HostAdamW does it (Trainer's own clipping is off below).
         optimizer = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, max_grad_norm=1.0)
     else:

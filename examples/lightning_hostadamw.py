@@ -43,7 +43,10 @@ class Classifier(L.LightningModule):
         self.wrapped = wrapped
         self.losses: list[float] = []
         if wrapped:
-            ooc.wrap(self.net, ooc.Plan.of(["recompute", "swap", "keep", "recompute"]))
+            # min_swap_bytes=0: this toy model's activations are a few KiB each, below the default threshold
+            # (256 KiB; a swapped block leaves smaller tensors on the device, each copy costing ~10 us), so
+            # the "swap" block would move nothing. A real model's MB-sized activations need no such setting.
+            ooc.wrap(self.net, ooc.Plan.of(["recompute", "swap", "keep", "recompute"], min_swap_bytes=0))
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -190,6 +190,7 @@ import torch
 import xxhash
 from torch import nn
 
+from ooc.distributed import ranks_not_arrived
 from ooc.errors import OocError
 from ooc.optim.stages import Stage
 
@@ -1942,6 +1943,7 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
+    ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]).
 
     One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
     job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
@@ -1954,10 +1956,14 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
-                 lazy: bool = True) -> None:
+                 lazy: bool = True, timeout_s: float = 300.0) -> None:
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             # Checked here: retention runs on the writer thread, after a version is committed.
             raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
+        if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+            raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
+        self.timeout_s = float(timeout_s)
+        """How long ``restore`` waits for every rank to call it (NOTE [every rank restores])."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
@@ -2670,7 +2676,25 @@ class Checkpointer:
         Every file is checked against its commit record first (a mismatch raises
         :class:`CorruptCheckpointError` naming the file, and nothing is loaded; so does a damaged
         commit record, NOTE [damaged records]); with
-        ``fallback=True`` the newest intact version at or before the one asked for is loaded instead."""
+        ``fallback=True`` the newest intact version at or before the one asked for is loaded instead.
+
+        NOTE [every rank restores]
+        In a data-parallel run every rank must call ``restore`` (each loads the weights and its share of
+        the optimizer's state). ``if rank == 0: ckpt.restore()``, the habit of torch.save checkpoints,
+        loaded the version on rank 0 alone: the other ranks went on from their own weights and the
+        ranks parted without a word. So, with a process group of ``world`` ranks, ``restore`` first
+        waits up to ``timeout_s`` for every rank to call it (``ranks_not_arrived``: on the group's
+        store, not a collective that would hang), and raises naming the ranks that did not."""
+        if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
+                and torch.distributed.get_world_size() == self.world:
+            missing = ranks_not_arrived(f"restore:{self.directory}", self.timeout_s)
+            if missing:
+                raise CheckpointError(
+                    f"restore() on rank {self.rank} waited {self.timeout_s:g} s for rank{'s' if len(missing) > 1 else ''} "
+                    f"{', '.join(map(str, missing))}, which did not call it: every rank of a data-parallel run must call "
+                    "restore() (each loads the weights and its share of the optimizer state; on one rank alone the "
+                    "ranks part). Call ckpt.restore() on every rank, not under `if rank == 0`, and restart the ranks"
+                )
         self.wait()
         found, damaged = _scan(self.directory)  # NOTE [damaged records]
         if not found and not damaged:

@@ -18,6 +18,7 @@ import datetime
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -169,6 +170,30 @@ def peer_failures() -> Iterator[None]:
             f"rank {dist.get_rank()} lost the other ranks: a gradient exchange failed ({exc}). Another rank died, "
             "or hung past the process group's timeout; see its log."
         ) from exc
+
+
+_ARRIVAL_POLL_S = 0.05
+"""How often :func:`ranks_not_arrived` reads the other ranks' counts (a few store reads each time)."""
+
+
+def ranks_not_arrived(name: str, timeout_s: float) -> list[int]:
+    """This rank's next call ``name`` (e.g. a Checkpointer's ``restore`` of a directory); waits up to
+    ``timeout_s`` for every rank of the default process group to make the same call as often, and
+    returns the ranks that did not (``[]``: all did).
+
+    On the group's key-value store, not a collective: a barrier would hang a rank whose peers never
+    call (``if rank == 0: ckpt.restore()``) until the group's timeout (30 minutes by default), and
+    say nothing of why. Each rank counts its own calls (``ooc/arrived/<name>/<rank>``), so calls
+    made through another object on the same ``name`` go on counting, and the n-th calls meet."""
+    store = dist.distributed_c10d._get_default_store()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = store.add(f"ooc/arrived/{name}/{rank}", 1)
+    deadline = time.monotonic() + timeout_s
+    while True:
+        missing = [r for r in range(world) if r != rank and store.add(f"ooc/arrived/{name}/{r}", 0) < mine]
+        if not missing or time.monotonic() >= deadline:
+            return missing
+        time.sleep(_ARRIVAL_POLL_S)
 
 
 def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:

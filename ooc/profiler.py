@@ -30,7 +30,7 @@ from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedParameter, SharedStorage, machine_header
-from ooc.storage_sharing import measure_shared_storages
+from ooc.storage_sharing import SharingMeter, measure_shared_storages
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -139,6 +139,10 @@ class StepRecorder:
     def finish(self) -> dict[str, list[float]]:
         return self.medians()
 
+    def observer(self, block: int) -> Callable[[torch.Tensor, str], None] | None:
+        """What block ``block``'s recomputed forward reports its tensors to (``run_recomputed``'s ``observe``)."""
+        return None
+
 
 class FirstStepRecorder(StepRecorder):
     """Records the first training step of ``wrap(model, budget=...)`` without a sample (every block
@@ -147,6 +151,17 @@ class FirstStepRecorder(StepRecorder):
     def __init__(self, model: nn.Module, chain, backend: Backend, min_swap_bytes: int) -> None:  # noqa: ANN001
         super().__init__(backend, len(chain))
         self.model, self.chain, self.min_swap_bytes = model, chain, min_swap_bytes
+        self.sharing: SharingMeter | None = None
+        """The storages each block holds in the step's forward (NOTE [storages shared between blocks]
+        in ooc.scheduler.sharing): its profile counts each shared storage once, as ``ooc.profile``'s."""
+
+    def observer(self, block: int) -> Callable[[torch.Tensor, str], None]:
+        if self.sharing is None:
+            # Made at the step's forward: a model.to() after wrap moved the parameters.
+            state = frozenset(t.untyped_storage().data_ptr() for t in (*self.model.parameters(), *self.model.buffers()))
+            self.sharing = SharingMeter(len(self.chain), skip_ptrs=state, device=self.backend.device)
+        sharing = self.sharing
+        return lambda tensor, role: sharing.note(block, tensor, role)
 
     def finish(self) -> Profile:
         med = self.medians()
@@ -157,6 +172,7 @@ class FirstStepRecorder(StepRecorder):
             notes="the first training step under wrap(model, budget=...): times include its warm-up",
             outside_param_bytes=outside_param_bytes(self.model, self.chain),
             shared_params=shared_parameter_ids(self.model, self.chain),
+            shared=None if self.sharing is None else self.sharing.result(),
         )
 
 

@@ -565,6 +565,7 @@ def run_recomputed(
     swapped_ops: tuple[int, ...] = (),
     swap_cached: Callable[[torch.Tensor], object] | None = None,
     op_signature: str | None = None,
+    observe: Callable[[torch.Tensor, str], None] | None = None,
 ) -> Any:
     """Run ``forward(*args, **kwargs)`` (``module``'s forward) keeping only its tensor arguments for backward.
 
@@ -582,6 +583,9 @@ def run_recomputed(
     cannot be swapped (it is the next block's input) and raises :class:`RecomputeError`, unless this
     forward ran other ops than the profiled one whose ``op_signature`` the plan carries (then the
     re-run runs whole: NOTE [a forward the plan does not fit] in ``ooc.op_profile``).
+    ``observe(tensor, role)``: called in the forward with each tensor argument (role "input") and
+    each tensor the forward saves (role "saved"), while it lives (the first step's storage sharing:
+    ``ooc.storage_sharing.SharingMeter``).
     Returns what ``forward`` returns, with the same structure and autograd graph as without ooc.
     """
     leaves, spec = tree_flatten((args, kwargs))
@@ -604,8 +608,18 @@ def run_recomputed(
         frame.cache = ForwardCache(name, tuple(cached_ops), keep_cached, RecomputeError,
                                    swapped=tuple(swapped_ops), swap=swap_cached, eval_mode=frame._ran_in_eval_mode(),
                                    signature=op_signature)
+    pack_forward = frame.pack_forward
+    if observe is not None:
+        for leaf in leaves:
+            if isinstance(leaf, torch.Tensor):
+                observe(leaf, "input")
+
+        def pack_forward(tensor: torch.Tensor) -> _Holder:
+            observe(tensor, "saved")
+            return frame.pack_forward(tensor)
+
     with (
-        saved_tensors_hooks(frame.pack_forward, frame.unpack),
+        saved_tensors_hooks(pack_forward, frame.unpack),
         timer("forward"),
         contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
     ):

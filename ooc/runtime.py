@@ -32,6 +32,7 @@ from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
+from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
 from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, SwappedView, make_pack_hook, unpack
@@ -67,6 +68,10 @@ class Recorder(Protocol):
     def finish(self) -> Any:
         """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
 
+    def observer(self, block: int) -> Callable[[torch.Tensor, str], None] | None:
+        """Called with each tensor argument ("input") and saved tensor ("saved") of a recomputed
+        block's forward (``run_recomputed``'s ``observe``), or None."""
+
 
 class _NoRecorder:
     """The runtime's recorder hooks, doing nothing while no recorder is attached."""
@@ -79,6 +84,10 @@ class _NoRecorder:
 
     def mark(self, block: int, what: str) -> None:
         pass
+
+    def observer(self, block: int) -> None:
+        """What a recomputed block's forward reports its tensors to (none)."""
+        return None
 
 
 def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -203,6 +212,11 @@ class _Pass:
         A compressed record holds codes taken at the save, not its source: the source's version is
         compared when the block's forward ends (``seal_compressed``), while the pack hook still holds the
         source; a change after that through a tensor that dies before the backward goes unseen.
+        A swapped (or compressed) tensor that is a view is watched through its base, which shares its
+        version counter: the view often dies with the forward (``h[:, :32]`` saved by the next op)
+        while its base lives on (a probe or hook that keeps ``h``), and a change to the base went
+        unseen where plain PyTorch raises. A living alias holds the base, so a change through one is
+        seen; only the weak reference is held, so the base's storage is freed as before when it dies.
         """
         versions = self.saved_versions
 
@@ -212,8 +226,13 @@ class _Pass:
                 # The view itself dies with the forward's device copy; the backward's is rebuilt
                 # from the parameter's bytes as they are then.
                 watched = packed.parameter
+            elif isinstance(packed, torch.Tensor):
+                watched = packed
             else:
-                watched = packed if isinstance(packed, torch.Tensor) else tensor
+                # A swapped view's base, which shares its version counter and outlives it: a view that
+                # died with the forward left its base to be changed, unseen (NOTE [saved tensors
+                # modified in place]).
+                watched = tensor if tensor._base is None else tensor._base
             # A compressed record read its bytes when it encoded them, at the save: no copy races.
             # Detached (the same version counter), or node -> record -> tensor -> grad_fn -> node
             # would be a cycle that keeps a dropped graph alive (NOTE [kept tensors are detached]).
@@ -380,9 +399,10 @@ def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
     """``__reduce_ex__`` of what ``wrap`` puts on a model: copying or pickling it would copy the
     runtime (threads, locks, the host pool), or leave the copy calling into this one."""
     raise WrapError(
-        "a model wrapped by ooc cannot be deep-copied or pickled (copy.deepcopy, torch.save(model)): its blocks "
-        "run through this model's runtime. Copy the weights instead (model.state_dict() into a new model, or "
-        "torch.save(model.state_dict())), or call ooc.unwrap(model) first and wrap again afterwards"
+        "a model wrapped by ooc (or a block of it) cannot be pickled or deep-copied alone (torch.save(model), "
+        "copy.deepcopy(block)): its blocks run through this model's runtime. Copy the weights instead "
+        "(model.state_dict() into a new model, or torch.save(model.state_dict())), take copy.deepcopy(model) of the "
+        "whole wrapped model (a plain, unwrapped copy of it), or call ooc.unwrap(model) first and wrap again afterwards"
     )
 
 
@@ -485,6 +505,7 @@ class _BlockForward:
                     swapped_ops=decision.swapped_ops,
                     op_signature=decision.op_signature,
                     swap_cached=step.pack_hook(i, swap=True, what="cache", swap_all=True) if decision.swapped_ops else None,
+                    observe=rt.timer.observer(i),  # the first step of wrap(budget=...): its shared storages
                 )
             else:
                 if decision.policy is Policy.KEEP and not decision.streamed and step.device_ledger is not None:
@@ -604,6 +625,9 @@ class Runtime:
             self.model.register_forward_hook(self._end_first_forward),
         ]
         self._attach_hooks.append(self.model.register_forward_hook(_ReleaseWeights(self), always_call=True))
+        # NOTE [a deep copy of a wrapped model] in ooc.plain_copy: copy.deepcopy(model) gives the user's module.
+        self.model.__dict__["__deepcopy__"] = PlainDeepCopy(self.model, lambda: list(self._installed),
+                                                            lambda: settle_weights(self.model))
 
     def _start_first_forward(self, _module: nn.Module, _args: Any) -> None:
         self.first_calls = [] if torch.is_grad_enabled() else None
@@ -633,6 +657,7 @@ class Runtime:
             else:
                 module.forward = previous
         self._installed.clear()
+        self.model.__dict__.pop("__deepcopy__", None)
         self._current = None
         self.backend.synchronize()
         self._restore_streamer()

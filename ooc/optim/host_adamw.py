@@ -16,6 +16,7 @@ import dataclasses
 import itertools
 import math
 import os
+import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -25,7 +26,7 @@ import torch.nn as nn
 from torch.optim.adamw import adamw
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ooc.backend import Backend, backend_on, resolve_backend, tensors_device
+from ooc.backend import Backend, backend_on, check_backend_device, resolve_backend, tensors_device
 from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
@@ -423,6 +424,9 @@ class HostAdamW(torch.optim.Optimizer):
             )
         if (found := getattr(self, "found_inf", None)) is not None and not self._take_grad_scaler(found):
             return loss  # GradScaler found an inf: it skips this step (and backs its scale off)
+        if found is None and _called_by_grad_scaler() \
+                and (refusal := self._grad_scaler_refusal(False, behind_a_wrapper=True)) is not None:
+            raise refusal
         params = self._reduced_device_grads()
         pipe = self._pipeline
         found_inf = False
@@ -499,22 +503,25 @@ class HostAdamW(torch.optim.Optimizer):
                 _unscale_in_place(same, inverse)
         return True
 
-    def _grad_scaler_refusal(self, fp16_to_unscale: bool) -> OocError | None:
+    def _grad_scaler_refusal(self, fp16_to_unscale: bool, *, behind_a_wrapper: bool = False) -> OocError | None:
         """Why a GradScaler cannot drive this HostAdamW (NOTE [a GradScaler drives HostAdamW]), or
         None; a pipelined step is reset first. ``fp16_to_unscale``: GradScaler left fp16 gradients
-        for ``step()`` to unscale."""
+        for ``step()`` to unscale. ``behind_a_wrapper``: GradScaler unscaled the gradients itself
+        (NOTE [a GradScaler behind a wrapper])."""
+        drives = ("a torch.amp.GradScaler drives this HostAdamW through an optimizer wrapper that hides its "
+                  "_step_supports_amp_scaling, so GradScaler unscaled the gradients itself"
+                  if behind_a_wrapper else "a torch.amp.GradScaler drives this HostAdamW")
         fix = ("use HostAdamW(..., loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward() instead of a "
                "GradScaler (it unscales the averaged gradients and skips a step on every rank alike)")
         if self._pipeline.scale is not None:
-            return OocError(f"this HostAdamW scales the loss itself (loss_scale=...); a torch.amp.GradScaler scaled it "
-                            f"too: {fix}, not both")
+            return OocError(f"this HostAdamW scales the loss itself (loss_scale=...) and {drives}: it scaled the loss "
+                            f"too. {fix[0].upper()}{fix[1:]}, not both")
         if self._comm is not None or self._pipelined:
             where = ("data-parallel, GradScaler checks and scales each rank's own gradients, so the ranks would part"
                      if self._comm is not None else
                      "this pipelined HostAdamW updated in the backward, on the scaled gradients")
-            applied = self._pipeline.discard(f"a torch.amp.GradScaler drives this HostAdamW ({where})", warn=False) \
-                if self._comm is None else ""
-            return PipelineError(f"a torch.amp.GradScaler drives this HostAdamW: {where}. {fix}; or, on one rank, "
+            applied = self._pipeline.discard(f"{drives} ({where})", warn=False) if self._comm is None else ""
+            return PipelineError(f"{drives}: {where}. {fix}; or, on one rank, "
                                  "HostAdamW(pipeline=False), which reads the gradients in step()"
                                  + (f". The step was reset, but {applied}: call zero_grad() before the next backward"
                                     if applied else ""))
@@ -600,7 +607,11 @@ class HostAdamW(torch.optim.Optimizer):
         """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
         (NOTE [a step is a transaction] in ooc.optim.pipeline: a warning names the updates applied)."""
         if self._pipeline.open_step():
-            self._pipeline.discard("zero_grad() without step() after a backward")
+            # A GradScaler that found an inf skips step() without a word to this optimizer (behind a
+            # wrapper that hides _step_supports_amp_scaling: NOTE [a GradScaler behind a wrapper]).
+            self._pipeline.discard("zero_grad() without step() after a backward (a torch.amp.GradScaler that found an "
+                                   "inf or NaN skips step(): for fp16, scale with HostAdamW(loss_scale=ooc.optim."
+                                   "LossScale()) and opt.scale(loss).backward() instead)")
         if not set_to_none:
             self.synchronize()  # the host thread may still read gradients that zeroing would overwrite
         self._pipeline.forget_grads()
@@ -844,6 +855,38 @@ def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Mod
     return module, list(module.parameters())
 
 
+_CALLERS_TO_SEARCH = 16
+"""Frames above ``step()`` searched for GradScaler's: its decorators, ``Optimizer``'s step hooks
+and a framework's wrappers (NOTE [a GradScaler behind a wrapper])."""
+
+
+def _called_by_grad_scaler() -> bool:
+    """``step()`` was called by ``torch.amp.GradScaler.step`` without ``_step_supports_amp_scaling``.
+
+    NOTE [a GradScaler behind a wrapper]
+    An optimizer wrapper that forwards ``step()``, ``zero_grad()`` and ``param_groups`` but not other
+    attributes hides ``_step_supports_amp_scaling`` from GradScaler (NOTE [a GradScaler drives
+    HostAdamW]): GradScaler then unscales the gradients itself, with a kernel that leaves their version
+    counters alone, and calls ``step()`` from ``_maybe_opt_step`` only if it found no inf. A pipelined
+    HostAdamW had read them in the backward, and trained on the scaled gradients without a word. Its
+    frame among the callers is the one sign GradScaler leaves on this path (it sets nothing on the
+    wrapper's optimizer), and costs no read of the gradients; ``step()`` then refuses as with
+    ``_step_supports_amp_scaling``, except where the gradients it reads now are right: ``pipeline=False``
+    on one rank without ``loss_scale``. An inf found skips ``step()`` altogether; a pipelined step's
+    updates that began in the backward (on the non-finite gradients) are then reported at the next
+    ``zero_grad()``, whose ``UncommittedStepWarning`` names a GradScaler and ``loss_scale=``: nothing
+    reaches this optimizer on that path to refuse it by."""
+    target = torch.amp.GradScaler._maybe_opt_step.__code__
+    frame = sys._getframe(1)
+    for _ in range(_CALLERS_TO_SEARCH):
+        if frame is None:
+            return False
+        if frame.f_code is target:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _check_number(name: str, value: Any) -> None:
     """A hyperparameter: a real number (or a one-element tensor), finite and >= 0."""
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
@@ -1081,6 +1124,10 @@ def _chain_of(model: nn.Module | None) -> Chain | None:
 def _backend_for(spec: str | Backend | None, model: nn.Module | None, params: list[torch.Tensor]) -> tuple[Backend, bool]:
     """The backend to copy with, and whether this optimizer made it (and so closes it)."""
     if isinstance(spec, Backend):
+        # One on another device would copy the gradients on streams they never ran on. A wrapped
+        # model's streamed weights rest on the host: its runtime's backend tells its device.
+        wrapped = model is not None and is_wrapped(model)
+        check_backend_device(spec.device, runtime_of(model).backend.device if wrapped else tensors_device(params))
         return spec, False
     if spec is None and model is not None and is_wrapped(model):
         return runtime_of(model).backend, False

@@ -323,6 +323,80 @@ def test_ranks_that_save_alike_are_not_refused_while_one_lags(tmp_path: Path) ->
     assert [v.step for v in list_versions(tmp_path)] == [1, 2, 3, 4]
 
 
+RESTORE_TIMEOUT_S = 3.0
+
+
+def _restore_on_rank_0_alone(root: str, rank: int) -> str:
+    """Both ranks train and save a version; then ``if rank == 0: ckpt.restore()``. Rank 0 returns
+    what its restore raised (or "restored"), rank 1 what its next step did."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=2 * RESTORE_TIMEOUT_S))
+    ckpt = Checkpointer(root, model, opt, timeout_s=RESTORE_TIMEOUT_S)
+
+    def step(i: int) -> None:
+        x, y = _batch(rank, i)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.synchronize()
+        opt.zero_grad()
+
+    try:
+        step(0)
+        ckpt.save(1)
+        ckpt.wait()
+        step(1)
+        if rank == 0:
+            started = time.monotonic()
+            try:
+                ckpt.restore()
+            except CheckpointError as exc:
+                return f"{time.monotonic() - started:.1f} s: {exc}"
+            return "restored"
+        try:
+            step(2)  # rank 0 is not there: its exchange fails within DataParallel.timeout_s
+        except ooc.OocError:
+            return "its step failed"
+        return "stepped"
+    finally:
+        ckpt.close()
+        opt.close()
+
+
+def test_a_restore_on_one_rank_alone_is_refused_within_the_timeout(tmp_path: Path) -> None:
+    """``if rank == 0: ckpt.restore()`` in a data-parallel run: rank 0 loaded the version while
+    rank 1 went on from its own weights, and the ranks parted without a word (or, where a load
+    exchanged state, hung). Every rank must call restore(): it waits ``timeout_s`` for the others,
+    then says so."""
+    import functools
+
+    restored, other = _on_two_ranks(functools.partial(_restore_on_rank_0_alone, str(tmp_path / "ckpt")))
+    assert "every rank" in restored and "rank 1" in restored, restored
+    assert float(restored.split(" s:")[0]) < RESTORE_TIMEOUT_S + 5, restored
+    assert other == "its step failed", other
+
+
+def _restore_on_every_rank(root: str, rank: int) -> list[int]:
+    torch.manual_seed(0)
+    model = Net()
+    ckpt = Checkpointer(root, model, timeout_s=RESTORE_TIMEOUT_S)
+    try:
+        ckpt.save(1)
+        ckpt.wait()
+        dist.barrier()
+        if rank == 1:
+            time.sleep(1.0)  # a rank a little late is waited for
+        return [ckpt.restore().step, ckpt.restore().step]
+    finally:
+        ckpt.close()
+
+
+def test_a_restore_on_every_rank_waits_for_the_late_one(tmp_path: Path) -> None:
+    import functools
+
+    assert _on_two_ranks(functools.partial(_restore_on_every_rank, str(tmp_path / "ckpt"))) == [[1, 1], [1, 1]]
+
+
 HUNG_S = 9
 TIMEOUT_S = 2.0
 

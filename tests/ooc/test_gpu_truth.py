@@ -55,6 +55,28 @@ def test_a_backend_instance_is_checked_against_the_model() -> None:
         backend.close()
 
 
+@pytest.mark.parametrize("how", ["params", "model", "wrapped model"])
+def test_a_backend_instance_given_to_host_adamw_is_checked_against_the_parameters(how: str) -> None:
+    """A Backend passed to HostAdamW was taken as it was: one for the GPU copied the host's
+    parameters' gradients on streams they never ran on. It is refused as ``ooc.wrap`` refuses it."""
+    from ooc.optim import HostAdamW
+
+    model = GPT(NANO_NO_DROPOUT)
+    if how == "wrapped model":
+        ooc.wrap(model, ooc.Plan.uniform("keep", NANO_NO_DROPOUT.n_layer), backend="cpu")
+    backend = CpuBackend()
+    backend.device = CUDA0  # a backend for the GPU, given parameters on the CPU
+    try:
+        with pytest.raises(BackendDeviceError, match="model is on cpu"):
+            HostAdamW(model.parameters(), model=None if how == "params" else model, backend=backend)
+        backend.device = CPU
+        HostAdamW(model.parameters(), model=None if how == "params" else model, backend=backend).close()
+    finally:
+        backend.close()
+        if how == "wrapped model":
+            ooc.unwrap(model)
+
+
 class _FakeCudaBackend:
     def __init__(self, device: torch.device | None = None) -> None:
         self.device = device

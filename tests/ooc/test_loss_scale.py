@@ -354,3 +354,106 @@ def test_a_grad_scaler_on_fp16_gradients_is_refused_pointing_to_loss_scale() -> 
         assert not hasattr(opt, "found_inf") and not hasattr(opt, "grad_scale")
     finally:
         opt.close()
+
+
+class _ForwardingOptimizer:
+    """An optimizer wrapper that forwards ``step``, ``zero_grad`` and ``param_groups`` but no other
+    attribute, as some frameworks' wrappers do: GradScaler then does not see HostAdamW's
+    ``_step_supports_amp_scaling`` and unscales the gradients itself before ``step()``."""
+
+    def __init__(self, optimizer: HostAdamW) -> None:
+        self.optimizer = optimizer
+
+    @property
+    def param_groups(self) -> list[dict]:
+        return self.optimizer.param_groups
+
+    def step(self, closure=None):  # noqa: ANN001, ANN201
+        return self.optimizer.step(closure)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def test_a_grad_scaler_through_a_wrapper_on_a_pipelined_optimizer_is_refused_pointing_to_loss_scale() -> None:
+    """Through a wrapper that hides ``_step_supports_amp_scaling``, GradScaler unscaled the gradients
+    after the pipelined updates had read them, with a kernel that leaves their version counters
+    alone, and step() trained on the scaled gradients without a word. Now step() sees GradScaler
+    calling it and refuses, naming loss_scale=."""
+    from ooc.optim.pipeline import PipelineError
+
+    torch.manual_seed(0)
+    model = GPT("nano")
+    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+    wrapper = _ForwardingOptimizer(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        scaler.scale(_loss(model, 0)).backward()
+        with pytest.raises(PipelineError, match=r"unscaled the gradients itself.*loss_scale=ooc\.optim\.LossScale\(\)"):
+            scaler.step(wrapper)
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
+def test_a_grad_scaler_through_a_wrapper_drives_an_optimizer_that_updates_in_step() -> None:
+    """pipeline=False reads the gradients in step(), after GradScaler unscaled them itself: it
+    trains as GradScaler + AdamW(fused=True), bit for bit, overflowing steps skipped."""
+    torch.manual_seed(0)
+    reference = GPT("nano")
+    model = copy.deepcopy(reference)
+    expected = _with_grad_scaler(reference, None)
+    opt = HostAdamW(model.parameters(), lr=1e-3, weight_decay=0.1, pipeline=False)
+    wrapper = _ForwardingOptimizer(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=SCALE.init_scale, growth_interval=SCALE.growth_interval)
+    scales = []
+    try:
+        for step in range(STEPS):
+            wrapper.zero_grad(set_to_none=True)
+            scaler.scale(_loss(model, step)).backward()
+            scaler.step(wrapper)
+            scaler.update()
+            scales.append(scaler.get_scale())
+    finally:
+        opt.close()
+    assert scales == expected
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), reference.parameters()))
+
+
+def test_a_grad_scaler_through_a_wrapper_and_loss_scale_both_is_refused() -> None:
+    """The loss scaled twice (GradScaler through a wrapper, and loss_scale=): refused, not trained
+    on gradients unscaled once."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    opt = HostAdamW(model.parameters(), lr=1e-3, pipeline=False, loss_scale=LossScale())
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        scaler.scale(opt.scale(_loss(model, 0))).backward()
+        with pytest.raises(OocError, match=r"scales the loss itself.*not both"):
+            scaler.step(_ForwardingOptimizer(opt))
+    finally:
+        opt.close()
+
+
+def test_a_step_a_grad_scaler_skipped_through_a_wrapper_names_loss_scale() -> None:
+    """An overflow: GradScaler skips step() (it never calls into HostAdamW), after the pipelined
+    updates had applied the non-finite gradients in the backward. Nothing can refuse that step; the
+    warning at zero_grad() names the likely cause and the way that works."""
+    from ooc.optim.pipeline import UncommittedStepWarning
+
+    torch.manual_seed(0)
+    model = GPT("nano")
+    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+    wrapper = _ForwardingOptimizer(opt)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    try:
+        scaler.scale(_loss(model, min(OVERFLOW))).backward()
+        scaler.step(wrapper)
+        scaler.update()
+        with pytest.warns(UncommittedStepWarning, match=r"GradScaler.*skips step\(\).*loss_scale=ooc\.optim\.LossScale\(\)"):
+            wrapper.zero_grad()
+    finally:
+        opt.close()
+        ooc.unwrap(model)

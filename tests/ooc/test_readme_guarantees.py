@@ -224,6 +224,48 @@ def test_a_swapped_output_changed_by_the_next_block_raises(chaos: bool) -> None:
         backend.close()
 
 
+class _KeepsItsActivation(nn.Module):
+    """Keeps its hidden activation (as a probe or a hook capturing activations would) and saves a
+    view of it for its backward: the view dies with the forward, the activation lives on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+        self.last: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        self.last = h
+        half = h[:, :32]
+        return torch.cat([half * half, h[:, 32:]], 1)  # saves the view ``half``
+
+
+@pytest.mark.parametrize("plan", ["keep", "swap", "swap int8", "swap int4", "swap fp8"])
+def test_an_activation_changed_after_the_forward_through_a_living_alias_raises(plan: str) -> None:
+    # The saved tensor was a view that died with the forward; its base, which shares its version
+    # counter, lived and was changed in place. Plain PyTorch raises "modified by an inplace
+    # operation"; a swapped or compressed record watched only the dead view and the backward ran on
+    # the values from before the change, without a word. (A recomputed block re-runs from its input,
+    # which did not change, so its gradients are the forward's: nothing to refuse.)
+    policy, _, codec = plan.partition(" ")
+    torch.manual_seed(0)
+    model = nn.Sequential(*[_KeepsItsActivation() for _ in range(3)])
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss = model(torch.randn(32, 64)).sum()
+        model[1].last.add_(1.0)
+        loss.backward()
+    block = ooc.BlockPlan(policy, codec=codec or "none")
+    ooc.wrap(model, ooc.Plan.of([block] * 3, min_swap_bytes=0), blocks=list(model), backend="cpu")
+    try:
+        loss = model(torch.randn(32, 64)).sum()
+        model[1].last.add_(1.0)
+        with pytest.raises(ooc.SavedTensorModifiedError, match=r"block '1'.*modified in place after the forward"):
+            loss.backward()
+        model(torch.randn(32, 64)).sum().backward()  # the next step trains
+    finally:
+        ooc.unwrap(model)
+
+
 # "Gradients are bit-for-bit those of plain PyTorch" on blocks the reference models do not have ------
 
 

@@ -43,3 +43,28 @@ def test_lightning_with_host_adamw() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
         _same(example.train(wrapped=True), example.train(wrapped=False))
+
+
+@pytest.mark.parametrize("name", ["hf_trainer", "lightning_hostadamw"])
+def test_the_examples_swap_block_moves_its_activations(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The examples plan a "swap" block: it moves its saved activations to the host. Their toy
+    models' tensors are a few KiB each, below the default ``min_swap_bytes`` (256 KiB), so a plan
+    left at the default kept them all on the device and swapped nothing while the plan said swap."""
+    pytest.importorskip("transformers" if name == "hf_trainer" else "lightning")
+    if name == "hf_trainer":
+        pytest.importorskip("accelerate")
+    import ooc
+
+    example = _load(name)
+    moved = []
+    unwrap = ooc.unwrap
+
+    def report_then_unwrap(model: torch.nn.Module) -> None:
+        moved.append(ooc.memory_report(model).swapped_out_bytes)
+        unwrap(model)
+
+    monkeypatch.setattr(ooc, "unwrap", report_then_unwrap)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
+        example.train(wrapped=True)
+    assert len(moved) == 1 and moved[0] > 0
