@@ -185,8 +185,9 @@ def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
 
 
 def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options: dict[str, Any],
-                plan_json: str | None) -> dict[str, str]:
-    """What every rank must agree on, hashed per topic so a mismatch names the topic."""
+                plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+    """What every rank must agree on, hashed per topic so a mismatch names the topic. ``groups``: the
+    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count."""
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     layout = [(names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype)) for i, p in enumerate(params)]
 
@@ -201,8 +202,18 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
         "trainable parameters": digest([p.requires_grad for p in params]),
         "plan": digest(plan_json),
         "optimizer options": digest(options),
+        # NOTE [parameter groups are compared]: a group's lr or weight_decay differing by rank (the
+        # no-decay group of norms and biases built under a condition, a per-rank config) was not
+        # compared: unsharded each rank updated with its own settings and the weights parted without a
+        # word (sharded, each owner's settings made a mix). So each group's size and settings count.
+        "parameter groups": digest([{"parameters": len(g["params"]), **{k: g[k] for k in _GROUP_SETTINGS if k in g}}
+                                    for g in groups]),
         "torch version": torch.__version__,
     }
+
+
+_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+"""The settings of a parameter group that its update reads (:class:`~ooc.optim.stages.Hyper`)."""
 
 
 def check_world(mine: dict[str, str], group: Any = None) -> None:
@@ -221,7 +232,7 @@ def check_world(mine: dict[str, str], group: Any = None) -> None:
         plans = any(other is not None and other.get("plan") != reference["plan"] for other in everyone)
         raise WorldError(
             "; ".join(problems) + ". Every rank must build the same model (same sizes and dtypes), the same "
-            "ooc plan and the same optimizer options; check the command line of each rank."
+            "ooc plan and the same optimizer options and parameter groups; check the command line of each rank."
             + (PLANS_DIFFER if plans else "")
         )
 
@@ -237,15 +248,16 @@ PLANS_DIFFER = (
 
 def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],
                host_params: Sequence[torch.Tensor], options: dict[str, Any],
-               plan_json: str | None) -> tuple[GroupCommunicator, dict[int, int]]:
+               plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> tuple[GroupCommunicator, dict[int, int]]:
     """The data-parallel handshake of a host optimizer, on every rank: make its process groups, check
     (``config.check``) that every rank built the same model, plan and ``options``, start every rank
     from rank 0's weights, and give each of ``host_params`` its owner rank (all rank 0's unless
-    sharded). Returns the communicator and the owners (by ``id``); closes the groups on failure."""
+    sharded). ``groups``: the optimizer's parameter groups, compared too. Returns the communicator and the owners (by ``id``); closes the groups on failure."""
     comm = GroupCommunicator(config)
     try:
         if config.check:
-            check_world(fingerprint(model, params, options_of(config, **options), plan_json), comm.training_group())
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups),
+                        comm.training_group())
         broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:

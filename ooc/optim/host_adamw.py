@@ -222,7 +222,7 @@ class HostAdamW(torch.optim.Optimizer):
                                device_params_below=device_params_below,
                                loss_scale=None if loss_scale is None else dataclasses.asdict(loss_scale))
                 comm, owner = join_world(data_parallel, model=model, params=tensors, host_params=host_params,
-                                         options=options, plan_json=plan_json)
+                                         options=options, plan_json=plan_json, groups=self.param_groups)
             rank = comm.rank if comm else 0
             sharded = comm is not None and comm.sharded
 

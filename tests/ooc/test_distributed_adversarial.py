@@ -1,0 +1,128 @@
+"""Data parallel misused on purpose: gloo ranks on this CPU, spawned with torch.multiprocessing, that
+disagree on their optimizer's settings or on when they finish, against what DistributedDataParallel
++ AdamW(fused=True) would train. Each test spawns its ranks once; a rank that raises, dies or hangs
+fails the test within its timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import time
+import traceback
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+from ooc.distributed import DataParallel
+from ooc.optim import HostAdamW
+
+STEPS = 3
+
+
+class Net(nn.Module):
+    """Three linear layers, each a bucket: (N, 8) -> (N, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.mid = nn.Linear(16, 16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.mid(F.gelu(self.inp(x)))))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 * step + rank)
+    return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+
+
+def _worker(rank: int, world: int, port: int, case: Callable[[int], Any], out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
+                      # As in test_distributed.py: the order checker does not model the exchange
+                      # thread's hand-off of a host gradient (NOTE in its _env).
+                      OOC_CHECK_ORDER="0")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            out.put((rank, "ok", case(rank)))
+    except BaseException:  # noqa: BLE001 - reported to the test
+        out.put((rank, "raised", traceback.format_exc()))
+    finally:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _on_ranks(case: Callable[[int], Any], world: int = 2, timeout: float = 90) -> list[Any]:
+    """``case(rank)`` on ``world`` spawned ranks; their results by rank. Fails (never hangs) if a
+    rank raises, dies or is still running after ``timeout`` seconds."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world, port, case, out)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout
+    try:
+        while len(results) < world:
+            try:
+                rank, how, value = out.get(timeout=1)
+            except queue.Empty:
+                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+                if dead or time.monotonic() > deadline:
+                    pytest.fail(f"a rank died (exit codes {dead}) or hung: results so far {results}")
+                continue
+            if how != "ok":
+                pytest.fail(f"rank {rank} raised:\n{value}")
+            results[rank] = value
+    finally:
+        for proc in procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+    return [results[r] for r in range(world)]
+
+
+def _groups_that_differ(rank: int) -> str:
+    """Rank 0 puts the biases in a group without weight decay, rank 1 leaves every group at the
+    defaults; what building the optimizer said ("built" if nothing)."""
+    torch.manual_seed(0)
+    model = Net()
+    weights = [p for n, p in model.named_parameters() if n.endswith("weight")]
+    biases = [p for n, p in model.named_parameters() if n.endswith("bias")]
+    groups = [{"params": weights}, {"params": biases, "weight_decay": 0.0 if rank == 0 else 1e-2}]
+    try:
+        opt = HostAdamW(groups, lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=30))
+    except ooc.OocError as exc:
+        return str(exc)
+    opt.close()
+    return "built"
+
+
+def test_parameter_groups_that_differ_between_ranks_are_refused_at_start_up() -> None:
+    """A group's settings differing by rank (a no-decay group made under a condition that differs by
+    rank) passed the start-up check, which compared only HostAdamW's own lr, betas, eps and
+    weight_decay: unsharded each rank updated the group with its own settings, and every weight
+    parted between the ranks without a word."""
+    for rank, said in enumerate(_on_ranks(_groups_that_differ)):
+        assert "rank 1 differs from rank 0 in: parameter groups" in said, (rank, said)
