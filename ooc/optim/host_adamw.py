@@ -712,9 +712,16 @@ class HostAdamW(torch.optim.Optimizer):
         self._pipeline.after_load()
 
     def close(self) -> None:
-        """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
-        done when the optimizer is garbage-collected."""
-        self._finalizer()
+        """Wait for the updates of the last ``step()`` (NOTE [close waits for the last step] in
+        ooc.optim.pipeline), then stop the host threads and remove the hooks (the optimizer is
+        unusable afterwards; also done, without the wait, when it is garbage-collected). Raises the
+        failure of an update or gradient exchange that no call has raised yet (the weights may then
+        lack that step's update in some buckets), after closing."""
+        try:
+            if self._finalizer.alive:
+                self._pipeline.settle()
+        finally:
+            self._finalizer()
 
 
 class _BufferSync:

@@ -60,6 +60,9 @@ from ooc.optim.stages import Job, Stage, StageListener, Stages
 
 _WAIT_SLICE_S = 0.05
 
+_JOIN_S = 5.0
+"""How long :meth:`UpdatePipeline.close` waits for each host thread to take its STOP."""
+
 
 class PipelineError(OocError, RuntimeError):
     """A host update or gradient exchange failed (the cause is chained), or a gradient arrived after
@@ -214,6 +217,8 @@ class UpdatePipeline:
                                                for name in ("target", "exp_avg", "exp_avg_sq")}
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
+        self._reported = False
+        """``error`` has been raised on the training thread (``raise_error``)."""
         self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
         """Per parameter id, (bucket, parameter, gradient, the gradient's version, its fingerprint) as a
         launch before ``step()`` read them (NOTE [gradients read in the backward])."""
@@ -720,10 +725,30 @@ class UpdatePipeline:
 
     def raise_error(self) -> None:
         if self.error is not None:
+            self._reported = True
             raise PipelineError(
                 f"ooc's host optimizer stopped: {self.error}. It cannot go on (this step's updates may have reached "
                 "some buckets and not others): close() it, restore the model and optimizer from your last checkpoint "
                 "and build a new HostAdamW") from self.error
+
+    def settle(self) -> None:
+        """Before ``close()``: wait for the updates of the steps ``step()`` closed, and raise a failure of
+        the host threads that nothing has raised yet.
+
+        NOTE [close waits for the last step]
+        ``step()`` returns with the updates of its last buckets (and, data-parallel, their exchange)
+        still running, and ``zero_grad()`` after it waits for nothing. ``close()`` stopped the threads
+        at once, giving each :data:`_JOIN_S` to end, so a loop that closed the optimizer after its last
+        ``step()`` and read or saved the weights could get some buckets without that step's update, or
+        in the middle of it, without a word: data-parallel, whenever another rank reached the last
+        exchange more than twice that late (its batch was longer); and an exchange that failed then (a
+        rank gone) was never reported. The buckets a step still open launched are not waited for:
+        their exchange may wait for buckets this rank never launches (a backward that raised), and
+        ``step()`` never committed them."""
+        if self.error is None:
+            self.gate([i for i, status in enumerate(self.status) if not status.launched])  # raises a failure
+        elif not self._reported:
+            self.raise_error()
 
     def close(self) -> None:
         """Stop the host threads (at most a few seconds each) and free the buffers.
@@ -740,7 +765,7 @@ class UpdatePipeline:
             self.closed = True
             self._exchange_q.put(Signal.STOP)
             for thread in self._threads:
-                thread.join(timeout=5)
+                thread.join(timeout=_JOIN_S)
             if not any(thread.is_alive() for thread in self._threads):
                 # A thread still running may still use the buffers: they stay carved (a leak, not a race).
                 release_buffers(self.stages.layout, self.stages.backend)

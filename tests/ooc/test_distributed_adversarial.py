@@ -126,3 +126,56 @@ def test_parameter_groups_that_differ_between_ranks_are_refused_at_start_up() ->
     parted between the ranks without a word."""
     for rank, said in enumerate(_on_ranks(_groups_that_differ)):
         assert "rank 1 differs from rank 0 in: parameter groups" in said, (rank, said)
+
+
+def _train(model: nn.Module, opt: HostAdamW, rank: int, steps: int = STEPS) -> None:
+    for step in range(steps):
+        x, y = _batch(rank, step)
+        F.mse_loss(model(x), y).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def test_close_after_the_last_step_waits_for_its_updates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``step()`` returns with its last updates running (data-parallel: their exchange too, waiting for
+    a rank whose batch took longer); ``close()`` gave each host thread a few seconds and returned, so
+    the weights a loop saved after it could lack the last step's update in some buckets. Here the
+    threads' grace is 0.1 s and each of the last step's updates begins 0.5 s late."""
+    import ooc.optim.pipeline as pipeline
+
+    monkeypatch.setattr(pipeline, "_JOIN_S", 0.1)
+    weights = []
+    for slow in (False, True):
+        torch.manual_seed(0)
+        model = Net()
+        opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
+        if slow:
+            opt.stage_listeners.append(lambda _bucket, stage: time.sleep(0.5) if stage is ooc.optim.Stage.EXCHANGE
+                                       and opt.state[model.inp.weight]["step"] == STEPS - 1 else None)
+        _train(model, opt, 0)
+        opt.close()
+        weights.append({k: v.clone() for k, v in model.state_dict().items()})
+    assert [k for k in weights[0] if not torch.equal(weights[0][k], weights[1][k])] == []
+
+
+def _one_rank_leaves_before_the_last_step(rank: int) -> str:
+    """Rank 1 stops before the last step (its process ends); what rank 0's ``close()`` after its last
+    ``step()`` said ("closed" if nothing)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=30))
+    _train(model, opt, rank, STEPS - rank)
+    try:
+        opt.close()
+    except ooc.OocError as exc:
+        return str(exc)
+    return "closed"
+
+
+def test_close_reports_a_last_exchange_that_failed() -> None:
+    """The last step's exchange failed on the exchange thread after ``step()`` returned (a rank
+    gone), and ``close()`` returned without a word: the weights lacked that step's update."""
+    said, left = _on_ranks(_one_rank_leaves_before_the_last_step)
+    assert left == "closed"
+    assert "lost the other ranks" in said, said
+
