@@ -118,7 +118,7 @@ class HostAdamW(torch.optim.Optimizer):
     fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
     allocated. Tensor shapes are the parameters' own; nothing is reshaped. ``add_param_group`` is
     refused after construction, and ``load_state_dict`` refuses a state saved with other parameter
-    dtypes, ``delayed_update`` or data-parallel layout (``state_dict()["ooc"]``; ``accumulate``,
+    dtypes, ``delayed_update`` or data-parallel layout, or by another rank when sharded (``state_dict()["ooc"]``; ``accumulate``,
     ``max_grad_norm`` and the others leave the state's layout alone and may change on a resume).
     """
 
@@ -624,6 +624,11 @@ class HostAdamW(torch.optim.Optimizer):
             "delayed_update": self.delayed_update,
             "world": comm.world if comm is not None else 1,
             "sharded": bool(comm is not None and comm.sharded),
+            # NOTE [a shard is its rank's]: sharded, a rank's state holds only the parameters it owns.
+            # Loaded on another rank (every rank loading rank 0's file, the torch.save habit), the
+            # base class took it whole: that rank's own parameters got a fresh state (moments zero,
+            # step 0) and the loaded ones were another rank's to update, without a word.
+            "rank": comm.rank if comm is not None and comm.sharded else None,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -649,10 +654,14 @@ class HostAdamW(torch.optim.Optimizer):
             first = f"parameter {diffs[0][0]} was {diffs[0][1]}, now {diffs[0][2]}" if diffs else "a different count"
             wrong.insert(0, f"dtypes: {first}")
         if wrong:
+            placed = any(key in saved and saved[key] != now[key] for key in ("world", "sharded", "rank"))
             raise OocError(
                 "this HostAdamW checkpoint was saved with other options than this optimizer's ("
                 + "; ".join(wrong) + "). Its host state would not fit them: build the optimizer (and the model's "
                 "parameter dtypes) as they were when it was saved, or start the optimizer state afresh."
+                + (" A data-parallel state_dict() is the saving rank's: sharded, it holds only the state of the "
+                   "parameters that rank owns, so each rank loads the one it saved; ooc.checkpoint.Checkpointer saves "
+                   "every rank's and restores them on any number of ranks, sharded or not." if placed else "")
             )
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:

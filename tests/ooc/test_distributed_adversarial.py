@@ -179,3 +179,29 @@ def test_close_reports_a_last_exchange_that_failed() -> None:
     assert left == "closed"
     assert "lost the other ranks" in said, said
 
+
+def _every_rank_loads_rank_0s_shard(rank: int) -> str:
+    """Two sharded steps, then every rank loads rank 0's ``state_dict()``; what the load said
+    ("loaded" if nothing)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(shard=True, timeout_s=30))
+    _train(model, opt, rank, 2)
+    saved: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(saved, opt.state_dict())
+    try:
+        opt.load_state_dict(saved[0])
+        said = "loaded"
+    except ooc.OocError as exc:
+        said = str(exc)
+    opt.close()
+    return said
+
+
+def test_a_sharded_state_loaded_on_another_rank_is_refused() -> None:
+    """``if rank == 0: torch.save(opt.state_dict(), path)`` and every rank loading it, the habit of
+    unsharded optimizers: a sharded state holds only its rank's parameters, and rank 1 took it
+    without a word, its own parameters' moments and step counts reset to zero (and it held rank 0's)."""
+    on_0, on_1 = _on_ranks(_every_rank_loads_rank_0s_shard)
+    assert on_0 == "loaded"
+    assert "rank: saved 0, now 1" in on_1 and "Checkpointer" in on_1, on_1
