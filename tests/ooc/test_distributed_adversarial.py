@@ -205,3 +205,26 @@ def test_a_sharded_state_loaded_on_another_rank_is_refused() -> None:
     on_0, on_1 = _on_ranks(_every_rank_loads_rank_0s_shard)
     assert on_0 == "loaded"
     assert "rank: saved 0, now 1" in on_1 and "Checkpointer" in on_1, on_1
+
+
+def _one_rank_runs_out_of_batches(rank: int) -> str:
+    """Rank 1 has one batch fewer: it ends its loop and stays alive (evaluating) past rank 0's
+    timeout; what rank 0's last step said ("trained" if nothing)."""
+    torch.manual_seed(0)
+    model = Net()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=2))
+    try:
+        _train(model, opt, rank, STEPS - rank)
+        opt.close()
+    except ooc.OocError as exc:
+        return str(exc)
+    if rank == 1:
+        time.sleep(5)  # alive, not in the exchange rank 0 waits in
+    return "trained"
+
+
+def test_a_rank_that_runs_out_of_batches_is_named_as_a_cause() -> None:
+    """Ranks with uneven data: the one that stops first is alive, so rank 0's exchange fails by its
+    timeout, as under DistributedDataParallel; the error said only that a rank died or hung."""
+    said, _ = _on_ranks(_one_rank_runs_out_of_batches)
+    assert "lost the other ranks" in said and "fewer backward passes and step() calls" in said, said
