@@ -166,9 +166,9 @@ def peer_failures() -> Iterator[None]:
     NOTE [why a collective times out]
     A peer that is alive but never joins the collective fails it by the timeout as a hung one does:
     a rank that ran out of batches first (it finished its loop, or evaluates, while this one runs one
-    more step), or one that ran a forward with grad enabled that this one did not (each rank's first
-    such forward after ``step()`` broadcasts the model's buffers, NOTE [buffers follow rank 0] in
-    ooc.optim.host_adamw: an evaluation on rank 0 alone without ``torch.no_grad()``). The message
+    more step), or one that ran a training-mode forward with grad enabled that this one did not (each
+    rank's first such forward after ``step()`` broadcasts the model's buffers, NOTE [buffers follow
+    rank 0] in ooc.optim.host_adamw). The message
     said only that a rank died or hung, and so sent the user to look for a crash that never was."""
     try:
         yield
@@ -177,9 +177,9 @@ def peer_failures() -> Iterator[None]:
             f"rank {dist.get_rank()} lost the other ranks: a gradient exchange failed ({exc}). Another rank died, "
             "or hung past the process group's timeout; see its log. A rank still running fails so too when the "
             "ranks went out of step: one ran fewer backward passes and step() calls than the others (its data ran "
-            "out first: give every rank as many batches), or a forward with grad enabled that the others did not "
-            "(each such forward first after step() takes rank 0's buffers: evaluate on some ranks only under "
-            "torch.no_grad())."
+            "out first: give every rank as many batches), or a training-mode forward with grad enabled that the "
+            "others did not (each such forward first after step() takes rank 0's buffers: evaluate on some ranks "
+            "only after model.eval() or under torch.no_grad())."
         ) from exc
 
 

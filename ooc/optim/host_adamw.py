@@ -247,6 +247,9 @@ class HostAdamW(torch.optim.Optimizer):
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=config.holds_updates,
             )
+            # Before the pipeline's threads start: a failed broadcast leaves nothing running.
+            buffers = _BufferSync(comm, model) \
+                if comm is not None and data_parallel.broadcast_buffers and model is not None else None
             state_view = _StateView(self)
             stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
                             reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
@@ -259,8 +262,7 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
-        self._buffers = _BufferSync(comm) \
-            if comm is not None and data_parallel.broadcast_buffers and model is not None else None
+        self._buffers = buffers
         self._pipelined = model is not None and pipeline
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if comm is not None and not self._pipelined:
@@ -745,19 +747,29 @@ class _BufferSync:
     enabled after ``step()`` or ``zero_grad()`` (and the first of all) takes rank 0's buffers first,
     one broadcast each on the training thread's group; ``DataParallel(broadcast_buffers=False)``
     leaves them alone. Forwards without grad take none (DDP's would, after a step): an evaluation
-    on rank 0 alone must not wait for the other ranks."""
+    on rank 0 alone must not wait for the other ranks. Nor do forwards of a model in eval mode
+    (``model.eval()``): an evaluation on rank 0 alone that left grad enabled broadcast the buffers where
+    the other ranks did not, and every later broadcast and exchange met another's (a timeout, or
+    equal-sized buffers taking each other's values); under DDP such a loop evaluates the module
+    inside the wrapper, which broadcasts nothing. So a model trained in eval mode throughout (its
+    BatchNorm statistics frozen) takes rank 0's buffers once, when the optimizer is built, as DDP's
+    constructor gives them."""
 
-    def __init__(self, comm: GroupCommunicator) -> None:
+    def __init__(self, comm: GroupCommunicator, model: nn.Module) -> None:
         self.comm = comm
         self.forwards = 0
-        """Forwards with grad enabled since the last ``step()`` or ``zero_grad()``."""
+        """Forwards with grad enabled, in training mode, since the last ``step()`` or ``zero_grad()``."""
+        self.broadcast(model)  # every rank builds its optimizer: the broadcasts meet
 
     def before_forward(self, model: nn.Module) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not model.training:
             return
         self.forwards += 1
-        if self.forwards > 1:
-            return
+        if self.forwards == 1:
+            self.broadcast(model)
+
+    def broadcast(self, model: nn.Module) -> None:
+        """Rank 0's buffers into every rank's."""
         with torch.no_grad():
             for buffer in model.buffers():
                 # Its memory as it lies (channels_last, transposed: NCCL refuses a tensor not contiguous

@@ -150,8 +150,9 @@ def test_close_after_the_last_step_waits_for_its_updates(monkeypatch: pytest.Mon
         model = Net()
         opt = HostAdamW(model.parameters(), lr=1e-2, model=model)
         if slow:
-            opt.stage_listeners.append(lambda _bucket, stage: time.sleep(0.5) if stage is ooc.optim.Stage.EXCHANGE
-                                       and opt.state[model.inp.weight]["step"] == STEPS - 1 else None)
+            state = opt.state[model.inp.weight]
+            opt.stage_listeners.append(lambda _bucket, stage, state=state: time.sleep(0.5)
+                                       if stage is ooc.optim.Stage.EXCHANGE and state["step"] == STEPS - 1 else None)
         _train(model, opt, 0)
         opt.close()
         weights.append({k: v.clone() for k, v in model.state_dict().items()})
@@ -228,3 +229,67 @@ def test_a_rank_that_runs_out_of_batches_is_named_as_a_cause() -> None:
     timeout, as under DistributedDataParallel; the error said only that a rank died or hung."""
     said, _ = _on_ranks(_one_rank_runs_out_of_batches)
     assert "lost the other ranks" in said and "fewer backward passes and step() calls" in said, said
+
+
+class _Normed(nn.Module):
+    """Linear, BatchNorm, linear: (N, 8) -> (N, 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.norm = nn.BatchNorm1d(16)
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.norm(self.inp(x))))
+
+
+def _evaluated_on_rank_0_with_grad(rank: int) -> dict[str, list[str] | str]:
+    """Per case, the state-dict entries that differ from DDP + AdamW's (or what HostAdamW raised).
+    "evaluated": a loop that zeroes gradients first and, after one step(), evaluates on rank 0 alone
+    in eval mode with grad left enabled (under DDP: the module inside the wrapper). "eval mode
+    throughout": the ranks' BatchNorm statistics start apart and the model trains in eval mode."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    found: dict[str, list[str] | str] = {}
+    for case in ("evaluated", "eval mode throughout"):
+        states = []
+        for ours in (False, True):
+            torch.manual_seed(0)
+            model = _Normed()
+            if case == "eval mode throughout":
+                model.norm.running_mean.fill_(rank)
+                model.eval()
+            if ours:
+                forward, opt = model, HostAdamW(model.parameters(), lr=1e-2, model=model,
+                                                data_parallel=DataParallel(timeout_s=5))
+            else:
+                forward, opt = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+            try:
+                for step in range(STEPS):
+                    opt.zero_grad()
+                    x, y = _batch(rank, step)
+                    F.mse_loss(forward(x), y).backward()
+                    opt.step()
+                    if case == "evaluated" and rank == 0 and step == 1:
+                        model.eval()
+                        model(_batch(7, 7)[0])
+                        model.train()
+                if ours:
+                    opt.close()
+            except ooc.OocError as exc:
+                found[case] = str(exc)
+                break
+            states.append(model.state_dict())
+        else:
+            found[case] = [k for k in states[0] if not torch.equal(states[0][k], states[1][k])]
+    return found
+
+
+def test_an_evaluation_on_rank_0_in_eval_mode_with_grad_enabled_broadcasts_nothing() -> None:
+    """The first forward with grad enabled after step() broadcasts rank 0's buffers: rank 0's
+    evaluation, grad left enabled, broadcast where rank 1 did not, and the ranks' collectives went
+    out of step (a timeout here; buffers of one size would have taken each other's values). A model
+    in eval mode now broadcasts none, except once when the optimizer is built, as DDP's constructor."""
+    for rank, found in enumerate(_on_ranks(_evaluated_on_rank_0_with_grad)):
+        assert not any(found.values()), f"rank {rank}: {found}"
