@@ -58,8 +58,9 @@ class DataParallel:
     - ``timeout_s``: how long a gradient exchange waits for a peer before failing (a rank that died
       fails it at once; one that hangs, after this).
     - ``broadcast_buffers``: the model's buffers (BatchNorm's running statistics) are rank 0's at the
-      start of each step's first forward, as ``DistributedDataParallel(broadcast_buffers=True)`` makes
-      them (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
+      start of each step's first forward in training mode with grad enabled, as
+      ``DistributedDataParallel(broadcast_buffers=True)`` makes them, and when the optimizer is built
+      (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
     """
 
     shard: bool = False
