@@ -736,7 +736,8 @@ class HostAdamW(torch.optim.Optimizer):
 
 
 class _BufferSync:
-    """Data-parallel: the model's buffers become rank 0's before each step's first forward (in training mode, with grad enabled).
+    """Data-parallel: the model's buffers become rank 0's before each step's first forward (in training
+    mode, with grad enabled).
 
     NOTE [buffers follow rank 0]
     ``DistributedDataParallel`` broadcasts rank 0's buffers before a forward that follows one which

@@ -264,7 +264,8 @@ def _evaluated_on_rank_0_with_grad(rank: int) -> dict[str, list[str] | str]:
                 forward, opt = model, HostAdamW(model.parameters(), lr=1e-2, model=model,
                                                 data_parallel=DataParallel(timeout_s=5))
             else:
-                forward, opt = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+                forward = DistributedDataParallel(model)
+                opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
             try:
                 for step in range(STEPS):
                     opt.zero_grad()
