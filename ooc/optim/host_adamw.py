@@ -355,7 +355,9 @@ class HostAdamW(torch.optim.Optimizer):
                 buffers.before_forward(model)
 
         handles.append(model.register_forward_pre_hook(before_forward))
-        if on_grad:
+        if on_grad or self._comm is not None:
+            # Data-parallel without the pipeline too: a backward that ended early leaves partial
+            # gradients that the next step() must not exchange (NOTE [a backward that ended early]).
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
         loads = _LoadsIntoTheModel(weakref.ref(self))

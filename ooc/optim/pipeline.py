@@ -330,6 +330,12 @@ class UpdatePipeline:
         """The model's forward is about to run: a backward that never ended resets the step (NOTE [a
         step is a transaction]); the modules outside the chain get their new weights (the gate)."""
         if self.in_backward:
+            if self.stages.comm is not None and not any(status.launched for status in self.status):
+                raise PipelineError(
+                    "the previous backward ended early (an exception or an interrupt) and neither step() nor "
+                    "zero_grad() followed: its partial gradients are in .grad, and this step would sum them across the "
+                    "ranks with its own. Call zero_grad() and run the step again (no rank has exchanged any of it yet)."
+                )
             self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
         launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
         if launched and not self.config.holds_updates:  # held, they wait for step(): old weights
@@ -351,7 +357,15 @@ class UpdatePipeline:
         stay applied). Returns what the warning says of them ("" if undone), for a caller that raises
         instead (``warn=False``: one message, not a warning and an error about the same step)."""
         launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
-        if self.stages.comm is not None and (launched or self.in_backward):
+        # NOTE [a backward that ended early]
+        # Data-parallel, a backward that raised on one rank (an error in a block, a KeyboardInterrupt
+        # caught by the loop) before any of its buckets launched has sent nothing to the others, which
+        # wait in this step's exchange: zero_grad() resets it, and the step run again meets them. With
+        # pipeline=False (no bucket launches before step()) nothing watched the backward, and a loop
+        # that went on without zero_grad() summed the partial gradients into the next step without a
+        # word (DistributedDataParallel refuses that forward): before_forward refuses it now. Once a
+        # bucket has launched, its exchange has begun, and no rank can take the step back.
+        if self.stages.comm is not None and launched:
             raise PipelineError(
                 f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
             )
@@ -388,7 +402,7 @@ class UpdatePipeline:
         :meth:`discard`."""
         if self.config.holds_updates:
             return
-        if self.stages.comm is not None and (self.in_backward or any(s.launched for s in self.status)):
+        if self.stages.comm is not None and any(s.launched for s in self.status):
             self.discard("load_state_dict() after a backward without step()")  # raises: ranks cannot agree
         self._reset()
 

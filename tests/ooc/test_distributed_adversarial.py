@@ -365,3 +365,87 @@ def test_three_ranks_with_uneven_batches_agree_with_ddp_to_fp32_rounding() -> No
     for rank, found in enumerate(_on_ranks(_three_ranks_against_ddp, world=3)):
         for case, (difference, same) in found.items():
             assert same and difference < 1e-6, (rank, case, difference, same)
+
+
+class _Fails(torch.autograd.Function):
+    """The identity, whose backward raises while ``armed`` (an error in a block's backward)."""
+
+    armed = False
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        if _Fails.armed:
+            raise RuntimeError("a block's backward failed")
+        return grad
+
+
+class _Breakable(Net):
+    """:class:`Net` whose ``mid`` layer's input goes through :class:`_Fails`: a failed backward has
+    written ``out``'s and ``mid``'s gradients, not ``inp``'s."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(F.gelu(self.mid(_Fails.apply(F.gelu(self.inp(x))))))
+
+
+def _backward_fails_on_rank_1(rank: int, *, then_zero_grad: bool) -> dict[str, list[str] | str]:
+    """Per case (``pipeline=False`` data-parallel), the weights that differ from DDP + AdamW's trained
+    on the same batches without a failure, or what HostAdamW raised. Rank 1's backward at step 1
+    fails; its loop catches the error, calls zero_grad() (``then_zero_grad``) or not, and runs the
+    step again."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = _Breakable()
+    ddp, adamw = DistributedDataParallel(model), torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    for step in range(STEPS):
+        x, y = _batch(rank, step)
+        F.mse_loss(ddp(x), y).backward()
+        adamw.step()
+        adamw.zero_grad()
+    reference = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    torch.manual_seed(0)
+    model = _Breakable()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, pipeline=False, data_parallel=DataParallel(timeout_s=10))
+    try:
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            _Fails.armed = rank == 1 and step == 1
+            try:
+                F.mse_loss(model(x), y).backward()
+            except RuntimeError:
+                _Fails.armed = False
+                if then_zero_grad:
+                    opt.zero_grad()
+                F.mse_loss(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    except ooc.OocError as exc:
+        return {"raised": str(exc)}
+    return {"differ": [k for k in reference if not torch.equal(reference[k], model.state_dict()[k])]}
+
+
+def _failed_backward_run_again(rank: int) -> dict[str, list[str] | str]:
+    return _backward_fails_on_rank_1(rank, then_zero_grad=True)
+
+
+def _failed_backward_gradients_kept(rank: int) -> dict[str, list[str] | str]:
+    return _backward_fails_on_rank_1(rank, then_zero_grad=False)
+
+
+def test_a_failed_backward_run_again_after_zero_grad_trains_as_if_it_never_failed() -> None:
+    """No rank has exchanged any of the step: the step run again meets the others' exchange."""
+    for rank, found in enumerate(_on_ranks(_failed_backward_run_again)):
+        assert found == {"differ": []}, (rank, found)
+
+
+def test_a_failed_backward_without_zero_grad_is_refused_with_pipeline_false() -> None:
+    """With ``pipeline=False`` nothing watched the backward: the partial gradients of the failed one
+    were summed into the step run again, on rank 1 alone, and the weights parted from DDP's (which
+    refuses that forward) without a word."""
+    _, on_1 = _on_ranks(_failed_backward_gradients_kept)
+    assert "zero_grad()" in on_1.get("raised", ""), on_1
