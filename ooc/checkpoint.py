@@ -2823,7 +2823,7 @@ class Checkpointer:
         info = metas[0]["ooc"]
         if isinstance(info, dict):
             # Who holds which share is what restoring on other ranks changes; the rest must match.
-            result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded")}
+            result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded", "rank")}
         return result, set(loaded)
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:

@@ -59,8 +59,9 @@ class DataParallel:
     - ``timeout_s``: how long a gradient exchange waits for a peer before failing (a rank that died
       fails it at once; one that hangs, after this).
     - ``broadcast_buffers``: the model's buffers (BatchNorm's running statistics) are rank 0's at the
-      start of each step's first forward, as ``DistributedDataParallel(broadcast_buffers=True)`` makes
-      them (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
+      start of each step's first forward in training mode with grad enabled, as
+      ``DistributedDataParallel(broadcast_buffers=True)`` makes them, and when the optimizer is built
+      (NOTE [buffers follow rank 0] in ooc.optim.host_adamw); ``False``: each rank keeps its own.
     """
 
     shard: bool = False
@@ -162,13 +163,25 @@ class GroupCommunicator:
 
 @contextlib.contextmanager
 def peer_failures() -> Iterator[None]:
-    """Turn a failed collective into a :class:`WorldError` that says a peer is gone."""
+    """Turn a failed collective into a :class:`WorldError` that says a peer is gone.
+
+    NOTE [why a collective times out]
+    A peer that is alive but never joins the collective fails it by the timeout as a hung one does:
+    a rank that ran out of batches first (it finished its loop, or evaluates, while this one runs one
+    more step), or one that ran a training-mode forward with grad enabled that this one did not (each
+    rank's first such forward after ``step()`` broadcasts the model's buffers, NOTE [buffers follow
+    rank 0] in ooc.optim.host_adamw). The message
+    said only that a rank died or hung, and so sent the user to look for a crash that never was."""
     try:
         yield
     except RuntimeError as exc:
         raise WorldError(
             f"rank {dist.get_rank()} lost the other ranks: a gradient exchange failed ({exc}). Another rank died, "
-            "or hung past the process group's timeout; see its log."
+            "or hung past the process group's timeout; see its log. A rank still running fails so too when the "
+            "ranks went out of step: one ran fewer backward passes and step() calls than the others (its data ran "
+            "out first: give every rank as many batches), or a training-mode forward with grad enabled that the "
+            "others did not (each such forward first after step() takes rank 0's buffers: evaluate on some ranks "
+            "only after model.eval() or under torch.no_grad())."
         ) from exc
 
 
@@ -210,8 +223,9 @@ def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
 
 
 def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options: dict[str, Any],
-                plan_json: str | None) -> dict[str, str]:
-    """What every rank must agree on, hashed per topic so a mismatch names the topic."""
+                plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+    """What every rank must agree on, hashed per topic so a mismatch names the topic. ``groups``: the
+    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count."""
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     layout = [(names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype)) for i, p in enumerate(params)]
 
@@ -226,8 +240,18 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
         "trainable parameters": digest([p.requires_grad for p in params]),
         "plan": digest(plan_json),
         "optimizer options": digest(options),
+        # NOTE [parameter groups are compared]: a group's lr or weight_decay differing by rank (the
+        # no-decay group of norms and biases built under a condition, a per-rank config) was not
+        # compared: unsharded each rank updated with its own settings and the weights parted without a
+        # word (sharded, each owner's settings made a mix). So each group's size and settings count.
+        "parameter groups": digest([{"parameters": len(g["params"]), **{k: g[k] for k in _GROUP_SETTINGS if k in g}}
+                                    for g in groups]),
         "torch version": torch.__version__,
     }
+
+
+_GROUP_SETTINGS = ("lr", "betas", "eps", "weight_decay")
+"""The settings of a parameter group that its update reads (:class:`~ooc.optim.stages.Hyper`)."""
 
 
 def check_world(mine: dict[str, str], group: Any = None) -> None:
@@ -246,7 +270,7 @@ def check_world(mine: dict[str, str], group: Any = None) -> None:
         plans = any(other is not None and other.get("plan") != reference["plan"] for other in everyone)
         raise WorldError(
             "; ".join(problems) + ". Every rank must build the same model (same sizes and dtypes), the same "
-            "ooc plan and the same optimizer options; check the command line of each rank."
+            "ooc plan and the same optimizer options and parameter groups; check the command line of each rank."
             + (PLANS_DIFFER if plans else "")
         )
 
@@ -262,15 +286,16 @@ PLANS_DIFFER = (
 
 def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequence[torch.Tensor],
                host_params: Sequence[torch.Tensor], options: dict[str, Any],
-               plan_json: str | None) -> tuple[GroupCommunicator, dict[int, int]]:
+               plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> tuple[GroupCommunicator, dict[int, int]]:
     """The data-parallel handshake of a host optimizer, on every rank: make its process groups, check
     (``config.check``) that every rank built the same model, plan and ``options``, start every rank
     from rank 0's weights, and give each of ``host_params`` its owner rank (all rank 0's unless
-    sharded). Returns the communicator and the owners (by ``id``); closes the groups on failure."""
+    sharded). ``groups``: the optimizer's parameter groups, compared too. Returns the communicator and the owners (by ``id``); closes the groups on failure."""
     comm = GroupCommunicator(config)
     try:
         if config.check:
-            check_world(fingerprint(model, params, options_of(config, **options), plan_json), comm.training_group())
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups),
+                        comm.training_group())
         broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:

@@ -120,7 +120,7 @@ class HostAdamW(torch.optim.Optimizer):
     fp32 gradients of one bucket, or of all with ``max_grad_norm``) is checked before anything is
     allocated. Tensor shapes are the parameters' own; nothing is reshaped. ``add_param_group`` is
     refused after construction, and ``load_state_dict`` refuses a state saved with other parameter
-    dtypes, ``delayed_update`` or data-parallel layout (``state_dict()["ooc"]``; ``accumulate``,
+    dtypes, ``delayed_update`` or data-parallel layout, or by another rank when sharded (``state_dict()["ooc"]``; ``accumulate``,
     ``max_grad_norm`` and the others leave the state's layout alone and may change on a resume).
     """
 
@@ -225,7 +225,7 @@ class HostAdamW(torch.optim.Optimizer):
                                device_params_below=device_params_below,
                                loss_scale=None if loss_scale is None else dataclasses.asdict(loss_scale))
                 comm, owner = join_world(data_parallel, model=model, params=tensors, host_params=host_params,
-                                         options=options, plan_json=plan_json)
+                                         options=options, plan_json=plan_json, groups=self.param_groups)
             rank = comm.rank if comm else 0
             sharded = comm is not None and comm.sharded
 
@@ -250,6 +250,9 @@ class HostAdamW(torch.optim.Optimizer):
                 world=comm.world if comm else 1, sharded=sharded, exchange=comm is not None,
                 reduce_on_device=reduce_on_device, grad32_per_bucket=config.holds_updates,
             )
+            # Before the pipeline's threads start: a failed broadcast leaves nothing running.
+            buffers = _BufferSync(comm, model) \
+                if comm is not None and data_parallel.broadcast_buffers and model is not None else None
             state_view = _StateView(self)
             stages = Stages(layout=layout, backend=backend_obj, comm=comm, state=state_view,
                             reduce_on_device=reduce_on_device, max_grad_norm=max_grad_norm)
@@ -262,8 +265,7 @@ class HostAdamW(torch.optim.Optimizer):
                 backend_obj.close()
             raise
         self._comm = comm
-        self._buffers = _BufferSync(comm) \
-            if comm is not None and data_parallel.broadcast_buffers and model is not None else None
+        self._buffers = buffers
         self._pipelined = model is not None and pipeline
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if comm is not None and not self._pipelined:
@@ -358,7 +360,9 @@ class HostAdamW(torch.optim.Optimizer):
                 buffers.before_forward(model)
 
         handles.append(model.register_forward_pre_hook(before_forward))
-        if on_grad:
+        if on_grad or self._comm is not None:
+            # Data-parallel without the pipeline too: a backward that ended early leaves partial
+            # gradients that the next step() must not exchange (NOTE [a backward that ended early]).
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
         handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
         loads = _LoadsIntoTheModel(weakref.ref(self))
@@ -639,6 +643,11 @@ class HostAdamW(torch.optim.Optimizer):
             "delayed_update": self.delayed_update,
             "world": comm.world if comm is not None else 1,
             "sharded": bool(comm is not None and comm.sharded),
+            # NOTE [a shard is its rank's]: sharded, a rank's state holds only the parameters it owns.
+            # Loaded on another rank (every rank loading rank 0's file, the torch.save habit), the
+            # base class took it whole: that rank's own parameters got a fresh state (moments zero,
+            # step 0) and the loaded ones were another rank's to update, without a word.
+            "rank": comm.rank if comm is not None and comm.sharded else None,
         }
 
     def state_dict(self) -> dict[str, Any]:
@@ -664,10 +673,14 @@ class HostAdamW(torch.optim.Optimizer):
             first = f"parameter {diffs[0][0]} was {diffs[0][1]}, now {diffs[0][2]}" if diffs else "a different count"
             wrong.insert(0, f"dtypes: {first}")
         if wrong:
+            placed = any(key in saved and saved[key] != now[key] for key in ("world", "sharded", "rank"))
             raise OocError(
                 "this HostAdamW checkpoint was saved with other options than this optimizer's ("
                 + "; ".join(wrong) + "). Its host state would not fit them: build the optimizer (and the model's "
                 "parameter dtypes) as they were when it was saved, or start the optimizer state afresh."
+                + (" A data-parallel state_dict() is the saving rank's: sharded, it holds only the state of the "
+                   "parameters that rank owns, so each rank loads the one it saved; ooc.checkpoint.Checkpointer saves "
+                   "every rank's and restores them on any number of ranks, sharded or not." if placed else "")
             )
 
     def check_loadable(self, state_dict: dict[str, Any]) -> None:
@@ -727,13 +740,21 @@ class HostAdamW(torch.optim.Optimizer):
         self._pipeline.after_load()
 
     def close(self) -> None:
-        """Stop the host threads and remove the hooks (the optimizer is unusable afterwards); also
-        done when the optimizer is garbage-collected."""
-        self._finalizer()
+        """Wait for the updates of the last ``step()`` (NOTE [close waits for the last step] in
+        ooc.optim.pipeline), then stop the host threads and remove the hooks (the optimizer is
+        unusable afterwards; also done, without the wait, when it is garbage-collected). Raises the
+        failure of an update or gradient exchange that no call has raised yet (the weights may then
+        lack that step's update in some buckets), after closing."""
+        try:
+            if self._finalizer.alive:
+                self._pipeline.settle()
+        finally:
+            self._finalizer()
 
 
 class _BufferSync:
-    """Data-parallel: the model's buffers become rank 0's before each step's last forward.
+    """Data-parallel: the model's buffers become rank 0's before each step's first forward (in training
+    mode, with grad enabled).
 
     NOTE [buffers follow rank 0]
     ``DistributedDataParallel`` broadcasts rank 0's buffers before a forward that follows one which
@@ -744,19 +765,29 @@ class _BufferSync:
     enabled after ``step()`` or ``zero_grad()`` (and the first of all) takes rank 0's buffers first,
     one broadcast each on the training thread's group; ``DataParallel(broadcast_buffers=False)``
     leaves them alone. Forwards without grad take none (DDP's would, after a step): an evaluation
-    on rank 0 alone must not wait for the other ranks."""
+    on rank 0 alone must not wait for the other ranks. Nor do forwards of a model in eval mode
+    (``model.eval()``): an evaluation on rank 0 alone that left grad enabled broadcast the buffers where
+    the other ranks did not, and every later broadcast and exchange met another's (a timeout, or
+    equal-sized buffers taking each other's values); under DDP such a loop evaluates the module
+    inside the wrapper, which broadcasts nothing. So a model trained in eval mode throughout (its
+    BatchNorm statistics frozen) takes rank 0's buffers once, when the optimizer is built, as DDP's
+    constructor gives them."""
 
-    def __init__(self, comm: GroupCommunicator) -> None:
+    def __init__(self, comm: GroupCommunicator, model: nn.Module) -> None:
         self.comm = comm
         self.forwards = 0
-        """Forwards with grad enabled since the last ``step()`` or ``zero_grad()``."""
+        """Forwards with grad enabled, in training mode, since the last ``step()`` or ``zero_grad()``."""
+        self.broadcast(model)  # every rank builds its optimizer: the broadcasts meet
 
     def before_forward(self, model: nn.Module) -> None:
-        if not torch.is_grad_enabled():
+        if not torch.is_grad_enabled() or not model.training:
             return
         self.forwards += 1
-        if self.forwards > 1:
-            return
+        if self.forwards == 1:
+            self.broadcast(model)
+
+    def broadcast(self, model: nn.Module) -> None:
+        """Rank 0's buffers into every rank's."""
         with torch.no_grad():
             for buffer in model.buffers():
                 # Its memory as it lies (channels_last, transposed: NCCL refuses a tensor not contiguous

@@ -60,6 +60,9 @@ from ooc.optim.stages import Job, Stage, StageListener, Stages
 
 _WAIT_SLICE_S = 0.05
 
+_JOIN_S = 5.0
+"""How long :meth:`UpdatePipeline.close` waits for each host thread to take its STOP."""
+
 
 class PipelineError(OocError, RuntimeError):
     """A host update or gradient exchange failed (the cause is chained), or a gradient arrived after
@@ -214,6 +217,8 @@ class UpdatePipeline:
                                                for name in ("target", "exp_avg", "exp_avg_sq")}
                         self._backup[id(p)]["step"] = torch.zeros((), dtype=torch.float32)
         self.error: BaseException | None = None
+        self._reported = False
+        """``error`` has been raised on the training thread (``raise_error``)."""
         self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
         """Per parameter id, (bucket, parameter, gradient, the gradient's version, its fingerprint) as a
         launch before ``step()`` read them (NOTE [gradients read in the backward])."""
@@ -325,6 +330,12 @@ class UpdatePipeline:
         """The model's forward is about to run: a backward that never ended resets the step (NOTE [a
         step is a transaction]); the modules outside the chain get their new weights (the gate)."""
         if self.in_backward:
+            if self.stages.comm is not None and not any(status.launched for status in self.status):
+                raise PipelineError(
+                    "the previous backward ended early (an exception or an interrupt) and neither step() nor "
+                    "zero_grad() followed: its partial gradients are in .grad, and this step would sum them across the "
+                    "ranks with its own. Call zero_grad() and run the step again (no rank has exchanged any of it yet)."
+                )
             self.discard("the previous backward ended early (an exception or an interrupt) and no step() followed")
         launched = [b.name for b, s in zip(self.buckets, self.status) if s.launched]
         if launched and not self.config.holds_updates:  # held, they wait for step(): old weights
@@ -346,7 +357,15 @@ class UpdatePipeline:
         stay applied). Returns what the warning says of them ("" if undone), for a caller that raises
         instead (``warn=False``: one message, not a warning and an error about the same step)."""
         launched = [self.buckets[i].name for i, s in enumerate(self.status) if s.launched]
-        if self.stages.comm is not None and (launched or self.in_backward):
+        # NOTE [a backward that ended early]
+        # Data-parallel, a backward that raised on one rank (an error in a block, a KeyboardInterrupt
+        # caught by the loop) before any of its buckets launched has sent nothing to the others, which
+        # wait in this step's exchange: zero_grad() resets it, and the step run again meets them. With
+        # pipeline=False (no bucket launches before step()) nothing watched the backward, and a loop
+        # that went on without zero_grad() summed the partial gradients into the next step without a
+        # word (DistributedDataParallel refuses that forward): before_forward refuses it now. Once a
+        # bucket has launched, its exchange has begun, and no rank can take the step back.
+        if self.stages.comm is not None and launched:
             raise PipelineError(
                 f"{why}: the ranks cannot agree on a half-done data-parallel step. Restart the ranks from a checkpoint."
             )
@@ -383,7 +402,7 @@ class UpdatePipeline:
         :meth:`discard`."""
         if self.config.holds_updates:
             return
-        if self.stages.comm is not None and (self.in_backward or any(s.launched for s in self.status)):
+        if self.stages.comm is not None and any(s.launched for s in self.status):
             self.discard("load_state_dict() after a backward without step()")  # raises: ranks cannot agree
         self._reset()
 
@@ -720,10 +739,30 @@ class UpdatePipeline:
 
     def raise_error(self) -> None:
         if self.error is not None:
+            self._reported = True
             raise PipelineError(
                 f"ooc's host optimizer stopped: {self.error}. It cannot go on (this step's updates may have reached "
                 "some buckets and not others): close() it, restore the model and optimizer from your last checkpoint "
                 "and build a new HostAdamW") from self.error
+
+    def settle(self) -> None:
+        """Before ``close()``: wait for the updates of the steps ``step()`` closed, and raise a failure of
+        the host threads that nothing has raised yet.
+
+        NOTE [close waits for the last step]
+        ``step()`` returns with the updates of its last buckets (and, data-parallel, their exchange)
+        still running, and ``zero_grad()`` after it waits for nothing. ``close()`` stopped the threads
+        at once, giving each :data:`_JOIN_S` to end, so a loop that closed the optimizer after its last
+        ``step()`` and read or saved the weights could get some buckets without that step's update, or
+        in the middle of it, without a word: data-parallel, whenever another rank reached the last
+        exchange more than twice that late (its batch was longer); and an exchange that failed then (a
+        rank gone) was never reported. The buckets a step still open launched are not waited for:
+        their exchange may wait for buckets this rank never launches (a backward that raised), and
+        ``step()`` never committed them."""
+        if self.error is None:
+            self.gate([i for i, status in enumerate(self.status) if not status.launched])  # raises a failure
+        elif not self._reported:
+            self.raise_error()
 
     def close(self) -> None:
         """Stop the host threads (at most a few seconds each) and free the buffers.
@@ -740,7 +779,7 @@ class UpdatePipeline:
             self.closed = True
             self._exchange_q.put(Signal.STOP)
             for thread in self._threads:
-                thread.join(timeout=5)
+                thread.join(timeout=_JOIN_S)
             if not any(thread.is_alive() for thread in self._threads):
                 # A thread still running may still use the buffers: they stay carved (a leak, not a race).
                 release_buffers(self.stages.layout, self.stages.backend)
