@@ -11,7 +11,7 @@ import torch.nn as nn
 import ooc
 from ooc import runtime
 from ooc.models import GPT
-from tests.helpers import gpt_batch, gpt_loss
+from tests.helpers import gpt_batch
 from tests.ooc.test_shared_storages import MODELS as SHARING_MODELS
 
 
