@@ -367,14 +367,14 @@ class _BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
         check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
+        if rt.first_calls is not None:
+            rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
         if not torch.is_grad_enabled():
             rt.streamer.attach(i)
             try:
                 return self.original(*args, **kwargs)  # nothing is saved without autograd
             finally:
                 rt.streamer.release(i)
-        if rt.first_calls is not None:
-            rt.first_calls.append(i)
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
@@ -467,8 +467,9 @@ class Runtime:
         self._installed: list[tuple[nn.Module, Any]] = []
         self.on_uninstall: list[Callable[[], None]] = []
         """Undo what was changed on the model at install (HF caches: NOTE [caches and recompute] in ooc.hf)."""
-        self.first_calls: list[int] | None = None
-        """The blocks run during the model's first training forward, checked when it ends."""
+        self.first_calls: list[tuple[int, bool]] | None = None
+        """The blocks run during the model's first training forward, each with whether grad was enabled
+        in its call, checked when it ends (NOTE [blocks run without grad])."""
         self._first_forward_hooks: list[Any] = []
         self._attach_hooks: list[Any] = []
         """Forward pre-hooks that bring a block's streamed weights in before the caller's pre-hooks."""
@@ -527,9 +528,18 @@ class Runtime:
         self.first_calls = [] if torch.is_grad_enabled() else None
 
     def _end_first_forward(self, _module: nn.Module, _args: Any, _out: Any) -> None:
-        calls, self.first_calls = self.first_calls, None
-        if calls is None:
+        """NOTE [blocks run without grad]
+        A training forward may run some blocks under ``torch.no_grad()`` (a frozen bottom of the chain:
+        ``with torch.no_grad(): h = self.layers[:k](h)``). Such a call saves nothing and runs as plain
+        PyTorch, so any plan fits it: the chain check counts it where the block ran. (It counted only
+        calls with grad, said the frozen blocks "never ran", and unwrapped a model plain PyTorch
+        trains.) A block that also ran with grad (a target computed by the same layers without grad,
+        then the training pass) is checked by its calls with grad alone, as before."""
+        first, self.first_calls = self.first_calls, None
+        if first is None:
             return
+        with_grad = {i for i, grad in first if grad}
+        calls = [i for i, grad in first if grad or i not in with_grad]
         for handle in self._first_forward_hooks:
             handle.remove()
         self._first_forward_hooks = []

@@ -1,0 +1,100 @@
+"""Autograd patterns of real training code under every plan kind: each equals plain PyTorch bit for
+bit (loss and every gradient), or raises a clear error (an adversarial pass by a user of autograd)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+from ooc.models import GPT
+from ooc.runtime import runtime_of
+from tests.helpers import NANO, gpt_batch
+
+PLANS = {
+    "keep": ooc.Plan.uniform("keep", NANO.n_layer, min_swap_bytes=0),
+    "swap": ooc.Plan.uniform("swap", NANO.n_layer, min_swap_bytes=0),
+    "recompute": ooc.Plan.uniform("recompute", NANO.n_layer, min_swap_bytes=0),
+    "mixed": ooc.Plan.of(["keep", "swap", "recompute", ooc.BlockPlan("recompute", swap_input=True)], min_swap_bytes=0),
+    "streamed": ooc.Plan.of(["recompute", "swap", "keep", "recompute"], min_swap_bytes=0).streaming(range(NANO.n_layer)),
+}
+
+
+class FrozenBottomGPT(nn.Module):
+    """The reference GPT whose forward runs its first two blocks under ``torch.no_grad()`` (a frozen
+    bottom of the chain, as in partial fine-tuning); ``(idx, targets) -> (logits, loss)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(NANO)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.gpt
+        h = g.drop(g.wte(idx) + g.wpe(torch.arange(idx.shape[1])))
+        with torch.no_grad():
+            for block in g.blocks[:2]:
+                h = block(h)
+        for block in g.blocks[2:]:
+            h = block(h)
+        logits = g.lm_head(g.ln_f(h))
+        return logits, F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+@pytest.mark.parametrize("how", ["plan", "budget", "budget+sample"])
+def test_blocks_a_training_forward_runs_without_grad_train_as_plain(how: str) -> None:
+    # NOTE [blocks run without grad]: the chain check counted only calls with grad, so it said the
+    # frozen blocks "never ran in the model's forward" and unwrapped a model plain PyTorch trains.
+    torch.manual_seed(0)
+    plain = FrozenBottomGPT()
+    wrapped = copy.deepcopy(plain)
+    batch = gpt_batch(batch=2, seq=16)
+    kwargs = {"plan": dict(plan=PLANS["mixed"]), "budget": dict(budget=120_000),
+              "budget+sample": dict(budget=120_000, sample=batch)}[how]
+    ooc.wrap(wrapped, blocks=list(wrapped.gpt.blocks), backend="cpu", **kwargs)
+    try:
+        for step in range(3):
+            for model in (plain, wrapped):
+                model.zero_grad(set_to_none=True)
+                torch.manual_seed(step)  # dropout
+                model(*batch)[1].backward()
+            for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+                assert (a.grad is None and b.grad is None) or torch.equal(a.grad, b.grad), (step, name)
+        assert runtime_of(wrapped).tracker.current == 0
+    finally:
+        ooc.unwrap(wrapped)
+
+
+class SelfDistilledGPT(nn.Module):
+    """The reference GPT whose forward runs its blocks twice: without grad for a target, then with grad
+    for the loss against it; ``idx -> loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gpt = GPT(NANO)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            target = self.gpt(idx)[0]
+        return F.mse_loss(self.gpt(idx)[0], target)
+
+
+def test_blocks_run_without_grad_and_again_with_grad_are_checked_by_their_training_calls() -> None:
+    # The calls without grad of blocks that also ran with grad in the same forward are not counted
+    # (they would read as each block run twice).
+    torch.manual_seed(0)
+    plain = SelfDistilledGPT()
+    wrapped = copy.deepcopy(plain)
+    x, _ = gpt_batch(batch=2, seq=16)
+    ooc.wrap(wrapped, PLANS["mixed"], blocks=list(wrapped.gpt.blocks), backend="cpu")
+    try:
+        for model in (plain, wrapped):
+            torch.manual_seed(0)
+            model(x).backward()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    finally:
+        ooc.unwrap(wrapped)
