@@ -426,10 +426,13 @@ class _BlockForward:
             elif params := [p for p in rt.chain.modules[i].parameters() if p.requires_grad]:
                 # No input needs a gradient (raw data): the block's backward ends with its parameters'.
                 step.timing_hooks.append(register_multi_grad_hook(params, lambda _grads: rt.timer.mark(i, "backward_end"), mode="all"))
+        # Outputs the block computed (with a grad_fn): a leaf it returns (its parameter, or an argument
+        # passed through) has no node of the block behind it, and a hook on it outlives the graph:
+        # one was added per forward and each fired in every later backward, keeping its pass alive.
         if isinstance(out, torch.Tensor):
-            outputs = [out] if out.requires_grad else []
+            outputs = [out] if out.grad_fn is not None else []
         else:
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if len(outputs) == 1:
             outputs[0].register_hook(lambda _grad: step.on_backward_start(i))  # half the cost of a multi-hook
         elif outputs:

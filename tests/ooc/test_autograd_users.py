@@ -98,3 +98,53 @@ def test_blocks_run_without_grad_and_again_with_grad_are_checked_by_their_traini
             assert torch.equal(a.grad, b.grad), name
     finally:
         ooc.unwrap(wrapped)
+
+
+class ScaledBlock(nn.Module):
+    """``(h, scale) -> (tanh(linear(h)) * scale, own scale)``: returns its own parameter, a leaf."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, h: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return torch.tanh(self.linear(h)) * scale, self.scale
+
+
+class ScaledChain(nn.Module):
+    """Four :class:`ScaledBlock` s, each scaled by the previous one's parameter; ``x (8, 16) -> loss``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([ScaledBlock() for _ in range(4)])
+        self.first_scale = nn.Parameter(torch.ones(()))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.first_scale
+        for block in self.blocks:
+            x, scale = block(x, scale)
+        return x.pow(2).mean() * scale
+
+
+@pytest.mark.parametrize("plan", ["keep", "recompute", "streamed"])
+def test_a_block_that_returns_its_parameter_leaves_no_hook_on_it(plan: str) -> None:
+    # The hook that marks a block's backward start went on every output that requires grad, the
+    # returned parameter too, where it outlived the step: one more per forward, each fired in every
+    # later backward (its pass kept alive, a backward's work growing with the steps taken).
+    torch.manual_seed(0)
+    plain = ScaledChain()
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], blocks=list(wrapped.blocks), backend="cpu")
+    x = torch.randn(8, 16)
+    try:
+        for _ in range(3):
+            for model in (plain, wrapped):
+                model.zero_grad(set_to_none=True)
+                model(x).backward()
+            for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+                assert torch.equal(a.grad, b.grad), name
+        assert all(not block.scale._backward_hooks for block in wrapped.blocks)
+        assert runtime_of(wrapped).steps == 3
+    finally:
+        ooc.unwrap(wrapped)
