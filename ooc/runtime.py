@@ -116,6 +116,11 @@ class _Pass:
         self.backward_started = False
         self.backward_id = -1
         """The graph task of the backward whose end callback is queued (``on_backward_start``)."""
+        self.started: set[int] = set()
+        """The blocks whose backward started in backward ``backward_id`` (NOTE [a backward that enters a
+        block elsewhere])."""
+        self.running = -1
+        """The block whose forward is running, else -1: a backward inside it starts nothing."""
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
         # While a recorder measures a profile, each block counts all it holds: a profile's bytes are
@@ -221,10 +226,27 @@ class _Pass:
                 record.modified = True
         self.compressed_saves.clear()
 
+    def enter(self, block: int) -> None:
+        """A backward reads a saved tensor of ``block``: start the block's backward if its outputs' hook
+        did not (NOTE [a backward that enters a block elsewhere])."""
+        if block != self.running and torch._C._current_graph_task_id() != -1:
+            self.on_backward_start(block)
+
+    def loader(self, block: int) -> Callable[[object], torch.Tensor]:
+        """``unpack`` for what a recomputed ``block`` holds (its arguments, its cached outputs), which
+        its re-run reads first: the block's backward has started then (``enter``)."""
+
+        def load(packed: object) -> torch.Tensor:
+            self.enter(block)
+            return unpack(packed)
+
+        return load
+
     def unpack(self, packed: object) -> torch.Tensor:
         entry = self.saved_versions.get(id(packed))
         if entry is not None:
             block, ref, version, shape, raced = entry
+            self.enter(block)
             watched = ref()
             changed = watched is not None and watched._version != version
             if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
@@ -267,6 +289,21 @@ class _Pass:
                     storage.prefetch()
 
     def on_backward_start(self, block: int) -> None:
+        """Block ``block``'s backward starts: called by the hook on its outputs, or by the first read of
+        one of its saved tensors in a backward (``enter``), whichever comes first.
+
+        NOTE [a backward that enters a block elsewhere]
+        A backward usually reaches a block through the outputs it returned, whose grad hook runs
+        before any node of the block. Not always: a loss the block left on the side (a mixture of
+        experts' load-balancing loss kept as ``self.aux_loss``, backwarded alone or before the main
+        path arrives) or outputs ooc cannot see (a dataclass, an object holding the tensors) reach the
+        block's nodes with no hook run. Then nothing streamed its weights in (the backward raised on
+        a weight still on the host), prefetched or decoded its swapped tensors, or queued the end of
+        the backward. So the first read of a saved tensor of the block in a backward starts it too;
+        once per block and backward, whichever comes first."""
+        backward = torch._C._current_graph_task_id()  # what torch's own checkpoint tells backwards apart by
+        if backward == self.backward_id and block in self.started:
+            return
         schedule = self.rt.schedule
         # Every node of the blocks after this one has run: autograd has dropped their tensors.
         self.free_kept(range(block + 1, len(self.kept)))
@@ -276,13 +313,14 @@ class _Pass:
         for j in schedule.stream_ins_before_backward[block]:
             streamer.issue(j)
         streamer.attach(block)
-        backward = torch._C._current_graph_task_id()  # what torch's own checkpoint tells backwards apart by
         if backward != self.backward_id:
             # Runs once this whole backward is done, whichever block it ends in. Once per backward,
             # not per pass: a second backward through a retained graph (or a second loss sharing it)
             # brings streamed weights back and re-saves recomputed tensors, which its end returns.
             self.backward_id = backward
+            self.started = set()
             torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+        self.started.add(block)
         if not self.backward_started:
             self.backward_started = True
             # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
@@ -381,6 +419,7 @@ class _BlockForward:
         for j in rt.schedule.stream_ins_before_forward[i]:
             rt.streamer.issue(j)
         rt.streamer.attach(i)
+        step.running = i
         try:
             if decision.policy is Policy.RECOMPUTE:
                 out = run_recomputed(
@@ -391,7 +430,7 @@ class _BlockForward:
                     name=rt.chain.names[i],
                     device=rt.backend.device,
                     save_input=step.pack_hook(i, swap=decision.swap_input, what="save"),
-                    load_input=unpack,
+                    load_input=step.loader(i),
                     recompute_pack=lambda: step.pack_hook(i, swap=False, what="recompute"),
                     range_name=f"ooc/recompute/{rt.chain.names[i]}",
                     timer=lambda what: rt.timer(i, what),
@@ -417,6 +456,7 @@ class _BlockForward:
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
         finally:
+            step.running = -1
             rt.streamer.release(i)
             fwd.end()
         if rt.timer.marks_backward:

@@ -4,6 +4,7 @@ bit (loss and every gradient), or raises a clear error (an adversarial pass by a
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ PLANS = {
     "recompute": ooc.Plan.uniform("recompute", NANO.n_layer, min_swap_bytes=0),
     "mixed": ooc.Plan.of(["keep", "swap", "recompute", ooc.BlockPlan("recompute", swap_input=True)], min_swap_bytes=0),
     "streamed": ooc.Plan.of(["recompute", "swap", "keep", "recompute"], min_swap_bytes=0).streaming(range(NANO.n_layer)),
+    "streamed-keep": ooc.Plan.uniform("keep", NANO.n_layer).streaming(range(NANO.n_layer)),
 }
 
 
@@ -146,5 +148,89 @@ def test_a_block_that_returns_its_parameter_leaves_no_hook_on_it(plan: str) -> N
                 assert torch.equal(a.grad, b.grad), name
         assert all(not block.scale._backward_hooks for block in wrapped.blocks)
         assert runtime_of(wrapped).steps == 3
+    finally:
+        ooc.unwrap(wrapped)
+
+
+class RoutedBlock(nn.Module):
+    """A mixture-of-experts layer that keeps its load-balancing loss on the side, as ``self.aux_loss``
+    (the model sums them into its loss): ``h (8, 16) -> h + tanh(routed experts)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.ModuleList([nn.Linear(16, 16) for _ in range(4)])
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        probs = F.softmax(self.router(h), dim=-1)
+        self.aux_loss = (probs.mean(0) * probs.max(-1).values.mean()).sum()
+        mixed = sum(expert(h) * probs[:, k:k + 1] for k, expert in enumerate(self.experts))
+        return h + torch.tanh(mixed)
+
+
+@dataclasses.dataclass
+class Hidden:
+    """A block's output that is no pytree node: ooc sees no tensor in it."""
+
+    h: torch.Tensor
+
+
+class HiddenBlock(nn.Module):
+    """``h (8, 16) -> Hidden(tanh(linear(h)))``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+
+    def forward(self, h: torch.Tensor) -> Hidden:
+        return Hidden(torch.tanh(self.linear(h)))
+
+
+class Chain(nn.Module):
+    """Four blocks of one kind; ``x (8, 16) -> (main loss, the blocks' aux losses summed)``."""
+
+    def __init__(self, block: type[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList([block() for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        for block in self.blocks:
+            x = block(x)
+            x = x.h if isinstance(x, Hidden) else x
+        aux = [b.aux_loss for b in self.blocks if getattr(b, "aux_loss", None) is not None]
+        return x.pow(2).mean(), sum(aux) if aux else torch.zeros(())
+
+
+@pytest.mark.parametrize("plan", ["streamed-keep", "streamed", "swap", "mixed"])
+@pytest.mark.parametrize("case", ["aux-loss-alone", "aux-loss-first", "dataclass-output"])
+def test_a_backward_that_enters_blocks_past_their_outputs(case: str, plan: str) -> None:
+    # NOTE [a backward that enters a block elsewhere]: the blocks' backward started only from a hook
+    # on the outputs they returned, so a backward reaching them otherwise (a load-balancing loss kept
+    # on the module, outputs in a dataclass) found streamed weights still on the host and raised
+    # "did not go through ooc's hooks"; swapped tensors were not prefetched, nor the end queued.
+    torch.manual_seed(0)
+    plain = Chain(HiddenBlock if case == "dataclass-output" else RoutedBlock)
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], blocks=list(wrapped.blocks), backend="cpu")
+    resident = ooc.memory_report(wrapped).param_bytes  # none of them where every block streams
+    x = torch.randn(8, 16)
+    try:
+        for model in (plain, wrapped):
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            for _ in range(2):
+                main, aux = model(x)
+                if case == "aux-loss-alone":
+                    aux.backward()
+                elif case == "aux-loss-first":
+                    (aux * 1e3).backward(retain_graph=True)
+                    main.backward()
+                else:
+                    main.backward()
+                opt.step()
+                opt.zero_grad()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            assert torch.equal(a, b), name
+        assert ooc.memory_report(wrapped).param_bytes == resident  # every streamed weight is back on the host
     finally:
         ooc.unwrap(wrapped)
