@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.autograd import forward_ad
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
@@ -392,6 +393,20 @@ class _ReleaseWeights:
         self.rt.streamer.release_all()
 
 
+def _refuse_dual_tensors(name: str, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`WrapError` if a block's argument is a forward-mode AD dual tensor while grad is on:
+    autograd would save dual tensors, whose storage ooc's pack hooks cannot read (they raised torch's
+    "Attempted to access the data pointer on an invalid python storage")."""
+    if any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+           for t in tree_leaves((args, kwargs))):
+        raise WrapError(
+            f"block {name!r} got a forward-mode AD dual tensor (torch.autograd.forward_ad) with grad enabled: ooc's "
+            "saved-tensor hooks cannot hold the dual tensors autograd would save. Run the forward-mode pass under "
+            "torch.no_grad() (it saves nothing and needs no backward), use double backward for a Hessian-vector "
+            "product, or call ooc.unwrap(model) first"
+        )
+
+
 class _BlockForward:
     """Stands in for ``block.forward`` while the model is wrapped."""
 
@@ -407,6 +422,8 @@ class _BlockForward:
         check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
         if rt.first_calls is not None:
             rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
+        if torch.is_grad_enabled() and forward_ad._current_level >= 0:
+            _refuse_dual_tensors(rt.chain.names[i], args, kwargs)
         if not torch.is_grad_enabled():
             rt.streamer.attach(i)
             try:

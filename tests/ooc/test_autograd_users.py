@@ -234,3 +234,32 @@ def test_a_backward_that_enters_blocks_past_their_outputs(case: str, plan: str) 
         assert ooc.memory_report(wrapped).param_bytes == resident  # every streamed weight is back on the host
     finally:
         ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("plan", ["keep", "swap", "recompute", "streamed"])
+def test_forward_mode_ad_is_refused_with_grad_and_exact_without(plan: str) -> None:
+    # With grad on, the blocks' pack hooks met the dual tensors autograd saves and raised torch's
+    # "Attempted to access the data pointer on an invalid python storage", which names nothing of ooc.
+    torch.manual_seed(0)
+    plain = GPT(NANO).eval()
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], backend="cpu")
+    emb = plain.wte(gpt_batch(batch=2, seq=16)[0]).detach()
+    tangent = torch.randn_like(emb)
+
+    def jvp(model: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        with torch.autograd.forward_ad.dual_level():
+            h = torch.autograd.forward_ad.make_dual(emb, tangent)
+            for block in model.blocks:
+                h = block(h)
+            primal, out_tangent = torch.autograd.forward_ad.unpack_dual(h)
+        return primal, out_tangent
+
+    try:
+        with pytest.raises(ooc.WrapError, match=r"forward-mode AD.*torch.no_grad\(\)"):
+            jvp(wrapped)
+        with torch.no_grad():  # what the error proposes
+            for a, b in zip(jvp(plain), jvp(wrapped)):
+                assert torch.equal(a, b)
+    finally:
+        ooc.unwrap(wrapped)
