@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 import torch
 import torch.nn as nn
+from torch.autograd import forward_ad
 from torch.autograd.graph import register_multi_grad_hook, saved_tensors_hooks
 from torch.utils._pytree import tree_leaves
 
@@ -142,6 +143,11 @@ class _Pass:
         self.backward_started = False
         self.backward_id = -1
         """The graph task of the backward whose end callback is queued (``on_backward_start``)."""
+        self.started: set[int] = set()
+        """The blocks whose backward started in backward ``backward_id`` (NOTE [a backward that enters a
+        block elsewhere])."""
+        self.running = -1
+        """The block whose forward is running, else -1: a backward inside it starts nothing."""
         self.bwd_range: nvtx.Range | None = None
         self.skip_ptrs = runtime.state_storage_ptrs()
         # While a recorder measures a profile, each block counts all it holds: a profile's bytes are
@@ -257,10 +263,27 @@ class _Pass:
                 record.modified = True
         self.compressed_saves.clear()
 
+    def enter(self, block: int) -> None:
+        """A backward reads a saved tensor of ``block``: start the block's backward if its outputs' hook
+        did not (NOTE [a backward that enters a block elsewhere])."""
+        if block != self.running and torch._C._current_graph_task_id() != -1:
+            self.on_backward_start(block)
+
+    def loader(self, block: int) -> Callable[[object], torch.Tensor]:
+        """``unpack`` for what a recomputed ``block`` holds (its arguments, its cached outputs), which
+        its re-run reads first: the block's backward has started then (``enter``)."""
+
+        def load(packed: object) -> torch.Tensor:
+            self.enter(block)
+            return unpack(packed)
+
+        return load
+
     def unpack(self, packed: object) -> torch.Tensor:
         entry = self.saved_versions.get(id(packed))
         if entry is not None:
             block, ref, version, shape, raced = entry
+            self.enter(block)
             watched = ref()
             changed = watched is not None and watched._version != version
             if changed or (raced is not None and (record := raced()) is not None and record.modified_in_flight()):
@@ -314,6 +337,7 @@ class _Pass:
             return alias
 
         def unpack_kept(alias: torch.Tensor) -> torch.Tensor:
+            self.enter(block)  # NOTE [a backward that enters a block elsewhere]
             version = versions.get(id(alias))
             if version is not None and alias._version != version:
                 raise self._modified(block, tuple(alias.shape), f"version {version} -> {alias._version}")
@@ -348,6 +372,21 @@ class _Pass:
                     storage.prefetch()
 
     def on_backward_start(self, block: int) -> None:
+        """Block ``block``'s backward starts: called by the hook on its outputs, or by the first read of
+        one of its saved tensors in a backward (``enter``), whichever comes first.
+
+        NOTE [a backward that enters a block elsewhere]
+        A backward usually reaches a block through the outputs it returned, whose grad hook runs
+        before any node of the block. Not always: a loss the block left on the side (a mixture of
+        experts' load-balancing loss kept as ``self.aux_loss``, backwarded alone or before the main
+        path arrives) or outputs ooc cannot see (a dataclass, an object holding the tensors) reach the
+        block's nodes with no hook run. Then nothing streamed its weights in (the backward raised on
+        a weight still on the host), prefetched or decoded its swapped tensors, or queued the end of
+        the backward. So the first read of a saved tensor of the block in a backward starts it too;
+        once per block and backward, whichever comes first."""
+        backward = torch._C._current_graph_task_id()  # what torch's own checkpoint tells backwards apart by
+        if backward == self.backward_id and block in self.started:
+            return
         schedule = self.rt.schedule
         # Every node of the blocks after this one has run: autograd has dropped their tensors.
         self.free_kept(range(block + 1, len(self.kept)))
@@ -357,13 +396,14 @@ class _Pass:
         for j in schedule.stream_ins_before_backward[block]:
             streamer.issue(j)
         streamer.attach(block)
-        backward = torch._C._current_graph_task_id()  # what torch's own checkpoint tells backwards apart by
         if backward != self.backward_id:
             # Runs once this whole backward is done, whichever block it ends in. Once per backward,
             # not per pass: a second backward through a retained graph (or a second loss sharing it)
             # brings streamed weights back and re-saves recomputed tensors, which its end returns.
             self.backward_id = backward
+            self.started = set()
             torch.autograd.Variable._execution_engine.queue_callback(self.on_backward_end)
+        self.started.add(block)
         if not self.backward_started:
             self.backward_started = True
             # Every compressed storage of the forward has been encoded: one read of their NaN/Inf
@@ -452,6 +492,20 @@ class _ReleaseWeights:
         self.rt.streamer.release_all()
 
 
+def _refuse_dual_tensors(name: str, args: tuple, kwargs: dict) -> None:
+    """Raise :class:`WrapError` if a block's argument is a forward-mode AD dual tensor while grad is on:
+    autograd would save dual tensors, whose storage ooc's pack hooks cannot read (they raised torch's
+    "Attempted to access the data pointer on an invalid python storage")."""
+    if any(isinstance(t, torch.Tensor) and forward_ad.unpack_dual(t).tangent is not None
+           for t in tree_leaves((args, kwargs))):
+        raise WrapError(
+            f"block {name!r} got a forward-mode AD dual tensor (torch.autograd.forward_ad) with grad enabled: ooc's "
+            "saved-tensor hooks cannot hold the dual tensors autograd would save. Run the forward-mode pass under "
+            "torch.no_grad() (it saves nothing and needs no backward), use double backward for a Hessian-vector "
+            "product, or call ooc.unwrap(model) first"
+        )
+
+
 class _BlockForward:
     """Stands in for ``block.forward`` while the model is wrapped."""
 
@@ -465,6 +519,10 @@ class _BlockForward:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
         check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
+        if rt.first_calls is not None:
+            rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
+        if torch.is_grad_enabled() and forward_ad._current_level >= 0:
+            _refuse_dual_tensors(rt.chain.names[i], args, kwargs)
         if not torch.is_grad_enabled():
             rt.streamer.attach(i)
             try:
@@ -472,14 +530,13 @@ class _BlockForward:
             finally:
                 rt.streamer.release(i)
         _refuse_functorch_transform()
-        if rt.first_calls is not None:
-            rt.first_calls.append(i)
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
         for j in rt.schedule.stream_ins_before_forward[i]:
             rt.streamer.issue(j)
         rt.streamer.attach(i)
+        step.running = i
         try:
             if decision.policy is Policy.RECOMPUTE:
                 out = run_recomputed(
@@ -490,7 +547,7 @@ class _BlockForward:
                     name=rt.chain.names[i],
                     device=rt.backend.device,
                     save_input=step.pack_hook(i, swap=decision.swap_input, what="save"),
-                    load_input=unpack,
+                    load_input=step.loader(i),
                     recompute_pack=lambda: step.pack_hook(i, swap=False, what="recompute"),
                     range_name=f"ooc/recompute/{rt.chain.names[i]}",
                     timer=lambda what: rt.timer(i, what),
@@ -520,6 +577,7 @@ class _BlockForward:
             for j in rt.schedule.releases_after_forward[i]:
                 step.release(j)
         finally:
+            step.running = -1
             rt.streamer.release(i)
             fwd.end()
         if rt.timer.marks_backward:
@@ -529,10 +587,13 @@ class _BlockForward:
             elif params := [p for p in rt.chain.modules[i].parameters() if p.requires_grad]:
                 # No input needs a gradient (raw data): the block's backward ends with its parameters'.
                 step.timing_hooks.append(register_multi_grad_hook(params, lambda _grads: rt.timer.mark(i, "backward_end"), mode="all"))
+        # Outputs the block computed (with a grad_fn): a leaf it returns (its parameter, or an argument
+        # passed through) has no node of the block behind it, and a hook on it outlives the graph:
+        # one was added per forward and each fired in every later backward, keeping its pass alive.
         if isinstance(out, torch.Tensor):
-            outputs = [out] if out.requires_grad else []
+            outputs = [out] if out.grad_fn is not None else []
         else:
-            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
+            outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
         if len(outputs) == 1:
             outputs[0].register_hook(lambda _grad: step.on_backward_start(i))  # half the cost of a multi-hook
         elif outputs:
@@ -570,8 +631,9 @@ class Runtime:
         self._installed: list[tuple[nn.Module, Any]] = []
         self.on_uninstall: list[Callable[[], None]] = []
         """Undo what was changed on the model at install (HF caches: NOTE [caches and recompute] in ooc.hf)."""
-        self.first_calls: list[int] | None = None
-        """The blocks run during the model's first training forward, checked when it ends."""
+        self.first_calls: list[tuple[int, bool]] | None = None
+        """The blocks run during the model's first training forward, each with whether grad was enabled
+        in its call, checked when it ends (NOTE [blocks run without grad])."""
         self._first_forward_hooks: list[Any] = []
         self._attach_hooks: list[Any] = []
         """Forward pre-hooks that bring a block's streamed weights in before the caller's pre-hooks."""
@@ -633,9 +695,18 @@ class Runtime:
         self.first_calls = [] if torch.is_grad_enabled() else None
 
     def _end_first_forward(self, _module: nn.Module, _args: Any, _out: Any) -> None:
-        calls, self.first_calls = self.first_calls, None
-        if calls is None:
+        """NOTE [blocks run without grad]
+        A training forward may run some blocks under ``torch.no_grad()`` (a frozen bottom of the chain:
+        ``with torch.no_grad(): h = self.layers[:k](h)``). Such a call saves nothing and runs as plain
+        PyTorch, so any plan fits it: the chain check counts it where the block ran. (It counted only
+        calls with grad, said the frozen blocks "never ran", and unwrapped a model plain PyTorch
+        trains.) A block that also ran with grad (a target computed by the same layers without grad,
+        then the training pass) is checked by its calls with grad alone, as before."""
+        first, self.first_calls = self.first_calls, None
+        if first is None:
             return
+        with_grad = {i for i, grad in first if grad}
+        calls = [i for i, grad in first if grad or i not in with_grad]
         for handle in self._first_forward_hooks:
             handle.remove()
         self._first_forward_hooks = []
