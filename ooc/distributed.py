@@ -204,9 +204,22 @@ def ranks_not_arrived(name: str, timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while True:
         missing = [r for r in range(world) if r != rank and store.add(f"ooc/arrived/{name}/{r}", 0) < mine]
-        if not missing or time.monotonic() >= deadline:
+        if missing and time.monotonic() >= deadline:
             return missing
+        if not missing:
+            break
         time.sleep(_ARRIVAL_POLL_S)
+    # Rank 0's process serves the store (env:// and torchrun): a rank 0 that went on and ended took it
+    # with it while another rank still read the counts ("Failed to recv ... Did the remote server
+    # shutdown"). So the others say when they are done reading, and rank 0 leaves last.
+    done = f"ooc/arrived/{name}/done/{mine}"
+    if rank != 0:
+        store.add(done, 1)
+        return []
+    deadline = time.monotonic() + timeout_s
+    while store.add(done, 0) < world - 1 and time.monotonic() < deadline:
+        time.sleep(_ARRIVAL_POLL_S)
+    return []
 
 
 def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
