@@ -6,26 +6,20 @@ fails the test within its timeout.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import queue
-import socket
 import time
-import traceback
-import warnings
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
 import ooc
 from ooc.distributed import DataParallel
 from ooc.optim import HostAdamW
+from tests.ooc.test_distributed_users import _on_ranks as on_ranks
 
 STEPS = 3
 
@@ -48,59 +42,9 @@ def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
 
 
-def _worker(rank: int, world: int, port: int, case: Callable[[int], Any], out: Any) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      # As in test_distributed.py: the order checker does not model the exchange
-                      # thread's hand-off of a host gradient (NOTE in its _env).
-                      OOC_CHECK_ORDER="0")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            out.put((rank, "ok", case(rank)))
-    except BaseException:  # noqa: BLE001 - reported to the test
-        out.put((rank, "raised", traceback.format_exc()))
-    finally:
-        with contextlib.suppress(Exception):
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _on_ranks(case: Callable[[int], Any], world: int = 2, timeout: float = 90) -> list[Any]:
-    """``case(rank)`` on ``world`` spawned ranks; their results by rank. Fails (never hangs) if a
-    rank raises, dies or is still running after ``timeout`` seconds."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world, port, case, out)) for rank in range(world)]
-    for proc in procs:
-        proc.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout
-    try:
-        while len(results) < world:
-            try:
-                rank, how, value = out.get(timeout=1)
-            except queue.Empty:
-                dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
-                if dead or time.monotonic() > deadline:
-                    pytest.fail(f"a rank died (exit codes {dead}) or hung: results so far {results}")
-                continue
-            if how != "ok":
-                pytest.fail(f"rank {rank} raised:\n{value}")
-            results[rank] = value
-    finally:
-        for proc in procs:
-            proc.join(timeout=10)
-            if proc.is_alive():
-                proc.kill()
-    return [results[r] for r in range(world)]
+    """``case(rank)`` on ``world`` spawned gloo ranks (the harness of test_distributed_users)."""
+    return on_ranks(case, world, timeout)
 
 
 def _groups_that_differ(rank: int) -> str:

@@ -173,13 +173,13 @@ def _unused_in_bf16(rank: int) -> dict[str, list[str]]:
     return found
 
 
-def _worker(rank: int, port: int, case: Callable[[int], Any], out: Any) -> None:
+def _worker(rank: int, world: int, port: int, case: Callable[[int], Any], out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
                       # As in test_distributed.py: the order checker does not model the exchange
                       # thread's hand-off of a host gradient (NOTE in its _env).
                       OOC_CHECK_ORDER="0")
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -198,18 +198,23 @@ def _free_port() -> int:
 
 
 def _on_two_ranks(case: Callable[[int], Any], timeout: float = 120) -> list[Any]:
-    """``case(rank)`` on two spawned ranks; their results by rank. Fails (never hangs) if a rank
-    raises, dies or is still running after ``timeout`` seconds."""
+    """``case(rank)`` on two spawned ranks (``_on_ranks``)."""
+    return _on_ranks(case, WORLD, timeout)
+
+
+def _on_ranks(case: Callable[[int], Any], world: int, timeout: float = 120) -> list[Any]:
+    """``case(rank)`` on ``world`` spawned gloo ranks; their results by rank. Fails (never hangs) if a
+    rank raises, dies or is still running after ``timeout`` seconds."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, port, case, out)) for rank in range(WORLD)]
+    procs = [ctx.Process(target=_worker, args=(rank, world, port, case, out)) for rank in range(world)]
     for proc in procs:
         proc.start()
     results: dict[int, Any] = {}
     deadline = time.monotonic() + timeout
     try:
-        while len(results) < WORLD:
+        while len(results) < world:
             try:
                 rank, how, value = out.get(timeout=1)
             except queue.Empty:
@@ -225,7 +230,7 @@ def _on_two_ranks(case: Callable[[int], Any], timeout: float = 120) -> list[Any]
             proc.join(timeout=10)
             if proc.is_alive():
                 proc.kill()
-    return [results[r] for r in range(WORLD)]
+    return [results[r] for r in range(world)]
 
 
 def test_parameters_unused_on_one_rank_train_as_under_ddp() -> None:
