@@ -3,7 +3,9 @@ the optimizer] in ooc.optim.loss_scale), against torch.amp.GradScaler + AdamW(fu
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -375,6 +377,21 @@ class _ForwardingOptimizer:
         self.optimizer.zero_grad(set_to_none=set_to_none)
 
 
+@contextlib.contextmanager
+def _pipelined_behind_a_wrapper() -> Iterator[tuple[nn.Module, _ForwardingOptimizer, torch.amp.GradScaler]]:
+    """The nano GPT wrapped all-KEEP, a pipelined HostAdamW behind ``_ForwardingOptimizer``, and a
+    GradScaler at 2^10; the optimizer is closed and the model unwrapped afterwards."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
+    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
+    try:
+        yield model, _ForwardingOptimizer(opt), torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
 def test_a_grad_scaler_through_a_wrapper_on_a_pipelined_optimizer_is_refused_pointing_to_loss_scale() -> None:
     """Through a wrapper that hides ``_step_supports_amp_scaling``, GradScaler unscaled the gradients
     after the pipelined updates had read them, with a kernel that leaves their version counters
@@ -382,19 +399,10 @@ def test_a_grad_scaler_through_a_wrapper_on_a_pipelined_optimizer_is_refused_poi
     calling it and refuses, naming loss_scale=."""
     from ooc.optim.pipeline import PipelineError
 
-    torch.manual_seed(0)
-    model = GPT("nano")
-    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
-    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
-    wrapper = _ForwardingOptimizer(opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    try:
+    with _pipelined_behind_a_wrapper() as (model, wrapper, scaler):
         scaler.scale(_loss(model, 0)).backward()
         with pytest.raises(PipelineError, match=r"unscaled the gradients itself.*loss_scale=ooc\.optim\.LossScale\(\)"):
             scaler.step(wrapper)
-    finally:
-        opt.close()
-        ooc.unwrap(model)
 
 
 def test_a_grad_scaler_through_a_wrapper_drives_an_optimizer_that_updates_in_step() -> None:
@@ -442,18 +450,9 @@ def test_a_step_a_grad_scaler_skipped_through_a_wrapper_names_loss_scale() -> No
     warning at zero_grad() names the likely cause and the way that works."""
     from ooc.optim.pipeline import UncommittedStepWarning
 
-    torch.manual_seed(0)
-    model = GPT("nano")
-    ooc.wrap(model, ooc.Plan.uniform("keep", len(model.blocks)), backend="cpu")
-    opt = HostAdamW(model.parameters(), lr=1e-3, model=model)
-    wrapper = _ForwardingOptimizer(opt)
-    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    try:
+    with _pipelined_behind_a_wrapper() as (model, wrapper, scaler):
         scaler.scale(_loss(model, min(OVERFLOW))).backward()
         scaler.step(wrapper)
         scaler.update()
         with pytest.warns(UncommittedStepWarning, match=r"GradScaler.*skips step\(\).*loss_scale=ooc\.optim\.LossScale\(\)"):
             wrapper.zero_grad()
-    finally:
-        opt.close()
-        ooc.unwrap(model)
