@@ -32,8 +32,9 @@ def _rand(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(dtype)
 
 
-def _quantize(shape, dtype, codec, stochastic=False, seed=0):  # noqa: ANN001, ANN202
-    return lambda: quant._quantize_triton(_rand(*shape, dtype=dtype), codec, 64, stochastic, seed)
+def _quantize(shape, dtype, codec, stochastic=False, seed=0, flag_dtype=None):  # noqa: ANN001, ANN202
+    flag = None if flag_dtype is None else torch.zeros(1, dtype=flag_dtype)
+    return lambda: quant._quantize_triton(_rand(*shape, dtype=dtype), codec, 64, stochastic, seed, flag=flag)
 
 
 def _dequantize(shape, dtype, codec):  # noqa: ANN001, ANN202
@@ -50,8 +51,13 @@ CASES = {
     "quantize_int8_stochastic_seed1": (ARCHES, _quantize((4, 4096), torch.float32, "int8", True, 1)),
     "quantize_int4_stochastic_seed1": (ARCHES, _quantize((4, 4096), torch.float16, "int4", True, 1)),
     "quantize_int4_bf16_odd_cols": (ARCHES, _quantize((3, 4097), torch.bfloat16, "int4", True, 7)),
+    "quantize_int4_fp32_pairs": (ARCHES, _quantize((4, 4096), torch.float32, "int4")),
+    "quantize_int4_bf16_pairs": (ARCHES, _quantize((4, 4096), torch.bfloat16, "int4")),
     "quantize_int8_one_element": (ARCHES, _quantize((1,), torch.float16, "int8")),
+    "quantize_int8_int64_flag": (ARCHES, _quantize((4, 4096), torch.float32, "int8", flag_dtype=torch.int64)),
+    "quantize_int4_int32_flag": (ARCHES, _quantize((4, 4096), torch.float16, "int4", flag_dtype=torch.int32)),
     "quantize_fp8_e4m3": ([90], _quantize((4, 4096), torch.float32, "fp8_e4m3")),
+    "quantize_fp8_e4m3_int64_flag": ([90], _quantize((4, 4096), torch.float32, "fp8_e4m3", flag_dtype=torch.int64)),
     "quantize_fp8_e5m2": (ARCHES, _quantize((4, 4096), torch.bfloat16, "fp8_e5m2")),
     "dequantize_int8_fp32": (ARCHES, _dequantize((4, 4096), torch.float32, "int8")),
     "dequantize_int4_fp16": (ARCHES, _dequantize((4, 4096), torch.float16, "int4")),

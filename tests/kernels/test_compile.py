@@ -80,6 +80,28 @@ def test_quantize_divides_once_per_group_and_fuses_no_multiply_add(compiled, cas
             assert ptx.count("div.rn.f32") < ptx.count("mul.rn.f32")
 
 
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
+def test_only_a_flagged_quantize_counts_with_an_atomic(compiled, case) -> None:
+    # NOTE [the NaN/Inf count in the kernel]: the count is added by an atomic (PTX atom or red) in the
+    # kernel when the caller passes a flag, and the kernel without one has none.
+    for arch in CASES[case][0]:
+        ptx = _ptx(compiled, case, arch)
+        assert bool(re.search(r"\b(atom|red)\.global", ptx)) == case.endswith("_flag")
+
+
+@pytest.mark.parametrize("arch", [80, 90])
+def test_int4_of_even_rows_packs_without_moving_its_tile_through_shared_memory(compiled, arch) -> None:
+    # NOTE [int4 from pairs]: the general kernel's reshape and split of its code tile went through
+    # shared memory (byte stores there, six barriers) and ran at 0.63 of the copy on an H200; read as
+    # pairs, an even row's int4 kernel shares only its reductions' scratch, as int8's does.
+    for case in ("quantize_int4_fp32_pairs", "quantize_int4_bf16_pairs", "quantize_int4_stochastic_seed1", "quantize_int4_int32_flag"):
+        assert compiled[case][f"sm_{arch}"]["kernel"] == "_quantize_int4_pairs_kernel"
+        ptx = _ptx(compiled, case, arch)
+        int8 = _ptx(compiled, "quantize_int8_int64_flag" if case.endswith("_flag") else "quantize_int8_fp32", arch)
+        assert not re.search(r"st\.shared\.(v\d\.)?b8", ptx) and ptx.count("bar.sync") <= int8.count("bar.sync")
+    assert compiled["quantize_int4_bf16_odd_cols"][f"sm_{arch}"]["kernel"] == "_quantize_int_kernel"
+
+
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("grad_weight")))
 def test_grad_weight_dot_is_fp32_not_tf32(compiled, case) -> None:
     # Its test bounds the error by fp32 summation; a TF32 tensor-core dot keeps 10 mantissa bits.

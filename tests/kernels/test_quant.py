@@ -21,7 +21,7 @@ needs_interpreter = pytest.mark.skipif(
     not HAS_GPU and os.environ.get("TRITON_INTERPRET") != "1", reason="Triton needs a GPU or TRITON_INTERPRET=1"
 )
 
-SHAPES = [(1,), (7,), (3, 63), (2, 4097), (4, 64), (2, 3, 33)]
+SHAPES = [(1,), (7,), (3, 63), (2, 4097), (4, 64), (2, 3, 33), (5, 130)]  # int4 reads even rows as pairs (NOTE [int4 from pairs])
 
 
 @pytest.fixture()
@@ -144,6 +144,28 @@ def test_check_finite_false_reads_nothing_back_and_the_flag_counts_on_the_device
         quantize(x)
 
 
+def _poisoned_groups() -> torch.Tensor:
+    """(64, 256) values: 256 groups of 64, 32 per Triton program, so 8 programs; NaN or Inf in
+    groups (0, 0) and (0, 1) (the first program), (20, 3) (the third) and (63, 3) (the last)."""
+    x = torch.randn(64, 256)
+    x[0, 5], x[0, 64], x[20, 200], x[63, 255] = float("nan"), float("inf"), float("-inf"), float("nan")
+    return x
+
+
+@needs_interpreter
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+@pytest.mark.parametrize("flag_dtype", [torch.int32, torch.int64], ids=["int32", "int64"])
+def test_triton_counts_nonfinite_groups_in_the_kernel(kernels, monkeypatch, codec, flag_dtype) -> None:
+    """NOTE [the NaN/Inf count in the kernel]: each program adds its own count; nothing is launched after."""
+    kernels("triton")
+    monkeypatch.setattr("ooc.kernels.quant.nonfinite_groups", lambda q: pytest.fail("counted after the kernel"))
+    flag = torch.full((1,), 5, dtype=flag_dtype)
+    with no_host_reads():
+        quantize(_poisoned_groups(), codec=codec, check_finite=False, nonfinite_flag=flag)
+        quantize(torch.randn(64, 256), codec=codec, check_finite=False, nonfinite_flag=flag)
+    assert flag.tolist() == [5 + 4]
+
+
 def test_nonfinite_flag_must_be_an_integer_count_on_the_input_device() -> None:
     for flag in (torch.zeros(2, dtype=torch.int64), torch.zeros(1), torch.zeros(1, dtype=torch.bool),
                  torch.zeros(1, dtype=torch.int64, device="meta")):
@@ -234,6 +256,23 @@ def test_triton_all_zero_groups_and_bf16(kernels) -> None:
 
 
 @needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+def test_triton_int4_from_pairs_and_from_an_odd_offset_equal_the_reference(kernels, dtype) -> None:
+    # NOTE [int4 from pairs]: even rows are read two values at a time; a view at an odd storage
+    # offset cannot be, and goes through the general kernel. Both equal the reference bit for bit.
+    storage = (torch.randn(1 + 6 * 130) * 3).to(dtype)
+    storage[1 + 2 * 130 + 77] = float("nan")  # row 2's second group
+    for x in (storage[:-1].view(6, 130), storage[1:].view(6, 130)):
+        for stochastic in (False, True):
+            kernels("reference")
+            ref = quantize(x, codec="int4", stochastic=stochastic, seed=3, check_finite=False)
+            kernels("triton")
+            got = quantize(x, codec="int4", stochastic=stochastic, seed=3, check_finite=False)
+            assert torch.equal(got.codes, ref.codes)
+            assert torch.equal(got.scales.nan_to_num(-1.0), ref.scales.nan_to_num(-1.0))
+
+
+@needs_interpreter
 def test_triton_nan_is_reported(kernels) -> None:
     kernels("triton")
     x = torch.randn(2, 64)
@@ -254,12 +293,24 @@ def test_forcing_triton_on_cpu_without_the_interpreter(kernels, monkeypatch) -> 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("codec", ["int8", "int4"])
-def test_cuda_equals_reference(codec) -> None:
-    x = torch.randn(33, 4097, device="cuda")
+@pytest.mark.parametrize("cols", [4097, 4096])  # int4: the general kernel, and pairs (NOTE [int4 from pairs])
+def test_cuda_equals_reference(codec, cols) -> None:
+    x = torch.randn(33, cols, device="cuda")
     got = quantize(x, codec=codec)
     ref = torch_quantize(x.cpu(), codec=codec)
     assert torch.equal(got.codes.cpu(), ref.codes) and torch.equal(got.scales.cpu(), ref.scales)
     assert torch.equal(dequantize(got).cpu(), torch_dequantize(ref))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("codec", ["int8", "int4", "fp8_e4m3"])
+def test_cuda_kernel_counts_nonfinite_groups(codec) -> None:
+    if codec == "fp8_e4m3" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("fp8 needs sm_89 or newer")
+    x = _poisoned_groups().repeat(40, 1).cuda()  # 320 programs, 40 with a NaN or Inf group
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    q = quantize(x, codec=codec, check_finite=False, nonfinite_flag=flag)
+    assert int(flag) == int(torch.isnan(q.scales).sum()) == 4 * 40
 
 
 @pytest.mark.gpu
