@@ -14,6 +14,9 @@ import torch
 HAS_GPU = torch.cuda.is_available()
 if not HAS_GPU:
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# Processes the tests start (``ooc train``, spawned ranks) run on one intra-op thread too (NOTE [one
+# intra-op thread in tests]); a test that sets OMP_NUM_THREADS itself keeps its own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 # CPU backends check the CUDA stream-order rules (NOTE [stream-order checker] in ooc.backend.order).
 os.environ.setdefault("OOC_CHECK_ORDER", "1")
 
@@ -67,10 +70,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 
 @pytest.fixture(autouse=True)
-def _deterministic_threads():
-    # Reductions on CPU can split work by thread count: a test that changes it (as a benchmark or
-    # ``torchrun``'s OMP_NUM_THREADS=1 would) must not change the numerics of the tests after it.
+def _one_intra_op_thread():
+    # NOTE [one intra-op thread in tests]: the tests' tensors are small, and on CI's two cores torch's
+    # second intra-op thread costs more than it gives (test_memory's 768 wrapped steps: 62 ms a step
+    # with two threads, 22 ms with one) and competes with ooc's own host threads and spawned ranks.
+    # So each test runs on one, as ``torchrun`` (OMP_NUM_THREADS=1) runs a rank, and gets back the
+    # count it found: a test that changes it must not change the numerics of the tests after it
+    # (reductions on CPU can split work by thread count).
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
     # Imported here, not at the top: ooc must load after TRITON_INTERPRET is set above.

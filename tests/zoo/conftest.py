@@ -1,12 +1,11 @@
-"""The zoo's set-up: one torch thread (CPU reductions then split the same way in every run), and
-the torchvision stub when torchvision is missing (timm imports it; the zoo never uses it)."""
+"""The zoo's set-up: the torchvision stub when torchvision is missing (timm imports it; the zoo never
+uses it). Its tests run on one torch thread, as every test does (NOTE [one intra-op thread in tests])."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
-import torch
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -15,10 +14,3 @@ def pytest_configure(config: pytest.Config) -> None:
 
         torchvision_stub.install()
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
