@@ -1,0 +1,120 @@
+"""The CPU backend's copy engines when their threads are not scheduled (NOTE [a waiter runs the
+copies] in ooc.backend.cpu): a thread that waits for a copy runs it, in issue order, one job at a
+time with the engine's own thread, and a job that fails raises on the thread that ran it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+import ooc
+from ooc.backend import ChaosConfig, CpuBackend
+from ooc.backend.cpu import _CopyEngine
+from ooc.models import GPT
+from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
+
+
+@pytest.fixture()
+def starved(monkeypatch):
+    """Copy engines made from here on start their threads only when the returned event is set, as
+    on a machine whose cores are all taken; set at the end of the test either way, or after two
+    minutes, so that a wait that cannot finish without the engines' threads fails the test instead
+    of hanging it."""
+    gate = threading.Event()
+    watchdog = threading.Timer(120, gate.set)
+    watchdog.daemon = True
+    watchdog.start()
+    run = _CopyEngine._run
+
+    def starved_run(self) -> None:  # noqa: ANN001
+        gate.wait()
+        run(self)
+
+    monkeypatch.setattr(_CopyEngine, "_run", starved_run)
+    yield gate
+    gate.set()
+    watchdog.cancel()
+
+
+def test_a_wait_runs_the_copies_its_engine_thread_has_not(starved) -> None:
+    backend = CpuBackend(check_order=False)
+    try:
+        src = [torch.full((1000,), float(i)) for i in range(3)]
+        dst = [torch.empty(1000) for _ in range(3)]
+        events = [backend.copy_d2h(d, s, ()) for d, s in zip(dst, src)]
+        events[1].synchronize()  # runs the first two copies, in order, here
+        assert events[0].query() and events[1].query() and not events[2].query()
+        backend.synchronize()
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+        assert not starved.is_set()  # the engines' threads never ran
+    finally:
+        starved.set()
+        backend.close()
+
+
+def test_jobs_run_in_issue_order_one_at_a_time_between_the_engine_and_its_waiters() -> None:
+    engine = _CopyEngine("test-engine")
+    order: list[int] = []
+    running = [0]
+    most = [0]
+    lock = threading.Lock()
+
+    def job(i: int, done: threading.Event):  # noqa: ANN202
+        def run() -> None:
+            with lock:
+                running[0] += 1
+                most[0] = max(most[0], running[0])
+            order.append(i)
+            threading.Event().wait(0.0002)  # long enough for another thread to try to start a job
+            with lock:
+                running[0] -= 1
+            done.set()
+        return run
+
+    dones = [threading.Event() for _ in range(300)]
+    for i, done in enumerate(dones):
+        engine.submit(job(i, done))
+    waiters = [threading.Thread(target=engine.run_until, args=(dones[k],)) for k in (50, 150, 299)]
+    for waiter in waiters:
+        waiter.start()
+    engine.run_until(dones[299])
+    for waiter in waiters:
+        waiter.join()
+    engine.close()
+    assert order == list(range(300))
+    assert most[0] == 1
+
+
+def test_a_job_that_fails_on_a_waiting_thread_raises_there(starved) -> None:
+    engine = _CopyEngine("test-engine")
+    after = threading.Event()
+
+    def fails() -> None:
+        raise OSError("the copy failed")
+
+    engine.submit(fails)
+    engine.submit(after.set)
+    with pytest.raises(OSError, match="the copy failed"):
+        engine.run_until(after)
+    with pytest.raises(RuntimeError, match="failed earlier"):
+        engine.submit(after.set)
+    starved.set()
+    engine.close()
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["cpu", "chaos"])
+def test_training_with_starved_copy_engines_equals_plain_pytorch(starved, chaos: bool) -> None:
+    """Swapped blocks, prefetched and drained, with the engines' threads never scheduled: every copy
+    runs on the training thread when it waits for it, and the gradients equal plain PyTorch's."""
+    backend = CpuBackend(chaos=ChaosConfig(seed=5, max_delay_s=0.0005) if chaos else None)
+    plan = ooc.Plan(blocks=tuple(ooc.BlockPlan(p) for p in ("swap", "recompute", "swap", "keep")), prefetch=2, min_swap_bytes=1024)
+    try:
+        results = train_side_by_side(lambda: GPT(NANO), gpt_loss, [gpt_batch(seed=s) for s in range(2)],
+                                     lambda m: ooc.wrap(m, plan, backend=backend))
+        assert not starved.is_set()
+    finally:
+        starved.set()
+        backend.close()
+    assert results == [(True, True, True)] * 2
