@@ -11,7 +11,9 @@ arguments and in its modules' attributes, also inside a list, tuple or dict attr
 starts each from the state it had before the forward, and each is put back after it, so the next
 forward draws where plain PyTorch's would. A generator held anywhere else (a global, an attribute of
 a helper object) is not found: ``ooc.wrap(..., check_recompute=True)`` catches what it changes, and
-such blocks are planned as keep or swap.
+such blocks are planned as keep or swap. The process-wide states are the whole process's: another
+thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
+with torch's generators under ``torch.utils.checkpoint``.
 """
 
 from __future__ import annotations
