@@ -8,7 +8,9 @@ silently."""
 
 from __future__ import annotations
 
+import copy
 import random
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,7 +19,7 @@ import torch.nn as nn
 
 import ooc
 from ooc.recompute import RecomputeError
-from tests.ooc.test_recompute_adversarial import CODES, Chain, assert_same_as_plain, inputs
+from tests.ooc.test_recompute_adversarial import CODES, Chain, RandomMask, assert_same_as_plain, inputs
 
 
 class _Block(nn.Module):
@@ -161,3 +163,26 @@ def test_profiling_leaves_the_host_generators_where_they_were(block: type[_Block
     after = (random.random(), np.random.rand())
     _seed_host_generators(5)
     assert after == (random.random(), np.random.rand())
+
+
+@pytest.mark.parametrize("block", [lambda: RandomMask(own=True), NumpyGeneratorAttribute, TorchGeneratorInAList,
+                                   PythonRandomAttribute], ids=["torch", "numpy", "torch-in-a-list", "python"])
+def test_wrap_with_a_sample_leaves_the_generators_of_the_modules_where_they_were(block: Callable[[], nn.Module]) -> None:
+    """``wrap(budget=..., sample=...)`` profiles the model on the sample; the generators its blocks own
+    were left advanced by the profiling forwards, so the first training forward drew other numbers
+    than the plain model's: other outputs, other gradients."""
+    def one_step(model: Chain) -> list[torch.Tensor]:
+        x = inputs()
+        out = model(x)
+        out.pow(2).sum().backward()
+        return [out, x.grad]
+
+    torch.manual_seed(0)
+    plain = Chain([block() for _ in range(3)])
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, budget="1GiB", sample=inputs(), backend="cpu")
+    try:
+        results = [one_step(model) + [p.grad for p in model.parameters()] for model in (plain, wrapped)]
+    finally:
+        ooc.unwrap(wrapped)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
