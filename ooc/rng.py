@@ -61,12 +61,15 @@ class RngState:
             outer.restore()
 
 
-def _generator_types() -> tuple[type, ...]:
-    types: tuple[type, ...] = (torch.Generator, random.Random)
+_CONTAINERS = frozenset((list, tuple, dict))
+
+
+def _generator_types() -> frozenset[type]:
+    types = {torch.Generator, random.Random}
     np_random = sys.modules.get("numpy.random")
     if np_random is not None:
-        types += (np_random.Generator, np_random.RandomState)
-    return types
+        types |= {np_random.Generator, np_random.RandomState}
+    return frozenset(types)
 
 
 def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list[Any]:
@@ -76,12 +79,15 @@ def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list
     Python ``__getattribute__``); ``random.SystemRandom`` has no state to replay."""
     types = _generator_types()
     found = [g for g in leaves if type(g) in types]
+    looked_for = types | _CONTAINERS
     for m in modules:
         for name, value in vars(m).items():
             kind = type(value)
+            if kind not in looked_for:
+                continue
             if kind in types:
                 found.append(value)
-            elif kind in (list, tuple, dict) and not name.startswith("_"):  # not nn.Module's own dicts
+            elif not name.startswith("_"):  # a container, not one of nn.Module's own dicts
                 items = value.values() if kind is dict else value
                 found += [g for g in items if type(g) in types]
     return list(dict.fromkeys(found))
