@@ -13,7 +13,9 @@ forward draws where plain PyTorch's would. A generator held anywhere else (a glo
 a helper object) is not found: ``ooc.wrap(..., check_recompute=True)`` catches what it changes, and
 such blocks are planned as keep or swap. The process-wide states are the whole process's: another
 thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
-with torch's generators under ``torch.utils.checkpoint``.
+with torch's generators under ``torch.utils.checkpoint``. Cost: host time at every recomputed forward
+and re-run, mostly numpy's ``get_state``/``set_state`` (about 50 us each on a loaded 2-core CPU,
+against 1 us for torch's CPU generator); a faster copy of numpy's state is open.
 """
 
 from __future__ import annotations
