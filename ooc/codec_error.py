@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
+from ooc.rng import RngState, generators_in, set_state, state_of
 from ooc.scheduler.codecs import CODECS, SWAP_GROUP_SIZE, codec_error_name
 from ooc.scheduler.plan import Codec
 
@@ -119,14 +120,21 @@ def _through_codec(active: list[Codec | None], skip_ptrs: frozenset[int], min_sw
         yield
 
 
-def _rng_state() -> tuple[torch.Tensor, list[torch.Tensor] | None]:
-    return torch.get_rng_state(), torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+class _Draws:
+    """What a block's forward draws from, to draw it again: the generators a runtime re-run replays
+    (NOTE [generators a re-run replays] in ``ooc.rng``), so the measured re-run differs from the first
+    run by the codec alone, as the runtime's does."""
 
+    def __init__(self, module: nn.Module, inputs: tuple[tuple, dict]) -> None:
+        leaves = tree_flatten(inputs)[0]
+        device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
+        self.rng = RngState(device)
+        self.generators = [(g, state_of(g)) for g in generators_in(leaves, module.modules())]
 
-def _set_rng_state(state: tuple[torch.Tensor, list[torch.Tensor] | None]) -> None:
-    torch.set_rng_state(state[0])
-    if state[1] is not None:
-        torch.cuda.set_rng_state_all(state[1])
+    def restore(self) -> None:
+        self.rng.restore()
+        for g, state in self.generators:
+            set_state(g, state)
 
 
 def _grad_leaves(tree: Any) -> list[torch.Tensor]:
@@ -166,7 +174,7 @@ def block_codec_errors(
     numbers the first forward drew (dropout masks), as the runtime's recomputation does."""
     params = [p for p in module.parameters() if p.requires_grad]
     active: list[Codec | None] = [None]
-    rng = _rng_state()
+    draws = _Draws(module, inputs)
     with _through_codec(active, skip_ptrs, min_swap_bytes):
         output = module(*inputs[0], **inputs[1])
     pairs, wrt = _output_pairs(output, grads), _grad_leaves(inputs) + params
@@ -178,7 +186,7 @@ def block_codec_errors(
         if recompute:
             again = tree_map(lambda t: _restored(t.detach(), codec, skip_ptrs, min_swap_bytes).requires_grad_(t.requires_grad)  # noqa: B023
                              if isinstance(t, torch.Tensor) else t, inputs)
-            _set_rng_state(rng)
+            draws.restore()
             got = _gradients(_output_pairs(module(*again[0], **again[1]), grads), _grad_leaves(again) + params)
         else:
             active[0] = codec

@@ -26,6 +26,7 @@ from ooc.codec_error import measure_codec_errors
 from ooc.errors import WrapError
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
+from ooc.rng import RngState, generators_in, set_state, state_of
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
@@ -54,14 +55,15 @@ def call_model(model: nn.Module, sample: Any) -> Any:
 
 
 class ModelState:
-    """Gradients, buffers and RNG state, so profiling leaves the model as it found it."""
+    """Gradients, buffers and RNG state (every generator ``RngState`` holds, and the generator objects
+    the model's modules hold: ``ooc.rng.generators_in``), so profiling leaves the model, and the numbers
+    the next forward draws, as it found them."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
         self.buffers = [(b, b.clone()) for b in model.buffers()]
-        self.cpu_rng = torch.get_rng_state()
-        self.device = device
-        self.cuda_rng = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+        self.rng = RngState(device)
+        self.generators = [(g, state_of(g)) for g in generators_in([], model.modules())]
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -69,9 +71,9 @@ class ModelState:
                 p.grad = grad
             for b, saved in self.buffers:
                 b.copy_(saved)
-        torch.set_rng_state(self.cpu_rng)
-        if self.cuda_rng is not None:
-            torch.cuda.set_rng_state(self.cuda_rng, self.device)
+        self.rng.restore()
+        for g, state in self.generators:
+            set_state(g, state)
 
 
 def _bytes(tensors: Any) -> int:

@@ -20,7 +20,8 @@ What ooc adds to torch's mechanism:
   are counted by the tracker and swapped to the host when the plan says ``swap_input``.
 - Every tensor the re-run saves goes through the runtime's ``recompute_pack`` hook (the tracker
   counts it as "recompute", at the block's backward start, as the schedule does).
-- The re-run replays the CPU and the block device's RNG state (dropout masks repeat bit for bit) and
+- The re-run replays the CPU and the block device's RNG state (dropout masks repeat bit for bit),
+  Python's and numpy's global generators (NOTE [generators a re-run replays] in ``ooc.rng``) and
   the autocast state of the first run, and updates a copy of the block's buffers, so BatchNorm
   running statistics are updated once per step, as without ooc (torch's checkpoint updates them twice).
 - Every re-run is checked: a different number of saved tensors, or a different shape, dtype or
@@ -42,7 +43,8 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
   updated one gave other weights, hence wrong gradients, silently).
 - Parameters and buffers replaced between the forward and the backward (``torch.func.functional_call``
   swaps them in for the call only) are put back for the re-run; training flags and
-  ``torch.Generator`` objects (arguments, or attributes of the block's modules) too.
+  generator objects (``torch.Generator``, ``random.Random``, numpy's; arguments, or attributes of the
+  block's modules, also in a list, tuple or dict attribute: ``ooc.rng.generators_in``) too.
 - A tensor the forward saved that is still alive (a parameter, a tensor held by the caller, the
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
@@ -66,34 +68,11 @@ from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
+from ooc.rng import RngState, generators_in, set_state, state_of
 
 
 class RecomputeError(OocError, RuntimeError):
     """A recomputed block cannot be re-run faithfully (its re-run differs from its forward)."""
-
-
-class RngState:
-    """The CPU generator and, for a CUDA block, that device's generator."""
-
-    __slots__ = ("cpu", "cuda", "device")
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.cpu = torch.get_rng_state()
-        self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-
-    @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
-        outer = RngState(self.device)
-        torch.set_rng_state(self.cpu)
-        if self.cuda is not None:
-            torch.cuda.set_rng_state(self.cuda, self.device)
-        try:
-            yield
-        finally:
-            torch.set_rng_state(outer.cpu)
-            if outer.cuda is not None:
-                torch.cuda.set_rng_state(outer.cuda, self.device)
 
 
 class AutocastState:
@@ -132,10 +111,8 @@ class BlockState:
         self.constants: list[tuple[torch.Tensor, int]] = []
         """Non-persistent buffers and their versions before the forward."""
         self.training: list[tuple[torch.nn.Module, bool]] = []
-        # ``type() is``, not ``isinstance``: the latter reads ``__class__`` through HF configs' Python
-        # ``__getattribute__`` (0.5 ms per Llama layer).
-        generators = [g for g in leaves if type(g) is torch.Generator]
-        for m in module.modules():
+        modules = list(module.modules())
+        for m in modules:
             self.training.append((m, m.training))
             self.tensors += [(m._parameters, name, t) for name, t in m._parameters.items() if t is not None]
             for name, t in m._buffers.items():
@@ -146,8 +123,7 @@ class BlockState:
                     self.constants.append((t, t._version))
                 else:
                     self.buffers.append((m._buffers, name, t.detach().clone()))
-            generators += [g for g in vars(m).values() if type(g) is torch.Generator]
-        self.generators = [(g, g.get_state()) for g in dict.fromkeys(generators)]
+        self.generators = [(g, state_of(g)) for g in generators_in(leaves, modules)]
         owners = [t for _, _, t in self.tensors] + [d[name] for d, name, _ in self.buffers]
         self.ptrs = {t.untyped_storage().data_ptr(): t for t in owners if t.layout == torch.strided}
         """Storage address -> the parameter or buffer that owns it (the block's model state)."""
@@ -170,7 +146,7 @@ class BlockState:
         """Run the re-run on the forward's state; put the current one back after."""
         current: list[tuple[dict, str, torch.Tensor | None]] = []
         flags = [(m, m.training, training) for m, training in self.training if m.training != training]
-        generators = [(g, g.get_state()) for g, _ in self.generators]
+        generators = [(g, state_of(g)) for g, _ in self.generators]
         try:
             for d, name, tensor in self.tensors:
                 if (now := d.get(name)) is not tensor:
@@ -185,7 +161,7 @@ class BlockState:
             for m, _, training in flags:
                 m.training = training
             for g, state in self.generators:
-                g.set_state(state)
+                set_state(g, state)
             yield
         finally:
             self.copy_ptrs = frozenset()
@@ -194,7 +170,7 @@ class BlockState:
             for m, training, _ in flags:
                 m.training = training
             for g, state in generators:
-                g.set_state(state)
+                set_state(g, state)
 
 
 class PlanMismatchWarning(UserWarning):
@@ -541,7 +517,8 @@ class RecomputeFrame:
                 raise RecomputeError(
                     f"block {self.name}: saved tensor {index} {tuple(tensor.shape)} has other values when "
                     "recomputed than in the forward (check_recompute=True); the forward is not deterministic "
-                    "(RNG outside torch's generators, nondeterministic kernels, state changed between the runs); "
+                    "(a generator ooc does not replay, see NOTE [generators a re-run replays] in ooc.rng; "
+                    "nondeterministic kernels; state changed between the runs); "
                     "plan this block as keep or swap"
                 )
 

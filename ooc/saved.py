@@ -85,8 +85,12 @@ class NonFiniteCounts:
         self._counts.zero_()
         bad = ", ".join(f"{self.names[b]} ({n} group(s))" for b, n in enumerate(counts) if n)
         raise NonFiniteActivationError(
-            f"quantize: saved activations of block(s) {bad} hold NaN or Inf; a swapped activation must be finite "
-            "(check the loss scale, or keep these blocks' tensors uncompressed: codec 'none')")
+            f"quantize: saved activations of block(s) {bad} hold NaN or Inf; a compressed activation must be finite. "
+            "An overflow (fp16) puts them there: check the loss scale. A tensor may also hold -inf by design: an "
+            "additive attention mask, which Hugging Face's sdpa attention saves for a batch with padding (use "
+            "attn_implementation='eager', which saves none). Else keep these blocks' tensors uncompressed (codec "
+            "'none'), or let a planner offered codecs choose: the profile measures each block's codec error, unbounded for "
+            "such a block, and the planner gives it none")
 
 
 class SwapContext:
