@@ -302,9 +302,10 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     (by the kernel itself under Triton), and reads it once per step (a group holding NaN or Inf gets a
     NaN scale).
 
-    ``out``: a contiguous 1-D ``uint8`` tensor of :func:`encoded_nbytes` bytes on ``x``'s device; the
-    scales (fp32, first) and then the codes are written into it, and the result's ``scales`` and
-    ``codes`` are views of it (on GPUs the kernel writes there directly: no second copy of the codes).
+    ``out``: a contiguous 1-D ``uint8`` tensor of :func:`encoded_nbytes` bytes on ``x``'s device, starting
+    a multiple of 4 bytes into its storage; the scales (fp32, first) and then the codes are written into
+    it, and the result's ``scales`` and ``codes`` are views of it (on GPUs the kernel writes there
+    directly: no second copy of the codes).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -372,6 +373,9 @@ def _out_views(out: torch.Tensor, x: torch.Tensor, codec: str, group_size: int) 
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() != nbytes or out.device != x.device:
         raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.storage_offset() % 4:  # the fp32 scales come first
+        raise ValueError(f"out must start a multiple of 4 bytes into its storage (the fp32 scales come first), got "
+                         f"{out.storage_offset()}: slice a byte arena at an offset divisible by 4")
     codes_shape, codes_dtype, scales_shape = _layout(x, codec, group_size)
     scale_bytes = 4 * scales_shape[0] * scales_shape[1]
     return out[scale_bytes:].view(codes_dtype).view(codes_shape), out[:scale_bytes].view(torch.float32).view(scales_shape)

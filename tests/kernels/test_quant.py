@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ooc.kernels.quant import _group_tile, _packed_tile, dequantize, quantize
+from ooc.kernels.quant import _group_tile, _packed_tile, dequantize, encoded_nbytes, quantize
 from ooc.kernels.quant_reference import QMAX, hash_uniform, torch_dequantize, torch_quantize
 from tests.conftest import HAS_GPU
 from tests.helpers import stable_seed
@@ -215,6 +215,21 @@ def test_non_contiguous_input_is_quantized_as_its_values(kernels) -> None:
     assert torch.equal(quantize(x).codes, quantize(x.contiguous()).codes)
 
 
+@pytest.mark.parametrize("choice", ["reference", pytest.param("triton", marks=needs_interpreter)])
+def test_an_out_not_four_byte_aligned_is_refused_with_a_clear_message(kernels, choice) -> None:
+    # The fp32 scales come first in out: a byte arena's slice at an odd offset failed inside torch's
+    # dtype view ("storage_offset() must be divisible by 4"), not with quantize's own ValueError.
+    kernels(choice)
+    x = torch.randn(3, 130)
+    n = encoded_nbytes(x, codec="int4", group_size=64)
+    arena = torch.zeros(n + 8, dtype=torch.uint8)
+    for offset in (1, 2, 3):
+        with pytest.raises(ValueError, match="multiple of 4 bytes"):
+            quantize(x, codec="int4", out=arena[offset:offset + n])
+    q = quantize(x, codec="int4", out=arena[4:4 + n])
+    assert q.scales.data_ptr() == arena.data_ptr() + 4
+
+
 # interpret lane: Triton under TRITON_INTERPRET=1 equals the reference bit for bit ----------------
 
 
@@ -236,6 +251,26 @@ def test_triton_equals_reference(kernels, shape, dtype, codec, stochastic) -> No
     out = torch.full(x.shape, float("nan"), dtype=dtype)  # an element the kernel misses stays NaN
     dequantize(got, out=out)
     assert torch.equal(out, torch_dequantize(ref)), f"seed {seed}"
+
+
+@needs_interpreter
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=["fp32", "fp16", "bf16"])
+@pytest.mark.parametrize("cols", [130, 63], ids=["pairs", "general"])  # NOTE [int4 from pairs]
+def test_triton_writes_scales_then_codes_into_out_as_the_reference(kernels, dtype, cols) -> None:
+    x = (torch.randn(5, cols) * 3).to(dtype)
+    x[2, 7] = float("nan")
+    for codec in ("int8", "int4"):
+        kernels("reference")
+        ref = quantize(x, codec=codec, stochastic=True, seed=9, check_finite=False)
+        kernels("triton")
+        out = torch.full((encoded_nbytes(x, codec=codec, group_size=64),), 0xAB, dtype=torch.uint8)  # unwritten bytes stay 0xAB
+        flag = torch.zeros(1, dtype=torch.int64)
+        got = quantize(x, codec=codec, stochastic=True, seed=9, check_finite=False, nonfinite_flag=flag, out=out)
+        scale_bytes = ref.scales.numel() * 4
+        assert got.scales.data_ptr() == out.data_ptr() and got.codes.data_ptr() == out.data_ptr() + scale_bytes
+        assert torch.equal(out[:scale_bytes], ref.scales.reshape(-1).view(torch.uint8))
+        assert torch.equal(out[scale_bytes:], ref.codes.reshape(-1).view(torch.uint8))
+        assert flag.item() == 1
 
 
 @needs_interpreter
