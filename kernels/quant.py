@@ -22,6 +22,7 @@ from ooc.kernels.quant_reference import (
     FLOAT_INPUTS,
     FP8,
     MAX_SCALE,
+    MIN_SCALE,
     QMAX,
     Quantized,
     as_rows,
@@ -69,6 +70,20 @@ def _packed_tile(g, live, packed_cols, groups_per_row, GROUP: tl.constexpr):
     return (g // groups_per_row)[:, None] * packed_cols + pcol, live[:, None] & (pcol < packed_cols)
 
 
+# MIN_SCALE is an fp32 subnormal, and Triton types a Python float below 2^-126 as fp64: the kernels
+# build it from its bits.
+MIN_SCALE_BITS = tl.constexpr(int(torch.tensor(MIN_SCALE, dtype=torch.float32).view(torch.int32)))
+
+
+@triton.jit
+def _group_scale(amax, DIVISOR: tl.constexpr, MAX_SCALE: tl.constexpr):
+    """(GPP,) scales of groups of absmax ``amax``: ``amax / DIVISOR`` (IEEE) held between MIN_SCALE
+    (NOTE [smallest scale]) and MAX_SCALE (NOTE [largest scale]); 0 for an all-zero group."""
+    # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
+    low = tl.full(amax.shape, MIN_SCALE_BITS, tl.int32).to(tl.float32, bitcast=True)
+    return tl.where(amax > 0, tl.minimum(tl.maximum(tl.div_rn(amax, DIVISOR), low), MAX_SCALE), 0.0)
+
+
 @triton.jit
 def _count_nonfinite(flag_ptr, bad):
     """NOTE [the NaN/Inf count in the kernel]
@@ -94,8 +109,7 @@ def _quantize_int_kernel(
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")  # false for NaN and Inf
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    # div_rn, not fdiv(ieee_rounding=True): Triton 3.7 ignores that flag and emits approximate division.
-    scale = tl.minimum(tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0), MAX_SCALE)  # NOTE [largest scale]
+    scale = _group_scale(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0, MAX_SCALE)
     safe = tl.where(scale > 0, scale, 1.0)
     # NOTE [one division per group]: the reciprocal, correctly rounded, then a multiply per value.
     v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]
@@ -172,7 +186,7 @@ def _quantize_int4_pairs_kernel(
     finite_odd = tl.abs(odd) < float("inf")
     bad = tl.sum(tl.where(finite_even, 0, 1), axis=1) + tl.sum(tl.where(finite_odd, 0, 1), axis=1)
     amax = tl.maximum(tl.max(tl.where(finite_even, tl.abs(even), 0.0), axis=1), tl.max(tl.where(finite_odd, tl.abs(odd), 0.0), axis=1))
-    scale = tl.minimum(tl.div_rn(amax, QMAX * 1.0), MAX_SCALE)  # NOTE [largest scale]
+    scale = _group_scale(amax, QMAX * 1.0, MAX_SCALE)
     safe = tl.where(scale > 0, scale, 1.0)
     inv = tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]  # NOTE [one division per group]
     low = _int4_codes(even, inv, 2 * offsets, seed, QMAX, STOCHASTIC)  # element index 2k of pair k (cols = 2 * packed_cols)
@@ -208,7 +222,7 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, flag_ptr, total, cols, gr
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
     finite = tl.abs(x) < float("inf")
     bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    scale = tl.div_rn(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX)
+    scale = _group_scale(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX, float("inf"))
     safe = tl.where(scale > 0, scale, 1.0)
     v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]  # NOTE [one division per group]
     tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
@@ -288,9 +302,10 @@ def quantize(x: torch.Tensor, *, bits: int = 8, group_size: int = 64, stochastic
     (by the kernel itself under Triton), and reads it once per step (a group holding NaN or Inf gets a
     NaN scale).
 
-    ``out``: a contiguous 1-D ``uint8`` tensor of :func:`encoded_nbytes` bytes on ``x``'s device; the
-    scales (fp32, first) and then the codes are written into it, and the result's ``scales`` and
-    ``codes`` are views of it (on GPUs the kernel writes there directly: no second copy of the codes).
+    ``out``: a contiguous 1-D ``uint8`` tensor of :func:`encoded_nbytes` bytes on ``x``'s device, starting
+    a multiple of 4 bytes into its storage; the scales (fp32, first) and then the codes are written into
+    it, and the result's ``scales`` and ``codes`` are views of it (on GPUs the kernel writes there
+    directly: no second copy of the codes).
 
     Returns a :class:`Quantized`: codes (int8 (rows, cols); int4 packed (rows, ceil(cols/2)) uint8;
     fp8 (rows, cols)), fp32 scales (rows, ceil(cols/group_size)), and the shape and dtype of ``x``.
@@ -358,6 +373,9 @@ def _out_views(out: torch.Tensor, x: torch.Tensor, codec: str, group_size: int) 
     if out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() != nbytes or out.device != x.device:
         raise ValueError(f"out must be a contiguous 1-D uint8 tensor of {nbytes} bytes on {x.device}, got "
                          f"{out.dtype} {tuple(out.shape)} on {out.device}")
+    if out.storage_offset() % 4:  # the fp32 scales come first
+        raise ValueError(f"out must start a multiple of 4 bytes into its storage (the fp32 scales come first), got "
+                         f"{out.storage_offset()}: slice a byte arena at an offset divisible by 4")
     codes_shape, codes_dtype, scales_shape = _layout(x, codec, group_size)
     scale_bytes = 4 * scales_shape[0] * scales_shape[1]
     return out[scale_bytes:].view(codes_dtype).view(codes_shape), out[:scale_bytes].view(torch.float32).view(scales_shape)

@@ -4,13 +4,13 @@
 Layout: ``x`` is viewed as (rows, cols) with cols its last dimension; each row is cut into groups of
 ``group_size`` columns (the last one may be short). Per group:
 
-    scale = min(absmax / QMAX, MAX_SCALE[QMAX])   (fp32, IEEE division; 0 for an all-zero group)
+    scale = clamp(absmax / QMAX, MIN_SCALE, MAX_SCALE[QMAX])   (fp32, IEEE division; 0 for an all-zero group)
     q     = clamp(floor(x / scale + r), -QMAX, QMAX)   r = 0.5, or a uniform draw (stochastic)
     x'    = q * scale
 
 int8 codes are (rows, cols) int8; int4 codes pack two per byte, column 2k in the low nibble and 2k+1
 in the high one: (rows, ceil(cols / 2)) uint8. fp8 codes are ``x / scale`` cast to e4m3 or e5m2 with
-``scale = absmax / FP8_MAX``. A group holding NaN or Inf gets a NaN scale; the launcher raises.
+``scale = max(absmax / FP8_MAX, MIN_SCALE)``. A group holding NaN or Inf gets a NaN scale; the launcher raises.
 """
 
 from __future__ import annotations
@@ -37,6 +37,27 @@ def _max_scale(qmax: int) -> float:
 
 
 MAX_SCALE = {qmax: _max_scale(qmax) for qmax in QMAX.values()}
+
+
+def _min_scale() -> float:
+    """The smallest fp32 scale whose reciprocal is finite in fp32.
+
+    NOTE [smallest scale]
+    Values are multiplied by the reciprocal of their group's scale (NOTE [one division per group]).
+    For an absmax below QMAX * 2^-128 (FP8_MAX * 2^-128 for fp8) the scale's reciprocal is inf: the
+    group's zeros became 0 * inf = NaN before rounding, and every other value a saturated code, so
+    an fp8 group of finite values (zeros and one 1e-37) came back NaN and inf, with no NaN scale to
+    count it, and int codes were off by the whole absmax. A nonzero scale is raised to this floor;
+    the codes then stay below QMAX (FP8_MAX), and groups above it are unchanged.
+    """
+    one = torch.ones((), dtype=torch.float32)
+    scale = one / torch.finfo(torch.float32).max
+    while not torch.isfinite(one / scale):
+        scale = torch.nextafter(scale, one)
+    return float(scale)
+
+
+MIN_SCALE = _min_scale()
 FP8 = {"fp8_e4m3": (torch.float8_e4m3fn, 448.0), "fp8_e5m2": (torch.float8_e5m2, 57344.0)}
 FLOAT_INPUTS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -98,13 +119,14 @@ def torch_quantize(x: torch.Tensor, *, codec: str = "int8", group_size: int = 64
     bad = (~finite).any(-1)
     if codec in FP8:
         fp8_dtype, fp8_max = FP8[codec]
-        scale = absmax / fp8_max
+        scale = torch.where(absmax > 0, torch.clamp(absmax / fp8_max, min=MIN_SCALE), 0.0)  # NOTE [smallest scale]
         safe = torch.where(scale > 0, scale, torch.ones((), device=g.device))
         codes = (g * (1.0 / safe)[..., None]).to(fp8_dtype).view(rows, -1)[:, :cols].contiguous()
         scale = torch.where(bad, torch.full((), float("nan"), device=g.device), scale)
         return Quantized(codes, scale, x.shape, x.dtype, codec, group_size)
     qmax = QMAX[{"int8": 8, "int4": 4}[codec]]
-    scale = torch.clamp(absmax / float(qmax), max=MAX_SCALE[qmax])  # NOTE [largest scale]
+    # NOTE [largest scale], NOTE [smallest scale]; 0 for an all-zero group
+    scale = torch.where(absmax > 0, torch.clamp(absmax / float(qmax), min=MIN_SCALE, max=MAX_SCALE[qmax]), 0.0)
     safe = torch.where(scale > 0, scale, torch.ones((), device=g.device))
     # NOTE [one division per group]: the kernels divide once per group and multiply each value by
     # the reciprocal; the two roundings are IEEE's here and there (the kernels are compiled without

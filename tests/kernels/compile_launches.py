@@ -54,6 +54,7 @@ CASES = {
     "quantize_int4_fp32_pairs": (ARCHES, _quantize((4, 4096), torch.float32, "int4")),
     "quantize_int4_bf16_pairs": (ARCHES, _quantize((4, 4096), torch.bfloat16, "int4")),
     "quantize_int8_one_element": (ARCHES, _quantize((1,), torch.float16, "int8")),
+    "quantize_int4_one_pair_int32_flag": (ARCHES, _quantize((2,), torch.float16, "int4", True, 1, torch.int32)),
     "quantize_int8_int64_flag": (ARCHES, _quantize((4, 4096), torch.float32, "int8", flag_dtype=torch.int64)),
     "quantize_int4_int32_flag": (ARCHES, _quantize((4, 4096), torch.float16, "int4", flag_dtype=torch.int32)),
     "quantize_fp8_e4m3": ([90], _quantize((4, 4096), torch.float32, "fp8_e4m3")),

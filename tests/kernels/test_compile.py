@@ -81,6 +81,14 @@ def test_quantize_divides_once_per_group_and_fuses_no_multiply_add(compiled, cas
 
 
 @pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
+def test_quantize_computes_its_scales_in_fp32(compiled, case) -> None:
+    # NOTE [smallest scale]: MIN_SCALE is an fp32 subnormal, which Triton types as fp64 when written as
+    # a Python float; the kernels build it from its bits, so no scale is computed in fp64.
+    for arch in CASES[case][0]:
+        assert not re.search(r"\.f64\b", _ptx(compiled, case, arch))
+
+
+@pytest.mark.parametrize("case", sorted(c for c in CASES if c.startswith("quantize")))
 def test_only_a_flagged_quantize_counts_with_an_atomic(compiled, case) -> None:
     # NOTE [the NaN/Inf count in the kernel]: the count is added by an atomic (PTX atom or red) in the
     # kernel when the caller passes a flag, and the kernel without one has none.
