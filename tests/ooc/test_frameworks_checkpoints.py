@@ -30,23 +30,33 @@ def _rows(n: int, seq: int = 16) -> list[dict[str, torch.Tensor]]:
     return rows
 
 
-def _hf_run(out: str, options: dict[str, Any], accumulation: int, resume: str | None = None) -> tuple[dict, dict]:
-    """Six steps of a tiny wrapped GPT-2 under ``transformers.Trainer`` with a pipelined HostAdamW
-    (``options``), a checkpoint every 2 steps into ``out``, dropout on, the linear schedule; 20 rows
-    in batches of 4, so with ``accumulation=2`` each epoch ends on a window of one batch. Return the
-    logged losses by step and the final weights."""
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+def _gpt2() -> torch.nn.Module:
+    """A tiny GPT-2, wrapped."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")
+    return model
+
+
+def _hf_run(out: str, options: dict[str, Any], accumulation: int, resume: str | None = None,
+            callbacks: list | None = None) -> tuple[dict, dict]:
+    """Six steps of a tiny wrapped GPT-2 under ``transformers.Trainer`` with a pipelined HostAdamW
+    (``options``), a checkpoint every 2 steps into ``out``, dropout on, the linear schedule; 20 rows
+    in batches of 4, so with ``accumulation=2`` each epoch ends on a window of one batch. Return the
+    logged losses by step and the final weights."""
+    from transformers import Trainer, TrainingArguments
+
+    model = _gpt2()
     opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model, **options)
     args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=4, logging_steps=1,
                              report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, seed=0,
                              gradient_accumulation_steps=accumulation, max_grad_norm=0.0)
-    trainer = Trainer(model=model, args=args, train_dataset=_rows(20), optimizers=(opt, None))
+    trainer = Trainer(model=model, args=args, train_dataset=_rows(20), optimizers=(opt, None),
+                      callbacks=callbacks)
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -75,6 +85,47 @@ def test_trainer_resumes_from_its_own_checkpoint_bit_for_bit(tmp_path: Path, opt
     resumed = _hf_run(str(tmp_path / "run"), options, accumulation, resume=str(tmp_path / "run" / "checkpoint-4"))
     assert resumed[0] == full[0] and len(full[0]) == 6
     assert all(torch.equal(resumed[1][k], full[1][k]) for k in full[1])
+
+
+def test_a_checkpointer_saved_from_a_trainer_callback_holds_the_trainers_checkpoint(tmp_path: Path) -> None:
+    """A Checkpointer saved from ``on_step_end`` (after Trainer's ``optimizer.step()``, with the pipelined
+    HostAdamW's last updates still running and the next step's starting while the writer writes) holds
+    at each step what Trainer's own checkpoint holds: the weights and every moment, bit for bit."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from safetensors.torch import load_file
+    from transformers import TrainerCallback
+
+    class SaveEachStep(TrainerCallback):
+        ckpt: Checkpointer | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                           **kwargs: Any) -> None:
+            self.ckpt = Checkpointer(tmp_path / "ooc", model, getattr(optimizer, "optimizer", optimizer), keep=None)
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ckpt.save(state.global_step)
+
+    saver = SaveEachStep()
+    _hf_run(str(tmp_path / "hf"), {}, 1, callbacks=[saver])
+    saver.ckpt.close()
+    for step in (2, 4):
+        model = _gpt2()
+        opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model)
+        ckpt = Checkpointer(tmp_path / "ooc", model, opt)
+        try:
+            ckpt.restore(step)
+            theirs = load_file(tmp_path / "hf" / f"checkpoint-{step}" / "model.safetensors")
+            ours = model.state_dict()
+            assert all(torch.equal(theirs[k], ours[k]) for k in theirs)
+            their_state = torch.load(tmp_path / "hf" / f"checkpoint-{step}" / "optimizer.pt", weights_only=True)["state"]
+            our_state = opt.state_dict()["state"]
+            assert sorted(their_state) == sorted(our_state)
+            assert all(torch.equal(their_state[i][k], our_state[i][k]) for i in their_state for k in ("exp_avg", "exp_avg_sq", "step"))
+        finally:
+            ckpt.close()
+            opt.close()
+            ooc.unwrap(model)
 
 
 def _example() -> ModuleType:
