@@ -491,9 +491,9 @@ class HostAdamW(torch.optim.Optimizer):
                "ran on the unscaled loss, and step() would divide the gradients by the scale (fp16 ones got no "
                "protection from underflow). A framework calls backward() itself: under Lightning, override "
                "LightningModule.backward(self, loss, *args, **kwargs) to run "
-               "self.optimizers().optimizer.scale(loss).backward(); under transformers.Trainer, return "
-               "opt.scale(loss) from an overridden compute_loss (the logged loss is then scaled too). Or build "
-               "HostAdamW without loss_scale (bf16 and fp32 need none). The step was reset: call zero_grad() before "
+               "self.optimizers().optimizer.scale(loss).backward(); under transformers.Trainer, build HostAdamW without "
+               "loss_scale and with pipeline=False, and let TrainingArguments(fp16=True) scale with its GradScaler "
+               "(bf16 and fp32 need no loss scale at all). The step was reset: call zero_grad() before "
                "the next backward")
         self._pipeline.discard(why, warn=False)
         raise OocError(why)
