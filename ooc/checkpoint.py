@@ -354,9 +354,9 @@ def _name(step: int) -> str:
     return f"step-{step:09d}"
 
 
-def _refusal(directory: Path, step: int, newest: int) -> CheckpointError:
+def _refusal(directory: Path, step: int, newest: int, *, again: bool = False) -> CheckpointError:
     """The error of a save at ``step`` into ``directory``, whose newest intact version is ``newest``
-    (>= ``step``).
+    (>= ``step``); ``again``: the refusing Checkpointer itself saved that version, its last.
 
     NOTE [saves go forward]
     Retention keeps the newest versions by step and a resume loads the newest one: a version saved
@@ -371,6 +371,16 @@ def _refusal(directory: Path, step: int, newest: int) -> CheckpointError:
     restore) and takes each of its own commits as the newest since: no other job writes there
     while it holds the lock. (Where the file system has no flock, another job's commits go unseen;
     at the same step the writer still refuses to replace a commit.)"""
+    # A framework's hook can run more than once at one step, and the advice to branch misled there:
+    # Lightning calls on_save_checkpoint once per file its ModelCheckpoint callbacks write (two at a
+    # step with save_last=True), and on_train_batch_end once per micro-batch under accumulate_grad_batches.
+    if again and step == newest:
+        return CheckpointError(
+            f"version {directory / _name(step)} is already committed: save({step}) was called again at the step of "
+            "this Checkpointer's last version; save once per optimizer step. A framework's hook can run several "
+            "times at one step (Lightning's on_save_checkpoint once per file its ModelCheckpoint callbacks write, two with save_last=True; its "
+            "on_train_batch_end once per micro-batch under accumulate_grad_batches, trainer.global_step unchanged): "
+            "skip a save at the step you saved last (`if step != last: ckpt.save(step); last = step`)")
     advice = ("to branch from an older version, restore it and save into a new directory (Checkpointer(new_dir, "
               f"...), ooc train --save NEW_DIR), or remove the versions from step {step} on from {directory}")
     if step == newest:
@@ -2198,7 +2208,7 @@ class Checkpointer:
             if step <= self._newest:
                 if claimed:  # a refused check leaves the directory as it found it
                     self._let_go_of_directory()
-                raise _refusal(self.directory, step, self._newest)
+                raise _refusal(self.directory, step, self._newest, again=step == self._last_saved)
 
     def _take_directory(self) -> None:
         """Hold the directory for this rank (NOTE [one job per directory]), taking it over from an

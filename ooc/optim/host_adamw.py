@@ -267,6 +267,8 @@ class HostAdamW(torch.optim.Optimizer):
         self._comm = comm
         self._buffers = buffers
         self._pipelined = model is not None and pipeline
+        self._loss_scaled = False
+        """``loss_scale``: ``scale()`` was called since the last ``step()`` (NOTE [a loss scale no backward used])."""
         self._handles = self._install_hooks(model, chain, on_grad=pipeline) if model is not None else []
         if comm is not None and not self._pipelined:
             self._handles += self._note_grads()
@@ -431,6 +433,7 @@ class HostAdamW(torch.optim.Optimizer):
         if found is None and _called_by_grad_scaler() \
                 and (refusal := self._grad_scaler_refusal(False, behind_a_wrapper=True)) is not None:
             raise refusal
+        self._check_loss_scaled()
         params = self._reduced_device_grads()
         pipe = self._pipeline
         found_inf = False
@@ -455,6 +458,7 @@ class HostAdamW(torch.optim.Optimizer):
             norms = {id(p): torch.linalg.vector_norm(p.grad).to("cpu", torch.float32) for p in params}
             self.backend.record_compute().synchronize()  # the update thread reads them (a CUDA .to("cpu") waited already)
         pipe.finish_step(norms, found_inf=found_inf)
+        self._loss_scaled = False
         if pipe.config.holds_updates and params:
             coef = pipe.clip_factor()  # the step's decision: its clip factor, and whether it was skipped
             if pipe.skipped:
@@ -468,6 +472,31 @@ class HostAdamW(torch.optim.Optimizer):
         if not self._pipelined:
             self.synchronize()
         return loss
+
+    def _check_loss_scaled(self) -> None:
+        """With ``loss_scale``, refuse a step whose gradients no ``scale(loss)`` scaled; the step is reset.
+
+        NOTE [a loss scale no backward used]
+        ``step()`` divides the gradients by the loss scale, so it must have multiplied the loss the
+        backward ran on. A framework calls ``backward()`` itself (``transformers.Trainer``: its
+        ``training_step``; Lightning: ``LightningModule.backward``) on the loss it was given: handed a
+        HostAdamW built with ``loss_scale=``, it trained on the gradients divided by the scale (65536 at
+        first) without a word, and fp16 gradients got none of the protection from underflow the scale is
+        for. The updates wait for ``step()`` with a loss scale, so none has run: the step is reset whole."""
+        if self._pipeline.scale is None or self._loss_scaled:
+            return
+        if not (self._pipeline.open_step() or any(p.grad is not None for g in self.param_groups for p in g["params"])):
+            return  # no backward since the last step: the step has nothing to unscale
+        why = ("step() on a HostAdamW built with loss_scale=, but no opt.scale(loss) since the last step(): the backward "
+               "ran on the unscaled loss, and step() would divide the gradients by the scale (fp16 ones got no "
+               "protection from underflow). A framework calls backward() itself: under Lightning, override "
+               "LightningModule.backward(self, loss, *args, **kwargs) to run "
+               "self.optimizers().optimizer.scale(loss).backward(); under transformers.Trainer, build HostAdamW without "
+               "loss_scale and with pipeline=False, and let TrainingArguments(fp16=True) scale with its GradScaler "
+               "(bf16 and fp32 need no loss scale at all). The step was reset: call zero_grad() before "
+               "the next backward")
+        self._pipeline.discard(why, warn=False)
+        raise OocError(why)
 
     _step_supports_amp_scaling = True
     """NOTE [a GradScaler drives HostAdamW]: ``torch.amp.GradScaler.step`` then passes its scale and what it
@@ -578,6 +607,7 @@ class HostAdamW(torch.optim.Optimizer):
             raise OocError("HostAdamW.scale(loss) needs HostAdamW(..., loss_scale=ooc.optim.LossScale()); this one "
                            "has no loss scale (bf16 and fp32 training need none: call loss.backward())")
         self._pipeline.clip_factor()
+        self._loss_scaled = True
         return loss * self._pipeline.scale.scale.to(loss.device)
 
     def get_scale(self) -> float | None:

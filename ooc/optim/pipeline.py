@@ -56,7 +56,7 @@ from ooc.backend import Event
 from ooc.errors import OocError
 from ooc.optim.layout import release_buffers
 from ooc.optim.loss_scale import LossScale, ScaleState
-from ooc.optim.stages import Job, Stage, StageListener, Stages
+from ooc.optim.stages import Hyper, Job, Stage, StageListener, Stages
 
 _WAIT_SLICE_S = 0.05
 
@@ -222,6 +222,8 @@ class UpdatePipeline:
         self._read_grads: dict[int, tuple[int, torch.Tensor, torch.Tensor, int, torch.Tensor]] = {}
         """Per parameter id, (bucket, parameter, gradient, the gradient's version, its fingerprint) as a
         launch before ``step()`` read them (NOTE [gradients read in the backward])."""
+        self._launched_hyper: dict[int, dict[int, Hyper]] = {}
+        """Per bucket launched before ``step()``, the settings its job took (NOTE [settings read in the backward])."""
         self._versions = self._written_weights_to_watch()
         """Per parameter id, the parameter's version counter when its master last took what was written
         into it (NOTE [weights written outside the optimizer])."""
@@ -459,6 +461,7 @@ class UpdatePipeline:
             status.launched = False
             status.read_while_held = False
         self._read_grads = {}
+        self._launched_hyper = {}
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
@@ -471,6 +474,7 @@ class UpdatePipeline:
         status.backed_up = False
         for p in self.buckets[index].params:
             self.note_grad(index, p)
+        self._launched_hyper[index] = job.hyper
         if not job.grads and self.stages.comm is None:
             return
         # Data-parallel, a bucket without gradients here goes on all the same: another rank's may
@@ -563,6 +567,7 @@ class UpdatePipeline:
         gradient no bucket holds overflowed (``skipped`` then says whether the step was skipped)."""
         self.raise_error()
         self._check_grads_unchanged()
+        self._check_settings_unchanged()
         if self.config.holds_updates:
             # The last step's clip must have read its norms and set its factor before these replace
             # them: a step() without device-kept gradients does not wait for it (the update thread
@@ -651,6 +656,40 @@ class UpdatePipeline:
             "HostAdamW(loss_scale=ooc.optim.LossScale()) and opt.scale(loss).backward(); or build HostAdamW(pipeline=False) "
             f"to read the gradients in step() (any other change to them). {reset}"
         )
+
+    def _check_settings_unchanged(self) -> None:
+        """Raise if a parameter group's settings changed since a bucket launched with them before ``step()``.
+
+        NOTE [settings read in the backward]
+        A bucket's job takes its groups' learning rate, betas, eps and weight decay at its launch, in
+        the backward (``Stages.job``), as it takes the gradients. A loop that sets the learning rate
+        between ``backward()`` and ``step()`` (``for g in opt.param_groups: g["lr"] = get_lr(step)``
+        right before ``opt.step()``, as build-nanogpt and llm.c do; a ``transformers.Trainer`` callback's
+        ``on_pre_optimizer_step``) had the host buckets updated with the last step's value and the
+        parameters kept on the device (``device_params_below``) with the new one, without a word. So
+        ``step()`` compares: a change resets the step (NOTE [a step is a transaction]) and raises, saying
+        to set it before the backward (an LR scheduler stepped after ``opt.step()`` does) or to build
+        ``pipeline=False``."""
+        if not self._launched_hyper:
+            return
+        state, layout = self.stages.state, self.stages.layout
+        changed = sorted({index for index, hyper in self._launched_hyper.items()
+                          if any(h != state.hyper_of(layout.params[pid]) for pid, h in hyper.items())})
+        if not changed:
+            return
+        names = ", ".join(self.buckets[i].name for i in changed)
+        why = (f"a parameter group's lr, betas, eps or weight_decay changed between the backward and step(), after "
+               f"the host updates of {names} had taken them at their launch in the backward")
+        fix = ("Set them before the backward (an LR scheduler's step() after opt.step() does; a loop that sets "
+               "param_groups' lr right before opt.step() should set it before the forward), or build "
+               "HostAdamW(pipeline=False), which reads them in step()")
+        if self.stages.comm is not None:
+            # Not reset: the other ranks may be in this step's exchange already (NOTE [gradients read in the backward]).
+            raise PipelineError(f"{why}. {fix}. Restart the ranks (from a checkpoint if this step's updates began)")
+        applied = self.discard(why, warn=False)
+        reset = (f"The step was reset, but {applied}: call zero_grad() before the next backward" if applied else
+                 "The step was reset, its updates undone: call zero_grad() and run it again")
+        raise PipelineError(f"{why}. {fix}. {reset}")
 
     def note_grad(self, bucket: int, p: torch.Tensor) -> None:
         """Note the gradient of ``p`` (of ``bucket``) as it is now, for ``step()`` to check that it

@@ -77,3 +77,47 @@ def test_a_second_fit_says_how_to_close_the_optimizer_lightning_keeps() -> None:
     assert float(second.optimizers[0].state[module.net.head.weight]["step"]) == 2
     second.optimizers[0].close()
     ooc.unwrap(module.net)
+
+
+def _loss_scaled_classifier(example: ModuleType, *, loss_scale: bool, scales_in_backward: bool) -> object:
+    """The example's module with HostAdamW (``loss_scale=LossScale()`` if ``loss_scale``); with
+    ``scales_in_backward``, its ``backward`` hook runs the backward on ``opt.scale(loss)``."""
+    import ooc
+
+    class Scaled(example.Classifier):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return ooc.optim.HostAdamW(self.parameters(), lr=1e-2, model=self.net,
+                                       loss_scale=ooc.optim.LossScale() if loss_scale else None)
+
+        def backward(self, loss: torch.Tensor, *args: object, **kwargs: object) -> None:
+            if scales_in_backward:
+                loss = self.optimizers().optimizer.scale(loss)
+            loss.backward(*args, **kwargs)
+
+    torch.manual_seed(0)
+    return Scaled(wrapped=True)
+
+
+def test_a_loss_scale_that_lightning_backward_never_applied_is_refused() -> None:
+    """NOTE [a loss scale no backward used]: Lightning runs the backward on the loss ``training_step``
+    returns, so a HostAdamW built with ``loss_scale=`` never scaled it, and ``step()`` divided the
+    gradients by the scale (65536) without a word. ``step()`` now refuses, saying to scale the loss in
+    ``LightningModule.backward``; done so, the run equals the one without a loss scale bit for bit (a
+    power-of-two scale is exact in fp32)."""
+    import ooc
+
+    example = _example()
+    unscaled = _loss_scaled_classifier(example, loss_scale=True, scales_in_backward=False)
+    with pytest.raises(ooc.OocError, match=r"no opt\.scale\(loss\).*override LightningModule\.backward"):
+        _fit(unscaled, steps=2)
+    unscaled.trainer.optimizers[0].close()
+    ooc.unwrap(unscaled.net)
+
+    weights = []
+    for loss_scale in (True, False):
+        module = _loss_scaled_classifier(example, loss_scale=loss_scale, scales_in_backward=loss_scale)
+        trainer = _fit(module, steps=3)
+        trainer.optimizers[0].close()
+        weights.append({k: v.detach().clone() for k, v in module.net.state_dict().items()})
+        ooc.unwrap(module.net)
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[1])

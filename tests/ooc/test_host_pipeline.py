@@ -581,3 +581,45 @@ def test_clipping_step_retried_after_it_raised_before_any_launch() -> None:
         opt.close()
     _reference(plain, steps=1, clip=0.5)
     assert _same_weights(model, plain)
+
+
+def _warmup(model: GPT, opt: torch.optim.Optimizer, steps: int) -> list[float]:
+    """build-nanogpt's loop: the learning rate of each step set between ``backward()`` and ``step()``."""
+    losses = []
+    for step in range(steps):
+        torch.manual_seed(step)  # dropout
+        loss = model(*gpt_batch(seed=step))[1]
+        loss.backward()
+        for group in opt.param_groups:
+            group["lr"] = 1e-2 * (step + 1) / steps
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("options", [{}, {"max_grad_norm": 1.0}], ids=["pipelined", "clipped"])
+def test_a_learning_rate_set_between_backward_and_step_is_refused(options: dict) -> None:
+    """NOTE [settings read in the backward]: a bucket launched in the backward takes its learning rate
+    there, so a loop that sets it right before ``step()`` had the host updates use the previous step's
+    (and the parameters kept on the device the new one), without a word. ``step()`` now refuses the
+    change and resets the step; with ``pipeline=False``, which reads it in ``step()``, the loop equals
+    torch's fused AdamW."""
+    model = _model()
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000, **options)
+    try:
+        with pytest.raises(PipelineError, match=r"lr, betas, eps or weight_decay changed between the backward and "
+                                                r"step\(\).*pipeline=False"):
+            _warmup(model, opt, 2)
+    finally:
+        opt.close()
+    plain = _model()
+    model = copy.deepcopy(plain)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, device_params_below=1000, pipeline=False)
+    try:
+        losses = _warmup(model, opt, 3)
+        opt.synchronize()
+    finally:
+        opt.close()
+    assert losses == _warmup(plain, torch.optim.AdamW(plain.parameters(), lr=1e-2, weight_decay=0.1, fused=True), 3)
+    assert _same_weights(model, plain)
