@@ -42,6 +42,14 @@ class NumpyGlobal(_Block):
         return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
 
 
+class NumpyGaussianGlobal(_Block):
+    """One legacy Gaussian per call: ``randn`` draws them in pairs and keeps the second for its next
+    call, in the global generator's legacy state (not in its bit generator's)."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, float(np.random.randn(1)[0]))
+
+
 class PythonGlobal(_Block):
     def noise(self, shape: torch.Size) -> torch.Tensor:
         return torch.full(shape, random.uniform(0.5, 1.5))
@@ -92,7 +100,7 @@ class TorchGeneratorInADict(_Block):
         return (torch.rand(shape, generator=self.generators["mask"]) > 0.5).float()
 
 
-BLOCKS = [NumpyGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
+BLOCKS = [NumpyGlobal, NumpyGaussianGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
           TorchGeneratorInAList, TorchGeneratorInADict]
 
 
