@@ -35,6 +35,17 @@ def gpt_batch(vocab: int = 65, batch: int = 4, seq: int = 32, seed: int = 0) -> 
     return x, torch.roll(x, -1, dims=1)
 
 
+def lm_rows(n: int, vocab: int, seq: int = 16) -> list[dict[str, torch.Tensor]]:
+    """``n`` causal-LM rows for an HF ``Trainer`` dataset: random tokens in [1, vocab), an all-ones
+    attention mask, labels equal to the inputs; (seq,) each, the same for every call."""
+    g = torch.Generator().manual_seed(0)
+    rows = []
+    for _ in range(n):
+        x = torch.randint(1, vocab, (seq,), generator=g)
+        rows.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x})
+    return rows
+
+
 def gpt_loss(model: nn.Module, batch: Any) -> torch.Tensor:
     return model(*batch)[1]
 

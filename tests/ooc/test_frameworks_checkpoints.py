@@ -16,18 +16,10 @@ import torch
 
 import ooc
 from ooc.checkpoint import Checkpointer, CheckpointError
+from tests.helpers import lm_rows
 
 VOCAB = 97
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_hostadamw.py"
-
-
-def _rows(n: int, seq: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        x = torch.randint(1, VOCAB, (seq,), generator=g)
-        rows.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x})
-    return rows
 
 
 def _gpt2() -> torch.nn.Module:
@@ -55,7 +47,7 @@ def _hf_run(out: str, options: dict[str, Any], accumulation: int, resume: str | 
     args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=4, logging_steps=1,
                              report_to="none", save_strategy="steps", save_steps=2, use_cpu=True, seed=0,
                              gradient_accumulation_steps=accumulation, max_grad_norm=0.0)
-    trainer = Trainer(model=model, args=args, train_dataset=_rows(20), optimizers=(opt, None),
+    trainer = Trainer(model=model, args=args, train_dataset=lm_rows(20, VOCAB), optimizers=(opt, None),
                       callbacks=callbacks)
     try:
         with warnings.catch_warnings():

@@ -14,16 +14,9 @@ pytest.importorskip("transformers")
 pytest.importorskip("accelerate")  # Trainer needs it
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments  # noqa: E402
 
+from tests.helpers import lm_rows  # noqa: E402
+
 VOCAB = 97
-
-
-def _rows(n: int = 16, seq: int = 16) -> list[dict[str, torch.Tensor]]:
-    g = torch.Generator().manual_seed(0)
-    rows = []
-    for _ in range(n):
-        x = torch.randint(1, VOCAB, (seq,), generator=g)
-        rows.append({"input_ids": x, "attention_mask": torch.ones_like(x), "labels": x})
-    return rows
 
 
 def _train(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
@@ -44,7 +37,7 @@ def _train(optimizer: str) -> tuple[list[float], dict[str, torch.Tensor]]:
         args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, logging_steps=1,
                                  report_to="none", save_strategy="no", use_cpu=True, seed=0,
                                  max_grad_norm=0.0 if optimizer == "cls" else 1.0)
-        trainer = Trainer(model=model, args=args, train_dataset=_rows(), **kwargs)
+        trainer = Trainer(model=model, args=args, train_dataset=lm_rows(16, VOCAB), **kwargs)
         trainer.train()
     losses = [row["loss"] for row in trainer.state.log_history if "loss" in row]
     weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
