@@ -1,5 +1,3 @@
-import sys
+from ooc.apps.cli import run
 
-from ooc.apps.cli import main
-
-sys.exit(main())
+run()

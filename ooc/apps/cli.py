@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from ooc.apps import doctor
 
@@ -400,3 +402,25 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def run() -> NoReturn:
+    """The ``ooc`` command and ``python -m ooc``: :func:`main`, then the process ends without the
+    interpreter's teardown.
+
+    NOTE [the command leaves without teardown]
+    A daemon thread inside a torch call when the interpreter finalizes aborts the process: it
+    wakes to take the GIL, CPython ends the thread there, and the unwinding through the binding's
+    ``noexcept`` GIL release calls ``std::terminate`` ("terminate called without an active
+    exception", SIGABRT; pytorch#38228; 6 of 6 runs of a script that exits with one such thread).
+    ooc closes its own threads before it returns (NOTE [threads stop at exit] in
+    ooc.optim.pipeline), but a join that times out on an overloaded machine, or any library's thread,
+    still can be there: `ooc train --resume auto` died so once in ~40 runs with two pytest workers
+    beside it. A command has closed its optimizer, backend and checkpoints and written its files by
+    the time :func:`main` returns, so it flushes stdout and stderr and leaves with ``os._exit``. An
+    exception (or ``SystemExit`` from the argument parser) still goes through the interpreter.
+    ``main`` itself returns, for callers in the same process."""
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

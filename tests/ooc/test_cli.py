@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -222,3 +225,30 @@ def test_train_in_float16_scales_the_loss_in_the_optimizer(tmp_path, capsys) -> 
     assert "float16" in text and "step(s) skipped, their gradients over the loss scale (now 32768)" in text
     losses = json.loads(out.read_text())["losses"]
     assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0]
+
+
+SPINNER = '''
+import os, threading
+if os.environ.get("OOC_TEST_SPIN") == "1":
+    import torch
+    a = torch.randn(256, 256)
+    def spin():
+        while True:
+            torch.mm(a, a)
+    threading.Thread(target=spin, daemon=True).start()
+'''
+
+
+def test_the_command_ends_without_an_abort_while_a_daemon_thread_runs_a_torch_call(tmp_path) -> None:
+    """NOTE [the command leaves without teardown]: a daemon thread inside a torch call when the
+    interpreter finalizes aborts a process (SIGABRT, "terminate called without an active exception");
+    the command leaves before that, with its own exit code and output."""
+    (tmp_path / "sitecustomize.py").write_text(SPINNER)  # starts the thread in the command's process
+    (tmp_path / "versions").mkdir()
+    env = {**os.environ, "OOC_TEST_SPIN": "1", "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    for _ in range(3):
+        done = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", str(tmp_path / "versions")],
+                              env=env, capture_output=True, text=True, timeout=120)
+        assert "terminate called" not in done.stderr
+        assert done.returncode == 1 and "no complete checkpoint" in done.stdout
