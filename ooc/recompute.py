@@ -68,7 +68,7 @@ from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
-from ooc.rng import RngState, generators_in, set_state, state_of
+from ooc.rng import RngState, generators_in, note_numpy_draws, numpy_draws, numpy_mark, set_state, state_of
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -265,7 +265,10 @@ class RecomputeFrame:
         self.range_name = range_name
         self.timer = timer
         self.check_values = check_values
-        self.rng = RngState(device)
+        # NOTE [numpy's state where it is drawn] in ooc.rng: numpy's state only for a block that draws from it.
+        self.numpy_known = numpy_draws(module)
+        self.rng = RngState(device, numpy=self.numpy_known is not False)
+        self.numpy_before = numpy_mark() if self.numpy_known is False else None
         self.autocast = AutocastState(device)
         self.leaves: list[Any] = []
         self.spec: Any = None
@@ -487,6 +490,22 @@ class RecomputeFrame:
         self.done.add(gid)
         self._check(gid)
 
+    def note_numpy_draws(self) -> None:
+        """After the forward: record whether a block seen for the first time drew from numpy's global
+        generator, and refuse a block that starts drawing from it now (NOTE [numpy's state where it is
+        drawn] in ooc.rng: its re-run would draw other numbers)."""
+        if self.numpy_known is None:
+            if self.rng.numpy is not None:  # else numpy.random was not imported yet: the next forward looks
+                note_numpy_draws(self.module, self.rng.numpy_changed())
+        elif self.numpy_known is False and numpy_mark() != self.numpy_before:
+            note_numpy_draws(self.module, True)
+            raise RecomputeError(
+                f"block {self.name} drew from numpy's global generator in this forward but not in its first, so its "
+                "recompute did not keep numpy's state and its re-run would draw other numbers (NOTE [numpy's state "
+                "where it is drawn] in ooc.rng). It keeps it from now on: run this step again. To avoid this, "
+                "draw from torch's generator or a generator the block holds, or plan this block as keep or swap"
+            )
+
     def _ran_in_eval_mode(self) -> bool:
         """Some module of the block was in eval mode in its forward (as ``BlockState`` saw it)."""
         return self.state is not None and not all(training for _, training in self.state.training)
@@ -601,6 +620,7 @@ def run_recomputed(
         contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
     ):
         out = forward(*args, **kwargs)
+    frame.note_numpy_draws()
     if frame.cache is not None:
         frame.cache.finish(out)
     frame.forward_done = True

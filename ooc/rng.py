@@ -18,14 +18,28 @@ and re-run, mostly numpy's ``get_state``/``set_state`` (about 50 us each on a lo
 against 1 us for torch's CPU generator; its bit generator's ``state`` alone takes half that, but
 misses the Gaussian ``randn`` keeps for its next call). With ``numpy.random`` imported (transformers
 imports it), 12 recomputed GPT-2 small blocks on an H200 host measured 73.8 against 70.1 ms a step
-with the bit generator's state alone (two runs each, +5%): the cost is real on fast devices.
+with the bit generator's state alone (two runs each, +5%): the cost is real on fast devices. So
+numpy's state is taken only for the blocks that draw from it (NOTE [numpy's state where it is drawn]).
+
+NOTE [numpy's state where it is drawn]
+A recomputed block's first forward takes numpy's global state before and after it and records whether
+the block drew from it (``numpy_draws``). A block that did takes it at every forward and re-run, as
+above; one that did not takes none, and each later forward reads the global MT19937's position and
+two words of its key where numpy keeps them (``numpy_mark``: 0.3 us, nothing copied) before and after:
+a block that starts drawing after its first forward is found there, and its recompute raises (that
+step's re-run would draw other numbers), and it is recorded as drawing from then on. Not seen by the
+mark: a forward whose only draw from numpy is the Gaussian a previous ``randn`` kept (no word of the
+generator is used); ``check_recompute=True`` catches that. A global generator other than MT19937
+(``np.random.set_bit_generator``) is taken at every forward of every block.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import random
 import sys
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -38,12 +52,13 @@ class RngState:
 
     __slots__ = ("cpu", "cuda", "device", "python", "numpy")
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, *, numpy: bool = True) -> None:
+        """``numpy=False``: leave numpy's generator out (NOTE [numpy's state where it is drawn])."""
         self.device = device
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
-        np_random = sys.modules.get("numpy.random")  # a program that never imported numpy draws nothing from it
+        np_random = sys.modules.get("numpy.random") if numpy else None  # a program that never imported numpy draws nothing from it
         # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
         # ``np.random.randn`` draws in pairs and keeps for its next call.
         self.numpy = np_random.get_state() if np_random is not None else None
@@ -60,12 +75,50 @@ class RngState:
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
         """Run the body from this state; put the current one back after."""
-        outer = RngState(self.device)
+        outer = RngState(self.device, numpy=self.numpy is not None)
         self.restore()
         try:
             yield
         finally:
             outer.restore()
+
+
+    def numpy_changed(self) -> bool:
+        """numpy's global state differs from the one taken (which must have been)."""
+        now = sys.modules["numpy.random"].get_state()
+        return now[0] != self.numpy[0] or (now[1] != self.numpy[1]).any() or now[2:] != self.numpy[2:]
+
+
+_NUMPY_DRAWS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
+"""Recomputed modules -> whether their forward draws from numpy's global generator (NOTE [numpy's
+state where it is drawn])."""
+
+
+def numpy_draws(module: torch.nn.Module) -> bool | None:
+    """Whether ``module``'s forward draws from numpy's global generator; None until its first recomputed
+    forward said (and for a global generator other than MT19937, which ``numpy_mark`` cannot read: True)."""
+    if numpy_mark() is None and sys.modules.get("numpy.random") is not None:
+        return True
+    return _NUMPY_DRAWS.get(module)
+
+
+def note_numpy_draws(module: torch.nn.Module, draws: bool) -> None:
+    _NUMPY_DRAWS[module] = draws
+
+
+def numpy_mark() -> tuple[int, int, int] | None:
+    """(position, first and last word of the key) of numpy's global MT19937, read in place; None if
+    ``numpy.random`` was never imported or its global generator is not MT19937. A draw moves the
+    position, or (a multiple of 624 words later) renews the whole key."""
+    np_random = sys.modules.get("numpy.random")
+    if np_random is None:
+        return None
+    generator = np_random.get_bit_generator()
+    if type(generator).__name__ != "MT19937":
+        return None
+    address = generator.ctypes.state_address  # struct {uint32_t key[624]; int pos;} (numpy's mt19937.h)
+    return (ctypes.c_int.from_address(address + 624 * 4).value, ctypes.c_uint32.from_address(address).value,
+            ctypes.c_uint32.from_address(address + 623 * 4).value)
 
 
 _CONTAINERS = frozenset((list, tuple, dict))

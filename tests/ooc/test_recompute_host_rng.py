@@ -216,3 +216,83 @@ def test_the_codec_error_of_a_recompute_replays_the_draws_as_the_runtime_does(bl
         errors[kind] = [dict(b.codec_error)["int8:recompute"] for b in prof.blocks]
     assert max(errors[block]) < 0.02, errors  # int8's own error, as for the block without noise
     assert max(errors[_Scaled]) < 0.02, errors
+
+
+class NoDraws(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.ones(shape)
+
+
+class NumpyLater(_Block):
+    """Draws from numpy's global generator only once ``later`` is set (after its first forward)."""
+
+    later = False
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, float(np.random.rand()) if self.later else 1.0)
+
+
+def _counting_get_state(monkeypatch) -> list[int]:  # noqa: ANN001
+    calls = [0]
+    get_state = np.random.get_state
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        calls[0] += 1
+        return get_state(*args, **kwargs)
+
+    monkeypatch.setattr(np.random, "get_state", counted)
+    return calls
+
+
+def test_numpy_state_is_taken_only_for_the_blocks_that_draw_from_it(monkeypatch) -> None:
+    """NOTE [numpy's state where it is drawn]: after their first forward, recomputed blocks that did not
+    draw from numpy's generator take no copy of its state; the one that did takes one at its forward
+    and one at its re-run; gradients stay plain PyTorch's."""
+    calls = _counting_get_state(monkeypatch)
+    torch.manual_seed(0)
+    model = Chain([NoDraws(), NumpyGlobal(), NoDraws()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 3, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        _seed_host_generators(1)
+        model(inputs()).pow(2).sum().backward()  # the first forward of each block looks
+        calls[0] = 0
+        model(inputs()).pow(2).sum().backward()
+    finally:
+        ooc.unwrap(model)
+    assert calls[0] == 2
+
+    def two_seeded_steps(model: Chain) -> list[torch.Tensor]:
+        _seed_host_generators(1)
+        tensors = []
+        for _ in range(2):  # the second one without numpy's state for the blocks that do not draw
+            x = inputs()
+            out = model(x)
+            out.pow(2).sum().backward()
+            tensors += [out, x.grad]
+        return tensors
+
+    assert_same_as_plain(lambda: Chain([NoDraws(), NumpyGlobal(), NoDraws()]), "RRR", two_seeded_steps)
+
+
+def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refused_then_replayed() -> None:
+    torch.manual_seed(0)
+    model = Chain([NoDraws(), NumpyLater()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        model(inputs()).pow(2).sum().backward()
+        model.blocks[1].later = True
+        with pytest.raises(RecomputeError, match=r"drew from numpy's global generator in this forward but not in its first"):
+            model(inputs())
+        _seed_host_generators(2)
+        x = inputs()
+        model(x).pow(2).sum().backward()  # recorded as drawing now: its re-run replays numpy's draws
+        grad = x.grad
+    finally:
+        ooc.unwrap(model)
+    plain = Chain([NoDraws(), NumpyLater()])
+    plain.load_state_dict(model.state_dict())
+    plain.blocks[1].later = True
+    _seed_host_generators(2)
+    x = inputs()
+    plain(x).pow(2).sum().backward()
+    assert torch.equal(grad, x.grad)
