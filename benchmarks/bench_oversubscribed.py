@@ -8,7 +8,9 @@ processes beside it (default 8: a load of ~10 on 2 cores), in interleaved turns 
 - wrapped with a plan that swaps and recomputes (the CPU backend's copy engines at work), the waiter
   running the copies (this version);
 - the same plan with waiters that only wait for the engines' threads (the version before).
-Each row: median step time and its ratio to plain.
+Each row: median step time and its ratio to plain. ``--optimizer``: each step also updates the
+weights (torch's AdamW for plain PyTorch, the pipelined HostAdamW for ooc, whose update thread is
+another hand-off per bucket).
 
 Run: ``python benchmarks/bench_oversubscribed.py [--load 8] [--reps 10]`` (``--load 0``: an idle machine).
 """
@@ -42,8 +44,11 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--load", type=int, default=8, help="busy processes started beside the steps")
     parser.add_argument("--reps", type=int, default=10, help="interleaved turns timed per variant")
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads(), help="torch's intra-op threads (default: torch's own)")
+    parser.add_argument("--optimizer", action="store_true",
+                        help="each step also updates: torch's AdamW for plain, ooc's pipelined HostAdamW for ooc")
     args = parser.parse_args()
-    torch.set_num_threads(1)
+    torch.set_num_threads(args.threads)
     device = torch.device("cpu")
     _, plain_model, (x, y) = demo_gpt(device)
     _, ooc_model, _ = demo_gpt(device)
@@ -52,10 +57,22 @@ def main() -> None:
     ooc.wrap(ooc_model, plan, backend=backend)
     helping = _CopyEngine.run_until
 
+    optimizers: dict[int, torch.optim.Optimizer] = {}
+    if args.optimizer:
+        optimizers[id(plain_model)] = torch.optim.AdamW(plain_model.parameters(), lr=1e-4)
+        optimizers[id(ooc_model)] = ooc.optim.HostAdamW(ooc_model.parameters(), lr=1e-4, model=ooc_model, pipeline=True)
+
     def step(model: torch.nn.Module) -> Callable[[], None]:
+        opt = optimizers.get(id(model))
+
         def run() -> None:
-            model.zero_grad(set_to_none=True)
+            if opt is not None:
+                opt.zero_grad(set_to_none=True)
+            else:
+                model.zero_grad(set_to_none=True)
             model(x, y)[1].backward()
+            if opt is not None:
+                opt.step()
         return run
 
     def without_help() -> None:
@@ -72,9 +89,13 @@ def main() -> None:
     finally:
         for proc in busy:
             proc.kill()
+        for opt in optimizers.values():
+            if hasattr(opt, "close"):
+                opt.close()
         ooc.unwrap(ooc_model)
         backend.close()
-    print(machine_header(f"bench_oversubscribed: demo GPT 16x64, forward + backward, plan {'/'.join(PLAN)}, "
+    what = "forward + backward + AdamW (HostAdamW pipelined for ooc)" if args.optimizer else "forward + backward"
+    print(machine_header(f"bench_oversubscribed: demo GPT 16x64, {what}, plan {'/'.join(PLAN)}, "
                          f"{args.load} busy processes beside it, {args.reps} interleaved turns"))
     base = times["plain"]
     print(table([["variant", "median step", "vs plain"]]
