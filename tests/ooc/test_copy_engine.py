@@ -5,13 +5,14 @@ time with the engine's own thread, and a job that fails raises on the thread tha
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
-from ooc.backend.cpu import _CopyEngine
+from ooc.backend.cpu import CpuEvent, _CopyEngine
 from ooc.models import GPT
 from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
 
@@ -118,3 +119,77 @@ def test_training_with_starved_copy_engines_equals_plain_pytorch(starved, chaos:
         starved.set()
         backend.close()
     assert results == [(True, True, True)] * 2
+
+
+def _joined(thread: threading.Thread, timeout: float = 10.0) -> bool:
+    """``thread`` ended within ``timeout`` seconds: a wait that never ends fails the test instead of
+    hanging it (the thread is a daemon, left behind)."""
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _waiting(wait: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """``wait`` on a daemon thread; the exception it raised, if any, in the returned list."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_wait_for_a_job_that_failed_on_the_engine_thread_raises() -> None:
+    """The engine's own thread runs a job that fails: whoever waits for that job's event raises
+    (the engine failed earlier) instead of waiting forever for an event nothing will set."""
+    engine = _CopyEngine("test-engine")
+    started, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def fails() -> None:
+        started.set()
+        release.wait(10)
+        raise OSError("the copy failed")  # `done` is never set
+
+    engine.submit(fails)
+    assert started.wait(10)  # on the engine's thread: nobody else waits yet
+    before, raised_before = _waiting(lambda: engine.run_until(done))  # waits while the job runs
+    release.set()
+    assert _joined(before), "a wait for a job that failed on the engine's thread never ended"
+    after, raised_after = _waiting(lambda: engine.run_until(done))  # waits after the failure
+    assert _joined(after), "a wait for a job that failed on the engine's thread never ended"
+    for raised in (raised_before, raised_after):
+        assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "failed earlier" in str(raised[0])
+        assert isinstance(raised[0].__cause__, OSError)
+    engine.close()
+
+
+def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging() -> None:
+    """A D2H copy ordered after an H2D copy that failed on the H2D engine's thread: the D2H job
+    raises when it waits for that event, and so does whoever waits for the D2H copy, on either
+    engine's path (the thread that runs the D2H job: its engine's, or the waiter's)."""
+    for starve_d2h in (False, True):
+        backend = CpuBackend(check_order=False)
+        try:
+            release = threading.Event()
+
+            def fails() -> None:
+                release.wait(10)
+                raise OSError("the H2D copy failed")
+
+            backend._h2d.submit(fails)
+            h2d_done = CpuEvent(engine=backend._h2d)  # the failed job's event, never set
+            if starve_d2h:
+                backend._d2h.submit(lambda: release.wait(10))  # the D2H thread is busy: a waiter runs the copy
+            src, dst = torch.ones(100), torch.empty(100)
+            event = backend.copy_d2h(dst, src, (h2d_done,))
+            waiter, raised = _waiting(event.synchronize)
+            release.set()
+            assert _joined(waiter), f"a wait for a copy after a failed copy never ended (starve_d2h={starve_d2h})"
+            assert len(raised) == 1 and "failed earlier" in str(raised[0]), raised
+        finally:
+            release.set()
+            backend.close()
