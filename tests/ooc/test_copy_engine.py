@@ -193,3 +193,121 @@ def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging
         finally:
             release.set()
             backend.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("starve", [False, True], ids=["engines-run", "engines-starved"])
+def test_waiters_on_both_engines_with_jobs_ordered_across_them(starved, starve: bool, seed: int) -> None:
+    """Jobs on both engines of a backend, each ordered after the previous job of the other engine
+    (a relay, as a D2H copy waits for an H2D one), with random short sleeps; six threads wait for
+    events of either engine in random order while the engines' threads run (or never do). Every
+    wait ends, each engine runs its jobs in issue order, one at a time, each once."""
+    import random
+
+    if not starve:
+        starved.set()
+    rng = random.Random(seed)
+    backend = CpuBackend(check_order=False)
+    engines = (backend._d2h, backend._h2d)
+    runs: list[list[int]] = [[], []]
+    running = [0, 0]
+    most = [0, 0]
+    lock = threading.Lock()
+    events: list[CpuEvent] = []
+    n = 120
+    try:
+        for i in range(n):
+            side = i % 2
+            done = CpuEvent(engine=engines[side])
+            previous = events[-1] if events else None
+            sleep = rng.choice((0.0, 0.0, 0.0001, 0.0005))
+
+            def job(i: int = i, side: int = side, done: CpuEvent = done, previous: CpuEvent | None = previous,
+                    sleep: float = sleep) -> None:
+                if previous is not None:
+                    previous.synchronize()  # ordered after the other engine's previous job
+                with lock:
+                    running[side] += 1
+                    most[side] = max(most[side], running[side])
+                runs[side].append(i)
+                if sleep:
+                    threading.Event().wait(sleep)
+                with lock:
+                    running[side] -= 1
+                done.set()
+
+            engines[side].submit(job)
+            events.append(done)
+        plans = [[rng.randrange(n) for _ in range(8)] for _ in range(6)]
+
+        def waits(plan: list[int]) -> Callable[[], None]:
+            def run() -> None:
+                for k in plan:
+                    events[k].synchronize()
+                    assert events[k].query()
+                    if rng.random() < 0.3:
+                        threading.Event().wait(0.0002)
+            return run
+
+        waiters = [_waiting(waits(plan)) for plan in plans]
+        for thread, raised in waiters:
+            assert _joined(thread), f"a waiter never woke (seed={seed}, starve={starve})"
+            assert not raised, raised
+        events[-1].synchronize()
+        events[-2].synchronize()
+        assert all(e.query() for e in events)
+        assert runs == [list(range(0, n, 2)), list(range(1, n, 2))], f"seed={seed}"
+        assert most == [1, 1], f"seed={seed}"
+        if starve:
+            assert not starved.is_set()  # the waiters ran every job
+    finally:
+        starved.set()
+        backend.close()
+
+
+@pytest.mark.parametrize("starve", [False, True], ids=["engines-run", "engines-starved"])
+def test_close_while_threads_wait_for_copies(starved, starve: bool) -> None:
+    """``close()`` on a fourth thread while three threads wait for copies issued before it: every
+    copy issued before the close still runs, every wait ends, and the engines' threads end."""
+    if not starve:
+        starved.set()
+    backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.0005), check_order=False)
+    try:
+        src = [torch.full((256,), float(i)) for i in range(30)]
+        dst = [torch.empty(256) for _ in src]
+        events = []
+        for i, (d, s) in enumerate(zip(dst, src)):
+            copy = backend.copy_d2h if i % 2 else backend.copy_h2d
+            events.append(copy(d, s, (events[-1],) if events else ()))
+        waiters = [_waiting(lambda k=k: [events[j].synchronize() for j in range(k, 30, 3)]) for k in range(3)]
+        closer, closer_raised = _waiting(backend.close)
+        for thread, raised in waiters:
+            assert _joined(thread), "a wait for a copy issued before close() never ended"
+            assert not raised, raised
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+        starved.set()  # a starved engine's thread must still take its end for close() to return
+        assert _joined(closer) and not closer_raised
+        assert not backend._d2h._thread.is_alive() and not backend._h2d._thread.is_alive()
+    finally:
+        starved.set()
+        backend.close()
+
+
+def test_a_copy_run_by_a_waiter_lets_go_of_its_buffers(starved) -> None:
+    """A copy run on the waiting thread (the engines' threads never run) holds neither buffer
+    once its event is set: the waiter may free them, and an activation must not outlive its graph."""
+    import weakref
+
+    backend = CpuBackend(check_order=False)
+    try:
+        src, dst = torch.ones(1000), torch.empty(1000)
+        refs = weakref.ref(src), weakref.ref(dst)
+        event = backend.copy_d2h(dst, src, ())
+        del src, dst
+        assert all(r() is not None for r in refs)  # held by the queued job
+        event.synchronize()
+        assert all(r() is None for r in refs)
+        assert not starved.is_set()
+    finally:
+        starved.set()
+        backend.close()
