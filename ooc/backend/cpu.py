@@ -102,11 +102,13 @@ class _CopyEngine:
         self._stop = weakref.finalize(self, _stop_engine, self._changed, self._jobs, self._thread)
 
     def submit(self, job: Callable[[], None]) -> None:
-        if self.closed:
-            raise RuntimeError(f"ooc copy engine {self._thread.name} is closed; this backend was shut down (ooc.unwrap closes the ones it made)")
         if self.error is not None:
             raise RuntimeError(f"ooc copy engine {self._thread.name} failed earlier") from self.error
         with self._lock:
+            # Checked under the lock that close()'s end of the queue is appended under: a job queued
+            # behind the end would never run, and a wait for it would return at the end unfinished.
+            if self.closed:
+                raise RuntimeError(f"ooc copy engine {self._thread.name} is closed; this backend was shut down (ooc.unwrap closes the ones it made)")
             self._jobs.append(job)
             self._changed.notify_all()
 

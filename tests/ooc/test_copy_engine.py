@@ -311,3 +311,53 @@ def test_a_copy_run_by_a_waiter_lets_go_of_its_buffers(starved) -> None:
     finally:
         starved.set()
         backend.close()
+
+
+def test_a_submit_that_races_close_raises(starved) -> None:
+    """A thread submits while another closes the engine: its checks passed before the close, its job
+    reaches the queue after the engine's end. The submit raises (the engine is closed) instead of
+    queueing a job behind the end, which nothing would run: a wait for it returns at the end and then
+    waits forever for its event."""
+    engine = _CopyEngine("test-engine")
+    real = engine._lock
+    paused, go = threading.Event(), threading.Event()
+
+    class PausesTheSubmitter:
+        """``engine._lock`` as ``submit`` takes it: the submitting thread stops before it takes it."""
+
+        def __enter__(self) -> bool:
+            if threading.current_thread().name == "submitter":
+                paused.set()
+                go.wait(10)
+            return real.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real.__exit__(*exc)
+
+    engine._lock = PausesTheSubmitter()
+    raised: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            engine.submit(lambda: None)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    submitter = threading.Thread(target=submit, name="submitter", daemon=True)
+    submitter.start()
+    try:
+        assert paused.wait(10)
+        closer, _ = _waiting(engine.close)  # its thread is starved: close() waits for it, on the closer
+        for _ in range(10000):
+            with real:
+                if None in engine._jobs:
+                    break
+            threading.Event().wait(0.001)
+        else:
+            raise AssertionError("close() never queued the engine's end")
+    finally:
+        go.set()
+    assert _joined(submitter)
+    starved.set()
+    assert _joined(closer)
+    assert len(raised) == 1 and "is closed" in str(raised[0]), raised
