@@ -4,7 +4,9 @@ time with the engine's own thread, and a job that fails raises on the thread tha
 
 from __future__ import annotations
 
+import random
 import threading
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -167,32 +169,31 @@ def test_a_wait_for_a_job_that_failed_on_the_engine_thread_raises() -> None:
     engine.close()
 
 
-def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging() -> None:
+@pytest.mark.parametrize("starve_d2h", [False, True], ids=["d2h-thread-runs-it", "waiter-runs-it"])
+def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging(starve_d2h: bool) -> None:
     """A D2H copy ordered after an H2D copy that failed on the H2D engine's thread: the D2H job
     raises when it waits for that event, and so does whoever waits for the D2H copy, on either
     engine's path (the thread that runs the D2H job: its engine's, or the waiter's)."""
-    for starve_d2h in (False, True):
-        backend = CpuBackend(check_order=False)
-        try:
-            release = threading.Event()
+    backend = CpuBackend(check_order=False)
+    release = threading.Event()
+    try:
+        def fails() -> None:
+            release.wait(10)
+            raise OSError("the H2D copy failed")
 
-            def fails() -> None:
-                release.wait(10)
-                raise OSError("the H2D copy failed")
-
-            backend._h2d.submit(fails)
-            h2d_done = CpuEvent(engine=backend._h2d)  # the failed job's event, never set
-            if starve_d2h:
-                backend._d2h.submit(lambda: release.wait(10))  # the D2H thread is busy: a waiter runs the copy
-            src, dst = torch.ones(100), torch.empty(100)
-            event = backend.copy_d2h(dst, src, (h2d_done,))
-            waiter, raised = _waiting(event.synchronize)
-            release.set()
-            assert _joined(waiter), f"a wait for a copy after a failed copy never ended (starve_d2h={starve_d2h})"
-            assert len(raised) == 1 and "failed earlier" in str(raised[0]), raised
-        finally:
-            release.set()
-            backend.close()
+        backend._h2d.submit(fails)
+        h2d_done = CpuEvent(engine=backend._h2d)  # the failed job's event, never set
+        if starve_d2h:
+            backend._d2h.submit(lambda: release.wait(10))  # the D2H thread is busy: a waiter runs the copy
+        src, dst = torch.ones(100), torch.empty(100)
+        event = backend.copy_d2h(dst, src, (h2d_done,))
+        waiter, raised = _waiting(event.synchronize)
+        release.set()
+        assert _joined(waiter), "a wait for a copy after a failed copy never ended"
+        assert len(raised) == 1 and "failed earlier" in str(raised[0]), raised
+    finally:
+        release.set()
+        backend.close()
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -202,8 +203,6 @@ def test_waiters_on_both_engines_with_jobs_ordered_across_them(starved, starve: 
     (a relay, as a D2H copy waits for an H2D one), with random short sleeps; six threads wait for
     events of either engine in random order while the engines' threads run (or never do). Every
     wait ends, each engine runs its jobs in issue order, one at a time, each once."""
-    import random
-
     if not starve:
         starved.set()
     rng = random.Random(seed)
@@ -296,8 +295,6 @@ def test_close_while_threads_wait_for_copies(starved, starve: bool) -> None:
 def test_a_copy_run_by_a_waiter_lets_go_of_its_buffers(starved) -> None:
     """A copy run on the waiting thread (the engines' threads never run) holds neither buffer
     once its event is set: the waiter may free them, and an activation must not outlive its graph."""
-    import weakref
-
     backend = CpuBackend(check_order=False)
     try:
         src, dst = torch.ones(1000), torch.empty(1000)
