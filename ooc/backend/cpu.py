@@ -77,7 +77,15 @@ class _CopyEngine:
     thread that waits for a job's event runs the jobs queued up to it itself whenever no job is
     running: the order and the one-at-a-time of a stream hold (``_busy``, under ``_lock``), and the
     engine's thread takes the queue again when the waiter is done. A job that raises on a waiting thread
-    raises there too (on the engine's thread it is kept and raised by the next ``submit``)."""
+    raises there too (on the engine's thread it is kept and raised by the next ``submit``).
+
+    NOTE [a failed engine fails its waiters]
+    A job that raised never sets its event, and it may have failed on any thread: the engine's, or one
+    waiting for another event. So once ``error`` is set, a wait for an event not yet set raises
+    instead of waiting: otherwise whoever waits for the failed job (the training thread, or a copy of
+    the other engine ordered after it, which then blocks that engine for good) would wait forever. The
+    error is sticky, as a CUDA stream's is: later jobs may still run, but their waiters raise too, as
+    ``submit`` does."""
 
     def __init__(self, name: str) -> None:
         self._lock = threading.Lock()
@@ -94,11 +102,13 @@ class _CopyEngine:
         self._stop = weakref.finalize(self, _stop_engine, self._changed, self._jobs, self._thread)
 
     def submit(self, job: Callable[[], None]) -> None:
-        if self.closed:
-            raise RuntimeError(f"ooc copy engine {self._thread.name} is closed; this backend was shut down (ooc.unwrap closes the ones it made)")
         if self.error is not None:
             raise RuntimeError(f"ooc copy engine {self._thread.name} failed earlier") from self.error
         with self._lock:
+            # Checked under the lock that close()'s end of the queue is appended under: a job queued
+            # behind the end would never run, and a wait for it would return at the end unfinished.
+            if self.closed:
+                raise RuntimeError(f"ooc copy engine {self._thread.name} is closed; this backend was shut down (ooc.unwrap closes the ones it made)")
             self._jobs.append(job)
             self._changed.notify_all()
 
@@ -131,12 +141,17 @@ class _CopyEngine:
     def run_until(self, done: threading.Event) -> None:
         """Run queued jobs on this thread, in order and one at a time with the engine's thread, until
         ``done`` is set (NOTE [a waiter runs the copies]). Returns at once if the engine's end
-        (``None``) is next in the queue."""
+        (``None``) is next in the queue. Raises if a job of this engine failed and ``done`` is not set
+        (NOTE [a failed engine fails its waiters])."""
         while True:
             with self._lock:
-                while not done.is_set() and (self._busy or not self._jobs):
+                while not done.is_set() and self.error is None and (self._busy or not self._jobs):
                     self._changed.wait()
-                if done.is_set() or self._jobs[0] is None:
+                if done.is_set():
+                    return
+                if self.error is not None:
+                    raise RuntimeError(f"ooc copy engine {self._thread.name} failed earlier") from self.error
+                if self._jobs[0] is None:
                     return
                 job = self._take()
             try:

@@ -4,14 +4,17 @@ time with the engine's own thread, and a job that fails raises on the thread tha
 
 from __future__ import annotations
 
+import random
 import threading
+import weakref
+from collections.abc import Callable
 
 import pytest
 import torch
 
 import ooc
 from ooc.backend import ChaosConfig, CpuBackend
-from ooc.backend.cpu import _CopyEngine
+from ooc.backend.cpu import CpuEvent, _CopyEngine
 from ooc.models import GPT
 from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
 
@@ -118,3 +121,240 @@ def test_training_with_starved_copy_engines_equals_plain_pytorch(starved, chaos:
         starved.set()
         backend.close()
     assert results == [(True, True, True)] * 2
+
+
+def _joined(thread: threading.Thread, timeout: float = 10.0) -> bool:
+    """``thread`` ended within ``timeout`` seconds: a wait that never ends fails the test instead of
+    hanging it (the thread is a daemon, left behind)."""
+    thread.join(timeout)
+    return not thread.is_alive()
+
+
+def _waiting(wait: Callable[[], None]) -> tuple[threading.Thread, list[BaseException]]:
+    """``wait`` on a daemon thread; the exception it raised, if any, in the returned list."""
+    raised: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            wait()
+        except BaseException as exc:  # noqa: BLE001 - handed to the test
+            raised.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, raised
+
+
+def test_a_wait_for_a_job_that_failed_on_the_engine_thread_raises() -> None:
+    """The engine's own thread runs a job that fails: whoever waits for that job's event raises
+    (the engine failed earlier) instead of waiting forever for an event nothing will set."""
+    engine = _CopyEngine("test-engine")
+    started, release, done = threading.Event(), threading.Event(), threading.Event()
+
+    def fails() -> None:
+        started.set()
+        release.wait(10)
+        raise OSError("the copy failed")  # `done` is never set
+
+    engine.submit(fails)
+    assert started.wait(10)  # on the engine's thread: nobody else waits yet
+    before, raised_before = _waiting(lambda: engine.run_until(done))  # waits while the job runs
+    release.set()
+    assert _joined(before), "a wait for a job that failed on the engine's thread never ended"
+    after, raised_after = _waiting(lambda: engine.run_until(done))  # waits after the failure
+    assert _joined(after), "a wait for a job that failed on the engine's thread never ended"
+    for raised in (raised_before, raised_after):
+        assert len(raised) == 1 and isinstance(raised[0], RuntimeError) and "failed earlier" in str(raised[0])
+        assert isinstance(raised[0].__cause__, OSError)
+    engine.close()
+
+
+@pytest.mark.parametrize("starve_d2h", [False, True], ids=["d2h-thread-runs-it", "waiter-runs-it"])
+def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging(starve_d2h: bool) -> None:
+    """A D2H copy ordered after an H2D copy that failed on the H2D engine's thread: the D2H job
+    raises when it waits for that event, and so does whoever waits for the D2H copy, on either
+    engine's path (the thread that runs the D2H job: its engine's, or the waiter's)."""
+    backend = CpuBackend(check_order=False)
+    release = threading.Event()
+    try:
+        def fails() -> None:
+            release.wait(10)
+            raise OSError("the H2D copy failed")
+
+        backend._h2d.submit(fails)
+        h2d_done = CpuEvent(engine=backend._h2d)  # the failed job's event, never set
+        if starve_d2h:
+            backend._d2h.submit(lambda: release.wait(10))  # the D2H thread is busy: a waiter runs the copy
+        src, dst = torch.ones(100), torch.empty(100)
+        event = backend.copy_d2h(dst, src, (h2d_done,))
+        waiter, raised = _waiting(event.synchronize)
+        release.set()
+        assert _joined(waiter), "a wait for a copy after a failed copy never ended"
+        assert len(raised) == 1 and "failed earlier" in str(raised[0]), raised
+    finally:
+        release.set()
+        backend.close()
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+@pytest.mark.parametrize("starve", [False, True], ids=["engines-run", "engines-starved"])
+def test_waiters_on_both_engines_with_jobs_ordered_across_them(starved, starve: bool, seed: int) -> None:
+    """Jobs on both engines of a backend, each ordered after the previous job of the other engine
+    (a relay, as a D2H copy waits for an H2D one), with random short sleeps; six threads wait for
+    events of either engine in random order while the engines' threads run (or never do). Every
+    wait ends, each engine runs its jobs in issue order, one at a time, each once."""
+    if not starve:
+        starved.set()
+    rng = random.Random(seed)
+    backend = CpuBackend(check_order=False)
+    engines = (backend._d2h, backend._h2d)
+    runs: list[list[int]] = [[], []]
+    running = [0, 0]
+    most = [0, 0]
+    lock = threading.Lock()
+    events: list[CpuEvent] = []
+    n = 120
+    try:
+        for i in range(n):
+            side = i % 2
+            done = CpuEvent(engine=engines[side])
+            previous = events[-1] if events else None
+            sleep = rng.choice((0.0, 0.0, 0.0001, 0.0005))
+
+            def job(i: int = i, side: int = side, done: CpuEvent = done, previous: CpuEvent | None = previous,
+                    sleep: float = sleep) -> None:
+                if previous is not None:
+                    previous.synchronize()  # ordered after the other engine's previous job
+                with lock:
+                    running[side] += 1
+                    most[side] = max(most[side], running[side])
+                runs[side].append(i)
+                if sleep:
+                    threading.Event().wait(sleep)
+                with lock:
+                    running[side] -= 1
+                done.set()
+
+            engines[side].submit(job)
+            events.append(done)
+        plans = [[rng.randrange(n) for _ in range(8)] for _ in range(6)]
+
+        def waits(plan: list[int]) -> Callable[[], None]:
+            def run() -> None:
+                for k in plan:
+                    events[k].synchronize()
+                    assert events[k].query()
+                    if rng.random() < 0.3:
+                        threading.Event().wait(0.0002)
+            return run
+
+        waiters = [_waiting(waits(plan)) for plan in plans]
+        for thread, raised in waiters:
+            assert _joined(thread), f"a waiter never woke (seed={seed}, starve={starve})"
+            assert not raised, raised
+        events[-1].synchronize()
+        events[-2].synchronize()
+        assert all(e.query() for e in events)
+        assert runs == [list(range(0, n, 2)), list(range(1, n, 2))], f"seed={seed}"
+        assert most == [1, 1], f"seed={seed}"
+        if starve:
+            assert not starved.is_set()  # the waiters ran every job
+    finally:
+        starved.set()
+        backend.close()
+
+
+@pytest.mark.parametrize("starve", [False, True], ids=["engines-run", "engines-starved"])
+def test_close_while_threads_wait_for_copies(starved, starve: bool) -> None:
+    """``close()`` on a fourth thread while three threads wait for copies issued before it: every
+    copy issued before the close still runs, every wait ends, and the engines' threads end."""
+    if not starve:
+        starved.set()
+    backend = CpuBackend(chaos=ChaosConfig(seed=3, max_delay_s=0.0005), check_order=False)
+    try:
+        src = [torch.full((256,), float(i)) for i in range(30)]
+        dst = [torch.empty(256) for _ in src]
+        events = []
+        for i, (d, s) in enumerate(zip(dst, src)):
+            copy = backend.copy_d2h if i % 2 else backend.copy_h2d
+            events.append(copy(d, s, (events[-1],) if events else ()))
+        waiters = [_waiting(lambda k=k: [events[j].synchronize() for j in range(k, 30, 3)]) for k in range(3)]
+        closer, closer_raised = _waiting(backend.close)
+        for thread, raised in waiters:
+            assert _joined(thread), "a wait for a copy issued before close() never ended"
+            assert not raised, raised
+        assert all(torch.equal(d, s) for d, s in zip(dst, src))
+        starved.set()  # a starved engine's thread must still take its end for close() to return
+        assert _joined(closer) and not closer_raised
+        assert not backend._d2h._thread.is_alive() and not backend._h2d._thread.is_alive()
+    finally:
+        starved.set()
+        backend.close()
+
+
+def test_a_copy_run_by_a_waiter_lets_go_of_its_buffers(starved) -> None:
+    """A copy run on the waiting thread (the engines' threads never run) holds neither buffer
+    once its event is set: the waiter may free them, and an activation must not outlive its graph."""
+    backend = CpuBackend(check_order=False)
+    try:
+        src, dst = torch.ones(1000), torch.empty(1000)
+        refs = weakref.ref(src), weakref.ref(dst)
+        event = backend.copy_d2h(dst, src, ())
+        del src, dst
+        assert all(r() is not None for r in refs)  # held by the queued job
+        event.synchronize()
+        assert all(r() is None for r in refs)
+        assert not starved.is_set()
+    finally:
+        starved.set()
+        backend.close()
+
+
+def test_a_submit_that_races_close_raises(starved) -> None:
+    """A thread submits while another closes the engine: its checks passed before the close, its job
+    reaches the queue after the engine's end. The submit raises (the engine is closed) instead of
+    queueing a job behind the end, which nothing would run: a wait for it returns at the end and then
+    waits forever for its event."""
+    engine = _CopyEngine("test-engine")
+    real = engine._lock
+    paused, go = threading.Event(), threading.Event()
+
+    class PausesTheSubmitter:
+        """``engine._lock`` as ``submit`` takes it: the submitting thread stops before it takes it."""
+
+        def __enter__(self) -> bool:
+            if threading.current_thread().name == "submitter":
+                paused.set()
+                go.wait(10)
+            return real.__enter__()
+
+        def __exit__(self, *exc: object) -> None:
+            real.__exit__(*exc)
+
+    engine._lock = PausesTheSubmitter()
+    raised: list[BaseException] = []
+
+    def submit() -> None:
+        try:
+            engine.submit(lambda: None)
+        except RuntimeError as exc:
+            raised.append(exc)
+
+    submitter = threading.Thread(target=submit, name="submitter", daemon=True)
+    submitter.start()
+    try:
+        assert paused.wait(10)
+        closer, _ = _waiting(engine.close)  # its thread is starved: close() waits for it, on the closer
+        for _ in range(10000):
+            with real:
+                if None in engine._jobs:
+                    break
+            threading.Event().wait(0.001)
+        else:
+            raise AssertionError("close() never queued the engine's end")
+    finally:
+        go.set()
+    assert _joined(submitter)
+    starved.set()
+    assert _joined(closer)
+    assert len(raised) == 1 and "is closed" in str(raised[0]), raised
