@@ -58,7 +58,7 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
-        np_random = sys.modules.get("numpy.random") if numpy else None  # a program that never imported numpy draws nothing from it
+        np_random = _numpy_random() if numpy else None  # a program that never imported numpy draws nothing from it
         # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
         # ``np.random.randn`` draws in pairs and keeps for its next call.
         self.numpy = np_random.get_state() if np_random is not None else None
@@ -97,7 +97,7 @@ state where it is drawn])."""
 def numpy_draws(module: torch.nn.Module) -> bool | None:
     """Whether ``module``'s forward draws from numpy's global generator; None until its first recomputed
     forward said (and for a global generator other than MT19937, which ``numpy_mark`` cannot read: True)."""
-    if numpy_mark() is None and sys.modules.get("numpy.random") is not None:
+    if numpy_mark() is None and _numpy_random() is not None:
         return True
     return _NUMPY_DRAWS.get(module)
 
@@ -110,7 +110,7 @@ def numpy_mark() -> tuple[int, int, int] | None:
     """(position, first and last word of the key) of numpy's global MT19937, read in place; None if
     ``numpy.random`` was never imported or its global generator is not MT19937. A draw moves the
     position, or (a multiple of 624 words later) renews the whole key."""
-    np_random = sys.modules.get("numpy.random")
+    np_random = _numpy_random()
     if np_random is None:
         return None
     generator = np_random.get_bit_generator()
@@ -124,9 +124,19 @@ def numpy_mark() -> tuple[int, int, int] | None:
 _CONTAINERS = frozenset((list, tuple, dict))
 
 
+def _numpy_random() -> Any:
+    """The ``numpy.random`` module once imported, else None. Another thread's first ``np.random...``
+    puts the module in ``sys.modules`` before it has its functions (a recomputed forward then failed,
+    "partially initialized module 'numpy.random' has no attribute 'get_bit_generator'"); nothing draws
+    from it until its import ends, so a half-imported one counts as not imported."""
+    np_random = sys.modules.get("numpy.random")
+    spec = getattr(np_random, "__spec__", None)
+    return None if np_random is None or getattr(spec, "_initializing", False) else np_random
+
+
 def _generator_types() -> frozenset[type]:
     types = {torch.Generator, random.Random}
-    np_random = sys.modules.get("numpy.random")
+    np_random = _numpy_random()
     if np_random is not None:
         types |= {np_random.Generator, np_random.RandomState}
     return frozenset(types)

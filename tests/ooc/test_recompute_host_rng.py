@@ -296,3 +296,34 @@ def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refus
     x = inputs()
     plain(x).pow(2).sum().backward()
     assert torch.equal(grad, x.grad)
+
+
+def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -> None:
+    """A thread importing ``numpy.random`` for the first time puts the module in ``sys.modules`` before
+    it has any function: a recomputed forward then failed with AttributeError ("partially initialized
+    module 'numpy.random' has no attribute 'get_bit_generator'"; seen with a thread whose first
+    ``np.random.rand`` imported it during a step). Until the import ends nothing can draw from it."""
+    import importlib.machinery
+    import sys
+    import types
+
+    half = types.ModuleType("numpy.random")
+    half.__spec__ = importlib.machinery.ModuleSpec("numpy.random", None)
+    half.__spec__._initializing = True
+    torch.manual_seed(0)
+    model = Chain([NoDraws(), NoDraws()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        model(inputs()).pow(2).sum().backward()  # their first forward: no numpy draws recorded
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, "numpy.random", half)
+            x = inputs()
+            model(x).pow(2).sum().backward()
+        grad = x.grad
+    finally:
+        ooc.unwrap(model)
+    plain = Chain([NoDraws(), NoDraws()])
+    plain.load_state_dict(model.state_dict())
+    x = inputs()
+    plain(x).pow(2).sum().backward()
+    assert torch.equal(grad, x.grad)
