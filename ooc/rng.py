@@ -5,7 +5,8 @@ A recomputed block runs its forward again in the backward, and must draw the num
 drew, or its gradients differ from plain PyTorch's without a word (dropout masks, noise, a random
 scale). ``RngState`` holds the process-wide generators: torch's CPU generator, the block device's
 CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
-program imported ``numpy.random``: ooc imports no numpy). ``generators_in`` finds generator objects
+program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
+that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator`` and ``RandomState``) in a block's
 arguments and in its modules' attributes, also inside a list, tuple or dict attribute; the re-run
 starts each from the state it had before the forward, and each is put back after it, so the next
@@ -37,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import random
 import sys
 import weakref
@@ -58,7 +60,7 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
-        np_random = _numpy_random() if numpy else None  # a program that never imported numpy draws nothing from it
+        np_random = _numpy_random(load=True) if numpy else None  # a program without numpy draws nothing from it
         # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
         # ``np.random.randn`` draws in pairs and keeps for its next call.
         self.numpy = np_random.get_state() if np_random is not None else None
@@ -124,11 +126,19 @@ def numpy_mark() -> tuple[int, int, int] | None:
 _CONTAINERS = frozenset((list, tuple, dict))
 
 
-def _numpy_random() -> Any:
+def _numpy_random(*, load: bool = False) -> Any:
     """The ``numpy.random`` module once imported, else None. Another thread's first ``np.random...``
     puts the module in ``sys.modules`` before it has its functions (a recomputed forward then failed,
     "partially initialized module 'numpy.random' has no attribute 'get_bit_generator'"); nothing draws
-    from it until its import ends, so a half-imported one counts as not imported."""
+    from it until its import ends, so a half-imported one counts as not imported.
+
+    ``load``: import it if ``numpy`` is imported (torch imports it) and its ``random`` is not yet.
+    numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
+    draw was in a recomputed forward had no state taken before that draw, and the re-run drew another
+    number (a silently wrong gradient). The import (16 ms, once) seeds the global generator as the
+    program's own first ``np.random`` would."""
+    if load and "numpy.random" not in sys.modules and sys.modules.get("numpy") is not None:
+        importlib.import_module("numpy.random")
     np_random = sys.modules.get("numpy.random")
     spec = getattr(np_random, "__spec__", None)
     return None if np_random is None or getattr(spec, "_initializing", False) else np_random

@@ -9,6 +9,8 @@ silently."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
 from collections.abc import Callable
 
@@ -327,3 +329,56 @@ def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -
     x = inputs()
     plain(x).pow(2).sum().backward()
     assert torch.equal(grad, x.grad)
+
+
+FIRST_DRAW_IMPORTS = '''
+import json
+import sys
+import numpy as np
+import torch
+import torch.nn as nn
+import ooc
+
+assert "numpy.random" not in sys.modules  # numpy 2 imports it at the first np.random attribute
+drawn = []
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        drawn.append(float(np.random.rand()))
+        return torch.tanh(self.fc(x)) * drawn[-1]
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+model = Chain()
+ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+model(torch.ones(5, 6, requires_grad=True)).pow(2).sum().backward()
+print(json.dumps(drawn))
+'''
+
+
+def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed() -> None:
+    """numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
+    draw is in a recomputed block's forward had no numpy state taken before it (``numpy.random`` was
+    not imported then): the re-run drew another number and the gradient was silently wrong. With
+    ``numpy`` imported (torch imports it), its ``random`` is imported before the forward."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FIRST_DRAW_IMPORTS], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    forward, rerun = json.loads(done.stdout.strip().splitlines()[-1])
+    assert forward == rerun
