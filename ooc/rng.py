@@ -31,7 +31,10 @@ a block that starts drawing after its first forward is found there, and its reco
 step's re-run would draw other numbers), and it is recorded as drawing from then on. Not seen by the
 mark: a forward whose only draw from numpy is the Gaussian a previous ``randn`` kept (no word of the
 generator is used); ``check_recompute=True`` catches that. A global generator other than MT19937
-(``np.random.set_bit_generator``) is taken at every forward of every block.
+(``np.random.set_bit_generator``) is taken at every forward of every block. The mark is the process's:
+another thread that draws from numpy's global generator during a forward of a block that does not
+(a data thread's augmentation) moves it as well, and that step raises too (at most once per block:
+it is recorded as drawing); the error says so. Such a thread should hold its own generator.
 """
 
 from __future__ import annotations

@@ -382,3 +382,32 @@ def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed() -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     forward, rerun = json.loads(done.stdout.strip().splitlines()[-1])
     assert forward == rerun
+
+
+def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None:
+    """The mark is the whole process's: another thread drawing from numpy's global generator while a
+    block that does not draw runs its forward (a data thread's augmentation) moves it too, and the step
+    raised an error that blamed the block alone, at a random step of a long run. The error says that
+    another thread may have drawn, and what to do then."""
+    import threading
+
+    class OtherThreadDraws(_Block):
+        later = False
+
+        def noise(self, shape: torch.Size) -> torch.Tensor:
+            if self.later:
+                drawer = threading.Thread(target=np.random.rand)
+                drawer.start()
+                drawer.join()
+            return torch.ones(shape)
+
+    torch.manual_seed(0)
+    model = Chain([OtherThreadDraws()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        model(inputs()).pow(2).sum().backward()
+        model.blocks[0].later = True
+        with pytest.raises(RecomputeError, match=r"or another thread drew from it during the forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
