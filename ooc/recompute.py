@@ -500,10 +500,11 @@ class RecomputeFrame:
         elif self.numpy_known is False and numpy_mark() != self.numpy_before:
             note_numpy_draws(self.module, True)
             raise RecomputeError(
-                f"block {self.name} drew from numpy's global generator in this forward but not in its first, so its "
-                "recompute did not keep numpy's state and its re-run would draw other numbers (NOTE [numpy's state "
-                "where it is drawn] in ooc.rng). It keeps it from now on: run this step again. To avoid this, "
-                "draw from torch's generator or a generator the block holds, or plan this block as keep or swap"
+                f"block {self.name} drew from numpy's global generator in this forward but not in its first (or another "
+                "thread drew from it during the forward), so its recompute did not keep numpy's state and its re-run "
+                "would draw other numbers (NOTE [numpy's state where it is drawn] in ooc.rng). It keeps it from now on: "
+                "run this step again. To avoid this, draw from torch's generator or a generator the block (or the "
+                "other thread) holds, or plan this block as keep or swap"
             )
 
     def _ran_in_eval_mode(self) -> bool:

@@ -5,7 +5,8 @@ A recomputed block runs its forward again in the backward, and must draw the num
 drew, or its gradients differ from plain PyTorch's without a word (dropout masks, noise, a random
 scale). ``RngState`` holds the process-wide generators: torch's CPU generator, the block device's
 CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
-program imported ``numpy.random``: ooc imports no numpy). ``generators_in`` finds generator objects
+program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
+that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator`` and ``RandomState``) in a block's
 arguments and in its modules' attributes, also inside a list, tuple or dict attribute; the re-run
 starts each from the state it had before the forward, and each is put back after it, so the next
@@ -30,13 +31,17 @@ a block that starts drawing after its first forward is found there, and its reco
 step's re-run would draw other numbers), and it is recorded as drawing from then on. Not seen by the
 mark: a forward whose only draw from numpy is the Gaussian a previous ``randn`` kept (no word of the
 generator is used); ``check_recompute=True`` catches that. A global generator other than MT19937
-(``np.random.set_bit_generator``) is taken at every forward of every block.
+(``np.random.set_bit_generator``) is taken at every forward of every block. The mark is the process's:
+another thread that draws from numpy's global generator during a forward of a block that does not
+(a data thread's augmentation) moves it as well, and that step raises too (at most once per block:
+it is recorded as drawing); the error says so. Such a thread should hold its own generator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import importlib
 import random
 import sys
 import weakref
@@ -58,7 +63,7 @@ class RngState:
         self.cpu = torch.get_rng_state()
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
-        np_random = sys.modules.get("numpy.random") if numpy else None  # a program that never imported numpy draws nothing from it
+        np_random = _numpy_random(load=True) if numpy else None  # a program without numpy draws nothing from it
         # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
         # ``np.random.randn`` draws in pairs and keeps for its next call.
         self.numpy = np_random.get_state() if np_random is not None else None
@@ -97,7 +102,7 @@ state where it is drawn])."""
 def numpy_draws(module: torch.nn.Module) -> bool | None:
     """Whether ``module``'s forward draws from numpy's global generator; None until its first recomputed
     forward said (and for a global generator other than MT19937, which ``numpy_mark`` cannot read: True)."""
-    if numpy_mark() is None and sys.modules.get("numpy.random") is not None:
+    if numpy_mark() is None and _numpy_random() is not None:
         return True
     return _NUMPY_DRAWS.get(module)
 
@@ -110,7 +115,7 @@ def numpy_mark() -> tuple[int, int, int] | None:
     """(position, first and last word of the key) of numpy's global MT19937, read in place; None if
     ``numpy.random`` was never imported or its global generator is not MT19937. A draw moves the
     position, or (a multiple of 624 words later) renews the whole key."""
-    np_random = sys.modules.get("numpy.random")
+    np_random = _numpy_random()
     if np_random is None:
         return None
     generator = np_random.get_bit_generator()
@@ -124,9 +129,27 @@ def numpy_mark() -> tuple[int, int, int] | None:
 _CONTAINERS = frozenset((list, tuple, dict))
 
 
+def _numpy_random(*, load: bool = False) -> Any:
+    """The ``numpy.random`` module once imported, else None. Another thread's first ``np.random...``
+    puts the module in ``sys.modules`` before it has its functions (a recomputed forward then failed,
+    "partially initialized module 'numpy.random' has no attribute 'get_bit_generator'"); nothing draws
+    from it until its import ends, so a half-imported one counts as not imported.
+
+    ``load``: import it if ``numpy`` is imported (torch imports it) and its ``random`` is not yet.
+    numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
+    draw was in a recomputed forward had no state taken before that draw, and the re-run drew another
+    number (a silently wrong gradient). The import (16 ms, once) seeds the global generator as the
+    program's own first ``np.random`` would."""
+    if load and "numpy.random" not in sys.modules and sys.modules.get("numpy") is not None:
+        importlib.import_module("numpy.random")
+    np_random = sys.modules.get("numpy.random")
+    spec = getattr(np_random, "__spec__", None)
+    return None if np_random is None or getattr(spec, "_initializing", False) else np_random
+
+
 def _generator_types() -> frozenset[type]:
     types = {torch.Generator, random.Random}
-    np_random = sys.modules.get("numpy.random")
+    np_random = _numpy_random()
     if np_random is not None:
         types |= {np_random.Generator, np_random.RandomState}
     return frozenset(types)

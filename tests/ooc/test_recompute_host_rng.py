@@ -9,6 +9,8 @@ silently."""
 from __future__ import annotations
 
 import copy
+import json
+import os
 import random
 from collections.abc import Callable
 
@@ -296,3 +298,116 @@ def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refus
     x = inputs()
     plain(x).pow(2).sum().backward()
     assert torch.equal(grad, x.grad)
+
+
+def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -> None:
+    """A thread importing ``numpy.random`` for the first time puts the module in ``sys.modules`` before
+    it has any function: a recomputed forward then failed with AttributeError ("partially initialized
+    module 'numpy.random' has no attribute 'get_bit_generator'"; seen with a thread whose first
+    ``np.random.rand`` imported it during a step). Until the import ends nothing can draw from it."""
+    import importlib.machinery
+    import sys
+    import types
+
+    half = types.ModuleType("numpy.random")
+    half.__spec__ = importlib.machinery.ModuleSpec("numpy.random", None)
+    half.__spec__._initializing = True
+    torch.manual_seed(0)
+    model = Chain([NoDraws(), NoDraws()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        model(inputs()).pow(2).sum().backward()  # their first forward: no numpy draws recorded
+        with monkeypatch.context() as patch:
+            patch.setitem(sys.modules, "numpy.random", half)
+            x = inputs()
+            model(x).pow(2).sum().backward()
+        grad = x.grad
+    finally:
+        ooc.unwrap(model)
+    plain = Chain([NoDraws(), NoDraws()])
+    plain.load_state_dict(model.state_dict())
+    x = inputs()
+    plain(x).pow(2).sum().backward()
+    assert torch.equal(grad, x.grad)
+
+
+FIRST_DRAW_IMPORTS = '''
+import json
+import sys
+import numpy as np
+import torch
+import torch.nn as nn
+import ooc
+
+assert "numpy.random" not in sys.modules  # numpy 2 imports it at the first np.random attribute
+drawn = []
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        drawn.append(float(np.random.rand()))
+        return torch.tanh(self.fc(x)) * drawn[-1]
+
+
+class Chain(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([Block()])
+
+    def forward(self, x):
+        return self.blocks[0](x)
+
+
+model = Chain()
+ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+model(torch.ones(5, 6, requires_grad=True)).pow(2).sum().backward()
+print(json.dumps(drawn))
+'''
+
+
+def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed() -> None:
+    """numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
+    draw is in a recomputed block's forward had no numpy state taken before it (``numpy.random`` was
+    not imported then): the re-run drew another number and the gradient was silently wrong. With
+    ``numpy`` imported (torch imports it), its ``random`` is imported before the forward."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", FIRST_DRAW_IMPORTS], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode == 0, done.stderr[-2000:]
+    forward, rerun = json.loads(done.stdout.strip().splitlines()[-1])
+    assert forward == rerun
+
+
+def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None:
+    """The mark is the whole process's: another thread drawing from numpy's global generator while a
+    block that does not draw runs its forward (a data thread's augmentation) moves it too, and the step
+    raised an error that blamed the block alone, at a random step of a long run. The error says that
+    another thread may have drawn, and what to do then."""
+    import threading
+
+    class OtherThreadDraws(_Block):
+        later = False
+
+        def noise(self, shape: torch.Size) -> torch.Tensor:
+            if self.later:
+                drawer = threading.Thread(target=np.random.rand)
+                drawer.start()
+                drawer.join()
+            return torch.ones(shape)
+
+    torch.manual_seed(0)
+    model = Chain([OtherThreadDraws()])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    try:
+        model(inputs()).pow(2).sum().backward()
+        model.blocks[0].later = True
+        with pytest.raises(RecomputeError, match=r"or another thread drew from it during the forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
