@@ -771,13 +771,15 @@ class HostAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Wait for the updates of the last ``step()`` (NOTE [close waits for the last step] in
-        ooc.optim.pipeline), then stop the host threads and remove the hooks (the optimizer is
+        ooc.optim.pipeline; with ``delayed_update``, also copy the last one into the parameters, which
+        ``synchronize()`` leaves one update behind: NOTE [the last delayed update at the end]), then stop the host threads and remove the hooks (the optimizer is
         unusable afterwards; also done, without the wait, when it is garbage-collected). Raises the
         failure of an update or gradient exchange that no call has raised yet (the weights may then
         lack that step's update in some buckets), after closing."""
         try:
             if self._finalizer.alive:
                 self._pipeline.settle()
+                self._pipeline.flush_delayed()  # NOTE [the last delayed update at the end]
         finally:
             self._finalizer()
 
