@@ -806,3 +806,40 @@ def test_export_into_a_directory_writes_its_model_file_and_a_failure_leaves_no_c
     with pytest.raises(OSError, match="Read-only"):
         ckpt.export(1, tmp_path / "w.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf_dir"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_export_of_a_delayed_update_version_holds_the_newest_weights(tmp_path: Path, dtype: torch.dtype) -> None:
+    """With ``delayed_update`` a version's ``model.safetensors`` holds the parameters one update
+    behind the masters, as the delayed schedule has them (a restore needs them so: the masters go in
+    at the next step's launch). ``export()`` wrote those, so the weights shipped lacked the last
+    update; it now writes the masters (in the parameters' dtype, tied names alike: NOTE [a delayed
+    version's newest weights]), and the version's own files stay as saved."""
+    from ooc.optim import HostAdamW
+
+    model, unused = _gpt_host(0)
+    unused.close()  # one HostAdamW per model: this one's, built before the cast, is not used
+    model.to(dtype)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, delayed_update=True)
+    ckpt = Checkpointer(tmp_path / "ck", model, opt)
+    try:
+        for step in range(2):
+            _gpt_step(model, step)
+            opt.step()
+            opt.zero_grad()
+        ckpt.save(1)
+        ckpt.wait()
+        newest = {n: opt.state[p]["master"].to(dtype) for n, p in model.named_parameters(remove_duplicate=False)
+                  if "master" in opt.state[p]}
+        assert len(newest) == len(dict(model.named_parameters(remove_duplicate=False)))
+        saved = safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE)
+        assert not all(torch.equal(saved[n], t) for n, t in newest.items())  # the version keeps the lag
+        exported = safetensors.torch.load_file(ckpt.export(1, tmp_path / "w.safetensors"))
+        assert exported.keys() == saved.keys()
+        for name, t in exported.items():
+            assert t.dtype == saved[name].dtype, name
+            assert torch.equal(t, newest[name] if name in newest else saved[name]), name
+        assert safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE).keys() == saved.keys()
+    finally:
+        ckpt.close()
+        opt.close()
