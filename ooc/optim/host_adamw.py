@@ -92,7 +92,9 @@ class HostAdamW(torch.optim.Optimizer):
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
-      result is AdamW with gradients one step stale.
+      result is AdamW with gradients one step stale. The parameters lag the masters by one update,
+      ``synchronize()`` included; ``close()`` puts the last update in (NOTE [the last delayed
+      update at the end] in ooc.optim.pipeline).
     - ``accumulate``: backward passes per ``step()`` (gradient accumulation); a bucket's update
       starts after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
@@ -627,7 +629,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until every update issued so far is in the parameters (with ``delayed_update``: the
-        ones the next forward will use)."""
+        ones the next forward will use, one update behind the masters; ``close()`` puts the last one in)."""
         self._pipeline.synchronize()
 
     def _settle(self) -> None:
