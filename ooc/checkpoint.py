@@ -2870,6 +2870,13 @@ class Checkpointer:
             raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}")
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
+        newest = self._newest_weights(v)
+        if newest:  # NOTE [a delayed version's newest weights]
+            weights = _load_file(v.path / MODEL_FILE, v.files[MODEL_FILE])
+            for name, master in newest.items():
+                if name in weights:  # a copy per name: safetensors refuses tensors that share memory
+                    weights[name] = master.to(dtype=weights[name].dtype, copy=True)
+            data = safetensors.torch.save(weights, metadata={"format": "pt"})
         out = Path(path)
         if os.fspath(path).endswith(os.sep):  # "weights/": a directory, made if need be (Path drops the slash)
             out.mkdir(parents=True, exist_ok=True)
@@ -2886,6 +2893,35 @@ class Checkpointer:
             tmp.unlink(missing_ok=True)  # a copy of every weight: not left beside the path
             raise
         return out
+
+    def _newest_weights(self, v: Version) -> dict[str, torch.Tensor]:
+        """The fp32 masters of ``v`` that are newer than its model file's weights (HostAdamW with
+        ``delayed_update``: every parameter's that has one), under every name of their parameter in
+        the model (tied weights); {} for any other version.
+
+        NOTE [a delayed version's newest weights]
+        With ``delayed_update`` the parameters lag their masters by one update on purpose, and a
+        version saves both as they are: a restore puts the masters in at the next step's launch, as
+        the run would have. So the model file lacks the last update, and ``export()``, which copied
+        it, shipped weights one update behind the optimizer. An export is the end of training (no
+        next step), so it writes the masters instead, each cast to its parameter's dtype as a
+        ``step()`` does; the version's own files stay as saved."""
+        meta = self._file(v, _state_file(0)).get("optimizer")
+        info = meta.get("ooc") if isinstance(meta, dict) else None
+        if not (isinstance(info, dict) and info.get("delayed_update")):
+            return {}
+        masters = {slices[0]["param"]: key for key, slices in v.tensors.items() if slices[0]["field"] == "master"}
+        loaded = {name: self._file(v, name)
+                  for name in sorted({sl["file"] for key in masters.values() for sl in _distinct(v.tensors[key])})}
+        aliases: dict[int, list[str]] = {}
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            aliases.setdefault(id(p), []).append(name)
+        by_first = {names[0]: names for names in aliases.values()}
+        newest = {}
+        for param, key in masters.items():
+            master = _assemble(v, key, loaded)
+            newest.update((name, master) for name in by_first.get(param, [param]))
+        return newest
 
     def close(self) -> None:
         """Wait for the last save (raising its error), end the writer thread, remove the stage

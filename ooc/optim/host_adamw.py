@@ -92,7 +92,9 @@ class HostAdamW(torch.optim.Optimizer):
     - ``backend``: the device interface (default: the wrapped model's, else ``"auto"``).
     - ``delayed_update``: each step's forward and backward run on weights one update old, so the
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
-      result is AdamW with gradients one step stale.
+      result is AdamW with gradients one step stale. The parameters lag the masters by one update,
+      ``synchronize()`` included; ``close()`` puts the last update in (NOTE [the last delayed
+      update at the end] in ooc.optim.pipeline).
     - ``accumulate``: backward passes per ``step()`` (gradient accumulation); a bucket's update
       starts after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
@@ -627,7 +629,7 @@ class HostAdamW(torch.optim.Optimizer):
 
     def synchronize(self) -> None:
         """Wait until every update issued so far is in the parameters (with ``delayed_update``: the
-        ones the next forward will use)."""
+        ones the next forward will use, one update behind the masters; ``close()`` puts the last one in)."""
         self._pipeline.synchronize()
 
     def _settle(self) -> None:
@@ -771,13 +773,15 @@ class HostAdamW(torch.optim.Optimizer):
 
     def close(self) -> None:
         """Wait for the updates of the last ``step()`` (NOTE [close waits for the last step] in
-        ooc.optim.pipeline), then stop the host threads and remove the hooks (the optimizer is
+        ooc.optim.pipeline; with ``delayed_update``, also copy the last one into the parameters, which
+        ``synchronize()`` leaves one update behind: NOTE [the last delayed update at the end]), then stop the host threads and remove the hooks (the optimizer is
         unusable afterwards; also done, without the wait, when it is garbage-collected). Raises the
         failure of an update or gradient exchange that no call has raised yet (the weights may then
         lack that step's update in some buckets), after closing."""
         try:
             if self._finalizer.alive:
                 self._pipeline.settle()
+                self._pipeline.flush_delayed()  # NOTE [the last delayed update at the end]
         finally:
             self._finalizer()
 

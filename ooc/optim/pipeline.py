@@ -803,6 +803,34 @@ class UpdatePipeline:
         elif not self._reported:
             self.raise_error()
 
+    def flush_delayed(self) -> None:
+        """``delayed_update``, once training is over (``close()``, after :meth:`settle`): copy each
+        bucket's staged weights, the last committed update, into its parameters, so the model holds
+        the newest weights (NOTE [the last delayed update at the end]). A bucket that an open step
+        launched is left alone: its staged weights are that uncommitted step's.
+
+        NOTE [the last delayed update at the end]
+        With ``delayed_update`` a bucket's new weights go in at its launch in the next step, so after
+        the last ``step()`` only the masters held its update: ``model.state_dict()``, ``torch.save``
+        and HF's ``save_pretrained`` after ``close()`` gave the weights one update behind the
+        optimizer. ``synchronize()`` keeps the lag (the next forward must run on the older weights,
+        or the delayed schedule changes); ``close()`` ends training, so it puts the update in."""
+        if not self.config.delayed_update or self.error is not None:
+            return
+        # The copies may overwrite weights that compute queued so far still reads (a forward since
+        # the last step): they wait for it.
+        after = (self.stages.backend.record_compute(),)
+        events = []
+        for index, status in enumerate(self.status):
+            if status.pending_h2d and not status.launched:
+                events += self.stages.copy_in(index, after=after)
+                status.pending_h2d = False
+                self._ended(index, Stage.COPY_IN)
+        for event in events:
+            # The host waits: close() releases the staging buffers these copies read, and the caller
+            # reads the parameters next.
+            event.synchronize()
+
     def close(self) -> None:
         """Stop the host threads (at most a few seconds each) and free the buffers.
 

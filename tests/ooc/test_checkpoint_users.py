@@ -806,3 +806,75 @@ def test_export_into_a_directory_writes_its_model_file_and_a_failure_leaves_no_c
     with pytest.raises(OSError, match="Read-only"):
         ckpt.export(1, tmp_path / "w.safetensors")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "hf_dir"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_export_of_a_delayed_update_version_holds_the_newest_weights(tmp_path: Path, dtype: torch.dtype) -> None:
+    """With ``delayed_update`` a version's ``model.safetensors`` holds the parameters one update
+    behind the masters, as the delayed schedule has them (a restore needs them so: the masters go in
+    at the next step's launch). ``export()`` wrote those, so the weights shipped lacked the last
+    update; it now writes the masters (in the parameters' dtype, tied names alike: NOTE [a delayed
+    version's newest weights]), and the version's own files stay as saved."""
+    from ooc.optim import HostAdamW
+
+    model, unused = _gpt_host(0)
+    unused.close()  # one HostAdamW per model: this one's, built before the cast, is not used
+    model.to(dtype)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, delayed_update=True)
+    ckpt = Checkpointer(tmp_path / "ck", model, opt)
+    try:
+        for step in range(2):
+            _gpt_step(model, step)
+            opt.step()
+            opt.zero_grad()
+        ckpt.save(1)
+        ckpt.wait()
+        newest = {n: opt.state[p]["master"].to(dtype) for n, p in model.named_parameters(remove_duplicate=False)
+                  if "master" in opt.state[p]}
+        assert len(newest) == len(dict(model.named_parameters(remove_duplicate=False)))
+        saved = safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE)
+        assert not all(torch.equal(saved[n], t) for n, t in newest.items())  # the version keeps the lag
+        exported = safetensors.torch.load_file(ckpt.export(1, tmp_path / "w.safetensors"))
+        assert exported.keys() == saved.keys()
+        for name, t in exported.items():
+            assert t.dtype == saved[name].dtype, name
+            assert torch.equal(t, newest[name] if name in newest else saved[name]), name
+        assert safetensors.torch.load_file(ckpt.latest().path / MODEL_FILE).keys() == saved.keys()
+    finally:
+        ckpt.close()
+        opt.close()
+
+
+def test_synchronize_save_and_export_mid_training_leave_the_delayed_schedule_alone(tmp_path: Path) -> None:
+    """``delayed_update``: ``synchronize()``, a save and an export of the newest weights after a step
+    must not put that step's update into the parameters (the next forward runs on the older weights):
+    the run goes on bit for bit as one that never called them (NOTE [the last delayed update at the
+    end] in ooc.optim.pipeline)."""
+    runs = []
+    for calls in (False, True):
+        model, opt = _gpt_host(0, delayed_update=True)
+        ckpt = Checkpointer(tmp_path / f"ck{calls}", model, opt)
+        losses = []
+        try:
+            for step in range(4):
+                x = torch.randint(0, model.config.vocab_size, (2, 8), generator=torch.Generator().manual_seed(step))
+                loss = model(x, x)[1]
+                loss.backward()
+                losses.append(loss.item())
+                opt.step()
+                opt.zero_grad()
+                if calls and step == 1:
+                    opt.synchronize()
+                    ckpt.save(step)
+                    ckpt.wait()
+                    ckpt.export(step, tmp_path / "w.safetensors")
+            opt.synchronize()
+            masters = [opt.state[p]["master"].clone() for p in model.parameters()]
+            runs.append((losses, [p.detach().clone() for p in model.parameters()], masters))
+        finally:
+            ckpt.close()
+            opt.close()
+    (losses, params, masters), (expected, plain_params, plain_masters) = runs
+    assert losses == expected
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert all(torch.equal(a, b) for a, b in zip(masters, plain_masters))

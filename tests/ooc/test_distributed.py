@@ -167,6 +167,30 @@ def test_options_keep_two_ranks_sharded_or_not_equal_to_one_process(runs: Path, 
         assert reference != _losses(runs / "one.json")
 
 
+def test_delayed_update_versions_export_the_newest_weights_alike(runs: Path) -> None:
+    """``delayed_update``: a version's model file holds the parameters one update behind the masters
+    (a resume needs them so); ``export()`` writes the masters, assembled from every rank's share when
+    sharded, and gives two ranks, sharded or not, the weights of one process (NOTE [a delayed
+    version's newest weights] in ooc.checkpoint)."""
+    from dataclasses import replace
+
+    import safetensors.torch
+
+    from ooc.apps.demo import CharData, load_text
+    from ooc.checkpoint import Checkpointer
+    from ooc.models.gpt import GPT, GPT_PRESETS
+
+    model = GPT(replace(GPT_PRESETS["nano"], vocab_size=len(CharData.from_text(load_text()).chars)))
+    exported = {name: safetensors.torch.load_file(Checkpointer(runs / name, model).export(None, runs / f"{name}-export/"))
+                for name in ("delayed-one", "delayed", "delayed-sharded")}
+    saved = _weights(runs / "delayed-one")
+    one = exported["delayed-one"]
+    assert one.keys() == saved.keys()
+    assert all(not torch.equal(one[k], saved[k]) for k in saved)  # every weight took the last update
+    for name in ("delayed", "delayed-sharded"):
+        assert all(torch.equal(exported[name][k], one[k]) for k in one), name
+
+
 def test_accumulation_on_each_rank(runs: Path) -> None:
     """Two ranks accumulating two micro-batches each sum as (a + b) + (c + d); one process
     accumulating four sums ((a + b) + c) + d: the same gradients up to fp32 rounding. Sharded and

@@ -200,7 +200,36 @@ def test_delayed_update_applies_each_gradient_one_step_late() -> None:
         plain.zero_grad()
     assert losses == expected
     assert losses[1] != _reference(_model(), steps=2)[1]  # step 1 really ran on the initial weights
-    assert _same_weights(model, plain)
+    assert _same_weights(model, master)  # close() put the last update in (NOTE [the last delayed update at the end])
+
+
+@pytest.mark.parametrize("case", [dict(), dict(dtype=torch.bfloat16), dict(device_params_below=1000),
+                                  dict(backend="chaos"), dict(backend="chaos", streamed=True)],
+                         ids=["fp32", "bf16", "small-on-device", "chaos", "streamed"])
+def test_delayed_update_close_puts_the_last_update_into_the_model(case: dict) -> None:
+    """With ``delayed_update`` the parameters lag the masters by one update on purpose, and
+    ``synchronize()`` keeps that lag (the next forward still runs on the older weights); ``close()``
+    ends training, so the model then holds the newest weights, those of the last ``step()``: its
+    ``state_dict()``, a ``torch.save`` or HF's ``save_pretrained`` used to miss that update."""
+    case = dict(case)
+    dtype = case.pop("dtype", torch.float32)
+    streamed = case.pop("streamed", False)
+    if case.pop("backend", None) == "chaos":
+        case["backend"] = CpuBackend(chaos=ChaosConfig(seed=5, max_delay_s=0.002))
+    model = _model().to(dtype)
+    if streamed:  # the new weights go into each parameter's host copy
+        ooc.wrap(model, ooc.scheduler.Plan.uniform("keep", 4).streaming([0, 1, 2, 3]), backend=case["backend"])
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, delayed_update=True, **case)
+    _pipelined(model, opt)
+    newest = [opt.state[p]["master"].to(dtype) if "master" in opt.state[p] else p.detach().clone()
+              for p in model.parameters()]
+    if not streamed:  # a streamed model's parameters are its device copies, not its weights
+        assert not all(torch.equal(p, n) for p, n in zip(model.parameters(), newest))  # synchronize() kept the lag
+    opt.close()
+    if streamed:
+        ooc.unwrap(model)
+    for (name, p), n in zip(model.named_parameters(), newest):
+        assert torch.equal(p, n), name
 
 
 def test_small_parameters_may_stay_on_the_device() -> None:
@@ -347,8 +376,8 @@ def test_stage_listeners_see_every_stage_of_every_bucket_in_order(delayed: bool)
                  Stage.COPY_IN: "MainThread" if delayed else "ooc-host-update"}
     assert all(thread == thread_of[stage] for _, stage, thread in seen)
     one_step = [Stage.COPY_OUT, Stage.EXCHANGE, Stage.UPDATE, Stage.COPY_IN]
-    # Delayed: a step's weights go in when the bucket launches in the next step (none after the last).
-    expected = one_step[:3] + [Stage.COPY_IN, *one_step[:3]] * 2 if delayed else one_step * 3
+    # Delayed: a step's weights go in when the bucket launches in the next step, the last step's at close().
+    expected = one_step[:3] + [Stage.COPY_IN, *one_step[:3]] * 2 + [Stage.COPY_IN] if delayed else one_step * 3
     assert len(opt.buckets) == 7
     for index in range(len(opt.buckets)):
         assert [stage for bucket, stage, _ in seen if bucket == index] == expected
