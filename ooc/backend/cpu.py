@@ -156,6 +156,13 @@ class _CopyEngine:
                 job = self._take()
             try:
                 job()
+            except KeyboardInterrupt:
+                # NOTE [Ctrl-C in a copy a waiter runs]: the job goes back to the queue's front, to run
+                # again from its start (by the engine's thread or the next waiter); the engine is not
+                # failed, so the step can be run again, as after a Ctrl-C that interrupts a wait.
+                with self._lock:
+                    self._jobs.appendleft(job)
+                raise
             except BaseException as exc:
                 self.error = exc
                 raise
@@ -273,6 +280,14 @@ class CpuBackend(Backend):
         held = [dst, src]  # both live until the copy ran: the stand-in for CudaBackend._copy's record_stream
 
         def job() -> None:
+            # NOTE [Ctrl-C in a copy a waiter runs]
+            # A Ctrl-C on the training thread lands in a copy it runs as a waiter at the next bytecode,
+            # often right after the memmove, and the job then runs again from here. It copies again
+            # (the same bytes) while it holds the buffers; once it has let go of them the copy was done,
+            # and only the signal is left.
+            if not held:
+                done.set()
+                return
             if chaos:
                 # Poison the destination first: a reader that did not wait sees NaN bytes.
                 ctypes.memset(dst_ptr, 0xFF, nbytes)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import ooc
-from ooc.backend import ChaosConfig, CpuBackend
+from ooc.backend import ChaosConfig, CpuBackend, cpu
 from ooc.backend.cpu import CpuEvent, _CopyEngine
 from ooc.models import GPT
 from tests.helpers import NANO, gpt_batch, gpt_loss, train_side_by_side
@@ -358,3 +358,68 @@ def test_a_submit_that_races_close_raises(starved) -> None:
     starved.set()
     assert _joined(closer)
     assert len(raised) == 1 and "is closed" in str(raised[0]), raised
+
+
+def test_a_ctrl_c_in_a_job_a_waiter_runs_leaves_the_engine_working(starved) -> None:
+    """NOTE [Ctrl-C in a copy a waiter runs]: the job goes back to the front of the queue and runs again;
+    the engine is not failed."""
+    engine = _CopyEngine("test-engine")
+    done = threading.Event()
+    runs = [0]
+
+    def interrupted_once() -> None:
+        runs[0] += 1
+        if runs[0] == 1:
+            raise KeyboardInterrupt
+        done.set()
+
+    engine.submit(interrupted_once)
+    with pytest.raises(KeyboardInterrupt):
+        engine.run_until(done)
+    assert engine.error is None and not done.is_set()
+    engine.run_until(done)
+    assert done.is_set() and runs[0] == 2
+    after = threading.Event()
+    engine.submit(after.set)
+    engine.run_until(after)
+    starved.set()
+    engine.close()
+
+
+@pytest.mark.parametrize("where", ["after-the-memmove", "after-letting-go"])
+def test_a_ctrl_c_in_a_copy_the_training_thread_runs_is_copied_once_more_or_just_signalled(starved, monkeypatch, where: str) -> None:
+    backend = CpuBackend(check_order=False)
+    interrupts = [1]
+    if where == "after-the-memmove":
+        memmove = cpu.ctypes.memmove
+
+        def interrupting_memmove(*args):  # noqa: ANN002, ANN202
+            memmove(*args)
+            if interrupts[0]:
+                interrupts[0] -= 1
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(cpu.ctypes, "memmove", interrupting_memmove)
+    else:
+        set_event = cpu.CpuEvent.set
+
+        def interrupting_set(self) -> None:  # noqa: ANN001
+            if interrupts[0]:
+                interrupts[0] -= 1
+                raise KeyboardInterrupt
+            set_event(self)
+
+        monkeypatch.setattr(cpu.CpuEvent, "set", interrupting_set)
+    try:
+        src, dst = torch.arange(1000.0), torch.zeros(1000)
+        event = backend.copy_d2h(dst, src, ())
+        with pytest.raises(KeyboardInterrupt):
+            event.synchronize()
+        event.synchronize()
+        assert torch.equal(dst, src) and interrupts[0] == 0
+        again = torch.zeros(1000)
+        backend.copy_d2h(again, src, ()).synchronize()  # the engine still works
+        assert torch.equal(again, src)
+    finally:
+        starved.set()
+        backend.close()
