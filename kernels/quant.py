@@ -85,6 +85,26 @@ def _group_scale(amax, DIVISOR: tl.constexpr, MAX_SCALE: tl.constexpr):
 
 
 @triton.jit
+def _finite_absmax(x):
+    """(GPP,) per row of the (GPP, N) tile ``x``: how many values are NaN or Inf, and the absmax of
+    the others."""
+    finite = tl.abs(x) < float("inf")  # false for NaN and Inf
+    return tl.sum(tl.where(finite, 0, 1), axis=1), tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1)
+
+
+@triton.jit
+def _int_codes(v, inv, index, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
+    """int32 codes of values ``v`` times their group's reciprocal ``inv`` (NOTE [one division per
+    group]): rounded to nearest, or up with probability the remainder from the hash of element ``index``."""
+    v = v * inv
+    if STOCHASTIC:
+        v = v + _uniform(index, seed)
+    else:
+        v = v + 0.5
+    return tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+
+
+@triton.jit
 def _count_nonfinite(flag_ptr, bad):
     """NOTE [the NaN/Inf count in the kernel]
     Adds this program's count of groups holding NaN or Inf (``bad``: (GPP,) values per group) to the
@@ -107,17 +127,11 @@ def _quantize_int_kernel(
 ):
     g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
-    finite = tl.abs(x) < float("inf")  # false for NaN and Inf
-    bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    scale = _group_scale(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), QMAX * 1.0, MAX_SCALE)
+    bad, amax = _finite_absmax(x)
+    scale = _group_scale(amax, QMAX * 1.0, MAX_SCALE)
     safe = tl.where(scale > 0, scale, 1.0)
     # NOTE [one division per group]: the reciprocal, correctly rounded, then a multiply per value.
-    v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]
-    if STOCHASTIC:
-        v = v + _uniform(base + col, seed)
-    else:
-        v = v + 0.5
-    q = tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
+    q = _int_codes(x, tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None], base + col, seed, QMAX, STOCHASTIC)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
     if PACK4:
         even, odd = tl.split(tl.reshape(q, (GPP, GROUP // 2, 2)))
@@ -157,17 +171,6 @@ def _pair_values(v, SOURCE: tl.constexpr):
     return even, odd
 
 
-@triton.jit
-def _int4_codes(v, inv, index, seed, QMAX: tl.constexpr, STOCHASTIC: tl.constexpr):
-    """int32 codes of values ``v`` times their group's reciprocal ``inv``, rounded as the general kernel."""
-    v = v * inv
-    if STOCHASTIC:
-        v = v + _uniform(index, seed)
-    else:
-        v = v + 0.5
-    return tl.minimum(tl.maximum(tl.floor(v), -QMAX * 1.0), QMAX * 1.0).to(tl.int32)
-
-
 @triton.jit(do_not_specialize=["seed"])
 def _quantize_int4_pairs_kernel(
     pairs_ptr, codes_ptr, scales_ptr, flag_ptr, total, packed_cols, groups_per_row, seed,
@@ -182,15 +185,14 @@ def _quantize_int4_pairs_kernel(
     offsets = (g // groups_per_row)[:, None] * packed_cols + pcol
     m = live[:, None] & (pcol < packed_cols)
     even, odd = _pair_values(tl.load(pairs_ptr + offsets, mask=m, other=0), SOURCE)
-    finite_even = tl.abs(even) < float("inf")  # false for NaN and Inf
-    finite_odd = tl.abs(odd) < float("inf")
-    bad = tl.sum(tl.where(finite_even, 0, 1), axis=1) + tl.sum(tl.where(finite_odd, 0, 1), axis=1)
-    amax = tl.maximum(tl.max(tl.where(finite_even, tl.abs(even), 0.0), axis=1), tl.max(tl.where(finite_odd, tl.abs(odd), 0.0), axis=1))
-    scale = _group_scale(amax, QMAX * 1.0, MAX_SCALE)
+    bad_even, amax_even = _finite_absmax(even)
+    bad_odd, amax_odd = _finite_absmax(odd)
+    bad = bad_even + bad_odd
+    scale = _group_scale(tl.maximum(amax_even, amax_odd), QMAX * 1.0, MAX_SCALE)
     safe = tl.where(scale > 0, scale, 1.0)
     inv = tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]  # NOTE [one division per group]
-    low = _int4_codes(even, inv, 2 * offsets, seed, QMAX, STOCHASTIC)  # element index 2k of pair k (cols = 2 * packed_cols)
-    high = _int4_codes(odd, inv, 2 * offsets + 1, seed, QMAX, STOCHASTIC)
+    low = _int_codes(even, inv, 2 * offsets, seed, QMAX, STOCHASTIC)  # element index 2k of pair k (cols = 2 * packed_cols)
+    high = _int_codes(odd, inv, 2 * offsets + 1, seed, QMAX, STOCHASTIC)
     tl.store(scales_ptr + g, tl.where(bad > 0, float("nan"), scale), mask=live)
     tl.store(codes_ptr + offsets, ((low & 0xF) | ((high & 0xF) << 4)).to(tl.uint8), mask=m)
     if FLAG:
@@ -220,9 +222,8 @@ def _quantize_fp8_kernel(x_ptr, codes_ptr, scales_ptr, flag_ptr, total, cols, gr
                          GROUP: tl.constexpr, GPP: tl.constexpr, FLAG: tl.constexpr):
     g, live, base, col, m = _group_tile(tl.program_id(0), cols, groups_per_row, total, GROUP, GPP)
     x = tl.load(x_ptr + base + col, mask=m, other=0.0).to(tl.float32)
-    finite = tl.abs(x) < float("inf")
-    bad = tl.sum(tl.where(finite, 0, 1), axis=1)
-    scale = _group_scale(tl.max(tl.where(finite, tl.abs(x), 0.0), axis=1), FP8_MAX, float("inf"))
+    bad, amax = _finite_absmax(x)
+    scale = _group_scale(amax, FP8_MAX, float("inf"))
     safe = tl.where(scale > 0, scale, 1.0)
     v = x * tl.div_rn(tl.zeros_like(safe) + 1.0, safe)[:, None]  # NOTE [one division per group]
     tl.store(codes_ptr + base + col, v.to(codes_ptr.dtype.element_ty), mask=m)
