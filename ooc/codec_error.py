@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from ooc.rng import RngState, generators_in, set_state, state_of
+from ooc.rng import GeneratorStates, RngState, generators_in
 from ooc.scheduler.codecs import CODECS, SWAP_GROUP_SIZE, codec_error_name
 from ooc.scheduler.plan import Codec
 
@@ -129,12 +129,11 @@ class _Draws:
         leaves = tree_flatten(inputs)[0]
         device = next((t.device for t in leaves if isinstance(t, torch.Tensor)), torch.device("cpu"))
         self.rng = RngState(device)
-        self.generators = [(g, state_of(g)) for g in generators_in(leaves, module.modules())]
+        self.generators = GeneratorStates(generators_in(leaves, module.modules()))
 
     def restore(self) -> None:
         self.rng.restore()
-        for g, state in self.generators:
-            set_state(g, state)
+        self.generators.restore()
 
 
 def _grad_leaves(tree: Any) -> list[torch.Tensor]:

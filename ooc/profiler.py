@@ -26,7 +26,7 @@ from ooc.codec_error import measure_codec_errors
 from ooc.errors import WrapError
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
-from ooc.rng import RngState, generators_in, set_state, state_of
+from ooc.rng import GeneratorStates, RngState, generators_in
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
@@ -63,7 +63,7 @@ class ModelState:
         self.grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
         self.buffers = [(b, b.clone()) for b in model.buffers()]
         self.rng = RngState(device)
-        self.generators = [(g, state_of(g)) for g in generators_in([], model.modules())]
+        self.generators = GeneratorStates(generators_in([], model.modules()))
 
     def restore(self) -> None:
         with torch.no_grad():
@@ -72,8 +72,7 @@ class ModelState:
             for b, saved in self.buffers:
                 b.copy_(saved)
         self.rng.restore()
-        for g, state in self.generators:
-            set_state(g, state)
+        self.generators.restore()
 
 
 def _bytes(tensors: Any) -> int:

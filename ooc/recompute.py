@@ -68,7 +68,7 @@ from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
-from ooc.rng import RngState, generators_in, note_numpy_draws, numpy_draws, numpy_mark, set_state, state_of
+from ooc.rng import GeneratorStates, RngState, generators_in, note_numpy_draws, numpy_draws, numpy_mark
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -123,7 +123,7 @@ class BlockState:
                     self.constants.append((t, t._version))
                 else:
                     self.buffers.append((m._buffers, name, t.detach().clone()))
-        self.generators = [(g, state_of(g)) for g in generators_in(leaves, modules)]
+        self.generators = GeneratorStates(generators_in(leaves, modules))
         owners = [t for _, _, t in self.tensors] + [d[name] for d, name, _ in self.buffers]
         self.ptrs = {t.untyped_storage().data_ptr(): t for t in owners if t.layout == torch.strided}
         """Storage address -> the parameter or buffer that owns it (the block's model state)."""
@@ -146,7 +146,7 @@ class BlockState:
         """Run the re-run on the forward's state; put the current one back after."""
         current: list[tuple[dict, str, torch.Tensor | None]] = []
         flags = [(m, m.training, training) for m, training in self.training if m.training != training]
-        generators = [(g, state_of(g)) for g, _ in self.generators]
+        generators = self.generators.now()
         try:
             for d, name, tensor in self.tensors:
                 if (now := d.get(name)) is not tensor:
@@ -160,8 +160,7 @@ class BlockState:
             self.copy_ptrs = frozenset(copies)
             for m, _, training in flags:
                 m.training = training
-            for g, state in self.generators:
-                set_state(g, state)
+            self.generators.restore()
             yield
         finally:
             self.copy_ptrs = frozenset()
@@ -169,8 +168,7 @@ class BlockState:
                 d[name] = tensor
             for m, training, _ in flags:
                 m.training = training
-            for g, state in generators:
-                set_state(g, state)
+            generators.restore()
 
 
 class PlanMismatchWarning(UserWarning):

@@ -45,7 +45,7 @@ import importlib
 import random
 import sys
 import weakref
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
@@ -86,7 +86,6 @@ class RngState:
             yield
         finally:
             outer.restore()
-
 
     def numpy_changed(self) -> bool:
         """numpy's global state differs from the one taken (which must have been)."""
@@ -176,7 +175,25 @@ def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list
     return list(dict.fromkeys(found))
 
 
-def state_of(generator: Any) -> Any:
+class GeneratorStates:
+    """The states of generator objects (``generators_in`` finds them), taken now, to put back."""
+
+    __slots__ = ("states",)
+
+    def __init__(self, generators: Iterable[Any]) -> None:
+        self.states = [(g, _state_of(g)) for g in generators]
+
+    def now(self) -> GeneratorStates:
+        """The same generators' states as they are now."""
+        return GeneratorStates(g for g, _ in self.states)
+
+    def restore(self) -> None:
+        """Put every generator back in the state it had when this was taken."""
+        for g, state in self.states:
+            _set_state(g, state)
+
+
+def _state_of(generator: Any) -> Any:
     """The state of one generator ``generators_in`` found."""
     if type(generator) is torch.Generator:
         return generator.get_state()
@@ -187,8 +204,8 @@ def state_of(generator: Any) -> Any:
     return generator.get_state()  # numpy's RandomState
 
 
-def set_state(generator: Any, state: Any) -> None:
-    """Put ``state`` (from ``state_of``) back into ``generator``."""
+def _set_state(generator: Any, state: Any) -> None:
+    """Put ``state`` (from ``_state_of``) back into ``generator``."""
     if type(generator) is torch.Generator:
         generator.set_state(state)
     elif type(generator) is random.Random:
