@@ -2913,10 +2913,7 @@ class Checkpointer:
         masters = {slices[0]["param"]: key for key, slices in v.tensors.items() if slices[0]["field"] == "master"}
         loaded = {name: self._file(v, name)
                   for name in sorted({sl["file"] for key in masters.values() for sl in _distinct(v.tensors[key])})}
-        aliases: dict[int, list[str]] = {}
-        for name, p in self.model.named_parameters(remove_duplicate=False):
-            aliases.setdefault(id(p), []).append(name)
-        by_first = {names[0]: names for names in aliases.values()}
+        by_first = {names[0]: names for names in _names_of_params(self.model).values()}
         newest = {}
         for param, key in masters.items():
             master = _assemble(v, key, loaded)
@@ -3171,13 +3168,20 @@ def _load_file(path: Path, record: dict[str, Any]) -> Any:
         raise CorruptCheckpointError(path, f"cannot be parsed ({exc})") from None
 
 
+def _names_of_params(model: nn.Module) -> dict[int, list[str]]:
+    """Every name of each parameter of ``model``, by the parameter's id, first name first (a tied
+    parameter has several)."""
+    names: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), []).append(name)
+    return names
+
+
 def _param_names(model: nn.Module, params: list[torch.Tensor]) -> list[str]:
     """Each parameter's name in ``model`` (a tied one's first name), or ``param{i}`` (its place in
     the optimizer) for one the model does not hold."""
-    named = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        named.setdefault(id(p), name)
-    return [named.get(id(p), f"param{i}") for i, p in enumerate(params)]
+    names = _names_of_params(model)
+    return [names[id(p)][0] if id(p) in names else f"param{i}" for i, p in enumerate(params)]
 
 
 def _distinct(slices: list[dict[str, Any]]) -> list[dict[str, Any]]:
