@@ -9,9 +9,14 @@ silently."""
 from __future__ import annotations
 
 import copy
+import importlib.machinery
 import json
 import os
 import random
+import subprocess
+import sys
+import threading
+import types
 from collections.abc import Callable
 
 import numpy as np
@@ -21,7 +26,7 @@ import torch.nn as nn
 
 import ooc
 from ooc.recompute import RecomputeError
-from tests.ooc.test_recompute_adversarial import CODES, Chain, RandomMask, assert_same_as_plain, inputs
+from tests.ooc.test_recompute_adversarial import CODES, Chain, RandomMask, assert_same_as_plain, inputs, wrapped_copy
 
 
 class _Block(nn.Module):
@@ -111,6 +116,18 @@ def _seed_host_generators(seed: int) -> None:
     np.random.seed(seed)
 
 
+def _two_steps(model: Chain) -> list[torch.Tensor]:
+    """Two steps from seeded host generators, then a draw from each (left where plain leaves them)."""
+    _seed_host_generators(1)
+    tensors = []
+    for _ in range(2):  # the second step draws where the first left the generators
+        x = inputs()
+        out = model(x)
+        out.pow(2).sum().backward()
+        tensors += [out, x.grad]
+    return tensors + [torch.tensor(random.random()), torch.from_numpy(np.random.rand(1))]
+
+
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.__name__)
 @pytest.mark.parametrize("code", CODES)
 def test_host_randomness_is_replayed(code: str, block: type[_Block]) -> None:
@@ -118,18 +135,7 @@ def test_host_randomness_is_replayed(code: str, block: type[_Block]) -> None:
         _seed_host_generators(0)
         return Chain([block() for _ in range(3)])
 
-    def two_steps(model: Chain) -> list[torch.Tensor]:
-        _seed_host_generators(1)
-        tensors = []
-        for _ in range(2):  # the second step draws where the first left the generators
-            x = inputs()
-            out = model(x)
-            out.pow(2).sum().backward()
-            tensors += [out, x.grad]
-        tensors += [torch.tensor(random.random()), torch.from_numpy(np.random.rand(1))]  # left where plain leaves them
-        return tensors
-
-    assert_same_as_plain(build, code, two_steps)
+    assert_same_as_plain(build, code, _two_steps)
 
 
 class _Noise:
@@ -252,8 +258,7 @@ def test_numpy_state_is_taken_only_for_the_blocks_that_draw_from_it(monkeypatch)
     and one at its re-run; gradients stay plain PyTorch's."""
     calls = _counting_get_state(monkeypatch)
     torch.manual_seed(0)
-    model = Chain([NoDraws(), NumpyGlobal(), NoDraws()])
-    ooc.wrap(model, ooc.Plan.uniform("recompute", 3, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    model = wrapped_copy(Chain([NoDraws(), NumpyGlobal(), NoDraws()]), "RRR")
     try:
         _seed_host_generators(1)
         model(inputs()).pow(2).sum().backward()  # the first forward of each block looks
@@ -262,24 +267,13 @@ def test_numpy_state_is_taken_only_for_the_blocks_that_draw_from_it(monkeypatch)
     finally:
         ooc.unwrap(model)
     assert calls[0] == 2
-
-    def two_seeded_steps(model: Chain) -> list[torch.Tensor]:
-        _seed_host_generators(1)
-        tensors = []
-        for _ in range(2):  # the second one without numpy's state for the blocks that do not draw
-            x = inputs()
-            out = model(x)
-            out.pow(2).sum().backward()
-            tensors += [out, x.grad]
-        return tensors
-
-    assert_same_as_plain(lambda: Chain([NoDraws(), NumpyGlobal(), NoDraws()]), "RRR", two_seeded_steps)
+    assert_same_as_plain(lambda: Chain([NoDraws(), NumpyGlobal(), NoDraws()]), "RRR", _two_steps)
 
 
 def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refused_then_replayed() -> None:
     torch.manual_seed(0)
-    model = Chain([NoDraws(), NumpyLater()])
-    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    plain = Chain([NoDraws(), NumpyLater()])
+    model = wrapped_copy(plain, "RR")
     try:
         model(inputs()).pow(2).sum().backward()
         model.blocks[1].later = True
@@ -291,8 +285,6 @@ def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refus
         grad = x.grad
     finally:
         ooc.unwrap(model)
-    plain = Chain([NoDraws(), NumpyLater()])
-    plain.load_state_dict(model.state_dict())
     plain.blocks[1].later = True
     _seed_host_generators(2)
     x = inputs()
@@ -305,16 +297,12 @@ def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -
     it has any function: a recomputed forward then failed with AttributeError ("partially initialized
     module 'numpy.random' has no attribute 'get_bit_generator'"; seen with a thread whose first
     ``np.random.rand`` imported it during a step). Until the import ends nothing can draw from it."""
-    import importlib.machinery
-    import sys
-    import types
-
     half = types.ModuleType("numpy.random")
     half.__spec__ = importlib.machinery.ModuleSpec("numpy.random", None)
     half.__spec__._initializing = True
     torch.manual_seed(0)
-    model = Chain([NoDraws(), NoDraws()])
-    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    plain = Chain([NoDraws(), NoDraws()])
+    model = wrapped_copy(plain, "RR")
     try:
         model(inputs()).pow(2).sum().backward()  # their first forward: no numpy draws recorded
         with monkeypatch.context() as patch:
@@ -324,8 +312,6 @@ def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -
         grad = x.grad
     finally:
         ooc.unwrap(model)
-    plain = Chain([NoDraws(), NoDraws()])
-    plain.load_state_dict(model.state_dict())
     x = inputs()
     plain(x).pow(2).sum().backward()
     assert torch.equal(grad, x.grad)
@@ -374,9 +360,6 @@ def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed() -> None:
     draw is in a recomputed block's forward had no numpy state taken before it (``numpy.random`` was
     not imported then): the re-run drew another number and the gradient was silently wrong. With
     ``numpy`` imported (torch imports it), its ``random`` is imported before the forward."""
-    import subprocess
-    import sys
-
     done = subprocess.run([sys.executable, "-c", FIRST_DRAW_IMPORTS], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
@@ -389,8 +372,6 @@ def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None
     block that does not draw runs its forward (a data thread's augmentation) moves it too, and the step
     raised an error that blamed the block alone, at a random step of a long run. The error says that
     another thread may have drawn, and what to do then."""
-    import threading
-
     class OtherThreadDraws(_Block):
         later = False
 
@@ -402,8 +383,7 @@ def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None
             return torch.ones(shape)
 
     torch.manual_seed(0)
-    model = Chain([OtherThreadDraws()])
-    ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
+    model = wrapped_copy(Chain([OtherThreadDraws()]), "R")
     try:
         model(inputs()).pow(2).sum().backward()
         model.blocks[0].later = True
