@@ -72,12 +72,15 @@ class _CopyEngine:
     NOTE [a waiter runs the copies]
     A copy handed to the engine's thread waits for that thread to be scheduled. On an idle machine that
     is microseconds; on one whose cores are oversubscribed it is a time slice or more per hand-off, and
-    the training thread, which waits for its prefetches and its drained streams, waited that long for
-    each: the demo's step took 4.7 s against plain PyTorch's 0.11 s at a load of 9-10 on 2 cores. So a
-    thread that waits for a job's event runs the jobs queued up to it itself whenever no job is
-    running: the order and the one-at-a-time of a stream hold (``_busy``, under ``_lock``), and the
-    engine's thread takes the queue again when the waiter is done. A job that raises on a waiting thread
-    raises there too (on the engine's thread it is kept and raised by the next ``submit``).
+    the training thread, which waits for its prefetches and its drained streams, could wait that long
+    for each. So a thread that waits for a job's event runs the jobs queued up to it itself whenever no
+    job is running: the order and the one-at-a-time of a stream hold (``_busy``, under ``_lock``), and
+    the engine's thread takes the queue again when the waiter is done. A job that raises on a waiting
+    thread raises there too (on the engine's thread it is kept and raised by the next ``submit``).
+    Measured (``benchmarks/bench_oversubscribed.py``, the demo GPT beside 8 busy processes on 2 cores):
+    no clear gain over waiters that only wait (x0.92 against x1.11 of plain in one run, x1.22 against
+    x1.15 in another); the demo's 4.7 s step against plain PyTorch's 0.11 s at a load of 9-10, which
+    this was meant for, did not reproduce there, so its cause is elsewhere.
 
     NOTE [a failed engine fails its waiters]
     A job that raised never sets its event, and it may have failed on any thread: the engine's, or one
