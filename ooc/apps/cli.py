@@ -400,9 +400,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         return INTERRUPTED
 
 
-if __name__ == "__main__":
-    sys.exit(main())
-
 
 def run() -> NoReturn:
     """The ``ooc`` command and ``python -m ooc``: :func:`main`, then the process ends without the
@@ -424,3 +421,7 @@ def run() -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run()
