@@ -11,9 +11,7 @@ sharding.
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 
@@ -29,17 +27,6 @@ from ooc.optim import HostAdamW
 
 CFG = replace(GPT_PRESETS["nano"], n_layer=2, dropout=0.1)
 STEPS, SAVED = 5, 2  # the two-rank run saves after step SAVED and goes on to STEPS
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    """As each rank computes: more threads would sum the matrix products in another order."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _setup(*, world: int, shard: bool, dtype: torch.dtype):
@@ -153,8 +140,7 @@ def _check_one_rank_resume(root: Path, ranks: list[dict], dtype: torch.dtype, *,
     if dtype == torch.bfloat16:
         assert all("master" in s and s["master"].dtype == torch.float32 for n, s in restored.items() if n not in on_device)
     assert sched.last_epoch == SAVED
-    with _one_thread():
-        losses = _train(model, opt, sched, range(SAVED, STEPS), [0, 1])
+    losses = _train(model, opt, sched, range(SAVED, STEPS), [0, 1])  # one thread, as each rank (tests/conftest.py)
     assert losses == _interleave(ranks)
     assert _same(_weights(model), ranks[0]["weights"])
     opt.close()
@@ -201,10 +187,9 @@ def test_one_rank_restores_on_two_sharded(tmp_path: Path) -> None:
     by two sharded ranks, each reading only the state of the parameters it owns."""
     model, opt, sched = _setup(world=1, shard=False, dtype=torch.bfloat16)
     ckpt = Checkpointer(tmp_path / "ckpt", model, opt, scheduler=sched)
-    with _one_thread():
-        _train(model, opt, sched, range(SAVED), [0, 1], ckpt)
-        ckpt.close()
-        straight = _train(model, opt, sched, range(SAVED, STEPS), [0, 1])
+    _train(model, opt, sched, range(SAVED), [0, 1], ckpt)  # one thread, as each rank (tests/conftest.py)
+    ckpt.close()
+    straight = _train(model, opt, sched, range(SAVED, STEPS), [0, 1])
     final = _weights(model)
     opt.close()
     resumed = _spawn(tmp_path, shard=True, dtype=torch.bfloat16, resume=True)
