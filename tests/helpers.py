@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib.util
 import random
 import zlib
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -21,6 +24,7 @@ from ooc.models.gpt import GPTConfig
 NANO = GPTConfig(vocab_size=65, block_size=32, n_layer=4, n_head=2, n_embd=32, dropout=0.1)
 # The same without dropout, for tests that compare outputs of separate forwards.
 NANO_NO_DROPOUT = replace(NANO, dropout=0.0)
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def stable_seed(*parts: object) -> int:
@@ -33,6 +37,14 @@ def gpt_batch(vocab: int = 65, batch: int = 4, seq: int = 32, seed: int = 0) -> 
     g = torch.Generator().manual_seed(seed)
     x = torch.randint(0, vocab, (batch, seq), generator=g)
     return x, torch.roll(x, -1, dims=1)
+
+
+def load_example(name: str) -> ModuleType:
+    """``examples/<name>.py`` as a module, loaded afresh (its training functions and classes)."""
+    spec = importlib.util.spec_from_file_location(f"ooc_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def lm_rows(n: int, vocab: int, seq: int = 16) -> list[dict[str, torch.Tensor]]:

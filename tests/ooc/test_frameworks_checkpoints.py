@@ -4,11 +4,9 @@ and :class:`ooc.checkpoint.Checkpointer` saved from a framework's hook."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import warnings
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -16,10 +14,9 @@ import torch
 
 import ooc
 from ooc.checkpoint import Checkpointer, CheckpointError
-from tests.helpers import lm_rows
+from tests.helpers import lm_rows, load_example
 
 VOCAB = 97
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_hostadamw.py"
 
 
 def _gpt2() -> torch.nn.Module:
@@ -120,13 +117,6 @@ def test_a_checkpointer_saved_from_a_trainer_callback_holds_the_trainers_checkpo
             ooc.unwrap(model)
 
 
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ooc_example_lightning_checkpoints", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _fit(module: Any, callbacks: list, steps: int = 6, ckpt_path: str | None = None) -> Any:
     """``fit`` on 3 batches of 8 random rows per epoch; return the Lightning trainer."""
     import lightning as L
@@ -145,7 +135,7 @@ def _lightning_run(directory: Path, ckpt_path: str | None = None) -> tuple[list[
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(0)
-    module = _example().Classifier(wrapped=True)
+    module = load_example("lightning_hostadamw").Classifier(wrapped=True)
     trainer = _fit(module, [ModelCheckpoint(dirpath=directory, every_n_train_steps=3, save_top_k=-1)], ckpt_path=ckpt_path)
     try:
         weights = {k: v.detach().clone() for k, v in module.net.state_dict().items()}
@@ -200,7 +190,7 @@ def test_a_second_save_at_one_step_from_a_lightning_hook_says_so(tmp_path: Path)
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     torch.manual_seed(0)
-    module = _example().Classifier(wrapped=True)
+    module = load_example("lightning_hostadamw").Classifier(wrapped=True)
     saver = _checkpointer_beside_model_checkpoint(tmp_path, guarded=False)
     with pytest.raises(CheckpointError, match=r"step-000000003 is already committed: save\(3\) was called again at "
                                               r"the step of this Checkpointer's last version.*if step != last") as refused:
@@ -212,7 +202,7 @@ def test_a_second_save_at_one_step_from_a_lightning_hook_says_so(tmp_path: Path)
     ooc.unwrap(module.net)
 
     torch.manual_seed(0)
-    module = _example().Classifier(wrapped=True)
+    module = load_example("lightning_hostadamw").Classifier(wrapped=True)
     saver = _checkpointer_beside_model_checkpoint(tmp_path / "guarded", guarded=True)
     trainer = _fit(module, [ModelCheckpoint(dirpath=tmp_path / "guarded" / "l", every_n_train_steps=3, save_last=True), saver])
     opt = trainer.optimizers[0]
@@ -225,7 +215,7 @@ def test_a_second_save_at_one_step_from_a_lightning_hook_says_so(tmp_path: Path)
         saver.ckpt.close()
         opt.close()
         ooc.unwrap(module.net)
-    fresh = _example().Classifier(wrapped=True)
+    fresh = load_example("lightning_hostadamw").Classifier(wrapped=True)
     fresh_opt = ooc.optim.HostAdamW(fresh.parameters(), lr=1e-2, model=fresh.net)
     restorer = Checkpointer(tmp_path / "guarded" / "ooc", fresh.net, fresh_opt)
     try:

@@ -2,24 +2,16 @@
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
 from types import ModuleType
 
 import pytest
 import torch
 
+from tests.helpers import load_example
+
 pytest.importorskip("lightning")
 
-EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "lightning_hostadamw.py"
-
-
-def _example() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("ooc_example_lightning_frameworks", EXAMPLE)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _moved_elsewhere(value: object, device: object) -> object:
@@ -35,7 +27,7 @@ def test_the_optimizer_state_lightning_moves_to_the_device_stays_on_the_host(mon
     they are copied back into the host tensors, and training equals plain AdamW's."""
     import lightning.fabric.utilities.optimizer as lightning_optimizer
 
-    example = _example()
+    example = load_example("lightning_hostadamw")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
         plain = example.train(wrapped=False)
@@ -66,7 +58,7 @@ def test_a_second_fit_says_how_to_close_the_optimizer_lightning_keeps() -> None:
     and holds. It now says where it is; closed there, the next fit trains."""
     import ooc
 
-    module = _example().Classifier(wrapped=True)
+    module = load_example("lightning_hostadamw").Classifier(wrapped=True)
     first = _fit(module)
     with pytest.raises(ooc.OocError, match=r"for opt in trainer\.optimizers: opt\.close\(\)"):
         _fit(module)
@@ -106,7 +98,7 @@ def test_a_loss_scale_that_lightning_backward_never_applied_is_refused() -> None
     power-of-two scale is exact in fp32)."""
     import ooc
 
-    example = _example()
+    example = load_example("lightning_hostadamw")
     unscaled = _loss_scaled_classifier(example, loss_scale=True, scales_in_backward=False)
     with pytest.raises(ooc.OocError, match=r"no opt\.scale\(loss\).*override LightningModule\.backward"):
         _fit(unscaled, steps=2)

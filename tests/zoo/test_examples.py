@@ -5,22 +5,12 @@ bit (HostAdamW's update is that kernel; the wraps keep, swap and recompute)."""
 
 from __future__ import annotations
 
-import importlib.util
 import warnings
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-
-
-def _load(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"ooc_example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_example
 
 
 def _same(a: tuple[list[float], dict[str, torch.Tensor]], b: tuple[list[float], dict[str, torch.Tensor]]) -> None:
@@ -33,13 +23,13 @@ def _same(a: tuple[list[float], dict[str, torch.Tensor]], b: tuple[list[float], 
 def test_hf_trainer_with_host_adamw() -> None:
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")  # Trainer needs it
-    example = _load("hf_trainer")
+    example = load_example("hf_trainer")
     _same(example.train(wrapped=True), example.train(wrapped=False))
 
 
 def test_lightning_with_host_adamw() -> None:
     pytest.importorskip("lightning")
-    example = _load("lightning_hostadamw")
+    example = load_example("lightning_hostadamw")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers and loggers
         _same(example.train(wrapped=True), example.train(wrapped=False))
@@ -55,7 +45,7 @@ def test_the_examples_swap_block_moves_its_activations(name: str, monkeypatch: p
         pytest.importorskip("accelerate")
     import ooc
 
-    example = _load(name)
+    example = load_example(name)
     moved = []
     unwrap = ooc.unwrap
 
