@@ -1,100 +1,46 @@
 """``ooc train --save/--save-every/--resume auto`` and ``ooc checkpoints list``, including runs killed
 with SIGKILL at random moments, on one rank and on two: every resume continues exactly as the run that
-was never stopped.
-
-Two ranks (gloo, one thread each, as in tests/ooc/test_distributed.py) train on the micro-batches one
-process accumulating two of them trains on, with the same gradients bit for bit: that process's run is
-the two-rank runs' reference."""
+was never stopped (the runs and trials: tests/ooc/train_runs.py; twenty two-rank trials:
+test_checkpoint_kill_many.py, a file of their own so that the slow lane's two workers share the
+trials)."""
 
 from __future__ import annotations
 
-import json
-import os
-import random
-import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
-import safetensors.torch
 import torch
 
 from ooc.checkpoint import list_versions
-
-STEPS = 6
-COMMON = ["--preset", "nano", "--batch-size", "2", "--seq", "16", "--plan", "keep", "--no-progress"]
-
-
-def _cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "ooc", "train", *COMMON, *args]
-
-
-def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _start_ranks(args: list[str], cwd: Path, world: int) -> list[subprocess.Popen]:
-    """``ooc train args`` on ``world`` ranks (one: a plain process); rank 0's stdout is piped (it
-    prints the step lines)."""
-    port = _free_port()
-    procs = []
-    for rank in range(world):
-        # The stream-order checker is off as in test_distributed (its false use after free there).
-        env = dict(os.environ) if world == 1 else {
-            **os.environ, "OMP_NUM_THREADS": "1", "OOC_CHECK_ORDER": "0", "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
-        procs.append(subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
-                                      stderr=subprocess.PIPE))
-    return procs
-
-
-def _run_ranks(args: list[str], cwd: Path, world: int) -> None:
-    procs = _start_ranks(args, cwd, world)
-    for rank, proc in enumerate(procs):
-        _, err = proc.communicate(timeout=600)
-        assert proc.returncode == 0, f"rank {rank}: {err[-3000:]}"
-
-
-def _final_weights(directory: Path) -> dict[str, torch.Tensor]:
-    latest = list_versions(directory)[-1]
-    return safetensors.torch.load_file(latest.path / "model.safetensors")
+from tests.ooc.train_runs import (
+    STEPS,
+    check_resumed,
+    kill_trials,
+    reference_run,
+    reference_two_run,
+    run,
+    train_cmd,
+)
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
-    root = tmp_path_factory.mktemp("ref")
-    _run(_cmd("--steps", str(STEPS), "--save", "ckpt", "--out", "ref.json"), root)
-    result = json.loads((root / "ref.json").read_text())
-    assert result["start_step"] == 0 and len(result["losses"]) == STEPS
-    return root / "ckpt", result["losses"]
+    return reference_run(tmp_path_factory.mktemp("ref"))
 
 
-def _check_resumed(directory: Path, out: Path, start: int, reference: tuple[Path, list[float]]) -> None:
-    result = json.loads(out.read_text())
-    ref_dir, ref_losses = reference
-    assert result["start_step"] == start
-    assert result["losses"] == ref_losses[start:]
-    ours, theirs = _final_weights(directory), _final_weights(ref_dir)
-    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+@pytest.fixture(scope="module")
+def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
+    return reference_two_run(tmp_path_factory.mktemp("ref2"))
 
 
 def test_half_then_resume_auto_matches_the_full_run(tmp_path: Path, reference) -> None:  # noqa: ANN001
     half = STEPS // 2
-    _run(_cmd("--steps", str(half), "--save", "ckpt", "--save-every", "2", "--keep", "2"), tmp_path)
+    run(train_cmd("--steps", str(half), "--save", "ckpt", "--save-every", "2", "--keep", "2"), tmp_path)
     assert [v.step for v in list_versions(tmp_path / "ckpt")] == [2, 3]
-    _run(_cmd("--steps", str(STEPS - half), "--save", "ckpt", "--resume", "auto", "--out", "rest.json"), tmp_path)
-    _check_resumed(tmp_path / "ckpt", tmp_path / "rest.json", half, reference)
+    run(train_cmd("--steps", str(STEPS - half), "--save", "ckpt", "--resume", "auto", "--out", "rest.json"), tmp_path)
+    check_resumed(tmp_path / "ckpt", tmp_path / "rest.json", half, reference)
     listed = subprocess.run([sys.executable, "-m", "ooc", "checkpoints", "list", "ckpt"], cwd=tmp_path,
                             capture_output=True, text=True, timeout=300)
     assert listed.returncode == 0, listed.stderr
@@ -104,8 +50,8 @@ def test_half_then_resume_auto_matches_the_full_run(tmp_path: Path, reference) -
 
 
 def test_resume_auto_without_a_version_starts_fresh(tmp_path: Path, reference) -> None:  # noqa: ANN001
-    _run(_cmd("--steps", str(STEPS), "--save", "ckpt", "--resume", "auto", "--out", "all.json"), tmp_path)
-    _check_resumed(tmp_path / "ckpt", tmp_path / "all.json", 0, reference)
+    run(train_cmd("--steps", str(STEPS), "--save", "ckpt", "--resume", "auto", "--out", "all.json"), tmp_path)
+    check_resumed(tmp_path / "ckpt", tmp_path / "all.json", 0, reference)
 
 
 def test_resume_auto_with_only_a_damaged_version_says_so(tmp_path: Path) -> None:
@@ -113,10 +59,10 @@ def test_resume_auto_with_only_a_damaged_version_says_so(tmp_path: Path) -> None
     has a damaged commit record started afresh without a word (the version was not listed), and
     the run then failed at that version's step ('already committed'). It now stops at the start,
     naming the record."""
-    _run(_cmd("--steps", "1", "--save", "ckpt"), tmp_path)
+    run(train_cmd("--steps", "1", "--save", "ckpt"), tmp_path)
     record = tmp_path / "ckpt" / "step-000000001" / "manifest-rank0.json"
     record.write_bytes(record.read_bytes()[:-1])
-    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
+    done = subprocess.run(train_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "manifest-rank0.json" in done.stderr, done.stderr[-3000:]
 
@@ -173,9 +119,9 @@ def test_resume_from_an_older_version_into_newer_ones_says_so_before_training(tm
     branch."""
     import shutil
 
-    _run(_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
+    run(train_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
     shutil.copytree(tmp_path / "ckpt" / "step-000000001", tmp_path / "old" / "step-000000001")
-    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "old"), cwd=tmp_path,
+    done = subprocess.run(train_cmd("--steps", "1", "--save", "ckpt", "--resume", "old"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0, done.stdout[-3000:]
     assert "step 2 is below the newest version (step 3)" in done.stderr and "--save NEW_DIR" in done.stderr, done.stderr
@@ -192,7 +138,7 @@ def test_resume_auto_onto_a_damaged_newest_version_continues_from_the_one_before
     [resume auto falls back past damaged versions] in ooc.apps.train): it says which version it
     skipped, continues from the one before exactly as the run that never stopped, and its first
     save moves the damaged folder aside, kept. ``--resume DIR`` from another directory still stops."""
-    _run(_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
+    run(train_cmd("--steps", "3", "--save", "ckpt", "--save-every", "1"), tmp_path)
     damaged = tmp_path / "ckpt" / "step-000000003"
     if damage == "record":
         (damaged / "manifest-rank0.json").write_text("{")
@@ -200,15 +146,15 @@ def test_resume_auto_onto_a_damaged_newest_version_continues_from_the_one_before
         data = bytearray((damaged / "model.safetensors").read_bytes())
         data[-1] ^= 0x01
         (damaged / "model.safetensors").write_bytes(bytes(data))
-    done = subprocess.run(_cmd("--steps", "1", "--save", "other", "--resume", "ckpt"), cwd=tmp_path,
+    done = subprocess.run(train_cmd("--steps", "1", "--save", "other", "--resume", "ckpt"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "newest version is damaged" in done.stderr and "Move its folder out of ckpt" in done.stderr, done.stderr
-    resumed = _run(_cmd("--steps", str(STEPS - 2), "--save", "ckpt", "--save-every", "1", "--resume", "auto",
+    resumed = run(train_cmd("--steps", str(STEPS - 2), "--save", "ckpt", "--save-every", "1", "--resume", "auto",
                         "--out", "rest.json"), tmp_path).stdout
     assert "--resume auto: ckpt/step-000000003 is damaged" in resumed and "moves the damaged versions" in resumed
     assert "resumed from ckpt/step-000000002 (step 2)" in resumed
-    _check_resumed(tmp_path / "ckpt", tmp_path / "rest.json", 2, reference)
+    check_resumed(tmp_path / "ckpt", tmp_path / "rest.json", 2, reference)
     assert [v.step for v in list_versions(tmp_path / "ckpt")] == [4, 5, 6]
     aside = [p.name for p in (tmp_path / "ckpt").iterdir() if ".damaged-" in p.name]
     assert len(aside) == 1 and aside[0].startswith("step-000000003.damaged-"), aside
@@ -217,11 +163,11 @@ def test_resume_auto_onto_a_damaged_newest_version_continues_from_the_one_before
 def test_resume_auto_onto_only_damaged_versions_stops_naming_them(tmp_path: Path) -> None:
     """Every version damaged: ``--resume auto`` does not start afresh (it would throw the run away),
     it stops before training, naming each one, and moves nothing."""
-    _run(_cmd("--steps", "2", "--save", "ckpt", "--save-every", "1"), tmp_path)
+    run(train_cmd("--steps", "2", "--save", "ckpt", "--save-every", "1"), tmp_path)
     for step in (1, 2):
         model = tmp_path / "ckpt" / f"step-00000000{step}" / "model.safetensors"
         model.write_bytes(model.read_bytes()[:-1])
-    done = subprocess.run(_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
+    done = subprocess.run(train_cmd("--steps", "1", "--save", "ckpt", "--resume", "auto"), cwd=tmp_path,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-3000:]
     assert "no version there is intact" in done.stderr and "step-000000001/model.safetensors" in done.stderr
@@ -229,65 +175,14 @@ def test_resume_auto_onto_only_damaged_versions_stops_naming_them(tmp_path: Path
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-000000001", "step-000000002"]
 
 
-@pytest.fixture(scope="module")
-def reference_two(tmp_path_factory) -> tuple[Path, list[float]]:  # noqa: ANN001
-    """What two ranks compute: one process on one thread accumulating both ranks' micro-batches."""
-    root = tmp_path_factory.mktemp("ref2")
-    done = subprocess.run(_cmd("--steps", str(STEPS), "--accumulate", "2", "--save", "ckpt", "--out", "ref.json"),
-                          cwd=root, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return root / "ckpt", json.loads((root / "ref.json").read_text())["losses"]
-
-
-def _kill_trials(tmp_path: Path, reference, trials: int, seed: int, world: int = 1) -> None:  # noqa: ANN001
-    """Each trial: a run saving every step, killed with SIGKILL after a random number of steps and a
-    random fraction of one, resumed from its newest complete version. With two ranks the victim is
-    rank 0, rank 1 or both (a lost rank makes the other exit within --timeout), and the killed and
-    the resumed runs each shard the optimizer state or not, at random (the sharded and unsharded
-    runs are equal bit for bit, test_distributed)."""
-    rng = random.Random(seed)
-    save = ["--save", "ckpt", "--save-every", "1", "--keep", "2"]
-    for trial in range(trials):
-        root = tmp_path / f"trial{trial}"
-        root.mkdir()
-        shard = ["--shard"] if world > 1 and rng.random() < 0.5 else []
-        # A short --timeout: the survivor of a lost rank exits soon (one that times out early on a busy
-        # machine only stops the doomed run sooner).
-        procs = _start_ranks(_cmd("--steps", str(STEPS), *save, *shard, "--timeout", "5"), root, world)
-        victims = [procs[0]] if world == 1 else rng.choice([[procs[0]], [procs[1]], procs])
-        at_line = rng.randrange(STEPS)  # kill after this many step lines, then a random fraction of a step
-        for _ in range(at_line):
-            if not procs[0].stdout.readline():
-                break
-        time.sleep(rng.uniform(0.0, 0.15))
-        for proc in victims:
-            os.kill(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.communicate(timeout=120)  # the survivor, if any, fails its next collective and exits
-        found = list_versions(root / "ckpt")
-        start = found[-1].step if found else 0  # the resume checks every file of this version's checksums
-        if start == STEPS:  # killed after its last save: the run is complete, its weights the reference's
-            ours, theirs = _final_weights(root / "ckpt"), _final_weights(reference[0])
-            assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
-            continue
-        shard = ["--shard"] if world > 1 and rng.random() < 0.5 else []
-        _run_ranks(_cmd("--steps", str(STEPS - start), *save, *shard, "--resume", "auto", "--out", "rest.json"), root, world)
-        _check_resumed(root / "ckpt", root / "rest.json", start, reference)
-
-
 def test_kill_9_then_resume_is_exact(tmp_path: Path, reference) -> None:  # noqa: ANN001
-    _kill_trials(tmp_path, reference, trials=3, seed=0)
+    kill_trials(tmp_path, reference, trials=3, seed=0)
 
 
 def test_kill_9_of_two_ranks_then_resume_is_exact(tmp_path: Path, reference_two) -> None:  # noqa: ANN001
-    _kill_trials(tmp_path, reference_two, trials=1, seed=0, world=2)
+    kill_trials(tmp_path, reference_two, trials=1, seed=0, world=2)
 
 
 @pytest.mark.slow
 def test_kill_9_then_resume_is_exact_many(tmp_path: Path, reference) -> None:  # noqa: ANN001
-    _kill_trials(tmp_path, reference, trials=20, seed=1)
-
-
-@pytest.mark.slow
-def test_kill_9_of_two_ranks_then_resume_is_exact_many(tmp_path: Path, reference_two) -> None:  # noqa: ANN001
-    _kill_trials(tmp_path, reference_two, trials=20, seed=1, world=2)
+    kill_trials(tmp_path, reference, trials=20, seed=1)
