@@ -11,8 +11,9 @@ what the cache makes dead, NOTE [ops a re-run skips]), and that swaps ANY held b
 in any window, whatever their size. It relaxes that set so that it is a linear program:
 
 - memory: at the end of the forward every block holds what its choice holds (``block_bytes``: the
-  saved bytes for KEEP, the input and the cached outputs for RECOMPUTE), less the bytes swapped out
-  by then, ``X``; the schedule's peak is at least that, so it must fit the budget;
+  saved bytes for KEEP, the input and the cached outputs for RECOMPUTE; less the storages it shares
+  with other blocks, NOTE [storages shared between blocks], which another may count), less the bytes
+  swapped out by then, ``X``; the schedule's peak is at least that, so it must fit the budget;
 - link: ``X`` went out during the forward at ``hw.d2h`` and comes back during the backward at
   ``hw.h2d``; each phase lasts its compute (the profile's forwards and backwards and the time
   outside the chain, plus the backward's re-runs), and a plan may stall it to give the link more
@@ -53,11 +54,14 @@ def block_choices(block: BlockProfile, max_candidates: int = MAX_CANDIDATES) -> 
     candidates = [k for k, op in enumerate(block.ops) if op.cacheable and op.output_bytes > 0]
     if len(candidates) > max_candidates:
         return None
-    choices = [(block_bytes(BlockPlan("keep"), block).forward_alloc, 0.0)]
+    # A storage other blocks hold too may be counted by one of them instead (NOTE [storages shared
+    # between blocks]): taken off every holder here, which only lowers the bound.
+    shared = sum(s.nbytes for s in block.shared)
+    choices = [(max(0, block_bytes(BlockPlan("keep"), block).forward_alloc - shared), 0.0)]
     for size in range(len(candidates) + 1):
         for cached in itertools.combinations(candidates, size):
             plan = BlockPlan("recompute", cached_ops=cached)
-            choices.append((block_bytes(plan, block).forward_alloc, selective_rerun_s(plan, block, None)))
+            choices.append((max(0, block_bytes(plan, block).forward_alloc - shared), selective_rerun_s(plan, block, None)))
     return choices
 
 

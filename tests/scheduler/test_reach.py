@@ -102,3 +102,25 @@ def test_no_planner_beats_the_bound_on_random_chains(seed):
         if bound is not None and last is not None:
             assert bound >= last * (1 - 1e-12)  # less memory never makes the bound lower
         last = bound
+
+
+@pytest.mark.parametrize("link", ["cpu", "none"])
+def test_no_plan_beats_the_bound_on_a_measured_resnet_with_shared_storages(link):
+    """A measured op-level profile (each ResNet block saves the input the block before returned:
+    storages shared between blocks, counted once by the schedule); the planners' plans and random
+    per-op plans at the budgets they reach. Without a link no swap makes room: counted per block,
+    the shared storages put keep-all's own peak out of its reach."""
+    from tests.helpers import image_op_profile, random_selective_plan, small_resnet
+
+    prof = image_op_profile(small_resnet())
+    assert any(block.shared for block in prof.blocks)
+    hw = preset("cpu")
+    if link == "none":
+        hw = replace(hw, h2d=1e-9, d2h=1e-9, h2d_duplex=1e-9, d2h_duplex=1e-9)
+    rng = random.Random(0)
+    plans = [plan for _, plan in _fitting_plans(prof, hw, 10**12)]
+    plans += [random_selective_plan(prof, rng) for _ in range(40)]
+    for plan in plans:
+        peak = build_schedule(plan, prof).peak_bytes
+        bound = any_plan_step_bound(prof, hw, peak)
+        assert bound is not None and predict(plan, prof, hw).step_time_s >= bound * (1 - 1e-9), plan
