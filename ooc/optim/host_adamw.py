@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import math
 import os
-import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +30,7 @@ from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
+from ooc.optim.frameworks import caller_running, driven_by_a_framework, saving_after_training
 from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.loss_scale import LossScale
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
@@ -368,7 +368,7 @@ class HostAdamW(torch.optim.Optimizer):
             # Data-parallel without the pipeline too: a backward that ended early leaves partial
             # gradients that the next step() must not exchange (NOTE [a backward that ended early]).
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
-        handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
+        handles.append(model.register_state_dict_pre_hook(lambda *_: _before_model_state_dict(pipe)))
         loads = _LoadsIntoTheModel(weakref.ref(self))
         handles.append(model.register_load_state_dict_pre_hook(loads.before))
         handles.append(model.register_load_state_dict_post_hook(loads.after))
@@ -471,7 +471,9 @@ class HostAdamW(torch.optim.Optimizer):
         self._step_device_params(params, grad_scale)
         if self._buffers is not None:
             self._buffers.forwards = 0
-        if not self._pipelined:
+        if not self._pipelined or driven_by_a_framework(closure):
+            # A framework's hooks read and write the weights before the next forward's gates: NOTE [a
+            # framework's hooks after step()] in ooc.optim.frameworks.
             self.synchronize()
         return loss
 
@@ -920,11 +922,6 @@ def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Mod
     return module, list(module.parameters())
 
 
-_CALLERS_TO_SEARCH = 16
-"""Frames above ``step()`` searched for GradScaler's: its decorators, ``Optimizer``'s step hooks
-and a framework's wrappers (NOTE [a GradScaler behind a wrapper])."""
-
-
 def _called_by_grad_scaler() -> bool:
     """``step()`` was called by ``torch.amp.GradScaler.step`` without ``_step_supports_amp_scaling``.
 
@@ -941,15 +938,7 @@ def _called_by_grad_scaler() -> bool:
     updates that began in the backward (on the non-finite gradients) are then reported at the next
     ``zero_grad()``, whose ``UncommittedStepWarning`` names a GradScaler and ``loss_scale=``: nothing
     reaches this optimizer on that path to refuse it by."""
-    target = torch.amp.GradScaler._maybe_opt_step.__code__
-    frame = sys._getframe(1)
-    for _ in range(_CALLERS_TO_SEARCH):
-        if frame is None:
-            return False
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
+    return caller_running(torch.amp.GradScaler._maybe_opt_step.__code__) is not None
 
 
 def _check_number(name: str, value: Any) -> None:
@@ -1116,6 +1105,27 @@ def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
     if on_device:
         return value.detach().to(p.device, p.dtype, copy=True)
     return HostAdamW._host_zeros_like(p).copy_(value.detach())
+
+
+def _before_model_state_dict(pipe: UpdatePipeline) -> None:
+    """``model.state_dict()`` waits for the updates in flight; inside a framework's save after training,
+    with ``delayed_update``, it first puts the last update into the parameters.
+
+    NOTE [the last delayed update at a framework's final save]
+    With ``delayed_update`` the parameters lag the masters by one update until ``close()`` (NOTE [the
+    last delayed update at the end] in ooc.optim.pipeline), and ``trainer.save_model()`` after
+    ``trainer.train()`` (or Lightning's ``trainer.save_checkpoint`` after ``fit()``) saved the weights one
+    update behind unless the user had closed the optimizer first; the framework still holds it then.
+    A save by the framework once its training has ended (``Trainer.is_in_train`` False; Lightning's
+    state ``finished``) now copies the last update in first, as ``close()`` would. The saves it makes
+    while it trains (``save_steps``, ``ModelCheckpoint``) keep the lag: the next forward must read the
+    older weights, and a resume from them goes on bit for bit. Training again after such a save runs
+    its first step on the newest weights (the copy in is not repeated): one step without the delay.
+    Not caught: a save of one's own after the framework's training (``torch.save(model.state_dict())``):
+    ``close()`` the optimizer before it, as the README says."""
+    pipe.synchronize()
+    if pipe.config.delayed_update and saving_after_training():
+        pipe.flush_delayed()
 
 
 def _watch_backward(pipe: UpdatePipeline, out: Any) -> None:
