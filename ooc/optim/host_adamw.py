@@ -81,7 +81,10 @@ class HostAdamW(torch.optim.Optimizer):
     - ``pipeline`` (with ``model``): when a bucket's last gradient arrives its update starts on a
       host thread while the backward goes on, and the bucket's next forward waits for its new
       weights. ``step()`` then returns at once; call :meth:`synchronize` before reading parameters
-      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
+      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). Under a
+      framework (``step(closure)``, as Lightning calls it, or through accelerate's wrapper, as
+      transformers.Trainer does) ``step()`` waits for its updates, since the framework's hooks read the
+      weights before the next forward (NOTE [a framework's hooks after step()] in ooc.optim.frameworks). With
       ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
       cores idle during the backward (training on a GPU); where compute keeps every core busy (the
       CPU backend) the update thread only competes with it. The updates a backward starts are
@@ -94,7 +97,8 @@ class HostAdamW(torch.optim.Optimizer):
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
       result is AdamW with gradients one step stale. The parameters lag the masters by one update,
       ``synchronize()`` included; ``close()`` puts the last update in (NOTE [the last delayed
-      update at the end] in ooc.optim.pipeline).
+      update at the end] in ooc.optim.pipeline), and so does a framework's save after its training
+      (NOTE [the last delayed update at a framework's final save]).
     - ``accumulate``: backward passes per ``step()`` (gradient accumulation); a bucket's update
       starts after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
