@@ -20,9 +20,11 @@ updates (``synchronize()``) where a framework calls it:
 - called through accelerate's ``AcceleratedOptimizer.step`` (``transformers.Trainer``, which wraps
   every optimizer in it, and accelerate loops), whose frame is among the callers.
 
-What that costs: the next forward's first gate waits for these same buckets before anything else (its
-first modules are the ones they hold, and the update thread takes buckets in the order they launched,
-so the last launched is the last done), so the wait only moves from that gate to the end of ``step()``.
+What that costs: the next forward's first gates wait for these same buckets (its first modules, the
+embeddings and the first block, are the ones they hold), and the update thread takes buckets in the
+order they launched (data-parallel: in canonical order, the order a backward usually completes them in),
+so waiting for them is waiting for every update: the wait only moves from those gates to the end of
+``step()``.
 What is lost is the overlap of those last updates with the framework's own host work between ``step()``
 and the next forward (its hooks and logging, the scheduler step, ``zero_grad()``, fetching the next
 batch): at most that gap, once a step. The overlap with the backward, where every other bucket's update
@@ -36,7 +38,12 @@ user's trainer and naming hooks that differ by framework and version (and Lightn
 own hooks after every callback's); an option on HostAdamW leaves the user to know, as before; waiting in
 every ``step()`` costs a plain loop the overlap with whatever it does before its next forward. Not
 caught: a wrapper of one's own that passes no closure and is not accelerate's (call ``synchronize()``
-in its hooks), and a write into the parameters through ``.data``.
+in its hooks), and a hook between the backward and ``step()`` (Lightning's ``on_after_backward`` and
+``on_before_optimizer_step``, a Trainer callback's ``on_pre_optimizer_step``) that reads the weights:
+the updates began in the backward, so it reads some buckets' new weights where ``torch.optim.AdamW``'s
+run reads the old (``pipeline=False`` updates in ``step()``; NOTE [a step is a transaction] in
+ooc.optim.pipeline). A hook's write through ``.data`` is not seen by the next update (NOTE [weights
+written outside the optimizer] in ooc.optim.pipeline).
 """
 
 from __future__ import annotations
