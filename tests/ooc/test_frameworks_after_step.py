@@ -205,21 +205,42 @@ def _lightning_fit(module: Any, callbacks: list, *, steps: int | None = None, ep
     return trainer
 
 
-def _classifier(host: bool) -> Any:
-    """The Lightning example's classifier, unwrapped, with a pipelined HostAdamW (slowed) or AdamW(fused)."""
+def _classifier(host: bool, *, manual: bool = False) -> Any:
+    """The Lightning example's classifier, unwrapped, with a pipelined HostAdamW (slowed) or AdamW(fused);
+    ``manual``: under manual optimization, its ``training_step`` calling ``backward`` and ``step()`` itself."""
     example = load_example("lightning_hostadamw")
 
     class Classifier(example.Classifier):
+        def __init__(self) -> None:
+            super().__init__(wrapped=False)
+            self.automatic_optimization = not manual
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            loss = super().training_step(batch, batch_idx)
+            if manual:
+                opt = self.optimizers()
+                opt.zero_grad()
+                self.manual_backward(loss)
+                opt.step()  # Lightning's wrapper passes HostAdamW a no-op closure
+            return loss
+
         def configure_optimizers(self) -> torch.optim.Optimizer:
             if host:
                 return _slowed(ooc.optim.HostAdamW(self.parameters(), lr=1e-2, model=self.net))
             return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
 
     torch.manual_seed(0)
-    return Classifier(wrapped=False)
+    return Classifier()
 
 
-def _lightning_ema(host: bool) -> list[torch.Tensor]:
+def _close(trainer: Any) -> None:
+    """Close the HostAdamW a Lightning trainer holds (one live HostAdamW per model)."""
+    for opt in trainer.optimizers:
+        if isinstance(opt, ooc.optim.HostAdamW):
+            opt.close()
+
+
+def _lightning_ema(host: bool, manual: bool) -> list[torch.Tensor]:
     import lightning as L
 
     class EmaCallback(L.Callback):
@@ -230,20 +251,19 @@ def _lightning_ema(host: bool) -> list[torch.Tensor]:
             self.ema.update(pl_module.net)
 
     callback = EmaCallback()
-    module = _classifier(host)
-    trainer = _lightning_fit(module, [callback], steps=4)
-    for opt in trainer.optimizers:
-        opt.close() if host else None
+    _close(_lightning_fit(_classifier(host, manual=manual), [callback], steps=4))
     return callback.ema.shadow
 
 
-def test_an_ema_in_lightnings_on_train_batch_end_reads_the_updated_weights() -> None:
-    """Lightning calls ``on_train_batch_end`` right after ``optimizer.step(closure)``: an EMA there read
-    the first blocks' weights before their update. ``step()`` given a closure (Lightning passes one on
-    every step, automatic and manual optimization) now returns with its updates in: the EMA equals
-    AdamW's bit for bit."""
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_an_ema_in_lightnings_on_train_batch_end_reads_the_updated_weights(manual: bool) -> None:
+    """Lightning calls ``on_train_batch_end`` right after the step (``optimizer.step(closure)``, or the
+    training step that called ``step()`` itself under manual optimization): an EMA there read the first
+    blocks' weights before their update. ``step()`` given a closure (Lightning passes one on every step,
+    a no-op one under manual optimization) now returns with its updates in: the EMA equals AdamW's bit
+    for bit."""
     pytest.importorskip("lightning")
-    assert _equal(_lightning_ema(host=True), _lightning_ema(host=False))
+    assert _equal(_lightning_ema(host=True, manual=manual), _lightning_ema(host=False, manual=manual))
 
 
 def _swa(host: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
@@ -254,9 +274,7 @@ def _swa(host: bool) -> tuple[list[torch.Tensor], dict[str, torch.Tensor]]:
 
     swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=1)
     module = _classifier(host)
-    trainer = _lightning_fit(module, [swa], epochs=3)
-    for opt in trainer.optimizers:
-        opt.close() if host else None
+    _close(_lightning_fit(module, [swa], epochs=3))
     averaged = [p.detach().clone() for p in swa._average_model.net.parameters()]
     return averaged, {k: v.detach().clone() for k, v in module.net.state_dict().items()}
 
@@ -312,8 +330,7 @@ def test_lightning_save_checkpoint_after_fit_saves_the_last_delayed_update(tmp_p
     try:
         trainer.save_checkpoint(tmp_path / "final.ckpt")
     finally:
-        for opt in trainer.optimizers:
-            opt.close()
+        _close(trainer)
     saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
     newest = module.state_dict()
     assert saved.keys() and all(torch.equal(saved[k], newest[k]) for k in saved)
