@@ -1,5 +1,6 @@
-"""Signs, on the call stack, that a training framework drives a HostAdamW: Lightning, transformers.Trainer
-(through accelerate's optimizer wrapper), or one of their saves after training.
+"""Signs that hooks read the weights right after a HostAdamW's ``step()`` (a training framework drives it:
+Lightning, transformers.Trainer through accelerate's optimizer wrapper; or torch's step post-hooks), and
+that a framework saves the model after its training.
 
 None of these imports a framework: a framework not imported yet cannot be on the stack.
 
@@ -18,7 +19,9 @@ updates (``synchronize()``) where a framework calls it:
   or a no-op closure under manual optimization); torch's closure form is the one whose callers expect
   a finished step, as with LBFGS;
 - called through accelerate's ``AcceleratedOptimizer.step`` (``transformers.Trainer``, which wraps
-  every optimizer in it, and accelerate loops), whose frame is among the callers.
+  every optimizer in it, and accelerate loops), whose frame is among the callers;
+- with step post-hooks registered (``register_step_post_hook``, or torch's global
+  ``register_optimizer_step_post_hook``): ``Optimizer``'s wrapper calls them as ``step()`` returns.
 
 What that costs: the next forward's first gates wait for these same buckets (its first modules, the
 embeddings and the first block, are the ones they hold), and the update thread takes buckets in the
@@ -52,6 +55,9 @@ import sys
 from types import CodeType, FrameType
 from typing import Any
 
+import torch
+from torch.optim.optimizer import _global_optimizer_post_hooks
+
 _CALLERS_TO_SEARCH = 16
 """Frames above ``step()`` searched for a framework's: ``Optimizer``'s step hooks and decorators, and the
 framework's wrappers (accelerate's, GradScaler's: NOTE [a GradScaler behind a wrapper] in ooc.optim.host_adamw)."""
@@ -73,10 +79,11 @@ def caller_running(code: CodeType, depth: int = _CALLERS_TO_SEARCH) -> FrameType
     return None
 
 
-def driven_by_a_framework(closure: Any) -> bool:
-    """``step(closure)`` was called by a framework that runs hooks before the next forward (NOTE [a
-    framework's hooks after step()]): a closure was passed, or accelerate's optimizer wrapper called it."""
-    if closure is not None:
+def hooks_follow_step(optimizer: torch.optim.Optimizer, closure: Any) -> bool:
+    """Hooks may read ``optimizer``'s weights after this ``step(closure)`` and before the next forward
+    (NOTE [a framework's hooks after step()]): a closure was passed, step post-hooks are registered, or
+    accelerate's optimizer wrapper called it."""
+    if closure is not None or optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
         return True
     accelerated = sys.modules.get("accelerate.optimizer")
     return accelerated is not None and caller_running(accelerated.AcceleratedOptimizer.step.__code__) is not None

@@ -30,7 +30,7 @@ from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.frameworks import caller_running, driven_by_a_framework, saving_after_training
+from ooc.optim.frameworks import caller_running, hooks_follow_step, saving_after_training
 from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.loss_scale import LossScale
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
@@ -83,8 +83,9 @@ class HostAdamW(torch.optim.Optimizer):
       weights. ``step()`` then returns at once; call :meth:`synchronize` before reading parameters
       outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). Under a
       framework (``step(closure)``, as Lightning calls it, or through accelerate's wrapper, as
-      transformers.Trainer does) ``step()`` waits for its updates, since the framework's hooks read the
-      weights before the next forward (NOTE [a framework's hooks after step()] in ooc.optim.frameworks). With
+      transformers.Trainer does), or with step post-hooks registered, ``step()`` waits for its updates,
+      since those hooks read the weights before the next forward (NOTE [a framework's hooks after
+      step()] in ooc.optim.frameworks). With
       ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
       cores idle during the backward (training on a GPU); where compute keeps every core busy (the
       CPU backend) the update thread only competes with it. The updates a backward starts are
@@ -475,7 +476,7 @@ class HostAdamW(torch.optim.Optimizer):
         self._step_device_params(params, grad_scale)
         if self._buffers is not None:
             self._buffers.forwards = 0
-        if not self._pipelined or driven_by_a_framework(closure):
+        if not self._pipelined or hooks_follow_step(self, closure):
             # A framework's hooks read and write the weights before the next forward's gates: NOTE [a
             # framework's hooks after step()] in ooc.optim.frameworks.
             self.synchronize()

@@ -290,6 +290,34 @@ def test_lightnings_stochastic_weight_averaging_averages_and_writes_the_updated_
     assert all(torch.equal(host[1][k], plain[1][k]) for k in plain[1])
 
 
+def _post_hook_ema(host: bool) -> list[torch.Tensor]:
+    """The EMA a step post-hook keeps over four steps of a plain loop on the Lightning example's net."""
+    torch.manual_seed(0)
+    model = load_example("lightning_hostadamw").Net()
+    opt = _slowed(ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model)) if host \
+        else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    ema = _Ema()
+    opt.register_step_post_hook(lambda _opt, _args, _kwargs: ema.update(model))
+    g = torch.Generator().manual_seed(0)
+    try:
+        for _ in range(4):
+            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
+            torch.nn.functional.cross_entropy(model(x), y).backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        if host:
+            opt.close()
+    return ema.shadow
+
+
+def test_an_ema_in_a_step_post_hook_reads_the_updated_weights() -> None:
+    """torch's ``Optimizer`` wrapper calls step post-hooks (``register_step_post_hook``) as ``step()``
+    returns: an EMA there read the first blocks' weights before their update. ``step()`` with post-hooks
+    registered now returns with its updates in: the EMA equals AdamW's bit for bit."""
+    assert _equal(_post_hook_ema(host=True), _post_hook_ema(host=False))
+
+
 def test_a_plain_loops_step_still_returns_before_the_last_updates() -> None:
     """The wait is for frameworks only: a plain loop's ``step()`` (no closure, not through accelerate)
     still returns with the last buckets' updates running, so they overlap whatever the loop does before
