@@ -13,7 +13,7 @@ runs hooks in between that read or write ``model.parameters()`` themselves: an E
 ``StochasticWeightAveraging`` averaging at an epoch's end and writing the average into the model at the
 end of training. They read about a fifth of a nano GPT's weights before their update, and a write
 there was overwritten by the update landing after it, without a word. So ``step()`` waits for its
-updates (``synchronize()``) where a framework calls it:
+updates (``synchronize()``) where a framework calls it or hooks follow it:
 
 - given a closure: Lightning passes one on every step (its precision plugin wraps the training step,
   or a no-op closure under manual optimization); torch's closure form is the one whose callers expect

@@ -477,8 +477,9 @@ class HostAdamW(torch.optim.Optimizer):
         if self._buffers is not None:
             self._buffers.forwards = 0
         if not self._pipelined or hooks_follow_step(self, closure):
-            # A framework's hooks read and write the weights before the next forward's gates: NOTE [a
-            # framework's hooks after step()] in ooc.optim.frameworks.
+            # Hooks after step() (a framework's, step post-hooks) read and write the weights before the
+            # next forward's gates would wait for them: NOTE [a framework's hooks after step()] in
+            # ooc.optim.frameworks.
             self.synchronize()
         return loss
 
