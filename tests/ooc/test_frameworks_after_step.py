@@ -81,12 +81,15 @@ def _no_grad_norm_logging(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(Trainer, "_get_grad_norm", lambda self, model, grad_norm=None: grad_norm)
 
 
-def _trainer(model: torch.nn.Module, opt: torch.optim.Optimizer, out: str, callbacks: list) -> Any:
-    """Four steps of Trainer on ``model`` with ``opt``, dropout on, the linear schedule, no clipping."""
+def _trainer(model: torch.nn.Module, opt: torch.optim.Optimizer, out: str, callbacks: list,
+             save_steps: int | None = None) -> Any:
+    """Four steps of Trainer on ``model`` with ``opt``, dropout on, the linear schedule, no clipping; a
+    checkpoint into ``out`` every ``save_steps`` steps if given."""
     from transformers import Trainer, TrainingArguments
 
+    saves = {"save_strategy": "steps", "save_steps": save_steps} if save_steps else {"save_strategy": "no"}
     args = TrainingArguments(output_dir=out, max_steps=4, per_device_train_batch_size=4, logging_steps=1,
-                             report_to="none", save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0)
+                             report_to="none", use_cpu=True, seed=0, max_grad_norm=0.0, **saves)
     return Trainer(model=model, args=args, train_dataset=lm_rows(16, VOCAB), optimizers=(opt, None),
                    callbacks=callbacks)
 
@@ -176,9 +179,7 @@ def test_trainer_checkpoints_during_training_keep_the_delayed_lag(tmp_path: Path
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            trainer = _trainer(model, opt, str(tmp_path), [Snapshot()])
-            trainer.args.save_strategy, trainer.args.save_steps = "steps", 2
-            trainer.train()
+            _trainer(model, opt, str(tmp_path), [Snapshot()], save_steps=2).train()
     finally:
         opt.close()
     saved = load_file(tmp_path / "checkpoint-2" / "model.safetensors")
@@ -196,8 +197,9 @@ def _lightning_fit(module: Any, callbacks: list, *, steps: int | None = None, ep
     g = torch.Generator().manual_seed(0)
     data = torch.utils.data.TensorDataset(torch.randn(8 * batches, 16, generator=g),
                                           torch.randint(0, 10, (8 * batches,), generator=g))
+    checkpointing = any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks)
     trainer = L.Trainer(max_steps=steps or -1, max_epochs=epochs, accelerator="cpu", devices=1, logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=checkpointing, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=callbacks)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers
@@ -362,3 +364,31 @@ def test_lightning_save_checkpoint_after_fit_saves_the_last_delayed_update(tmp_p
     saved = torch.load(tmp_path / "final.ckpt", weights_only=False)["state_dict"]
     newest = module.state_dict()
     assert saved.keys() and all(torch.equal(saved[k], newest[k]) for k in saved)
+
+
+def test_lightning_checkpoints_during_fit_keep_the_delayed_lag(tmp_path: Path) -> None:
+    """``ModelCheckpoint``'s saves while Lightning trains (its state running, not ``finished``) keep the
+    parameters' lag behind the masters, as Trainer's ``save_steps`` do: only a save after ``fit()``
+    puts the last update in."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    example = load_example("lightning_hostadamw")
+    lagging: dict[str, torch.Tensor] = {}
+
+    class Classifier(example.Classifier):
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return ooc.optim.HostAdamW(self.parameters(), lr=1e-2, model=self.net, delayed_update=True)
+
+    class Snapshot(L.Callback):  # Lightning runs ModelCheckpoint after the other callbacks
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            if trainer.global_step == 2:
+                lagging.update({k: v.detach().clone() for k, v in pl_module.state_dict().items()})
+
+    torch.manual_seed(0)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1, filename="{step}")
+    trainer = _lightning_fit(Classifier(wrapped=False), [Snapshot(), checkpoints], steps=4)
+    _close(trainer)
+    saved = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]
+    assert lagging and all(torch.equal(saved[k], lagging[k]) for k in lagging)
