@@ -321,11 +321,13 @@ def test_an_ema_in_a_step_post_hook_reads_the_updated_weights() -> None:
 
 
 def test_a_plain_loops_step_still_returns_before_the_last_updates() -> None:
-    """The wait is for frameworks only: a plain loop's ``step()`` (no closure, not through accelerate)
-    still returns with the last buckets' updates running, so they overlap whatever the loop does before
-    its next forward (which waits for them at its gates)."""
+    """The wait is for frameworks and post-hooks only: a plain loop's ``step()`` (no closure, no post-hook,
+    not through accelerate; an LR scheduler registers no post-hook) still returns with the last buckets'
+    updates running, so they overlap whatever the loop does before its next forward (which waits for
+    them at its gates)."""
     model = load_example("lightning_hostadamw").Net()
     opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     go = threading.Event()
     # Each UPDATE waits for the test (a step() that waited for them would fail after the timeout).
     opt.stage_listeners.append(lambda _bucket, stage: go.wait(5.0) if stage is Stage.EXCHANGE else None)
@@ -335,6 +337,7 @@ def test_a_plain_loops_step_still_returns_before_the_last_updates() -> None:
         before = model.inp.weight.detach().clone()
         opt.step()
         assert torch.equal(model.inp.weight, before)
+        scheduler.step()
         go.set()
         opt.synchronize()
         assert not torch.equal(model.inp.weight, before)
