@@ -23,8 +23,9 @@ import pytest
 import torch
 
 import ooc
+from ooc.models import GPT
 from ooc.optim.stages import Stage
-from tests.helpers import lm_rows, load_example
+from tests.helpers import gpt_batch, lm_rows, load_example
 
 VOCAB = 97
 _SLOW_S = 0.02
@@ -292,19 +293,22 @@ def test_lightnings_stochastic_weight_averaging_averages_and_writes_the_updated_
     assert all(torch.equal(host[1][k], plain[1][k]) for k in plain[1])
 
 
-def _post_hook_ema(host: bool) -> list[torch.Tensor]:
-    """The EMA a step post-hook keeps over four steps of a plain loop on the Lightning example's net."""
+def _nano() -> GPT:
     torch.manual_seed(0)
-    model = load_example("lightning_hostadamw").Net()
+    return GPT("nano")  # 4 blocks, dropout on
+
+
+def _post_hook_ema(host: bool) -> list[torch.Tensor]:
+    """The EMA a step post-hook keeps over four steps of a plain loop on a nano GPT."""
+    model = _nano()
     opt = _slowed(ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model)) if host \
         else torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
     ema = _Ema()
     opt.register_step_post_hook(lambda _opt, _args, _kwargs: ema.update(model))
-    g = torch.Generator().manual_seed(0)
     try:
-        for _ in range(4):
-            x, y = torch.randn(8, 16, generator=g), torch.randint(0, 10, (8,), generator=g)
-            torch.nn.functional.cross_entropy(model(x), y).backward()
+        for step in range(4):
+            torch.manual_seed(step)  # dropout's masks, the same in both runs
+            model(*gpt_batch(seed=step))[1].backward()
             opt.step()
             opt.zero_grad()
     finally:
@@ -325,22 +329,21 @@ def test_a_plain_loops_step_still_returns_before_the_last_updates() -> None:
     not through accelerate; an LR scheduler registers no post-hook) still returns with the last buckets'
     updates running, so they overlap whatever the loop does before its next forward (which waits for
     them at its gates)."""
-    model = load_example("lightning_hostadamw").Net()
+    model = _nano()
     opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model)
     scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + step))
     go = threading.Event()
     # Each UPDATE waits for the test (a step() that waited for them would fail after the timeout).
     opt.stage_listeners.append(lambda _bucket, stage: go.wait(5.0) if stage is Stage.EXCHANGE else None)
     try:
-        x, y = torch.randn(8, 16), torch.randint(0, 10, (8,))
-        torch.nn.functional.cross_entropy(model(x), y).backward()
-        before = model.inp.weight.detach().clone()
+        model(*gpt_batch())[1].backward()
+        before = model.wpe.weight.detach().clone()  # outside the chain: its gradient comes last
         opt.step()
-        assert torch.equal(model.inp.weight, before)
+        assert torch.equal(model.wpe.weight, before)
         scheduler.step()
         go.set()
         opt.synchronize()
-        assert not torch.equal(model.inp.weight, before)
+        assert not torch.equal(model.wpe.weight, before)
     finally:
         go.set()
         opt.close()
