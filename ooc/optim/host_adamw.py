@@ -16,7 +16,6 @@ import dataclasses
 import itertools
 import math
 import os
-import sys
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -31,6 +30,7 @@ from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
+from ooc.optim.frameworks import caller_running, hooks_follow_step, saving_after_training
 from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.loss_scale import LossScale
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
@@ -81,7 +81,11 @@ class HostAdamW(torch.optim.Optimizer):
     - ``pipeline`` (with ``model``): when a bucket's last gradient arrives its update starts on a
       host thread while the backward goes on, and the bucket's next forward waits for its new
       weights. ``step()`` then returns at once; call :meth:`synchronize` before reading parameters
-      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). With
+      outside a forward (``model.state_dict()`` and ``self.state_dict()`` do it for you). Under a
+      framework (``step(closure)``, as Lightning calls it, or through accelerate's wrapper, as
+      transformers.Trainer does), or with step post-hooks registered, ``step()`` waits for its updates,
+      since those hooks read the weights before the next forward (NOTE [a framework's hooks after
+      step()] in ooc.optim.frameworks). With
       ``pipeline=False`` (or no model) every update runs in ``step()``. Pipelining pays where host
       cores idle during the backward (training on a GPU); where compute keeps every core busy (the
       CPU backend) the update thread only competes with it. The updates a backward starts are
@@ -94,7 +98,8 @@ class HostAdamW(torch.optim.Optimizer):
       update overlaps the next step whole (ZeRO-Offload's DPU). This changes the numerics: the
       result is AdamW with gradients one step stale. The parameters lag the masters by one update,
       ``synchronize()`` included; ``close()`` puts the last update in (NOTE [the last delayed
-      update at the end] in ooc.optim.pipeline).
+      update at the end] in ooc.optim.pipeline), and so does a framework's save after its training
+      (NOTE [the last delayed update at a framework's final save]).
     - ``accumulate``: backward passes per ``step()`` (gradient accumulation); a bucket's update
       starts after its ``accumulate``-th gradient.
     - ``max_grad_norm``: clip by the global norm, as ``torch.nn.utils.clip_grad_norm_``. The norm
@@ -368,7 +373,7 @@ class HostAdamW(torch.optim.Optimizer):
             # Data-parallel without the pipeline too: a backward that ended early leaves partial
             # gradients that the next step() must not exchange (NOTE [a backward that ended early]).
             handles.append(model.register_forward_hook(lambda _m, _args, out: _watch_backward(pipe, out)))
-        handles.append(model.register_state_dict_pre_hook(lambda *_: pipe.synchronize()))
+        handles.append(model.register_state_dict_pre_hook(lambda *_: _before_model_state_dict(pipe)))
         loads = _LoadsIntoTheModel(weakref.ref(self))
         handles.append(model.register_load_state_dict_pre_hook(loads.before))
         handles.append(model.register_load_state_dict_post_hook(loads.after))
@@ -471,7 +476,10 @@ class HostAdamW(torch.optim.Optimizer):
         self._step_device_params(params, grad_scale)
         if self._buffers is not None:
             self._buffers.forwards = 0
-        if not self._pipelined:
+        if not self._pipelined or hooks_follow_step(self, closure):
+            # Hooks after step() (a framework's, step post-hooks) read and write the weights before the
+            # next forward's gates would wait for them: NOTE [a framework's hooks after step()] in
+            # ooc.optim.frameworks.
             self.synchronize()
         return loss
 
@@ -920,11 +928,6 @@ def _model_as_params(module: nn.Module, model: nn.Module | None) -> tuple[nn.Mod
     return module, list(module.parameters())
 
 
-_CALLERS_TO_SEARCH = 16
-"""Frames above ``step()`` searched for GradScaler's: its decorators, ``Optimizer``'s step hooks
-and a framework's wrappers (NOTE [a GradScaler behind a wrapper])."""
-
-
 def _called_by_grad_scaler() -> bool:
     """``step()`` was called by ``torch.amp.GradScaler.step`` without ``_step_supports_amp_scaling``.
 
@@ -941,15 +944,7 @@ def _called_by_grad_scaler() -> bool:
     updates that began in the backward (on the non-finite gradients) are then reported at the next
     ``zero_grad()``, whose ``UncommittedStepWarning`` names a GradScaler and ``loss_scale=``: nothing
     reaches this optimizer on that path to refuse it by."""
-    target = torch.amp.GradScaler._maybe_opt_step.__code__
-    frame = sys._getframe(1)
-    for _ in range(_CALLERS_TO_SEARCH):
-        if frame is None:
-            return False
-        if frame.f_code is target:
-            return True
-        frame = frame.f_back
-    return False
+    return caller_running(torch.amp.GradScaler._maybe_opt_step.__code__) is not None
 
 
 def _check_number(name: str, value: Any) -> None:
@@ -1116,6 +1111,27 @@ def _loaded(p: torch.Tensor, name: str, value: Any, *, on_device: bool) -> Any:
     if on_device:
         return value.detach().to(p.device, p.dtype, copy=True)
     return HostAdamW._host_zeros_like(p).copy_(value.detach())
+
+
+def _before_model_state_dict(pipe: UpdatePipeline) -> None:
+    """``model.state_dict()`` waits for the updates in flight; inside a framework's save after training,
+    with ``delayed_update``, it first puts the last update into the parameters.
+
+    NOTE [the last delayed update at a framework's final save]
+    With ``delayed_update`` the parameters lag the masters by one update until ``close()`` (NOTE [the
+    last delayed update at the end] in ooc.optim.pipeline), and ``trainer.save_model()`` after
+    ``trainer.train()`` (or Lightning's ``trainer.save_checkpoint`` after ``fit()``) saved the weights one
+    update behind unless the user had closed the optimizer first; the framework still holds it then.
+    A save by the framework once its training has ended (``Trainer.is_in_train`` False; Lightning's
+    state ``finished``) now copies the last update in first, as ``close()`` would. The saves it makes
+    while it trains (``save_steps``, ``ModelCheckpoint``) keep the lag: the next forward must read the
+    older weights, and a resume from them goes on bit for bit. Training again after such a save runs
+    its first step on the newest weights (the copy in is not repeated): one step without the delay.
+    Not caught: a save of one's own after the framework's training (``torch.save(model.state_dict())``):
+    ``close()`` the optimizer before it, as the README says."""
+    pipe.synchronize()
+    if pipe.config.delayed_update and saving_after_training():
+        pipe.flush_delayed()
 
 
 def _watch_backward(pipe: UpdatePipeline, out: Any) -> None:

@@ -77,9 +77,10 @@ def test_trainer_resumes_from_its_own_checkpoint_bit_for_bit(tmp_path: Path, opt
 
 
 def test_a_checkpointer_saved_from_a_trainer_callback_holds_the_trainers_checkpoint(tmp_path: Path) -> None:
-    """A Checkpointer saved from ``on_step_end`` (after Trainer's ``optimizer.step()``, with the pipelined
-    HostAdamW's last updates still running and the next step's starting while the writer writes) holds
-    at each step what Trainer's own checkpoint holds: the weights and every moment, bit for bit."""
+    """A Checkpointer saved from ``on_step_end`` (after Trainer's ``optimizer.step()``, which returns with
+    the pipelined HostAdamW's updates in under Trainer: NOTE [a framework's hooks after step()] in
+    ooc.optim.frameworks; the next step's updates start while the writer writes) holds at each step what
+    Trainer's own checkpoint holds: the weights and every moment, bit for bit."""
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")
     from safetensors.torch import load_file
