@@ -30,7 +30,7 @@ def _demo(args: argparse.Namespace) -> int:
     from ooc.apps.demo import run_demo
 
     run_demo(steps=args.steps, batch_size=args.batch_size, budget_fraction=args.budget_fraction,
-             planner=args.planner, seed=args.seed, progress=not args.no_progress)
+             planner=args.planner, seed=args.seed, progress=not args.no_progress, threads=args.threads)
     return 0
 
 
@@ -266,6 +266,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="budget as a fraction of the keep-all peak, in (0, 1] (default %(default)s)")
     demo.add_argument("--planner", default="optimal", help=_planner_help())
     demo.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and dropout (default %(default)s)")
+    demo.add_argument("--threads", type=int, default=None,
+                      help="torch threads (default: one on a CPU whose cores the load average fills, else torch's own)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar (for logs)")
     demo.set_defaults(run=_demo)
 

@@ -4,6 +4,7 @@ that forces a mix of keep, swap and recompute, and show what it cost."""
 from __future__ import annotations
 
 import copy
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -55,6 +56,31 @@ def demo_config(data: CharData) -> GPTConfig:
     return replace(GPT_PRESETS["tiny"], vocab_size=len(data.chars))
 
 
+def demo_threads(requested: int | None, device: torch.device) -> tuple[int, str]:
+    """The torch threads the demo runs on, and why (for its first line).
+
+    NOTE [the demo's threads]
+    On a machine whose cores other work keeps busy, torch's intra-op threads wait on each other at
+    every parallel op, each for a turn on a core: at a load average of 8 on 2 cores the demo's plain
+    PyTorch step took 4.7 s on two threads against 0.58 s on one (and ooc's 5.7 s against 0.76 s,
+    measured in alternation; ``benchmarks/bench_oversubscribed.py`` shows the same). So on the CPU the
+    demo runs on one thread where the 1-minute load average already fills the cores it may use, else
+    on torch's default; ``requested`` (``--threads``) decides otherwise. On a GPU the threads only
+    issue kernels: torch's default."""
+    default = torch.get_num_threads()
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"threads must be at least 1, got {requested}")
+        return requested, f"{requested} torch thread{'s' * (requested > 1)}"
+    if device.type != "cpu" or default == 1:
+        return default, f"{default} torch thread{'s' * (default > 1)}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0]
+    if load >= cores:
+        return 1, f"1 torch thread: the load average {load:.1f} fills the {cores} cores; --threads to choose"
+    return default, f"{default} torch threads"
+
+
 @dataclass(frozen=True)
 class DemoResult:
     first_loss: float
@@ -90,13 +116,28 @@ def run_demo(
     seed: int = 0,
     show: Callable[[str], None] = print,
     progress: bool = True,
+    threads: int | None = None,
 ) -> DemoResult:
-    """Train for ``steps`` with a budget of ``budget_fraction`` of the keep-everything peak."""
+    """Train for ``steps`` with a budget of ``budget_fraction`` of the keep-everything peak, on
+    ``threads`` torch threads (None: :func:`demo_threads` chooses; torch's setting is put back at the
+    end)."""
     if not 0.0 < budget_fraction <= 1.0:
         raise ValueError(f"budget_fraction must be in (0, 1], got {budget_fraction}")
     if steps < 10:
         raise ValueError(f"steps must be >= 10 to show a trend, got {steps}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    count, why = demo_threads(threads, device)
+    before = torch.get_num_threads()
+    torch.set_num_threads(count)
+    try:
+        return _train(steps, batch_size, budget_fraction, planner, seed, show, progress, device, why)
+    finally:
+        torch.set_num_threads(before)
+
+
+def _train(steps: int, batch_size: int, budget_fraction: float, planner: str, seed: int, show: Callable[[str], None],
+           progress: bool, device: torch.device, threads: str) -> DemoResult:
+    """:func:`run_demo` once its arguments are checked and its threads set."""
     torch.manual_seed(seed)
     data = CharData.from_text(load_text())
     cfg = demo_config(data)
@@ -104,7 +145,7 @@ def run_demo(
     gen = torch.Generator().manual_seed(seed)
     sample = data.batch(batch_size, cfg.block_size, gen, device)
     show(f"ooc demo: a {cfg.n_layer}-layer character GPT ({sum(p.numel() for p in model.parameters()) / 1e6:.2f}M params) "
-         f"on {len(data.ids)} characters of Shakespeare's sonnets, on {device}; AdamW on the host "
+         f"on {len(data.ids)} characters of Shakespeare's sonnets, on {device} ({threads}); AdamW on the host "
          "(ooc.optim.HostAdamW)")
 
     backend = resolve_backend("auto", model)
@@ -128,12 +169,13 @@ def run_demo(
             torch.cuda.synchronize(device)
         return loss.item(), time.perf_counter() - start
 
-    # The plain model, for the step-time baseline, from the same weights and the same AdamW kernel.
+    # The plain model, for the step-time baseline, from the same weights and the same AdamW kernel; its
+    # steps alternate with the first wrapped ones, on the same batches, so that both meet the same
+    # load (measured one after the other, a load that rose in between was charged to ooc alone).
     plain = copy.deepcopy(model)
     plain_opt = torch.optim.AdamW(plain.parameters(), lr=1e-3, fused=True)
     compare = min(30, steps)
-    plain_times = [train_step(plain, plain_opt, data.batch(batch_size, cfg.block_size, gen, device))[1] for _ in range(compare)]
-    del plain, plain_opt
+    plain_times = []
 
     ooc.wrap(model, plan, backend=backend)
     # AdamW on the host. On a GPU each block's update overlaps the rest of the backward; on the CPU
@@ -143,7 +185,12 @@ def run_demo(
     losses, times, peak = [], [], 0
     bar = tqdm(range(steps), desc="training", unit="step", disable=None if progress else True, leave=False)
     for step in bar:
-        loss, seconds = train_step(model, opt, data.batch(batch_size, cfg.block_size, gen, device))
+        batch = data.batch(batch_size, cfg.block_size, gen, device)
+        if step < compare:
+            plain_times.append(train_step(plain, plain_opt, batch)[1])
+        if step == compare:
+            del plain, plain_opt
+        loss, seconds = train_step(model, opt, batch)
         losses.append(loss)
         times.append(seconds)
         peak = max(peak, ooc.memory_report(model).peak_bytes)
@@ -157,8 +204,8 @@ def run_demo(
 
     window = max(1, steps // 10)
     first, last = statistics.mean(losses[:window]), statistics.mean(losses[-window:])
-    wrapped_s = statistics.median(times[5:] if len(times) > 10 else times)
-    plain_s = statistics.median(plain_times[5:] if len(plain_times) > 10 else plain_times)
+    wrapped_s = statistics.median(times[5:compare] if compare > 10 else times[:compare])
+    plain_s = statistics.median(plain_times[5:] if compare > 10 else plain_times)
     show(f"loss: {first:.3f} (first {window} steps) -> {last:.3f} (last {window} steps)")
     show(f"peak device-resident saved activations: measured {format_bytes(peak)}, predicted {format_bytes(predicted)}, "
          f"budget {format_bytes(budget)} ({'within' if peak <= budget else 'OVER'} budget)")

@@ -198,11 +198,33 @@ def test_the_demo_runs_and_keeps_its_promises() -> None:
     from ooc.apps.demo import run_demo
 
     lines: list[str] = []
-    result = run_demo(steps=12, batch_size=4, show=lines.append, progress=False)
+    torch.set_num_threads(2)  # the autouse fixture puts its own count back after the test
+    result = run_demo(steps=12, batch_size=4, show=lines.append, progress=False, threads=1)
     assert len(set(result.policies)) >= 2
     assert result.measured_peak_bytes == result.predicted_peak_bytes <= result.budget_bytes
     assert result.last_loss < result.first_loss
-    assert any("HostAdamW" in line for line in lines)
+    assert any("HostAdamW" in line for line in lines) and "(1 torch thread)" in lines[0]
+    assert torch.get_num_threads() == 2  # the demo's thread count is the demo's alone
+
+
+@pytest.mark.parametrize(("requested", "device", "load", "expected"), [
+    (None, "cpu", 1.2, 2),   # cores free: torch's default
+    (None, "cpu", 2.0, 1),   # the load average fills both cores (NOTE [the demo's threads])
+    (None, "cpu", 8.1, 1),
+    (None, "cuda", 8.1, 2),  # on a GPU the threads only issue kernels
+    (3, "cpu", 8.1, 3),      # --threads decides
+])
+def test_the_demo_runs_on_one_thread_where_the_load_fills_the_cores(monkeypatch, requested, device, load, expected) -> None:
+    from ooc.apps.demo import demo_threads
+
+    monkeypatch.setattr("os.getloadavg", lambda: (load, load, load))
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    torch.set_num_threads(2)
+    count, why = demo_threads(requested, torch.device(device))
+    assert count == expected
+    assert ("load average" in why) == (requested is None and device == "cpu" and expected == 1), why
+    with pytest.raises(ValueError, match="threads must be at least 1"):
+        demo_threads(0, torch.device("cpu"))
 
 
 def test_plan_table_has_an_op_level_row(tmp_path, capsys) -> None:
