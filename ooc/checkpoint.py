@@ -123,9 +123,11 @@ into the parameters it only makes the compute stream wait (the gate): they may s
 when ``save`` returns. The writer thread reads a live device parameter with ``.to("cpu")`` on its own
 current stream, the device's default one, which is the training thread's compute stream only when
 the training runs there: under ``with torch.cuda.stream(s)`` nothing ordered the read after those
-copies, and the version held some weights from before the last update under valid checksums. So
-``save`` records a compute event after the gate and the writer waits for it on the host before it
-reads anything (with the copies of ``pending``); the training thread waits for nothing.
+copies, and the version held some weights from before the last update under valid checksums (unless
+a device tensor outside the buckets, a persistent buffer, was copied: its event in ``pending``,
+recorded after the gate, ordered the writer by chance). So ``save`` records a compute event after
+the gate and the writer waits for it on the host before it reads anything (with the copies of
+``pending``); the training thread waits for nothing.
 
 NOTE [reused copies aside]
 A copy aside into freshly allocated memory ran at 1.8 GiB/s here against 19 GiB/s into memory

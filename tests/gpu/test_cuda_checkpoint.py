@@ -64,7 +64,8 @@ def test_a_lazy_version_of_training_on_a_side_stream_holds_the_last_update(tmp_p
     """NOTE [live device tensors after the gate]: the writer thread read the live weights on its own
     current stream (the default one), while save()'s synchronize() had made only the training's
     stream wait for the last update's H2D copies into them. The chaos copy stream spins before and
-    inside each copy, so those copies are still in flight when save() returns."""
+    inside each copy, so those copies are still in flight when save() returns. The GPT's buffers are
+    not persistent: no copy of a device buffer orders the writer by chance."""
     from ooc.backend.cuda import CudaBackend, CudaChaosConfig
     from ooc.models import GPT
     from ooc.optim import HostAdamW
