@@ -127,7 +127,11 @@ copies, and the version held some weights from before the last update under vali
 a device tensor outside the buckets, a persistent buffer, was copied: its event in ``pending``,
 recorded after the gate, ordered the writer by chance). So ``save`` records a compute event after
 the gate and the writer waits for it on the host before it reads anything (with the copies of
-``pending``); the training thread waits for nothing.
+``pending``); the training thread waits for nothing. Later stream-ins are another matter: weight
+streaming points a streamed parameter's ``.data`` at a fresh device copy for each forward of its
+block, ordered after its H2D copy on the training's stream only; the writer read the Parameter
+object, so it could read such a copy. So a slot holds the parameter's tensor as it is at ``save``
+(``detach()``: a streamed weight's host copy, which only an update changes, after the listener).
 
 NOTE [reused copies aside]
 A copy aside into freshly allocated memory ran at 1.8 GiB/s here against 19 GiB/s into memory
@@ -2334,7 +2338,10 @@ class Checkpointer:
             if bucket is None:
                 container[key] = _host_copy(value, pending)
             else:
-                container[key] = value  # live; the writer detaches it (_tensor_bytes)
+                # Live, as its storage is now, not the Parameter: weight streaming points a streamed
+                # parameter's .data at a fresh device copy for each block's forward, which the writer's
+                # read is not ordered after (NOTE [live device tensors after the gate]).
+                container[key] = value.detach()
                 slots.setdefault(bucket, []).append((container, key))
 
         files: dict[str, Any] = {}
