@@ -117,6 +117,22 @@ while their write was pending. Weights loaded into the model (``model.load_state
 live parameters in place outside any update: a hook on the model copies aside every bucket's
 unread tensors first, so the version still holds the state at ``save``.
 
+NOTE [live device tensors after the gate]
+``save``'s ``optimizer.synchronize()`` waits on the host for the updates, but for their H2D copies
+into the parameters it only makes the compute stream wait (the gate): they may still be in flight
+when ``save`` returns. The writer thread reads a live device parameter with ``.to("cpu")`` on its own
+current stream, the device's default one, which is the training thread's compute stream only when
+the training runs there: under ``with torch.cuda.stream(s)`` nothing ordered the read after those
+copies, and the version held some weights from before the last update under valid checksums (unless
+a device tensor outside the buckets, a persistent buffer, was copied: its event in ``pending``,
+recorded after the gate, ordered the writer by chance). So ``save`` records a compute event after
+the gate and the writer waits for it on the host before it reads anything (with the copies of
+``pending``); the training thread waits for nothing. Later stream-ins are another matter: weight
+streaming points a streamed parameter's ``.data`` at a fresh device copy for each forward of its
+block, ordered after its H2D copy on the training's stream only; the writer read the Parameter
+object, so it could read such a copy. So a slot holds the parameter's tensor as it is at ``save``
+(``detach()``: a streamed weight's host copy, which only an update changes, after the listener).
+
 NOTE [reused copies aside]
 A copy aside into freshly allocated memory ran at 1.8 GiB/s here against 19 GiB/s into memory
 touched before: a large allocation is new pages from the kernel, each faulted in and zeroed on first
@@ -1559,7 +1575,8 @@ def _tensor_bytes(t: torch.Tensor, start: int = 0, stop: int | None = None) -> m
     size = t.element_size()
     stop = t.numel() * size if stop is None else min(stop, t.numel() * size)
     flat = _row_major(t, start // size, max(stop, start) // size).view(torch.uint8)
-    # A device tensor's copy is synchronous on this thread's current stream (the default one): it
+    # A device tensor's copy is synchronous on this thread's current stream (the default one), after
+    # the writer waited for save()'s compute event (NOTE [live device tensors after the gate]): it
     # reads what save()'s optimizer.synchronize() left there, which no copy changes before the
     # bucket's next update, and the listener holds that update back until this copy has returned.
     return memoryview(flat.to("cpu").numpy())
@@ -2321,7 +2338,10 @@ class Checkpointer:
             if bucket is None:
                 container[key] = _host_copy(value, pending)
             else:
-                container[key] = value  # live; the writer detaches it (_tensor_bytes)
+                # Live, as its storage is now, not the Parameter: weight streaming points a streamed
+                # parameter's .data at a fresh device copy for each block's forward, which the writer's
+                # read is not ordered after (NOTE [live device tensors after the gate]).
+                container[key] = value.detach()
                 slots.setdefault(bucket, []).append((container, key))
 
         files: dict[str, Any] = {}
@@ -2371,6 +2391,9 @@ class Checkpointer:
             # else: wait for the reads here, as the stage listener does for its copies aside (a
             # save between a backward and a clipped step() is rare; NOTE [lazy snapshots]).
             opt.backend.record_compute().synchronize()
+        if slots:
+            # NOTE [live device tensors after the gate]: the writer waits for this before its first read.
+            pending.append(opt.backend.record_compute())
         files[_state_file(self.rank)] = {
             "scheduler": _clone(self.scheduler.state_dict()) if self.scheduler is not None else None,
             "rng": rng_state(),  # fresh tensors and tuples: no clone needed

@@ -814,15 +814,20 @@ class UpdatePipeline:
         the last ``step()`` only the masters held its update: ``model.state_dict()``, ``torch.save``
         and HF's ``save_pretrained`` after ``close()`` gave the weights one update behind the
         optimizer. ``synchronize()`` keeps the lag (the next forward must run on the older weights,
-        or the delayed schedule changes); ``close()`` ends training, so it puts the update in."""
+        or the delayed schedule changes); ``close()`` ends training, so it puts the update in.
+        A streamed parameter's copies go into its home, the streamer's host copy; after ``ooc.unwrap``
+        (which brings it back to the device, before ``close()``) the parameter no longer reads that
+        copy, so its data then takes the home's new weights too."""
         if not self.config.delayed_update or self.error is not None:
             return
         # The copies may overwrite weights that compute queued so far still reads (a forward since
         # the last step): they wait for it.
         after = (self.stages.backend.record_compute(),)
         events = []
+        flushed: list[int] = []
         for index, status in enumerate(self.status):
             if status.pending_h2d and not status.launched:
+                flushed += self.stages.staged[index]
                 events += self.stages.copy_in(index, after=after)
                 status.pending_h2d = False
                 self._ended(index, Stage.COPY_IN)
@@ -830,6 +835,22 @@ class UpdatePipeline:
             # The host waits: close() releases the staging buffers these copies read, and the caller
             # reads the parameters next.
             event.synchronize()
+        self._into_moved_weights(flushed)
+
+    @torch.no_grad()
+    def _into_moved_weights(self, ids: Sequence[int]) -> None:
+        """The parameters ``ids`` whose data is no longer their home (a streamed weight ``ooc.unwrap``
+        brought back to the device) take their home's weights (NOTE [the last delayed update at the end])."""
+        layout = self.stages.layout
+        for pid in ids:
+            p, home = layout.params[pid], layout.home[pid]
+            data = p.data
+            if home is p or data.data_ptr() == home.data_ptr() or data.shape != home.shape or data.dtype != home.dtype:
+                continue  # its home, or a tensor of another shape or dtype the caller put there since
+            # Through .data, as the optimizer's copies in write (NOTE [weights written outside the
+            # optimizer]). A synchronous copy on the compute stream, after the work queued there that
+            # reads the parameter; the host (the optimizer's caller) reads it next.
+            data.copy_(home)
 
     def close(self) -> None:
         """Stop the host threads (at most a few seconds each) and free the buffers.

@@ -7,10 +7,11 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from torch import nn
 
-from ooc.checkpoint import Checkpointer
+from ooc.checkpoint import MODEL_FILE, Checkpointer
 
 pytestmark = pytest.mark.gpu
 
@@ -56,3 +57,40 @@ def test_the_writer_sleeps_while_it_waits_for_the_device_copies(tmp_path: Path) 
     ckpt.close()
     assert wall > 0.3, "save() waited for the device itself: nothing left to measure"
     assert cpu < 0.5 * wall, f"{cpu:.2f} s of CPU in {wall:.2f} s of waiting"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_lazy_version_of_training_on_a_side_stream_holds_the_last_update(tmp_path: Path) -> None:
+    """NOTE [live device tensors after the gate]: the writer thread read the live weights on its own
+    current stream (the default one), while save()'s synchronize() had made only the training's
+    stream wait for the last update's H2D copies into them. The chaos copy stream spins before and
+    inside each copy, so those copies are still in flight when save() returns. The GPT's buffers are
+    not persistent: no copy of a device buffer orders the writer by chance."""
+    from ooc.backend.cuda import CudaBackend, CudaChaosConfig
+    from ooc.models import GPT
+    from ooc.optim import HostAdamW
+    from tests.helpers import gpt_batch
+
+    torch.manual_seed(0)
+    model = GPT("nano").cuda()
+    backend = CudaBackend(chaos=CudaChaosConfig(seed=3, max_sleep_cycles=20_000_000))  # ~12 ms a spin
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    side = torch.cuda.Stream()
+    try:
+        assert ckpt.lazy
+        with torch.cuda.stream(side):
+            for step in range(2):
+                model(*(t.cuda() for t in gpt_batch(seed=step)))[1].backward()
+                opt.step()
+                opt.zero_grad()
+            ckpt.save(2)
+        ckpt.wait()
+        torch.cuda.synchronize()
+        masters = {name: opt.state[p]["master"].to(p.dtype) for name, p in model.named_parameters()}
+    finally:
+        ckpt.close()
+        opt.close()
+    saved = safetensors.torch.load_file(tmp_path / "step-000000002" / MODEL_FILE)
+    for name, master in masters.items():
+        assert torch.equal(saved[name], master), name  # fp32: a weight is its master after the update

@@ -83,6 +83,10 @@ def _reference(model: GPT, *, accumulate: int = 1, clip: float | None = None, de
         if device_opt is not None:
             device_opt.step()
         model.zero_grad(set_to_none=True)
+    if delayed:  # close() puts the last update in (NOTE [the last delayed update at the end] in ooc.optim.pipeline)
+        with torch.no_grad():
+            for p, m in zip(large, masters):
+                p.copy_(m)
     return losses
 
 

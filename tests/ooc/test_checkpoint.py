@@ -1207,6 +1207,71 @@ def test_weights_loaded_into_the_model_while_a_version_is_written_do_not_reach_i
     opt.close()
 
 
+def test_a_lazy_version_holds_the_weights_at_save_when_a_parameters_data_moves(tmp_path: Path) -> None:
+    """NOTE [live device tensors after the gate]: the writer read a bucket's live parameter through the
+    Parameter object, whose ``.data`` weight streaming points at a fresh device copy for each block's
+    forward; on a GPU the writer's read of that copy is ordered after its stream-in only by the
+    training's stream (the default one, or none under ``torch.cuda.stream(s)``). The version holds
+    the tensor as it was at ``save``; here the moved ``.data`` holds other values (the copy not landed)."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    assert ckpt.lazy
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt.save(2)
+    moved = {p: p.data for p in model.parameters()}
+    for p, data in moved.items():
+        p.data = torch.full_like(data, 7.0)
+    release.set()
+    ckpt.wait()
+    for p, data in moved.items():
+        p.data = data
+    _assert_restores(tmp_path, 2, expected, expected_state)
+    ckpt.close()
+    opt.close()
+
+
+def test_a_lazy_version_of_streamed_weights_holds_the_state_at_save(tmp_path: Path) -> None:
+    """The slots of streamed weights hold their host copies (NOTE [live device tensors after the
+    gate]), which each update writes after the listener copied them aside: two more steps while the
+    writer waits leave the version as it was at ``save``."""
+    import ooc
+    from ooc.backend import ChaosConfig, CpuBackend
+
+    def setup(seed: int):  # noqa: ANN202
+        torch.manual_seed(seed)
+        model = GPT(CFG)
+        backend = CpuBackend(chaos=ChaosConfig(seed=1, max_delay_s=0.001))
+        ooc.wrap(model, ooc.scheduler.Plan.uniform("keep", 2).streaming([0, 1]), backend=backend)
+        return model, HostAdamW(model.parameters(), lr=3e-3, model=model, backend=backend)
+
+    model, opt = setup(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    _train(model, opt, sched, range(2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    release = threading.Event()
+    ckpt._hook = lambda at: release.wait(60) if at == "snapshot" else None
+    ckpt.save(2)
+    _train(model, opt, sched, range(2, 4))
+    release.set()
+    ckpt.wait()
+    assert ckpt.copied_by_listener == len(opt.buckets)
+    ckpt.close()
+    opt.close()
+    ooc.unwrap(model)
+    fresh, fresh_opt = setup(3)
+    try:
+        Checkpointer(tmp_path, fresh, fresh_opt).restore(2)
+        assert _same(_weights(fresh), expected)
+        assert _same_state(_opt_state(fresh_opt), expected_state)
+    finally:
+        fresh_opt.close()
+        ooc.unwrap(fresh)
+
+
 @pytest.mark.parametrize("held_at", ["snapshot", "write:model.safetensors"], ids=["before-all", "files-opened"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("pipeline", [True, False], ids=["pipelined", "in-step"])

@@ -204,16 +204,20 @@ def test_delayed_update_applies_each_gradient_one_step_late() -> None:
 
 
 @pytest.mark.parametrize("case", [dict(), dict(dtype=torch.bfloat16), dict(device_params_below=1000),
-                                  dict(backend="chaos"), dict(backend="chaos", streamed=True)],
-                         ids=["fp32", "bf16", "small-on-device", "chaos", "streamed"])
+                                  dict(backend="chaos"), dict(backend="chaos", streamed=True),
+                                  dict(backend="chaos", streamed=True, unwrap_first=True)],
+                         ids=["fp32", "bf16", "small-on-device", "chaos", "streamed", "streamed-unwrapped-first"])
 def test_delayed_update_close_puts_the_last_update_into_the_model(case: dict) -> None:
     """With ``delayed_update`` the parameters lag the masters by one update on purpose, and
     ``synchronize()`` keeps that lag (the next forward still runs on the older weights); ``close()``
     ends training, so the model then holds the newest weights, those of the last ``step()``: its
-    ``state_dict()``, a ``torch.save`` or HF's ``save_pretrained`` used to miss that update."""
+    ``state_dict()``, a ``torch.save`` or HF's ``save_pretrained`` used to miss that update. Also after
+    ``ooc.unwrap`` first, which brings streamed weights back to the device: the copies went into the
+    streamer's host copies, which the model no longer reads."""
     case = dict(case)
     dtype = case.pop("dtype", torch.float32)
     streamed = case.pop("streamed", False)
+    unwrap_first = case.pop("unwrap_first", False)
     if case.pop("backend", None) == "chaos":
         case["backend"] = CpuBackend(chaos=ChaosConfig(seed=5, max_delay_s=0.002))
     model = _model().to(dtype)
@@ -225,8 +229,10 @@ def test_delayed_update_close_puts_the_last_update_into_the_model(case: dict) ->
               for p in model.parameters()]
     if not streamed:  # a streamed model's parameters are its device copies, not its weights
         assert not all(torch.equal(p, n) for p, n in zip(model.parameters(), newest))  # synchronize() kept the lag
+    if unwrap_first:
+        ooc.unwrap(model)
     opt.close()
-    if streamed:
+    if streamed and not unwrap_first:
         ooc.unwrap(model)
     for (name, p), n in zip(model.named_parameters(), newest):
         assert torch.equal(p, n), name

@@ -15,6 +15,7 @@ import threading
 from collections.abc import Callable
 
 import pytest
+import safetensors.torch
 import torch
 import torch.nn as nn
 
@@ -22,6 +23,7 @@ import ooc
 from ooc.backend import ChaosConfig, CpuBackend
 from ooc.backend.arena import MIN_CHUNK
 from ooc.backend.order import StreamOrderError
+from ooc.checkpoint import MODEL_FILE, Checkpointer
 from ooc.models import GPT
 from ooc.optim import HostAdamW
 from ooc.pool import HostPool
@@ -363,6 +365,56 @@ def test_delayed_update_writes_a_streamed_host_copy_after_its_stream_in_read_it(
     (losses, model), (expected, plain) = runs
     assert losses == expected
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), plain.parameters()))
+
+
+def test_a_lazy_checkpoint_reads_the_live_weights_after_compute_passed_save(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Race (f), which the checker cannot see (the writer reads a live tensor's bytes through numpy, no
+    torch op): a lazy version's writer thread reads each bucket's live device weights while training
+    goes on. ``save()``'s ``optimizer.synchronize()`` makes only the compute stream wait for the last
+    update's H2D copies into them (the gate), and on CUDA the writer's ``.to("cpu")`` runs on its own
+    thread's current stream, the default one: with training on another stream (``with
+    torch.cuda.stream(s)``), nothing ordered the read after those copies, and the version held weights
+    part from before the last update, part from after it, under valid checksums. The writer now waits
+    first for a compute event that ``save()`` records after the gate. Here that event stands for the
+    compute stream: the copies it waited for have landed once it completes."""
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(chaos=ChaosConfig(seed=2, max_delay_s=0.001), check_order=False)
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend)
+    ckpt = Checkpointer(tmp_path, model, opt)
+    landed = {}
+
+    class _ComputeAfterTheGate:
+        """An event on a compute stream that waited for H2D copies still in flight when save() returned."""
+
+        def __init__(self) -> None:
+            self.done = False
+
+        def query(self) -> bool:
+            return self.done
+
+        def synchronize(self) -> None:
+            if not self.done:
+                with torch.no_grad():
+                    for name, p in model.named_parameters():
+                        p.copy_(landed[name])
+                self.done = True
+
+    try:
+        assert ckpt.lazy
+        _pipelined_steps(model, opt, gpt_batch(), steps=1)
+        landed.update((name, p.detach() + 1) for name, p in model.named_parameters())
+        monkeypatch.setattr(backend, "record_compute", _ComputeAfterTheGate)
+        ckpt.save(1)
+        ckpt.wait()
+    finally:
+        monkeypatch.undo()
+        ckpt.close()
+        opt.close()
+        backend.close()
+    saved = safetensors.torch.load_file(tmp_path / "step-000000001" / MODEL_FILE)
+    for name, weight in landed.items():
+        assert torch.equal(saved[name], weight), name
 
 
 def test_the_gradient_copy_follows_the_kernel_that_makes_it_contiguous() -> None:
