@@ -56,7 +56,7 @@ from types import CodeType, FrameType
 from typing import Any
 
 import torch
-from torch.optim.optimizer import _global_optimizer_post_hooks
+from torch.optim import optimizer as torch_optimizer
 
 _CALLERS_TO_SEARCH = 16
 """Frames above ``step()`` searched for a framework's: ``Optimizer``'s step hooks and decorators, and the
@@ -83,7 +83,10 @@ def hooks_follow_step(optimizer: torch.optim.Optimizer, closure: Any) -> bool:
     """Hooks may read ``optimizer``'s weights after this ``step(closure)`` and before the next forward
     (NOTE [a framework's hooks after step()]): a closure was passed, step post-hooks are registered, or
     accelerate's optimizer wrapper called it."""
-    if closure is not None or optimizer._optimizer_step_post_hooks or _global_optimizer_post_hooks:
+    # Private to torch (2.0 to 2.13 at least): read where they are, so that a torch that renames them
+    # loses this sign only, not the import of ooc.
+    global_hooks = getattr(torch_optimizer, "_global_optimizer_post_hooks", None)
+    if closure is not None or getattr(optimizer, "_optimizer_step_post_hooks", None) or global_hooks:
         return True
     accelerated = sys.modules.get("accelerate.optimizer")
     return accelerated is not None and caller_running(accelerated.AcceleratedOptimizer.step.__code__) is not None
