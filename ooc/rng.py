@@ -64,9 +64,7 @@ class RngState:
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
         np_random = _numpy_random(load=True) if numpy else None  # a program without numpy draws nothing from it
-        # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
-        # ``np.random.randn`` draws in pairs and keeps for its next call.
-        self.numpy = np_random.get_state() if np_random is not None else None
+        self.numpy = _numpy_state(np_random) if np_random is not None else None
 
     def restore(self) -> None:
         """Put every generator back in the state it had when this was taken."""
@@ -75,7 +73,11 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
         random.setstate(self.python)
         if self.numpy is not None:
-            sys.modules["numpy.random"].set_state(self.numpy)
+            np_random = sys.modules["numpy.random"]
+            bit_generator, state = self.numpy
+            if np_random.get_bit_generator() is not bit_generator:
+                np_random.set_bit_generator(bit_generator)  # swapped since (``np.random.set_bit_generator``)
+            np_random.set_state(state)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -88,9 +90,28 @@ class RngState:
             outer.restore()
 
     def numpy_changed(self) -> bool:
-        """numpy's global state differs from the one taken (which must have been)."""
-        now = sys.modules["numpy.random"].get_state()
-        return now[0] != self.numpy[0] or (now[1] != self.numpy[1]).any() or now[2:] != self.numpy[2:]
+        """numpy's global generator differs from the one taken (which must have been): another bit
+        generator, or another state."""
+        bit_generator, state = _numpy_state(sys.modules["numpy.random"])
+        return bit_generator is not self.numpy[0] or not _same_state(state, self.numpy[1])
+
+
+def _numpy_state(np_random: Any) -> tuple[Any, dict[str, Any]]:
+    """numpy's global generator: its bit generator, which ``np.random.set_bit_generator`` swaps (a
+    forward that swaps it must be re-run from the one it started from), and its legacy state as a
+    dict (any bit generator's; the MT19937 tuple is numpy's alone, and ``get_state()`` warns and
+    returns a dict for the others). The legacy state, not the bit generator's alone (half the time):
+    it holds the Gaussian that ``np.random.randn`` draws in pairs and keeps for its next call."""
+    return np_random.get_bit_generator(), np_random.get_state(legacy=False)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Two states of a numpy generator (dicts of numbers and arrays) are equal."""
+    if type(a) is dict:
+        return type(b) is dict and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if hasattr(a, "shape"):  # MT19937's key (an array)
+        return sys.modules["numpy"].array_equal(a, b)
+    return a == b
 
 
 _NUMPY_DRAWS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()

@@ -391,3 +391,35 @@ def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None
             model(inputs())
     finally:
         ooc.unwrap(model)
+
+
+@pytest.fixture
+def numpy_global_restored():  # noqa: ANN201
+    """Puts numpy's global bit generator (and its state) back after a test that swaps it."""
+    bit_generator, state = np.random.get_bit_generator(), np.random.get_state(legacy=False)
+    yield
+    np.random.set_bit_generator(bit_generator)
+    np.random.set_state(state)
+
+
+class SwapsBitGenerator(_Block):
+    """Seeds a fresh PCG64 from numpy's global generator, makes it the global one
+    (``np.random.set_bit_generator``) and draws from it."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        np.random.set_bit_generator(np.random.PCG64(np.random.randint(2**31)))
+        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_a_forward_that_swaps_numpys_global_bit_generator_is_replayed(code: str, numpy_global_restored: None) -> None:
+    """A recomputed block whose first forward put another bit generator in numpy's global one failed
+    with ``KeyError: 0`` (its state came back as a dict where the MT19937 tuple taken before the
+    forward was compared by index); and the re-run started from the new bit generator, not the one the
+    forward started from. Now the re-run draws what the forward drew, and the global generator is left
+    where plain PyTorch leaves it."""
+    def steps(model: Chain) -> list[torch.Tensor]:
+        np.random.set_bit_generator(np.random.MT19937(0))  # each run starts from numpy's default kind
+        return _two_steps(model)
+
+    assert_same_as_plain(lambda: Chain([SwapsBitGenerator() for _ in range(3)]), code, steps)
