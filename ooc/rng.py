@@ -26,12 +26,13 @@ NOTE [numpy's state where it is drawn]
 A recomputed block's first forward takes numpy's global state before and after it and records whether
 the block drew from it (``numpy_draws``). A block that did takes it at every forward and re-run, as
 above; one that did not takes none, and each later forward reads the global MT19937's position and
-two words of its key where numpy keeps them (``numpy_mark``: 0.3 us, nothing copied) before and after:
-a block that starts drawing after its first forward is found there, and its recompute raises (that
-step's re-run would draw other numbers), and it is recorded as drawing from then on. Not seen by the
-mark: a forward whose only draw from numpy is the Gaussian a previous ``randn`` kept (no word of the
-generator is used); ``check_recompute=True`` catches that. A global generator other than MT19937
-(``np.random.set_bit_generator``) is taken at every forward of every block. The mark is the process's:
+two words of its key where numpy keeps them, and the flag of the Gaussian a ``randn`` keeps for its next
+call (``numpy_mark``: 0.3 us, nothing copied; NOTE [finding the kept Gaussian]) before and after: a
+block that starts drawing after its first forward is found there (also one whose only draw is the kept
+Gaussian, which uses no word of the MT19937), and its recompute raises (that step's re-run would draw
+other numbers), and it is recorded as drawing from then on. A global generator other than MT19937
+(``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
+is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not
 (a data thread's augmentation) moves it as well, and that step raises too (at most once per block:
 it is recorded as drawing); the error says so. Such a thread should hold its own generator.
@@ -41,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import importlib
 import random
 import sys
@@ -131,19 +133,57 @@ def note_numpy_draws(module: torch.nn.Module, draws: bool) -> None:
     _NUMPY_DRAWS[module] = draws
 
 
-def numpy_mark() -> tuple[int, int, int] | None:
-    """(position, first and last word of the key) of numpy's global MT19937, read in place; None if
-    ``numpy.random`` was never imported or its global generator is not MT19937. A draw moves the
-    position, or (a multiple of 624 words later) renews the whole key."""
+def numpy_mark() -> tuple[int, int, int, int, int] | None:
+    """(bit generator, position, first and last word of the key, kept-Gaussian flag) of numpy's global
+    MT19937 and its ``RandomState``, read in place; None if ``numpy.random`` was never imported, its
+    global generator is not MT19937, or the flag's place is unknown (``_has_gauss_offset``). A draw
+    moves the position, or (a multiple of 624 words later) renews the whole key; a Gaussian (``randn``,
+    ``normal``) flips the flag, also the one that only takes the kept Gaussian and uses no word."""
     np_random = _numpy_random()
     if np_random is None:
         return None
     generator = np_random.get_bit_generator()
-    if type(generator).__name__ != "MT19937":
+    legacy = getattr(getattr(np_random, "mtrand", None), "_rand", None)  # whose methods np.random.* are
+    flag = _has_gauss_offset(type(legacy))
+    if type(generator).__name__ != "MT19937" or flag is None:
         return None
     address = generator.ctypes.state_address  # struct {uint32_t key[624]; int pos;} (numpy's mt19937.h)
-    return (ctypes.c_int.from_address(address + 624 * 4).value, ctypes.c_uint32.from_address(address).value,
-            ctypes.c_uint32.from_address(address + 623 * 4).value)
+    return (id(generator), ctypes.c_int.from_address(address + 624 * 4).value,
+            ctypes.c_uint32.from_address(address).value, ctypes.c_uint32.from_address(address + 623 * 4).value,
+            ctypes.c_int.from_address(id(legacy) + flag).value)
+
+
+@functools.cache
+def _has_gauss_offset(kind: type) -> int | None:
+    """Where a ``kind`` (numpy's ``RandomState``) object keeps its kept-Gaussian flag, from its start;
+    None where that cannot be found (then ``numpy_mark`` is None, and numpy's state is taken at every
+    forward: slower, never wrong).
+
+    NOTE [finding the kept Gaussian]
+    numpy gives no cheap read of it: ``get_state`` copies the whole state (NOTE [numpy's state where it
+    is drawn]). ``RandomState`` holds it in a C struct in the object itself (``aug_bitgen_t`` in
+    numpy's legacy-distributions.h: ``{bitgen_t *bit_generator; int has_gauss; double gauss;}``), at
+    an offset that depends on numpy's build; CPython's ``id`` is the object's address. So a probe
+    ``RandomState`` is given two known Gaussians (values no draw gives) and its memory searched for
+    the one offset that holds each with its flag next to it; then one real ``randn`` must set the flag
+    and the value there as ``get_state`` reports them. Once per process; 0.1 ms."""
+    np_random = _numpy_random()
+    if sys.implementation.name != "cpython" or np_random is None or kind is not np_random.RandomState:
+        return None
+    probe = kind(np_random.MT19937(0))
+    size = kind.__basicsize__
+    state = probe.get_state(legacy=False)
+    flags: set[int] | None = None
+    for has_gauss, gauss in ((1, 1.2345678901234567e-77), (0, -3.5e101)):
+        probe.set_state({**state, "has_gauss": has_gauss, "gauss": gauss})
+        here = {flag for at in range(0, size - 7, 4) if ctypes.c_double.from_address(id(probe) + at).value == gauss
+                for flag in (at - 4, at - 8) if flag >= 0 and ctypes.c_int.from_address(id(probe) + flag).value == has_gauss}
+        flags = here if flags is None else flags & here
+    probe.randn()  # draws a pair, keeps the second
+    _, _, _, has_gauss, gauss = probe.get_state()
+    found = [flag for flag in flags if ctypes.c_int.from_address(id(probe) + flag).value == has_gauss == 1
+             and gauss in (ctypes.c_double.from_address(id(probe) + at).value for at in (flag + 4, flag + 8))]
+    return found[0] if len(found) == 1 else None
 
 
 _CONTAINERS = frozenset((list, tuple, dict))
