@@ -469,6 +469,8 @@ class RecomputeFrame:
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
         pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
+        # No numpy state taken for this re-run: its mark says whether the re-run moved the generator anyway.
+        numpy_before = numpy_mark() if self.rng.numpy is None else None
         with nvtx.range(self.range_name), self.timer("recompute"):
             with (
                 # The first run already updated the buffers (BatchNorm statistics) for this step: the
@@ -486,7 +488,23 @@ class RecomputeFrame:
                     pass
         self._refresh_saved_versions()
         self.done.add(gid)
+        self._check_numpy_kept(numpy_before)
         self._check(gid)
+
+    def _check_numpy_kept(self, before: tuple[int, ...] | None) -> None:
+        """After a re-run that took no numpy state: refuse one that moved numpy's global generator (NOTE
+        [numpy's state where it is drawn] in ooc.rng), which cannot be put back."""
+        if before is None or numpy_mark() == before:
+            return
+        note_numpy_draws(self.module, True)
+        raise RecomputeError(
+            f"block {self.name} moved numpy's global generator in its re-run but not in its forward (it reseeds it "
+            "to the state its forward found, as a second block that calls np.random.seed does; or another thread "
+            "drew from it meanwhile), so numpy's generator is not where plain PyTorch leaves it after this backward "
+            "(NOTE [numpy's state where it is drawn] in ooc.rng). It keeps numpy's state from now on: run this step "
+            "again. To avoid this, draw from a generator the block holds (np.random.default_rng(seed) as an "
+            "attribute), or plan this block as keep or swap"
+        )
 
     def note_numpy_draws(self) -> None:
         """After the forward: record whether a block seen for the first time drew from numpy's global

@@ -30,12 +30,16 @@ two words of its key where numpy keeps them, and the flag of the Gaussian a ``ra
 call (``numpy_mark``: 0.3 us, nothing copied; NOTE [finding the kept Gaussian]) before and after: a
 block that starts drawing after its first forward is found there (also one whose only draw is the kept
 Gaussian, which uses no word of the MT19937), and its recompute raises (that step's re-run would draw
-other numbers), and it is recorded as drawing from then on. A global generator other than MT19937
+other numbers), and it is recorded as drawing from then on. Its re-runs read the mark too: a block
+that reseeds numpy (``np.random.seed(0)`` then draws) can find it, at its first forward, in the state
+it leaves it in (a second such block does), so it is recorded as not drawing; its re-run then reseeds a
+generator that has moved since (the loss drew from it), and cannot put it back: that raises, and the
+block is recorded as drawing. A global generator other than MT19937
 (``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
 is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not
-(a data thread's augmentation) moves it as well, and that step raises too (at most once per block:
-it is recorded as drawing); the error says so. Such a thread should hold its own generator.
+(a data thread's augmentation), or during a re-run of it, moves it as well, and that step raises too
+(at most once per block: it is recorded as drawing); the error says so. Such a thread should hold its own generator.
 """
 
 from __future__ import annotations

@@ -469,3 +469,44 @@ def test_without_the_kept_gaussians_place_numpys_state_is_taken_at_every_forward
     finally:
         ooc.unwrap(model)
     assert torch.equal(*grads)
+
+
+class ReseedsNumpy(_Block):
+    """Seeds numpy's global generator, then draws from it: the same noise at every forward."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        np.random.seed(0)
+        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+def test_a_rerun_that_moves_numpys_generator_where_its_forward_did_not_is_refused() -> None:
+    """The second of two blocks that reseed numpy's global generator finds it, at its first forward, in
+    the state it leaves it in, so it was recorded as not drawing, and its later forwards and re-runs
+    took no numpy state. Its re-run reseeded the generator that the loss had drawn from since: plain
+    PyTorch's next draw differed from ooc's, silently (the next step's augmentation, noise). A re-run
+    of a block recorded as not drawing now reads the mark too, and raises if it moved."""
+    torch.manual_seed(0)
+    plain = Chain([ReseedsNumpy(), ReseedsNumpy()])
+    model = wrapped_copy(plain, "RR")
+    try:
+        model(inputs()).pow(2).sum().backward()  # the first forward of each block looks
+        _seed_host_generators(1)
+        out = model(inputs())
+        np.random.rand()  # the loss (or the next batch) draws from numpy between the forward and the backward
+        with pytest.raises(RecomputeError, match=r"block blocks.1 moved numpy's global generator in its re-run"):
+            out.pow(2).sum().backward()
+        _seed_host_generators(1)
+        x = inputs()
+        out = model(x)
+        np.random.rand()
+        out.pow(2).sum().backward()  # recorded as drawing now: its re-run puts numpy's state back
+        after = np.random.rand()
+    finally:
+        ooc.unwrap(model)
+    _seed_host_generators(1)
+    x_plain = inputs()
+    out = plain(x_plain)
+    np.random.rand()
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, x_plain.grad)
+    assert after == np.random.rand()
