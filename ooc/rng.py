@@ -7,12 +7,15 @@ scale). ``RngState`` holds the process-wide generators: torch's CPU generator, t
 CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
-(``torch.Generator``, ``random.Random``, numpy's ``Generator`` and ``RandomState``) in a block's
-arguments and in its modules' attributes, also inside a list, tuple or dict attribute; the re-run
-starts each from the state it had before the forward, and each is put back after it, so the next
-forward draws where plain PyTorch's would. A generator held anywhere else (a global, an attribute of
-a helper object) is not found: ``ooc.wrap(..., check_recompute=True)`` catches what it changes, and
-such blocks are planned as keep or swap. The process-wide states are the whole process's: another
+(``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
+and their subclasses) in a block's arguments and in its modules' attributes, also inside a list,
+tuple or dict attribute (a namedtuple, an OrderedDict) or a dataclass attribute or argument (one level
+down); the re-run starts each from the state it had before the forward, and each is put back after it,
+so the next forward draws where plain PyTorch's would. A generator held anywhere else (a global, an
+attribute of a helper object that is no dataclass, deeper inside a container), or one the forward
+seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
+state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
+catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
 thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
 with torch's generators under ``torch.utils.checkpoint``. Cost: host time at every recomputed forward
 and re-run, mostly numpy's ``get_state``/``set_state`` (about 50 us each on a loaded 2-core CPU,
@@ -46,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import importlib
 import random
@@ -190,9 +194,6 @@ def _has_gauss_offset(kind: type) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-_CONTAINERS = frozenset((list, tuple, dict))
-
-
 def _numpy_random(*, load: bool = False) -> Any:
     """The ``numpy.random`` module once imported, else None. Another thread's first ``np.random...``
     puts the module in ``sys.modules`` before it has its functions (a recomputed forward then failed,
@@ -211,32 +212,102 @@ def _numpy_random(*, load: bool = False) -> Any:
     return None if np_random is None or getattr(spec, "_initializing", False) else np_random
 
 
-def _generator_types() -> frozenset[type]:
-    types = {torch.Generator, random.Random}
+_OTHER, _GENERATOR, _ITEMS, _FIELDS = range(4)
+"""What ``generators_in`` does with a value of a type: nothing; take it; look at its items (a list,
+tuple or dict, their subclasses too: a namedtuple, an OrderedDict); look at its fields (a dataclass)."""
+
+_KINDS: dict[type, int] = {}
+"""Type -> what ``generators_in`` does with a value of it, found once per type (``_kind``)."""
+
+_PLAIN: set[type] = set()
+"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings)."""
+
+_CONTAINERS: set[type] = set()
+"""The types of ``_KINDS`` that are ``_ITEMS`` or ``_FIELDS`` (nn.Module's own dicts among them). With
+``_PLAIN``: set lookups per attribute at every recomputed forward, as the exact-type sets these
+replaced took."""
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+"""Dataclass without ``__dict__`` (``slots=True``) -> its fields."""
+
+
+def _kind(kind: type) -> int:
+    """What ``generators_in`` does with a value of type ``kind`` (``_KINDS``), found from the type alone
+    (``issubclass``), never ``isinstance``: the latter reads ``__class__`` through HF configs' Python
+    ``__getattribute__``. ``random.SystemRandom`` has no state to replay."""
+    found = _KINDS.get(kind)
+    if found is not None:
+        return found
     np_random = _numpy_random()
+    generators = (torch.Generator, random.Random)
     if np_random is not None:
-        types |= {np_random.Generator, np_random.RandomState}
-    return frozenset(types)
+        generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator)
+    if issubclass(kind, generators) and not issubclass(kind, random.SystemRandom):
+        found = _GENERATOR
+    elif issubclass(kind, (list, tuple, dict)):
+        found = _ITEMS
+    elif dataclasses.is_dataclass(kind):
+        found = _FIELDS
+        if "__dict__" not in dir(kind):  # dataclass(slots=True)
+            _SLOTS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    else:
+        found = _OTHER
+    if np_random is not None or not kind.__module__.startswith("numpy"):  # numpy's types are known once imported
+        if len(_KINDS) > 4096:  # classes made at run time: the cache stays bounded
+            _KINDS.clear()
+            _PLAIN.clear()
+            _CONTAINERS.clear()
+        _KINDS[kind] = found
+        if found == _OTHER:
+            _PLAIN.add(kind)
+        elif found != _GENERATOR:
+            _CONTAINERS.add(kind)
+    return found
+
+
+def _generators_inside(value: Any, kind: int, found: list[Any]) -> None:
+    """Append the generators among the items of a container, or the fields of a dataclass (read from
+    its ``__dict__``, not through a Python ``__getattribute__``: HF configs are dataclasses), to
+    ``found``. One level: nothing inside an item is looked at."""
+    if kind == _ITEMS:
+        items = value.values() if issubclass(type(value), dict) else value
+    elif type(value) in _SLOTS:
+        items = [getattr(value, name, None) for name in _SLOTS[type(value)]]
+    else:
+        items = object.__getattribute__(value, "__dict__").values()
+    plain = _PLAIN
+    found += [g for g in items if type(g) not in plain and _kind(type(g)) == _GENERATOR]
 
 
 def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules``, each once: the attribute itself, or an item of a list, tuple or dict attribute.
-    Exact types (``type() in``, not ``isinstance``: the latter reads ``__class__`` through HF configs'
-    Python ``__getattribute__``); ``random.SystemRandom`` has no state to replay."""
-    types = _generator_types()
-    found = [g for g in leaves if type(g) in types]
-    looked_for = types | _CONTAINERS
+    ``modules``, each once: the attribute itself, an item of a list, tuple or dict attribute, or a
+    field of a dataclass attribute (of a dataclass argument too: ``tree_flatten`` leaves it whole).
+    A generator of a subclass counts (a namedtuple, a ``random.Random`` subclass)."""
+    plain = _PLAIN
+    found: list[Any] = []
+    for g in leaves:
+        if type(g) in plain:
+            continue
+        kind = _kind(type(g))
+        if kind == _GENERATOR:
+            found.append(g)
+        elif kind == _FIELDS:
+            _generators_inside(g, kind, found)
+    containers = _CONTAINERS
     for m in modules:
         for name, value in vars(m).items():
-            kind = type(value)
-            if kind not in looked_for:
+            if (kind := type(value)) in plain:
                 continue
-            if kind in types:
+            if kind in containers:
+                if name[0] != "_":  # not one of nn.Module's own dicts
+                    _generators_inside(value, _kind(kind), found)
+                continue
+            kind = _kind(kind)  # a generator, or a type not seen yet
+            if kind == _GENERATOR:
                 found.append(value)
-            elif not name.startswith("_"):  # a container, not one of nn.Module's own dicts
-                items = value.values() if kind is dict else value
-                found += [g for g in items if type(g) in types]
+            elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
+                _generators_inside(value, kind, found)
     return list(dict.fromkeys(found))
 
 
@@ -260,22 +331,30 @@ class GeneratorStates:
 
 def _state_of(generator: Any) -> Any:
     """The state of one generator ``generators_in`` found."""
-    if type(generator) is torch.Generator:
+    if isinstance(generator, torch.Generator):
         return generator.get_state()
-    if type(generator) is random.Random:
+    if isinstance(generator, random.Random):
         return generator.getstate()
-    if hasattr(generator, "bit_generator"):  # numpy's Generator
+    np_random = sys.modules["numpy.random"]
+    if isinstance(generator, np_random.Generator):
         return generator.bit_generator.state
-    return generator.get_state()  # numpy's RandomState
+    if isinstance(generator, np_random.RandomState):
+        # As a dict, with the Gaussian it keeps: the legacy tuple is MT19937's alone (others warned).
+        return generator.get_state(legacy=False)
+    return generator.state  # a bit generator
 
 
 def _set_state(generator: Any, state: Any) -> None:
     """Put ``state`` (from ``_state_of``) back into ``generator``."""
-    if type(generator) is torch.Generator:
+    if isinstance(generator, torch.Generator):
         generator.set_state(state)
-    elif type(generator) is random.Random:
+    elif isinstance(generator, random.Random):
         generator.setstate(state)
-    elif hasattr(generator, "bit_generator"):
-        generator.bit_generator.state = state
     else:
-        generator.set_state(state)
+        np_random = sys.modules["numpy.random"]
+        if isinstance(generator, np_random.Generator):
+            generator.bit_generator.state = state
+        elif isinstance(generator, np_random.RandomState):
+            generator.set_state(state)
+        else:
+            generator.state = state

@@ -9,6 +9,7 @@ silently."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.machinery
 import json
 import os
@@ -18,6 +19,7 @@ import sys
 import threading
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -108,8 +110,116 @@ class TorchGeneratorInADict(_Block):
         return (torch.rand(shape, generator=self.generators["mask"]) > 0.5).float()
 
 
+class NumpyPCG64RandomStateAttribute(_Block):
+    """A ``RandomState`` over another bit generator than MT19937, drawing Gaussians (one kept per pair)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.RandomState(np.random.PCG64(3))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, float(self.rng.randn()))
+
+
+class NumpyBitGeneratorAttribute(_Block):
+    """Holds a bare bit generator, and draws through a ``Generator`` made at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits = np.random.PCG64(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(np.random.Generator(self.bits).random(shape, dtype=np.float32))
+
+
+class _SeededRandom(random.Random):
+    """A user's subclass of ``random.Random``."""
+
+
+class PythonRandomSubclassAttribute(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = _SeededRandom(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, self.rng.uniform(0.5, 1.5))
+
+
+class TorchGeneratorInATuple(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = (torch.Generator().manual_seed(5),)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return (torch.rand(shape, generator=self.generators[0]) > 0.5).float()
+
+
+class _Generators(NamedTuple):
+    mask: torch.Generator
+
+
+class TorchGeneratorInANamedTuple(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = _Generators(torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return (torch.rand(shape, generator=self.generators.mask) > 0.5).float()
+
+
+@dataclasses.dataclass
+class _NoiseConfig:
+    scale: float
+    generator: torch.Generator
+
+
+class TorchGeneratorInADataclass(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _NoiseConfig(0.5, torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.config.scale * torch.rand(shape, generator=self.config.generator)
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedNoiseConfig:
+    scale: float
+    generator: torch.Generator
+
+
+class TorchGeneratorInASlottedDataclass(TorchGeneratorInADataclass):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _SlottedNoiseConfig(0.5, torch.Generator().manual_seed(5))
+
+
 BLOCKS = [NumpyGlobal, NumpyGaussianGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
-          TorchGeneratorInAList, TorchGeneratorInADict]
+          TorchGeneratorInAList, TorchGeneratorInADict, NumpyPCG64RandomStateAttribute, NumpyBitGeneratorAttribute,
+          PythonRandomSubclassAttribute, TorchGeneratorInATuple, TorchGeneratorInANamedTuple, TorchGeneratorInADataclass,
+          TorchGeneratorInASlottedDataclass]
+
+
+class NoiseFromAnArgument(nn.Module):
+    """Draws its noise from the generator of a dataclass argument (``tree_flatten`` leaves it whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, config: _NoiseConfig) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * torch.rand(x.shape, generator=config.generator)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_in_a_dataclass_argument_is_replayed(code: str) -> None:
+    def step(model: Chain) -> list[torch.Tensor]:
+        x = inputs()
+        out = model(x, _NoiseConfig(0.5, torch.Generator().manual_seed(11)))
+        out.pow(2).sum().backward()
+        return [out, x.grad]
+
+    assert_same_as_plain(lambda: Chain([NoiseFromAnArgument() for _ in range(3)]), code, step)
 
 
 def _seed_host_generators(seed: int) -> None:
@@ -129,6 +239,7 @@ def _two_steps(model: Chain) -> list[torch.Tensor]:
     return tensors + [torch.tensor(random.random()), torch.from_numpy(np.random.rand(1))]
 
 
+@pytest.mark.filterwarnings("error")  # a RandomState over PCG64 warned at each forward (its get_state(legacy=True))
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.__name__)
 @pytest.mark.parametrize("code", CODES)
 def test_host_randomness_is_replayed(code: str, block: type[_Block]) -> None:
