@@ -68,7 +68,15 @@ from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
-from ooc.rng import GeneratorStates, RngState, generators_in, note_numpy_draws, numpy_draws, numpy_mark
+from ooc.rng import (
+    EntropyWatch,
+    GeneratorStates,
+    RngState,
+    generators_in,
+    note_numpy_draws,
+    numpy_draws,
+    numpy_mark,
+)
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -634,9 +642,17 @@ def run_recomputed(
     with (
         saved_tensors_hooks(pack_forward, frame.unpack),
         timer("forward"),
+        EntropyWatch(module) as entropy,  # its first forward only (NOTE [generators seeded from the OS] in ooc.rng)
         contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
     ):
         out = forward(*args, **kwargs)
+    if entropy.found is not None:
+        raise RecomputeError(
+            f"block {name} seeds a generator from the OS in its forward ({entropy.found}), so its re-run would draw "
+            "other numbers than its forward and its gradients would be wrong (NOTE [generators seeded from the OS] in "
+            "ooc.rng). Seed it from a number, or from a generator ooc replays (torch.randint(2**31, ()).item()), "
+            "or make it once and hold it on the module; or plan this block as keep or swap"
+        )
     frame.note_numpy_draws()
     if frame.cache is not None:
         frame.cache.finish(out)

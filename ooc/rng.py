@@ -54,6 +54,7 @@ import functools
 import importlib
 import random
 import sys
+import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -309,6 +310,77 @@ def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list
             elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
                 _generators_inside(value, kind, found)
     return list(dict.fromkeys(found))
+
+
+_WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Recomputed modules whose first forward ``EntropyWatch`` looked at."""
+
+
+class EntropyWatch:
+    """Looks for a generator seeded from the OS during ``module``'s first recomputed forward; ``found``
+    says which, after the ``with`` block (None: none).
+
+    NOTE [generators seeded from the OS]
+    A forward that seeds a generator from the OS (``np.random.default_rng()``, ``np.random.seed()``,
+    ``random.seed()``, ``random.Random()``, ``torch.seed()``, ``torch.Generator().seed()``: no seed given)
+    draws numbers that no state taken before it can replay: its re-run seeds another generator, draws
+    other numbers, and the gradients differ from those of the forward, silently. ``EntropyWatch`` looks
+    for that in the first recomputed forward of each block (a profile function, ``sys.setprofile``, for
+    that forward alone: a few hundred ns per Python or C call, once per block), where the OS is asked:
+    ``random.Random.seed`` called without a seed, ``random.SystemRandom`` (numpy's ``SeedSequence()``
+    takes its entropy there), a ``torch.Generator``'s ``seed()``. The forward is then refused (the
+    recompute raises), with what to do. Not looked for: another source that changes between the runs
+    (``time.time()`` as a seed, a generator the forward reaches that ``generators_in`` does not find);
+    ``check_recompute=True`` catches those. Nor where a profiler or debugger already set a profile
+    function (``sys.getprofile()``): it is left alone.
+    """
+
+    __slots__ = ("module", "found", "base")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.found: str | None = None
+        self.base: Any = None
+        """The frame that entered the watch (its caller's), while watching."""
+
+    def __enter__(self) -> EntropyWatch:
+        if self.module not in _WATCHED and sys.getprofile() is None:
+            _WATCHED.add(self.module)
+            self.base = sys._getframe(1)
+            sys.setprofile(self._look)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.base is not None:
+            sys.setprofile(None)
+            self.base = None  # a frame holds its locals
+
+    def _look(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code is _SEED and frame.f_locals.get("a") is None:
+                self._found(frame, "random.seed() or random.Random() without a seed")
+            elif code in _SYSTEM_RANDOM:
+                self._found(frame, "the OS's random numbers (random.SystemRandom, secrets; numpy takes them for "
+                                   "np.random.default_rng(), np.random.seed() or a bit generator made without a seed)")
+        elif event == "c_call" and type(getattr(arg, "__self__", None)) is torch.Generator and arg.__name__ == "seed":
+            self._found(frame, "torch.seed() or torch.Generator.seed()")
+
+    def _found(self, frame: Any, what: str) -> None:
+        """Note ``what``, unless a frame between ``frame`` and the watch's is a module's own code (an
+        import: sympy makes a ``random.Random()`` when torch first imports it in a forward) or the
+        ``tempfile`` module's (its file names): neither reaches the block's outputs."""
+        while frame is not None and frame is not self.base:
+            if frame.f_code.co_name == "<module>" or frame.f_code.co_filename == _TEMPFILE:
+                return
+            frame = frame.f_back
+        self.found = what
+
+
+_SEED = random.Random.seed.__code__
+_SYSTEM_RANDOM = frozenset((random.SystemRandom.getrandbits.__code__, random.SystemRandom.random.__code__,
+                            random.SystemRandom.randbytes.__code__))
+_TEMPFILE = tempfile.__file__
 
 
 class GeneratorStates:

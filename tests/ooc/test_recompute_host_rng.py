@@ -15,6 +15,7 @@ import json
 import os
 import random
 import subprocess
+import tempfile
 import sys
 import threading
 import types
@@ -621,3 +622,104 @@ def test_a_rerun_that_moves_numpys_generator_where_its_forward_did_not_is_refuse
     out.pow(2).sum().backward()
     assert torch.equal(x.grad, x_plain.grad)
     assert after == np.random.rand()
+
+
+def _numpy_from_the_os(shape: torch.Size) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng().random(shape, dtype=np.float32))
+
+
+def _numpy_global_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    np.random.seed()
+    return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+def _python_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    random.seed()
+    return torch.full(shape, random.random())
+
+
+def _python_random_from_the_os(shape: torch.Size) -> torch.Tensor:
+    return torch.full(shape, random.Random().random())
+
+
+def _torch_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    torch.seed()
+    return torch.rand(shape)
+
+
+def _torch_generator_from_the_os(shape: torch.Size) -> torch.Tensor:
+    generator = torch.Generator()
+    generator.seed()
+    return torch.rand(shape, generator=generator)
+
+
+class FromTheOS(_Block):
+    def __init__(self, noise: Callable[[torch.Size], torch.Tensor]) -> None:
+        super().__init__()
+        self.draw = noise
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+@pytest.mark.parametrize("noise", [_numpy_from_the_os, _numpy_global_reseeded_from_the_os, _python_reseeded_from_the_os,
+                                   _python_random_from_the_os, _torch_reseeded_from_the_os, _torch_generator_from_the_os],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_forward_that_seeds_a_generator_from_the_os_is_refused(noise: Callable[[torch.Size], torch.Tensor]) -> None:
+    """NOTE [generators seeded from the OS] in ``ooc.rng``: its re-run seeded another generator and drew
+    other numbers than the forward, so the gradients were not the forward's, without a word (unless
+    ``check_recompute=True``). Its first forward is refused, saying what to do."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    model = wrapped_copy(Chain([NoDraws(), FromTheOS(noise)]), "RR")
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks.1 seeds a generator from the OS in its forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+        torch.set_rng_state(torch_state)  # the tests after this one draw from seeded generators
+        random.setstate(python_state)
+
+
+class SeededInTheForward(_Block):
+    """Makes a numpy generator at each forward, seeded from torch's generator (which ooc replays), as the
+    refusal above advises."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        rng = np.random.default_rng(torch.randint(2**31, ()).item())
+        return torch.from_numpy(rng.random(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_seeded_from_torchs_in_the_forward_is_replayed(code: str) -> None:
+    assert_same_as_plain(lambda: Chain([SeededInTheForward() for _ in range(3)]), code, _two_steps)
+
+
+class ImportsAndWritesAFile(_Block):
+    """Imports a module whose own code makes a ``random.Random()`` (sympy's does, imported by torch in a
+    first forward), and names a temporary file (``tempfile`` makes a ``random.Random()`` for the names):
+    the OS's numbers reach no output, and nothing is refused."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__()
+        self.module = module
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        importlib.import_module(self.module)
+        with tempfile.NamedTemporaryFile():
+            return torch.ones(shape)
+
+
+def test_seeding_from_the_os_in_an_import_or_for_a_file_name_is_not_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Before the watch passed over module code and ``tempfile``, the forward that first imported sympy
+    (torch's dispatch does, lazily) was refused."""
+    (tmp_path / "makes_a_random.py").write_text("import random\n\nRNG = random.Random()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tempfile, "_name_sequence", None)  # made again, with a random.Random(), at the next name
+    sys.modules.pop("makes_a_random", None)
+    model = wrapped_copy(Chain([ImportsAndWritesAFile("makes_a_random")]), "R")
+    try:
+        model(inputs()).pow(2).sum().backward()
+    finally:
+        ooc.unwrap(model)
+        sys.modules.pop("makes_a_random", None)
+    assert tempfile._name_sequence is not None  # the forward made it
