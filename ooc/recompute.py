@@ -272,9 +272,10 @@ class RecomputeFrame:
         self.timer = timer
         self.check_values = check_values
         # NOTE [numpy's state where it is drawn] in ooc.rng: numpy's state only for a block that draws from it.
-        self.numpy_known = numpy_draws(module)
+        mark = numpy_mark()
+        self.numpy_known = numpy_draws(module, mark)
         self.rng = RngState(device, numpy=self.numpy_known is not False)
-        self.numpy_before = numpy_mark() if self.numpy_known is False else None
+        self.numpy_before = mark if self.numpy_known is False else None
         self.autocast = AutocastState(device)
         self.leaves: list[Any] = []
         self.spec: Any = None

@@ -130,10 +130,11 @@ _NUMPY_DRAWS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKey
 state where it is drawn])."""
 
 
-def numpy_draws(module: torch.nn.Module) -> bool | None:
+def numpy_draws(module: torch.nn.Module, mark: tuple[int, ...] | None) -> bool | None:
     """Whether ``module``'s forward draws from numpy's global generator; None until its first recomputed
-    forward said (and for a global generator other than MT19937, which ``numpy_mark`` cannot read: True)."""
-    if numpy_mark() is None and _numpy_random() is not None:
+    forward said (and where ``mark``, ``numpy_mark()`` now, is None for an imported ``numpy.random``: a
+    global generator other than MT19937, which it cannot read: True)."""
+    if mark is None and _numpy_random() is not None:
         return True
     return _NUMPY_DRAWS.get(module)
 
@@ -142,8 +143,8 @@ def note_numpy_draws(module: torch.nn.Module, draws: bool) -> None:
     _NUMPY_DRAWS[module] = draws
 
 
-def numpy_mark() -> tuple[int, int, int, int, int] | None:
-    """(bit generator, position, first and last word of the key, kept-Gaussian flag) of numpy's global
+def numpy_mark() -> tuple[int, int, int, int] | None:
+    """(bit generator, first word of the key, last word and position, kept-Gaussian flag) of numpy's global
     MT19937 and its ``RandomState``, read in place; None if ``numpy.random`` was never imported, its
     global generator is not MT19937, or the flag's place is unknown (``_has_gauss_offset``). A draw
     moves the position, or (a multiple of 624 words later) renews the whole key; a Gaussian (``randn``,
@@ -152,14 +153,28 @@ def numpy_mark() -> tuple[int, int, int, int, int] | None:
     if np_random is None:
         return None
     generator = np_random.get_bit_generator()
-    legacy = getattr(getattr(np_random, "mtrand", None), "_rand", None)  # whose methods np.random.* are
-    flag = _has_gauss_offset(type(legacy))
+    flag = _FLAG[1] if _FLAG[0] is np_random else _flag_address(np_random)
     if type(generator).__name__ != "MT19937" or flag is None:
         return None
     address = generator.ctypes.state_address  # struct {uint32_t key[624]; int pos;} (numpy's mt19937.h)
-    return (id(generator), ctypes.c_int.from_address(address + 624 * 4).value,
-            ctypes.c_uint32.from_address(address).value, ctypes.c_uint32.from_address(address + 623 * 4).value,
-            ctypes.c_int.from_address(id(legacy) + flag).value)
+    # The last word of the key and the position are adjacent: one read (half the time of two).
+    return (id(generator), ctypes.c_uint32.from_address(address).value,
+            ctypes.c_uint64.from_address(address + 623 * 4).value, ctypes.c_int.from_address(flag).value)
+
+
+_FLAG: tuple[Any, int | None, Any] = (None, None, None)
+"""(``numpy.random``, the address of its global ``RandomState``'s kept-Gaussian flag, that object):
+found once (``_flag_address``), read at every mark."""
+
+
+def _flag_address(np_random: Any) -> int | None:
+    """The address of the kept-Gaussian flag of ``np_random``'s global ``RandomState`` (whose methods
+    ``np.random.*`` are), kept in ``_FLAG``; None where it cannot be found."""
+    global _FLAG
+    legacy = getattr(getattr(np_random, "mtrand", None), "_rand", None)
+    offset = _has_gauss_offset(type(legacy))
+    _FLAG = (np_random, None if offset is None else id(legacy) + offset, legacy)
+    return _FLAG[1]
 
 
 @functools.cache

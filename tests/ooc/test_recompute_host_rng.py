@@ -15,8 +15,8 @@ import json
 import os
 import random
 import subprocess
-import tempfile
 import sys
+import tempfile
 import threading
 import types
 from collections.abc import Callable
@@ -195,10 +195,24 @@ class TorchGeneratorInASlottedDataclass(TorchGeneratorInADataclass):
         self.config = _SlottedNoiseConfig(0.5, torch.Generator().manual_seed(5))
 
 
+class ReseedsNumpy(_Block):
+    """Seeds numpy's global generator, then draws from it: the same noise at every forward."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        np.random.seed(0)
+        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+class ReseedsPython(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        random.seed(0)
+        return torch.full(shape, random.uniform(0.5, 1.5))
+
+
 BLOCKS = [NumpyGlobal, NumpyGaussianGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
           TorchGeneratorInAList, TorchGeneratorInADict, NumpyPCG64RandomStateAttribute, NumpyBitGeneratorAttribute,
           PythonRandomSubclassAttribute, TorchGeneratorInATuple, TorchGeneratorInANamedTuple, TorchGeneratorInADataclass,
-          TorchGeneratorInASlottedDataclass]
+          TorchGeneratorInASlottedDataclass, ReseedsNumpy, ReseedsPython]
 
 
 class NoiseFromAnArgument(nn.Module):
@@ -566,6 +580,7 @@ def test_without_the_kept_gaussians_place_numpys_state_is_taken_at_every_forward
     Gaussian]; another build of numpy), there is no mark: every recomputed forward takes numpy's state,
     so a block that starts drawing the kept Gaussian later is replayed, without an error."""
     monkeypatch.setattr(ooc.rng, "_has_gauss_offset", lambda kind: None)
+    monkeypatch.setattr(ooc.rng, "_FLAG", (None, None, None))  # found again, with the offset above
     torch.manual_seed(0)
     plain = Chain([NoDraws(), NumpyCachedGaussianLater()])
     model = wrapped_copy(plain, "RR")
@@ -581,14 +596,6 @@ def test_without_the_kept_gaussians_place_numpys_state_is_taken_at_every_forward
     finally:
         ooc.unwrap(model)
     assert torch.equal(*grads)
-
-
-class ReseedsNumpy(_Block):
-    """Seeds numpy's global generator, then draws from it: the same noise at every forward."""
-
-    def noise(self, shape: torch.Size) -> torch.Tensor:
-        np.random.seed(0)
-        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
 
 
 def test_a_rerun_that_moves_numpys_generator_where_its_forward_did_not_is_refused() -> None:
