@@ -329,6 +329,14 @@ class RecomputeFrame:
                     "or make the operation out of place"
                 )
         self.state.check_constants(self.name)
+        if (parent := self.state.generators.spawned()) is not None:
+            raise RecomputeError(
+                f"block {self.name} spawns from a numpy seed sequence it holds ({type(parent).__name__}.spawn), whose "
+                "count of children numpy cannot set back, so its re-run would spawn other children and draw other "
+                "numbers (NOTE [spawned children] in ooc.rng). Spawn the children once, outside the forward, and hold "
+                "them; or seed a generator in the forward from torch's (torch.randint(2**31, ()).item()); or plan this "
+                "block as keep or swap"
+            )
         # A kept argument is held as itself or as a detached view (same version counter); a swapped
         # one is a copy, which nothing can modify.
         self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None

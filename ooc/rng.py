@@ -257,7 +257,7 @@ def _kind(kind: type) -> int:
     np_random = _numpy_random()
     generators = (torch.Generator, random.Random)
     if np_random is not None:
-        generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator)
+        generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator, np_random.SeedSequence)
     if issubclass(kind, generators) and not issubclass(kind, random.SystemRandom):
         found = _GENERATOR
     elif issubclass(kind, (list, tuple, dict)):
@@ -399,12 +399,20 @@ _TEMPFILE = tempfile.__file__
 
 
 class GeneratorStates:
-    """The states of generator objects (``generators_in`` finds them), taken now, to put back."""
+    """The states of generator objects (``generators_in`` finds them), taken now, to put back.
 
-    __slots__ = ("states",)
+    NOTE [spawned children]
+    numpy's ``Generator.spawn``, ``BitGenerator.spawn`` and ``SeedSequence.spawn`` count the children
+    they made in the seed sequence (``n_children_spawned``), which numpy cannot set back (read-only)
+    and a generator's state does not hold: a re-run would spawn the next children, and draw other
+    numbers. So the counts are taken with the states, and a forward that changed one is refused
+    (``spawned``); a ``SeedSequence`` attribute is found for that alone (it draws nothing itself)."""
+
+    __slots__ = ("states", "spawned_before")
 
     def __init__(self, generators: Iterable[Any]) -> None:
         self.states = [(g, _state_of(g)) for g in generators]
+        self.spawned_before = [_spawned(g) for g, _ in self.states]
 
     def now(self) -> GeneratorStates:
         """The same generators' states as they are now."""
@@ -414,6 +422,23 @@ class GeneratorStates:
         """Put every generator back in the state it had when this was taken."""
         for g, state in self.states:
             _set_state(g, state)
+
+    def spawned(self) -> Any:
+        """A generator (or seed sequence) that spawned children since this was taken; None if none."""
+        for (g, _), before in zip(self.states, self.spawned_before):
+            if before is not None and _spawned(g) != before:
+                return g
+        return None
+
+
+def _spawned(generator: Any) -> int | None:
+    """How many children the seed sequence of a numpy generator (or the seed sequence itself) spawned;
+    None for the others (NOTE [spawned children])."""
+    if isinstance(generator, (torch.Generator, random.Random)):
+        return None
+    seeds = getattr(generator, "bit_generator", generator)  # a Generator's bit generator
+    seeds = getattr(seeds, "seed_seq", seeds)  # a bit generator's seed sequence
+    return getattr(seeds, "n_children_spawned", None)  # RandomState, a legacy-seeded MT19937: none
 
 
 def _state_of(generator: Any) -> Any:
@@ -428,6 +453,8 @@ def _state_of(generator: Any) -> Any:
     if isinstance(generator, np_random.RandomState):
         # As a dict, with the Gaussian it keeps: the legacy tuple is MT19937's alone (others warned).
         return generator.get_state(legacy=False)
+    if isinstance(generator, np_random.SeedSequence):
+        return None  # no state but its children's count (NOTE [spawned children])
     return generator.state  # a bit generator
 
 
@@ -443,5 +470,5 @@ def _set_state(generator: Any, state: Any) -> None:
             generator.bit_generator.state = state
         elif isinstance(generator, np_random.RandomState):
             generator.set_state(state)
-        else:
+        elif not isinstance(generator, np_random.SeedSequence):
             generator.state = state

@@ -730,3 +730,37 @@ def test_seeding_from_the_os_in_an_import_or_for_a_file_name_is_not_refused(tmp_
         ooc.unwrap(model)
         sys.modules.pop("makes_a_random", None)
     assert tempfile._name_sequence is not None  # the forward made it
+
+
+class SpawnsFromAGenerator(_Block):
+    """Spawns a child of the numpy ``Generator`` it holds at each forward, and draws from the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(self.rng.spawn(1)[0].random(shape, dtype=np.float32))
+
+
+class SpawnsFromASeedSequence(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds = np.random.SeedSequence(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(np.random.default_rng(self.seeds.spawn(1)[0]).random(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("block", [SpawnsFromAGenerator, SpawnsFromASeedSequence], ids=lambda b: b.__name__)
+def test_a_forward_that_spawns_from_a_numpy_seed_sequence_it_holds_is_refused(block: type[_Block]) -> None:
+    """``Generator.spawn`` and ``SeedSequence.spawn`` count their children in the seed sequence, which
+    numpy cannot set back (``n_children_spawned`` is read-only) and a generator's state does not hold:
+    the re-run spawned the next child, drew other numbers, and the gradients differed, silently. The
+    forward is refused, saying what to do."""
+    model = wrapped_copy(Chain([NoDraws(), block()]), "RR")
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks.1 spawns from a numpy seed sequence it holds"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
