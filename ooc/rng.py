@@ -324,7 +324,7 @@ def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list
                 found.append(value)
             elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
                 _generators_inside(value, kind, found)
-    return list(dict.fromkeys(found))
+    return list({id(g): g for g in found}.values())  # by identity: a class with __eq__ alone is unhashable
 
 
 _WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

@@ -134,7 +134,10 @@ class NumpyBitGeneratorAttribute(_Block):
 
 
 class _SeededRandom(random.Random):
-    """A user's subclass of ``random.Random``."""
+    """A user's subclass of ``random.Random``; unhashable, as a class that defines ``__eq__`` alone is."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.getstate() == self.getstate()
 
 
 class PythonRandomSubclassAttribute(_Block):
