@@ -37,7 +37,10 @@ other numbers), and it is recorded as drawing from then on. Its re-runs read the
 that reseeds numpy (``np.random.seed(0)`` then draws) can find it, at its first forward, in the state
 it leaves it in (a second such block does), so it is recorded as not drawing; its re-run then reseeds a
 generator that has moved since (the loss drew from it), and cannot put it back: that raises, and the
-block is recorded as drawing. A global generator other than MT19937
+block is recorded as drawing. Not seen at all: a forward that draws and then puts numpy's state back
+itself (``st = np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``, without a seed
+in between) leaves neither a changed state nor a moved mark, and its re-run draws from wherever the
+generator is then; ``check_recompute=True`` catches that. A global generator other than MT19937
 (``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
 is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not

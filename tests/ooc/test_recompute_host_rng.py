@@ -212,10 +212,16 @@ class ReseedsPython(_Block):
         return torch.full(shape, random.uniform(0.5, 1.5))
 
 
+class ReseedsTorch(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        torch.manual_seed(0)
+        return torch.rand(shape)
+
+
 BLOCKS = [NumpyGlobal, NumpyGaussianGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
           TorchGeneratorInAList, TorchGeneratorInADict, NumpyPCG64RandomStateAttribute, NumpyBitGeneratorAttribute,
           PythonRandomSubclassAttribute, TorchGeneratorInATuple, TorchGeneratorInANamedTuple, TorchGeneratorInADataclass,
-          TorchGeneratorInASlottedDataclass, ReseedsNumpy, ReseedsPython]
+          TorchGeneratorInASlottedDataclass, ReseedsNumpy, ReseedsPython, ReseedsTorch]
 
 
 class NoiseFromAnArgument(nn.Module):
@@ -765,5 +771,32 @@ def test_a_forward_that_spawns_from_a_numpy_seed_sequence_it_holds_is_refused(bl
     try:
         with pytest.raises(RecomputeError, match=r"block blocks.1 spawns from a numpy seed sequence it holds"):
             model(inputs())
+    finally:
+        ooc.unwrap(model)
+
+
+class PeeksAtNumpy(_Block):
+    """Draws from numpy's global generator and puts its state back: no draw is seen from outside."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        noise = np.random.rand(*shape).astype(np.float32)
+        np.random.set_state(state)
+        return torch.from_numpy(noise)
+
+
+def test_a_forward_that_puts_numpys_state_back_itself_is_caught_by_check_recompute() -> None:
+    """The documented limit (NOTE [numpy's state where it is drawn]): the block looks like one that does
+    not draw, so its re-run draws from wherever numpy's generator is then (here: after the loss drew);
+    ``check_recompute=True`` says so."""
+    model = Chain([NoDraws(), PeeksAtNumpy()])
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu", check_recompute=True)
+    try:
+        model(inputs()).pow(2).sum().backward()  # the first forward of each block looks (and replays numpy)
+        out = model(inputs())
+        np.random.rand()  # the loss draws from numpy between the forward and the backward
+        with pytest.raises(RecomputeError, match=r"has other values when recomputed.*generators a re-run replays"):
+            out.pow(2).sum().backward()
     finally:
         ooc.unwrap(model)
