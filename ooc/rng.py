@@ -368,10 +368,12 @@ class EntropyWatch:
             sys.setprofile(self._look)
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if self.base is not None:
             sys.setprofile(None)
             self.base = None  # a frame holds its locals
+            if kind is not None:  # a forward that failed is looked at again at the next one
+                _WATCHED.discard(self.module)
 
     def _look(self, frame: Any, event: str, arg: Any) -> None:
         if event == "call":
