@@ -802,3 +802,26 @@ def test_a_forward_that_puts_numpys_state_back_itself_is_caught_by_check_recompu
             out.pow(2).sum().backward()
     finally:
         ooc.unwrap(model)
+
+
+class FailsThenSeedsFromTheOS(_Block):
+    """Its first forward fails (a user's error, fixed before the next); the next seeds from the OS."""
+
+    calls = 0
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("a bug in the first forward")
+        return _numpy_from_the_os(shape)
+
+
+def test_a_first_forward_that_failed_does_not_end_the_watch_for_os_seeding() -> None:
+    model = wrapped_copy(Chain([FailsThenSeedsFromTheOS()]), "R")
+    try:
+        with pytest.raises(ValueError, match="a bug in the first forward"):
+            model(inputs())
+        with pytest.raises(RecomputeError, match=r"seeds a generator from the OS in its forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
