@@ -353,25 +353,29 @@ class EntropyWatch:
     function (``sys.getprofile()``): it is left alone.
     """
 
-    __slots__ = ("module", "found", "base")
+    __slots__ = ("module", "found", "base", "look")
 
     def __init__(self, module: torch.nn.Module) -> None:
         self.module = module
         self.found: str | None = None
         self.base: Any = None
         """The frame that entered the watch (its caller's), while watching."""
+        self.look: Any = None
+        """The profile function set, while watching."""
 
     def __enter__(self) -> EntropyWatch:
         if self.module not in _WATCHED and sys.getprofile() is None:
             _WATCHED.add(self.module)
             self.base = sys._getframe(1)
-            sys.setprofile(self._look)
+            self.look = self._look
+            sys.setprofile(self.look)
         return self
 
     def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
         if self.base is not None:
-            sys.setprofile(None)
-            self.base = None  # a frame holds its locals
+            if sys.getprofile() is self.look:  # else the forward started a profiler of its own: left on
+                sys.setprofile(None)
+            self.base = self.look = None  # a frame holds its locals
             if kind is not None:  # a forward that failed is looked at again at the next one
                 _WATCHED.discard(self.module)
 

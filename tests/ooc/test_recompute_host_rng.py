@@ -826,3 +826,25 @@ def test_a_first_forward_that_failed_does_not_end_the_watch_for_os_seeding() -> 
             model(inputs())
     finally:
         ooc.unwrap(model)
+
+
+def _profile_nothing(frame, event, arg) -> None:  # noqa: ANN001
+    """A profile function, as a profiler sets one."""
+
+
+class StartsAProfiler(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        sys.setprofile(_profile_nothing)
+        return torch.ones(shape)
+
+
+def test_a_profiler_a_first_forward_starts_is_left_on() -> None:
+    """The watch for OS seeding (NOTE [generators seeded from the OS]) set the profile function back to
+    none after the first forward, also one the forward had set (a profiler started there)."""
+    model = wrapped_copy(Chain([StartsAProfiler()]), "R")
+    try:
+        model(inputs())
+        assert sys.getprofile() is _profile_nothing
+    finally:
+        sys.setprofile(None)
+        ooc.unwrap(model)
