@@ -64,6 +64,8 @@ from typing import Any
 
 import torch
 
+from ooc.hf import is_config_class
+
 
 class RngState:
     """The process-wide generators' states: torch's CPU one, ``device``'s CUDA one for a CUDA device,
@@ -265,7 +267,7 @@ def _kind(kind: type) -> int:
         found = _GENERATOR
     elif issubclass(kind, (list, tuple, dict)):
         found = _ITEMS
-    elif dataclasses.is_dataclass(kind):
+    elif dataclasses.is_dataclass(kind) and not is_config_class(kind):  # an HF config: 40 fields, every forward
         found = _FIELDS
         if "__dict__" not in dir(kind):  # dataclass(slots=True)
             _SLOTS[kind] = tuple(f.name for f in dataclasses.fields(kind))

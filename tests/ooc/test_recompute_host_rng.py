@@ -848,3 +848,13 @@ def test_a_profiler_a_first_forward_starts_is_left_on() -> None:
     finally:
         sys.setprofile(None)
         ooc.unwrap(model)
+
+
+def test_an_hf_config_is_not_looked_into() -> None:
+    """transformers 5 configs are dataclasses (some forty fields, never a generator): looking into the
+    one each HF attention module holds cost every recomputed forward 2 us per module; a user's
+    dataclass is looked into (``TorchGeneratorInADataclass``)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2)
+    assert ooc.rng._kind(type(config)) == ooc.rng._OTHER
+    assert ooc.rng._kind(_NoiseConfig) == ooc.rng._FIELDS
