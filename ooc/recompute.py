@@ -518,8 +518,8 @@ class RecomputeFrame:
             f"block {self.name} moved numpy's global generator in its re-run but not in its forward (it reseeds it "
             "to the state its forward found, as a second block that calls np.random.seed does; or another thread "
             "drew from it meanwhile), so numpy's generator is not where plain PyTorch leaves it after this backward "
-            "(NOTE [numpy's state where it is drawn] in ooc.rng). It keeps numpy's state from now on: run this step "
-            "again. To avoid this, draw from a generator the block holds (np.random.default_rng(seed) as an "
+            "(NOTE [numpy's state where it is drawn] in ooc.rng). It keeps numpy's state from now on: zero the "
+            "gradients (this backward stopped part way) and run this step again. To avoid this, draw from a generator the block holds (np.random.default_rng(seed) as an "
             "attribute), or plan this block as keep or swap"
         )
 
