@@ -106,3 +106,12 @@ def cache_argument(values: Iterable[Any]) -> str | None:
     if cache is None:
         return None
     return next((type(v).__name__ for v in values if isinstance(v, cache)), None)
+
+
+def is_config_class(kind: type) -> bool:
+    """``kind`` is a Hugging Face model config (``PreTrainedConfig``; a dataclass in transformers 5,
+    with some forty fields and never a generator among them). Looks only if transformers is already
+    imported (no import here)."""
+    configuration_utils = sys.modules.get("transformers.configuration_utils")
+    base = getattr(configuration_utils, "PreTrainedConfig", None) or getattr(configuration_utils, "PretrainedConfig", None)
+    return base is not None and issubclass(kind, base)

@@ -44,7 +44,7 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
 - Parameters and buffers replaced between the forward and the backward (``torch.func.functional_call``
   swaps them in for the call only) are put back for the re-run; training flags and
   generator objects (``torch.Generator``, ``random.Random``, numpy's; arguments, or attributes of the
-  block's modules, also in a list, tuple or dict attribute: ``ooc.rng.generators_in``) too.
+  block's modules, also in a list, tuple, dict or dataclass attribute: ``ooc.rng.generators_in``) too.
 - A tensor the forward saved that is still alive (a parameter, a tensor held by the caller, the
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
@@ -68,7 +68,15 @@ from ooc import nvtx
 from ooc.errors import OocError
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
-from ooc.rng import GeneratorStates, RngState, generators_in, note_numpy_draws, numpy_draws, numpy_mark
+from ooc.rng import (
+    EntropyWatch,
+    GeneratorStates,
+    RngState,
+    generators_in,
+    note_numpy_draws,
+    numpy_draws,
+    numpy_mark,
+)
 
 
 class RecomputeError(OocError, RuntimeError):
@@ -264,9 +272,10 @@ class RecomputeFrame:
         self.timer = timer
         self.check_values = check_values
         # NOTE [numpy's state where it is drawn] in ooc.rng: numpy's state only for a block that draws from it.
-        self.numpy_known = numpy_draws(module)
+        mark = numpy_mark()
+        self.numpy_known = numpy_draws(module, mark)
         self.rng = RngState(device, numpy=self.numpy_known is not False)
-        self.numpy_before = numpy_mark() if self.numpy_known is False else None
+        self.numpy_before = mark if self.numpy_known is False else None
         self.autocast = AutocastState(device)
         self.leaves: list[Any] = []
         self.spec: Any = None
@@ -320,6 +329,14 @@ class RecomputeFrame:
                     "or make the operation out of place"
                 )
         self.state.check_constants(self.name)
+        if (parent := self.state.generators.spawned()) is not None:
+            raise RecomputeError(
+                f"block {self.name} spawns from a numpy seed sequence it holds ({type(parent).__name__}.spawn), whose "
+                "count of children numpy cannot set back, so its re-run would spawn other children and draw other "
+                "numbers (NOTE [spawned children] in ooc.rng). Spawn the children once, outside the forward, and hold "
+                "them; or seed a generator in the forward from torch's (torch.randint(2**31, ()).item()); or plan this "
+                "block as keep or swap"
+            )
         # A kept argument is held as itself or as a detached view (same version counter); a swapped
         # one is a copy, which nothing can modify.
         self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None
@@ -469,6 +486,8 @@ class RecomputeFrame:
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
         pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
+        # No numpy state taken for this re-run: its mark says whether the re-run moved the generator anyway.
+        numpy_before = numpy_mark() if self.rng.numpy is None else None
         with nvtx.range(self.range_name), self.timer("recompute"):
             with (
                 # The first run already updated the buffers (BatchNorm statistics) for this step: the
@@ -486,7 +505,23 @@ class RecomputeFrame:
                     pass
         self._refresh_saved_versions()
         self.done.add(gid)
+        self._check_numpy_kept(numpy_before)
         self._check(gid)
+
+    def _check_numpy_kept(self, before: tuple[int, ...] | None) -> None:
+        """After a re-run that took no numpy state: refuse one that moved numpy's global generator (NOTE
+        [numpy's state where it is drawn] in ooc.rng), which cannot be put back."""
+        if before is None or numpy_mark() == before:
+            return
+        note_numpy_draws(self.module, True)
+        raise RecomputeError(
+            f"block {self.name} moved numpy's global generator in its re-run but not in its forward (it reseeds it "
+            "to the state its forward found, as a second block that calls np.random.seed does; or another thread "
+            "drew from it meanwhile), so numpy's generator is not where plain PyTorch leaves it after this backward "
+            "(NOTE [numpy's state where it is drawn] in ooc.rng). It keeps numpy's state from now on: zero the "
+            "gradients (this backward stopped part way) and run this step again. To avoid this, draw from a generator the block holds (np.random.default_rng(seed) as an "
+            "attribute), or plan this block as keep or swap"
+        )
 
     def note_numpy_draws(self) -> None:
         """After the forward: record whether a block seen for the first time drew from numpy's global
@@ -616,9 +651,17 @@ def run_recomputed(
     with (
         saved_tensors_hooks(pack_forward, frame.unpack),
         timer("forward"),
+        EntropyWatch(module) as entropy,  # its first forward only (NOTE [generators seeded from the OS] in ooc.rng)
         contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
     ):
         out = forward(*args, **kwargs)
+    if entropy.found is not None:
+        raise RecomputeError(
+            f"block {name} seeds a generator from the OS in its forward ({entropy.found}), so its re-run would draw "
+            "other numbers than its forward and its gradients would be wrong (NOTE [generators seeded from the OS] in "
+            "ooc.rng). Seed it from a number, or from a generator ooc replays (torch.randint(2**31, ()).item()), "
+            "or make it once and hold it on the module; or plan this block as keep or swap"
+        )
     frame.note_numpy_draws()
     if frame.cache is not None:
         frame.cache.finish(out)

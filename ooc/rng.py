@@ -7,12 +7,15 @@ scale). ``RngState`` holds the process-wide generators: torch's CPU generator, t
 CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
-(``torch.Generator``, ``random.Random``, numpy's ``Generator`` and ``RandomState``) in a block's
-arguments and in its modules' attributes, also inside a list, tuple or dict attribute; the re-run
-starts each from the state it had before the forward, and each is put back after it, so the next
-forward draws where plain PyTorch's would. A generator held anywhere else (a global, an attribute of
-a helper object) is not found: ``ooc.wrap(..., check_recompute=True)`` catches what it changes, and
-such blocks are planned as keep or swap. The process-wide states are the whole process's: another
+(``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
+and their subclasses) in a block's arguments and in its modules' attributes, also inside a list,
+tuple or dict attribute (a namedtuple, an OrderedDict) or a dataclass attribute or argument (one level
+down); the re-run starts each from the state it had before the forward, and each is put back after it,
+so the next forward draws where plain PyTorch's would. A generator held anywhere else (a global, an
+attribute of a helper object that is no dataclass, deeper inside a container), or one the forward
+seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
+state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
+catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
 thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
 with torch's generators under ``torch.utils.checkpoint``. Cost: host time at every recomputed forward
 and re-run, mostly numpy's ``get_state``/``set_state`` (about 50 us each on a loaded 2-core CPU,
@@ -26,29 +29,42 @@ NOTE [numpy's state where it is drawn]
 A recomputed block's first forward takes numpy's global state before and after it and records whether
 the block drew from it (``numpy_draws``). A block that did takes it at every forward and re-run, as
 above; one that did not takes none, and each later forward reads the global MT19937's position and
-two words of its key where numpy keeps them (``numpy_mark``: 0.3 us, nothing copied) before and after:
-a block that starts drawing after its first forward is found there, and its recompute raises (that
-step's re-run would draw other numbers), and it is recorded as drawing from then on. Not seen by the
-mark: a forward whose only draw from numpy is the Gaussian a previous ``randn`` kept (no word of the
-generator is used); ``check_recompute=True`` catches that. A global generator other than MT19937
-(``np.random.set_bit_generator``) is taken at every forward of every block. The mark is the process's:
+two words of its key where numpy keeps them, and the flag of the Gaussian a ``randn`` keeps for its next
+call (``numpy_mark``: 0.3 us, nothing copied; NOTE [finding the kept Gaussian]) before and after: a
+block that starts drawing after its first forward is found there (also one whose only draw is the kept
+Gaussian, which uses no word of the MT19937), and its recompute raises (that step's re-run would draw
+other numbers), and it is recorded as drawing from then on. Its re-runs read the mark too: a block
+that reseeds numpy (``np.random.seed(0)`` then draws) can find it, at its first forward, in the state
+it leaves it in (a second such block does), so it is recorded as not drawing; its re-run then reseeds a
+generator that has moved since (the loss drew from it), and cannot put it back: that raises, and the
+block is recorded as drawing. Not seen at all: a forward that draws and then puts numpy's state back
+itself (``st = np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``, without a seed
+in between) leaves neither a changed state nor a moved mark, and its re-run draws from wherever the
+generator is then; ``check_recompute=True`` catches that. A global generator other than MT19937
+(``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
+is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not
-(a data thread's augmentation) moves it as well, and that step raises too (at most once per block:
-it is recorded as drawing); the error says so. Such a thread should hold its own generator.
+(a data thread's augmentation), or during a re-run of it, moves it as well, and that step raises too
+(at most once per block: it is recorded as drawing); the error says so. Such a thread should hold its own generator.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
+import functools
 import importlib
 import random
 import sys
+import tempfile
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
 
 import torch
+
+from ooc.hf import is_config_class
 
 
 class RngState:
@@ -64,9 +80,7 @@ class RngState:
         self.cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
         self.python = random.getstate()
         np_random = _numpy_random(load=True) if numpy else None  # a program without numpy draws nothing from it
-        # The legacy state, not the bit generator's alone (half the time): it holds the Gaussian that
-        # ``np.random.randn`` draws in pairs and keeps for its next call.
-        self.numpy = np_random.get_state() if np_random is not None else None
+        self.numpy = _numpy_state(np_random) if np_random is not None else None
 
     def restore(self) -> None:
         """Put every generator back in the state it had when this was taken."""
@@ -75,7 +89,11 @@ class RngState:
             torch.cuda.set_rng_state(self.cuda, self.device)
         random.setstate(self.python)
         if self.numpy is not None:
-            sys.modules["numpy.random"].set_state(self.numpy)
+            np_random = sys.modules["numpy.random"]
+            bit_generator, state = self.numpy
+            if np_random.get_bit_generator() is not bit_generator:
+                np_random.set_bit_generator(bit_generator)  # swapped since (``np.random.set_bit_generator``)
+            np_random.set_state(state)
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -88,9 +106,28 @@ class RngState:
             outer.restore()
 
     def numpy_changed(self) -> bool:
-        """numpy's global state differs from the one taken (which must have been)."""
-        now = sys.modules["numpy.random"].get_state()
-        return now[0] != self.numpy[0] or (now[1] != self.numpy[1]).any() or now[2:] != self.numpy[2:]
+        """numpy's global generator differs from the one taken (which must have been): another bit
+        generator, or another state."""
+        bit_generator, state = _numpy_state(sys.modules["numpy.random"])
+        return bit_generator is not self.numpy[0] or not _same_state(state, self.numpy[1])
+
+
+def _numpy_state(np_random: Any) -> tuple[Any, dict[str, Any]]:
+    """numpy's global generator: its bit generator, which ``np.random.set_bit_generator`` swaps (a
+    forward that swaps it must be re-run from the one it started from), and its legacy state as a
+    dict (any bit generator's; the MT19937 tuple is numpy's alone, and ``get_state()`` warns and
+    returns a dict for the others). The legacy state, not the bit generator's alone (half the time):
+    it holds the Gaussian that ``np.random.randn`` draws in pairs and keeps for its next call."""
+    return np_random.get_bit_generator(), np_random.get_state(legacy=False)
+
+
+def _same_state(a: Any, b: Any) -> bool:
+    """Two states of a numpy generator (dicts of numbers and arrays) are equal."""
+    if type(a) is dict:
+        return type(b) is dict and a.keys() == b.keys() and all(_same_state(a[k], b[k]) for k in a)
+    if hasattr(a, "shape"):  # MT19937's key (an array)
+        return sys.modules["numpy"].array_equal(a, b)
+    return a == b
 
 
 _NUMPY_DRAWS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -98,10 +135,11 @@ _NUMPY_DRAWS: weakref.WeakKeyDictionary[torch.nn.Module, bool] = weakref.WeakKey
 state where it is drawn])."""
 
 
-def numpy_draws(module: torch.nn.Module) -> bool | None:
+def numpy_draws(module: torch.nn.Module, mark: tuple[int, ...] | None) -> bool | None:
     """Whether ``module``'s forward draws from numpy's global generator; None until its first recomputed
-    forward said (and for a global generator other than MT19937, which ``numpy_mark`` cannot read: True)."""
-    if numpy_mark() is None and _numpy_random() is not None:
+    forward said (and where ``mark``, ``numpy_mark()`` now, is None for an imported ``numpy.random``: a
+    global generator other than MT19937, which it cannot read: True)."""
+    if mark is None and _numpy_random() is not None:
         return True
     return _NUMPY_DRAWS.get(module)
 
@@ -110,22 +148,71 @@ def note_numpy_draws(module: torch.nn.Module, draws: bool) -> None:
     _NUMPY_DRAWS[module] = draws
 
 
-def numpy_mark() -> tuple[int, int, int] | None:
-    """(position, first and last word of the key) of numpy's global MT19937, read in place; None if
-    ``numpy.random`` was never imported or its global generator is not MT19937. A draw moves the
-    position, or (a multiple of 624 words later) renews the whole key."""
+def numpy_mark() -> tuple[int, int, int, int] | None:
+    """(bit generator, first word of the key, last word and position, kept-Gaussian flag) of numpy's global
+    MT19937 and its ``RandomState``, read in place; None if ``numpy.random`` was never imported, its
+    global generator is not MT19937, or the flag's place is unknown (``_has_gauss_offset``). A draw
+    moves the position, or (a multiple of 624 words later) renews the whole key; a Gaussian (``randn``,
+    ``normal``) flips the flag, also the one that only takes the kept Gaussian and uses no word."""
     np_random = _numpy_random()
     if np_random is None:
         return None
     generator = np_random.get_bit_generator()
-    if type(generator).__name__ != "MT19937":
+    flag = _FLAG[1] if _FLAG[0] is np_random else _flag_address(np_random)
+    if type(generator).__name__ != "MT19937" or flag is None:
         return None
     address = generator.ctypes.state_address  # struct {uint32_t key[624]; int pos;} (numpy's mt19937.h)
-    return (ctypes.c_int.from_address(address + 624 * 4).value, ctypes.c_uint32.from_address(address).value,
-            ctypes.c_uint32.from_address(address + 623 * 4).value)
+    # The last word of the key and the position are adjacent: one read (half the time of two).
+    return (id(generator), ctypes.c_uint32.from_address(address).value,
+            ctypes.c_uint64.from_address(address + 623 * 4).value, ctypes.c_int.from_address(flag).value)
 
 
-_CONTAINERS = frozenset((list, tuple, dict))
+_FLAG: tuple[Any, int | None, Any] = (None, None, None)
+"""(``numpy.random``, the address of its global ``RandomState``'s kept-Gaussian flag, that object):
+found once (``_flag_address``), read at every mark."""
+
+
+def _flag_address(np_random: Any) -> int | None:
+    """The address of the kept-Gaussian flag of ``np_random``'s global ``RandomState`` (whose methods
+    ``np.random.*`` are), kept in ``_FLAG``; None where it cannot be found."""
+    global _FLAG
+    legacy = getattr(getattr(np_random, "mtrand", None), "_rand", None)
+    offset = _has_gauss_offset(type(legacy))
+    _FLAG = (np_random, None if offset is None else id(legacy) + offset, legacy)
+    return _FLAG[1]
+
+
+@functools.cache
+def _has_gauss_offset(kind: type) -> int | None:
+    """Where a ``kind`` (numpy's ``RandomState``) object keeps its kept-Gaussian flag, from its start;
+    None where that cannot be found (then ``numpy_mark`` is None, and numpy's state is taken at every
+    forward: slower, never wrong).
+
+    NOTE [finding the kept Gaussian]
+    numpy gives no cheap read of it: ``get_state`` copies the whole state (NOTE [numpy's state where it
+    is drawn]). ``RandomState`` holds it in a C struct in the object itself (``aug_bitgen_t`` in
+    numpy's legacy-distributions.h: ``{bitgen_t *bit_generator; int has_gauss; double gauss;}``), at
+    an offset that depends on numpy's build; CPython's ``id`` is the object's address. So a probe
+    ``RandomState`` is given two known Gaussians (values no draw gives) and its memory searched for
+    the one offset that holds each with its flag next to it; then one real ``randn`` must set the flag
+    and the value there as ``get_state`` reports them. Once per process; 0.1 ms."""
+    np_random = _numpy_random()
+    if sys.implementation.name != "cpython" or np_random is None or kind is not np_random.RandomState:
+        return None
+    probe = kind(np_random.MT19937(0))
+    size = kind.__basicsize__
+    state = probe.get_state(legacy=False)
+    flags: set[int] | None = None
+    for has_gauss, gauss in ((1, 1.2345678901234567e-77), (0, -3.5e101)):
+        probe.set_state({**state, "has_gauss": has_gauss, "gauss": gauss})
+        here = {flag for at in range(0, size - 7, 4) if ctypes.c_double.from_address(id(probe) + at).value == gauss
+                for flag in (at - 4, at - 8) if flag >= 0 and ctypes.c_int.from_address(id(probe) + flag).value == has_gauss}
+        flags = here if flags is None else flags & here
+    probe.randn()  # draws a pair, keeps the second
+    _, _, _, has_gauss, gauss = probe.get_state()
+    found = [flag for flag in flags if ctypes.c_int.from_address(id(probe) + flag).value == has_gauss == 1
+             and gauss in (ctypes.c_double.from_address(id(probe) + at).value for at in (flag + 4, flag + 8))]
+    return found[0] if len(found) == 1 else None
 
 
 def _numpy_random(*, load: bool = False) -> Any:
@@ -146,42 +233,197 @@ def _numpy_random(*, load: bool = False) -> Any:
     return None if np_random is None or getattr(spec, "_initializing", False) else np_random
 
 
-def _generator_types() -> frozenset[type]:
-    types = {torch.Generator, random.Random}
+_OTHER, _GENERATOR, _ITEMS, _FIELDS = range(4)
+"""What ``generators_in`` does with a value of a type: nothing; take it; look at its items (a list,
+tuple or dict, their subclasses too: a namedtuple, an OrderedDict); look at its fields (a dataclass)."""
+
+_KINDS: dict[type, int] = {}
+"""Type -> what ``generators_in`` does with a value of it, found once per type (``_kind``)."""
+
+_PLAIN: set[type] = set()
+"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings)."""
+
+_CONTAINERS: set[type] = set()
+"""The types of ``_KINDS`` that are ``_ITEMS`` or ``_FIELDS`` (nn.Module's own dicts among them). With
+``_PLAIN``: set lookups per attribute at every recomputed forward, as the exact-type sets these
+replaced took."""
+
+_SLOTS: dict[type, tuple[str, ...]] = {}
+"""Dataclass without ``__dict__`` (``slots=True``) -> its fields."""
+
+
+def _kind(kind: type) -> int:
+    """What ``generators_in`` does with a value of type ``kind`` (``_KINDS``), found from the type alone
+    (``issubclass``), never ``isinstance``: the latter reads ``__class__`` through HF configs' Python
+    ``__getattribute__``. ``random.SystemRandom`` has no state to replay."""
+    found = _KINDS.get(kind)
+    if found is not None:
+        return found
     np_random = _numpy_random()
+    generators = (torch.Generator, random.Random)
     if np_random is not None:
-        types |= {np_random.Generator, np_random.RandomState}
-    return frozenset(types)
+        generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator, np_random.SeedSequence)
+    if issubclass(kind, generators) and not issubclass(kind, random.SystemRandom):
+        found = _GENERATOR
+    elif issubclass(kind, (list, tuple, dict)):
+        found = _ITEMS
+    elif dataclasses.is_dataclass(kind) and not is_config_class(kind):  # an HF config: 40 fields, every forward
+        found = _FIELDS
+        if "__dict__" not in dir(kind):  # dataclass(slots=True)
+            _SLOTS[kind] = tuple(f.name for f in dataclasses.fields(kind))
+    else:
+        found = _OTHER
+    if np_random is not None or not kind.__module__.startswith("numpy"):  # numpy's types are known once imported
+        if len(_KINDS) > 4096:  # classes made at run time: the cache stays bounded
+            _KINDS.clear()
+            _PLAIN.clear()
+            _CONTAINERS.clear()
+        _KINDS[kind] = found
+        if found == _OTHER:
+            _PLAIN.add(kind)
+        elif found != _GENERATOR:
+            _CONTAINERS.add(kind)
+    return found
+
+
+def _generators_inside(value: Any, kind: int, found: list[Any]) -> None:
+    """Append the generators among the items of a container, or the fields of a dataclass (read from
+    its ``__dict__``, not through a Python ``__getattribute__``: HF configs are dataclasses), to
+    ``found``. One level: nothing inside an item is looked at."""
+    if kind == _ITEMS:
+        items = value.values() if issubclass(type(value), dict) else value
+    elif type(value) in _SLOTS:
+        items = [getattr(value, name, None) for name in _SLOTS[type(value)]]
+    else:
+        items = object.__getattribute__(value, "__dict__").values()
+    plain = _PLAIN
+    found += [g for g in items if type(g) not in plain and _kind(type(g)) == _GENERATOR]
 
 
 def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules``, each once: the attribute itself, or an item of a list, tuple or dict attribute.
-    Exact types (``type() in``, not ``isinstance``: the latter reads ``__class__`` through HF configs'
-    Python ``__getattribute__``); ``random.SystemRandom`` has no state to replay."""
-    types = _generator_types()
-    found = [g for g in leaves if type(g) in types]
-    looked_for = types | _CONTAINERS
+    ``modules``, each once: the attribute itself, an item of a list, tuple or dict attribute, or a
+    field of a dataclass attribute (of a dataclass argument too: ``tree_flatten`` leaves it whole).
+    A generator of a subclass counts (a namedtuple, a ``random.Random`` subclass)."""
+    plain = _PLAIN
+    found: list[Any] = []
+    for g in leaves:
+        if type(g) in plain:
+            continue
+        kind = _kind(type(g))
+        if kind == _GENERATOR:
+            found.append(g)
+        elif kind == _FIELDS:
+            _generators_inside(g, kind, found)
+    containers = _CONTAINERS
     for m in modules:
         for name, value in vars(m).items():
-            kind = type(value)
-            if kind not in looked_for:
+            if (kind := type(value)) in plain:
                 continue
-            if kind in types:
+            if kind in containers:
+                if name[0] != "_":  # not one of nn.Module's own dicts
+                    _generators_inside(value, _kind(kind), found)
+                continue
+            kind = _kind(kind)  # a generator, or a type not seen yet
+            if kind == _GENERATOR:
                 found.append(value)
-            elif not name.startswith("_"):  # a container, not one of nn.Module's own dicts
-                items = value.values() if kind is dict else value
-                found += [g for g in items if type(g) in types]
-    return list(dict.fromkeys(found))
+            elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
+                _generators_inside(value, kind, found)
+    return list({id(g): g for g in found}.values())  # by identity: a class with __eq__ alone is unhashable
+
+
+_WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
+"""Recomputed modules whose first forward ``EntropyWatch`` looked at."""
+
+
+class EntropyWatch:
+    """Looks for a generator seeded from the OS during ``module``'s first recomputed forward; ``found``
+    says which, after the ``with`` block (None: none).
+
+    NOTE [generators seeded from the OS]
+    A forward that seeds a generator from the OS (``np.random.default_rng()``, ``np.random.seed()``,
+    ``random.seed()``, ``random.Random()``, ``torch.seed()``, ``torch.Generator().seed()``: no seed given)
+    draws numbers that no state taken before it can replay: its re-run seeds another generator, draws
+    other numbers, and the gradients differ from those of the forward, silently. ``EntropyWatch`` looks
+    for that in the first recomputed forward of each block (a profile function, ``sys.setprofile``, for
+    that forward alone: a few hundred ns per Python or C call, once per block), where the OS is asked:
+    ``random.Random.seed`` called without a seed, ``random.SystemRandom`` (numpy's ``SeedSequence()``
+    takes its entropy there), a ``torch.Generator``'s ``seed()``. The forward is then refused (the
+    recompute raises), with what to do. Not looked for: another source that changes between the runs
+    (``time.time()`` as a seed, a generator the forward reaches that ``generators_in`` does not find);
+    ``check_recompute=True`` catches those. Nor where a profiler or debugger already set a profile
+    function (``sys.getprofile()``): it is left alone.
+    """
+
+    __slots__ = ("module", "found", "base", "look")
+
+    def __init__(self, module: torch.nn.Module) -> None:
+        self.module = module
+        self.found: str | None = None
+        self.base: Any = None
+        """The frame that entered the watch (its caller's), while watching."""
+        self.look: Any = None
+        """The profile function set, while watching."""
+
+    def __enter__(self) -> EntropyWatch:
+        if self.module not in _WATCHED and sys.getprofile() is None:
+            _WATCHED.add(self.module)
+            self.base = sys._getframe(1)
+            self.look = self._look
+            sys.setprofile(self.look)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, *exc: object) -> None:
+        if self.base is not None:
+            if sys.getprofile() is self.look:  # else the forward started a profiler of its own: left on
+                sys.setprofile(None)
+            self.base = self.look = None  # a frame holds its locals
+            if kind is not None:  # a forward that failed is looked at again at the next one
+                _WATCHED.discard(self.module)
+
+    def _look(self, frame: Any, event: str, arg: Any) -> None:
+        if event == "call":
+            code = frame.f_code
+            if code is _SEED and frame.f_locals.get("a") is None:
+                self._found(frame, "random.seed() or random.Random() without a seed")
+            elif code in _SYSTEM_RANDOM:
+                self._found(frame, "the OS's random numbers (random.SystemRandom, secrets; numpy takes them for "
+                                   "np.random.default_rng(), np.random.seed() or a bit generator made without a seed)")
+        elif event == "c_call" and type(getattr(arg, "__self__", None)) is torch.Generator and arg.__name__ == "seed":
+            self._found(frame, "torch.seed() or torch.Generator.seed()")
+
+    def _found(self, frame: Any, what: str) -> None:
+        """Note ``what``, unless a frame between ``frame`` and the watch's is a module's own code (an
+        import: sympy makes a ``random.Random()`` when torch first imports it in a forward) or the
+        ``tempfile`` module's (its file names): neither reaches the block's outputs."""
+        while frame is not None and frame is not self.base:
+            if frame.f_code.co_name == "<module>" or frame.f_code.co_filename == _TEMPFILE:
+                return
+            frame = frame.f_back
+        self.found = what
+
+
+_SEED = random.Random.seed.__code__
+_SYSTEM_RANDOM = frozenset((random.SystemRandom.getrandbits.__code__, random.SystemRandom.random.__code__,
+                            random.SystemRandom.randbytes.__code__))
+_TEMPFILE = tempfile.__file__
 
 
 class GeneratorStates:
-    """The states of generator objects (``generators_in`` finds them), taken now, to put back."""
+    """The states of generator objects (``generators_in`` finds them), taken now, to put back.
 
-    __slots__ = ("states",)
+    NOTE [spawned children]
+    numpy's ``Generator.spawn``, ``BitGenerator.spawn`` and ``SeedSequence.spawn`` count the children
+    they made in the seed sequence (``n_children_spawned``), which numpy cannot set back (read-only)
+    and a generator's state does not hold: a re-run would spawn the next children, and draw other
+    numbers. So the counts are taken with the states, and a forward that changed one is refused
+    (``spawned``); a ``SeedSequence`` attribute is found for that alone (it draws nothing itself)."""
+
+    __slots__ = ("states", "spawned_before")
 
     def __init__(self, generators: Iterable[Any]) -> None:
         self.states = [(g, _state_of(g)) for g in generators]
+        self.spawned_before = [_spawned(g) for g, _ in self.states]
 
     def now(self) -> GeneratorStates:
         """The same generators' states as they are now."""
@@ -192,25 +434,52 @@ class GeneratorStates:
         for g, state in self.states:
             _set_state(g, state)
 
+    def spawned(self) -> Any:
+        """A generator (or seed sequence) that spawned children since this was taken; None if none."""
+        for (g, _), before in zip(self.states, self.spawned_before):
+            if before is not None and _spawned(g) != before:
+                return g
+        return None
+
+
+def _spawned(generator: Any) -> int | None:
+    """How many children the seed sequence of a numpy generator (or the seed sequence itself) spawned;
+    None for the others (NOTE [spawned children])."""
+    if isinstance(generator, (torch.Generator, random.Random)):
+        return None
+    seeds = getattr(generator, "bit_generator", generator)  # a Generator's bit generator
+    seeds = getattr(seeds, "seed_seq", seeds)  # a bit generator's seed sequence
+    return getattr(seeds, "n_children_spawned", None)  # RandomState, a legacy-seeded MT19937: none
+
 
 def _state_of(generator: Any) -> Any:
     """The state of one generator ``generators_in`` found."""
-    if type(generator) is torch.Generator:
+    if isinstance(generator, torch.Generator):
         return generator.get_state()
-    if type(generator) is random.Random:
+    if isinstance(generator, random.Random):
         return generator.getstate()
-    if hasattr(generator, "bit_generator"):  # numpy's Generator
+    np_random = sys.modules["numpy.random"]
+    if isinstance(generator, np_random.Generator):
         return generator.bit_generator.state
-    return generator.get_state()  # numpy's RandomState
+    if isinstance(generator, np_random.RandomState):
+        # As a dict, with the Gaussian it keeps: the legacy tuple is MT19937's alone (others warned).
+        return generator.get_state(legacy=False)
+    if isinstance(generator, np_random.SeedSequence):
+        return None  # no state but its children's count (NOTE [spawned children])
+    return generator.state  # a bit generator
 
 
 def _set_state(generator: Any, state: Any) -> None:
     """Put ``state`` (from ``_state_of``) back into ``generator``."""
-    if type(generator) is torch.Generator:
+    if isinstance(generator, torch.Generator):
         generator.set_state(state)
-    elif type(generator) is random.Random:
+    elif isinstance(generator, random.Random):
         generator.setstate(state)
-    elif hasattr(generator, "bit_generator"):
-        generator.bit_generator.state = state
     else:
-        generator.set_state(state)
+        np_random = sys.modules["numpy.random"]
+        if isinstance(generator, np_random.Generator):
+            generator.bit_generator.state = state
+        elif isinstance(generator, np_random.RandomState):
+            generator.set_state(state)
+        elif not isinstance(generator, np_random.SeedSequence):
+            generator.state = state

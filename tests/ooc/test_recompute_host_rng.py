@@ -1,23 +1,28 @@
 """RECOMPUTE of blocks that draw random numbers outside torch's default generator: Python's ``random``
-and numpy's global generator, ``random.Random`` / numpy ``Generator`` / ``RandomState`` objects on
-the block's modules, and ``torch.Generator`` objects held in a list, tuple or dict attribute. The re-run
+and numpy's global generator (also one a forward swaps in), ``random.Random`` / numpy ``Generator`` /
+``RandomState`` / bit generator objects (of subclasses too) on the block's modules, and
+``torch.Generator`` objects held in a list, tuple, namedtuple, dict or dataclass attribute. The re-run
 draws what the forward drew, so gradients equal plain PyTorch bit for bit over two steps, and the
 generators are left where plain PyTorch leaves them (NOTE [the re-run sees the forward's state] in
 ``ooc.recompute``). Each failed before: the re-run drew other numbers, and the gradients differed
-silently."""
+silently. What cannot be replayed (a draw the numpy mark sees only later, a generator seeded from the
+OS, a spawned child) is refused, with what to do."""
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.machinery
 import json
 import os
 import random
 import subprocess
 import sys
+import tempfile
 import threading
 import types
 from collections.abc import Callable
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -25,6 +30,7 @@ import torch
 import torch.nn as nn
 
 import ooc
+import ooc.rng
 from ooc.recompute import RecomputeError
 from tests.ooc.test_recompute_adversarial import CODES, Chain, RandomMask, assert_same_as_plain, inputs, wrapped_copy
 
@@ -107,8 +113,139 @@ class TorchGeneratorInADict(_Block):
         return (torch.rand(shape, generator=self.generators["mask"]) > 0.5).float()
 
 
+class NumpyPCG64RandomStateAttribute(_Block):
+    """A ``RandomState`` over another bit generator than MT19937, drawing Gaussians (one kept per pair)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.RandomState(np.random.PCG64(3))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, float(self.rng.randn()))
+
+
+class NumpyBitGeneratorAttribute(_Block):
+    """Holds a bare bit generator, and draws through a ``Generator`` made at each call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bits = np.random.PCG64(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(np.random.Generator(self.bits).random(shape, dtype=np.float32))
+
+
+class _SeededRandom(random.Random):
+    """A user's subclass of ``random.Random``; unhashable, as a class that defines ``__eq__`` alone is."""
+
+    def __eq__(self, other: object) -> bool:
+        return type(other) is type(self) and other.getstate() == self.getstate()
+
+
+class PythonRandomSubclassAttribute(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = _SeededRandom(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, self.rng.uniform(0.5, 1.5))
+
+
+class TorchGeneratorInATuple(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = (torch.Generator().manual_seed(5),)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return (torch.rand(shape, generator=self.generators[0]) > 0.5).float()
+
+
+class _Generators(NamedTuple):
+    mask: torch.Generator
+
+
+class TorchGeneratorInANamedTuple(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = _Generators(torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return (torch.rand(shape, generator=self.generators.mask) > 0.5).float()
+
+
+@dataclasses.dataclass
+class _NoiseConfig:
+    scale: float
+    generator: torch.Generator
+
+
+class TorchGeneratorInADataclass(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _NoiseConfig(0.5, torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.config.scale * torch.rand(shape, generator=self.config.generator)
+
+
+@dataclasses.dataclass(slots=True)
+class _SlottedNoiseConfig:
+    scale: float
+    generator: torch.Generator
+
+
+class TorchGeneratorInASlottedDataclass(TorchGeneratorInADataclass):
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = _SlottedNoiseConfig(0.5, torch.Generator().manual_seed(5))
+
+
+class ReseedsNumpy(_Block):
+    """Seeds numpy's global generator, then draws from it: the same noise at every forward."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        np.random.seed(0)
+        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+class ReseedsPython(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        random.seed(0)
+        return torch.full(shape, random.uniform(0.5, 1.5))
+
+
+class ReseedsTorch(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        torch.manual_seed(0)
+        return torch.rand(shape)
+
+
 BLOCKS = [NumpyGlobal, NumpyGaussianGlobal, PythonGlobal, NumpyGeneratorAttribute, NumpyRandomStateAttribute, PythonRandomAttribute,
-          TorchGeneratorInAList, TorchGeneratorInADict]
+          TorchGeneratorInAList, TorchGeneratorInADict, NumpyPCG64RandomStateAttribute, NumpyBitGeneratorAttribute,
+          PythonRandomSubclassAttribute, TorchGeneratorInATuple, TorchGeneratorInANamedTuple, TorchGeneratorInADataclass,
+          TorchGeneratorInASlottedDataclass, ReseedsNumpy, ReseedsPython, ReseedsTorch]
+
+
+class NoiseFromAnArgument(nn.Module):
+    """Draws its noise from the generator of a dataclass argument (``tree_flatten`` leaves it whole)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, config: _NoiseConfig) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) * torch.rand(x.shape, generator=config.generator)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_in_a_dataclass_argument_is_replayed(code: str) -> None:
+    def step(model: Chain) -> list[torch.Tensor]:
+        x = inputs()
+        out = model(x, _NoiseConfig(0.5, torch.Generator().manual_seed(11)))
+        out.pow(2).sum().backward()
+        return [out, x.grad]
+
+    assert_same_as_plain(lambda: Chain([NoiseFromAnArgument() for _ in range(3)]), code, step)
 
 
 def _seed_host_generators(seed: int) -> None:
@@ -128,6 +265,7 @@ def _two_steps(model: Chain) -> list[torch.Tensor]:
     return tensors + [torch.tensor(random.random()), torch.from_numpy(np.random.rand(1))]
 
 
+@pytest.mark.filterwarnings("error")  # a RandomState over PCG64 warned at each forward (its get_state(legacy=True))
 @pytest.mark.parametrize("block", BLOCKS, ids=lambda b: b.__name__)
 @pytest.mark.parametrize("code", CODES)
 def test_host_randomness_is_replayed(code: str, block: type[_Block]) -> None:
@@ -270,23 +408,46 @@ def test_numpy_state_is_taken_only_for_the_blocks_that_draw_from_it(monkeypatch)
     assert_same_as_plain(lambda: Chain([NoDraws(), NumpyGlobal(), NoDraws()]), "RRR", _two_steps)
 
 
-def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refused_then_replayed() -> None:
+class NumpyCachedGaussianLater(_Block):
+    """Draws one Gaussian from numpy's global generator only once ``later`` is set: with one kept by a
+    previous ``randn`` (drawn in pairs), it is that one, and no word of the MT19937 is used."""
+
+    later = False
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.full(shape, float(np.random.randn()) if self.later else 1.0)
+
+
+def _keep_a_gaussian(seed: int) -> None:
+    """Seed numpy's global generator and draw one Gaussian: it keeps the second of the pair."""
+    np.random.seed(seed)
+    np.random.randn()
+
+
+@pytest.mark.parametrize("block", [NumpyLater, NumpyCachedGaussianLater], ids=lambda b: b.__name__)
+def test_a_block_that_starts_drawing_from_numpy_after_its_first_forward_is_refused_then_replayed(
+        block: type[_Block]) -> None:
+    """``NumpyCachedGaussianLater``: the mark (NOTE [numpy's state where it is drawn]) read the
+    MT19937's position and key alone, so a forward whose one draw was the kept Gaussian went unseen: no
+    error, and the re-run, from the state after the forward (the Gaussian gone), drew a new pair; the
+    gradients differed from plain PyTorch's without a word. The mark reads the kept Gaussian's flag too."""
     torch.manual_seed(0)
-    plain = Chain([NoDraws(), NumpyLater()])
+    plain = Chain([NoDraws(), block()])
     model = wrapped_copy(plain, "RR")
     try:
         model(inputs()).pow(2).sum().backward()
         model.blocks[1].later = True
+        _keep_a_gaussian(1)
         with pytest.raises(RecomputeError, match=r"drew from numpy's global generator in this forward but not in its first"):
             model(inputs())
-        _seed_host_generators(2)
+        _keep_a_gaussian(2)
         x = inputs()
         model(x).pow(2).sum().backward()  # recorded as drawing now: its re-run replays numpy's draws
         grad = x.grad
     finally:
         ooc.unwrap(model)
     plain.blocks[1].later = True
-    _seed_host_generators(2)
+    _keep_a_gaussian(2)
     x = inputs()
     plain(x).pow(2).sum().backward()
     assert torch.equal(grad, x.grad)
@@ -391,3 +552,309 @@ def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None
             model(inputs())
     finally:
         ooc.unwrap(model)
+
+
+@pytest.fixture
+def numpy_global_restored():  # noqa: ANN201
+    """Puts numpy's global bit generator (and its state) back after a test that swaps it."""
+    bit_generator, state = np.random.get_bit_generator(), np.random.get_state(legacy=False)
+    yield
+    np.random.set_bit_generator(bit_generator)
+    np.random.set_state(state)
+
+
+class SwapsBitGenerator(_Block):
+    """Seeds a fresh PCG64 from numpy's global generator, makes it the global one
+    (``np.random.set_bit_generator``) and draws from it."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        np.random.set_bit_generator(np.random.PCG64(np.random.randint(2**31)))
+        return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+@pytest.mark.filterwarnings("error")  # numpy's get_state() warned at each forward once the global was PCG64
+@pytest.mark.parametrize("code", CODES)
+def test_a_forward_that_swaps_numpys_global_bit_generator_is_replayed(code: str, numpy_global_restored: None) -> None:
+    """A recomputed block whose first forward put another bit generator in numpy's global one failed
+    with ``KeyError: 0`` (its state came back as a dict where the MT19937 tuple taken before the
+    forward was compared by index); and the re-run started from the new bit generator, not the one the
+    forward started from. Now the re-run draws what the forward drew, and the global generator is left
+    where plain PyTorch leaves it."""
+    def steps(model: Chain) -> list[torch.Tensor]:
+        np.random.set_bit_generator(np.random.MT19937(0))  # each run starts from numpy's default kind
+        return _two_steps(model)
+
+    assert_same_as_plain(lambda: Chain([SwapsBitGenerator() for _ in range(3)]), code, steps)
+
+
+def test_without_the_kept_gaussians_place_numpys_state_is_taken_at_every_forward(monkeypatch) -> None:
+    """Where the kept Gaussian's flag cannot be found in a ``RandomState`` (NOTE [finding the kept
+    Gaussian]; another build of numpy), there is no mark: every recomputed forward takes numpy's state,
+    so a block that starts drawing the kept Gaussian later is replayed, without an error."""
+    monkeypatch.setattr(ooc.rng, "_has_gauss_offset", lambda kind: None)
+    monkeypatch.setattr(ooc.rng, "_FLAG", (None, None, None))  # found again, with the offset above
+    torch.manual_seed(0)
+    plain = Chain([NoDraws(), NumpyCachedGaussianLater()])
+    model = wrapped_copy(plain, "RR")
+    grads = []
+    try:
+        model(inputs()).pow(2).sum().backward()
+        for chain in (model, plain):
+            chain.blocks[1].later = True
+            _keep_a_gaussian(1)
+            x = inputs()
+            chain(x).pow(2).sum().backward()
+            grads.append(x.grad)
+    finally:
+        ooc.unwrap(model)
+    assert torch.equal(*grads)
+
+
+def test_a_rerun_that_moves_numpys_generator_where_its_forward_did_not_is_refused() -> None:
+    """The second of two blocks that reseed numpy's global generator finds it, at its first forward, in
+    the state it leaves it in, so it was recorded as not drawing, and its later forwards and re-runs
+    took no numpy state. Its re-run reseeded the generator that the loss had drawn from since: plain
+    PyTorch's next draw differed from ooc's, silently (the next step's augmentation, noise). A re-run
+    of a block recorded as not drawing now reads the mark too, and raises if it moved."""
+    torch.manual_seed(0)
+    plain = Chain([ReseedsNumpy(), ReseedsNumpy()])
+    model = wrapped_copy(plain, "RR")
+    try:
+        model(inputs()).pow(2).sum().backward()  # the first forward of each block looks
+        _seed_host_generators(1)
+        out = model(inputs())
+        np.random.rand()  # the loss (or the next batch) draws from numpy between the forward and the backward
+        with pytest.raises(RecomputeError, match=r"block blocks.1 moved numpy's global generator in its re-run"):
+            out.pow(2).sum().backward()
+        _seed_host_generators(1)
+        x = inputs()
+        out = model(x)
+        np.random.rand()
+        out.pow(2).sum().backward()  # recorded as drawing now: its re-run puts numpy's state back
+        after = np.random.rand()
+    finally:
+        ooc.unwrap(model)
+    _seed_host_generators(1)
+    x_plain = inputs()
+    out = plain(x_plain)
+    np.random.rand()
+    out.pow(2).sum().backward()
+    assert torch.equal(x.grad, x_plain.grad)
+    assert after == np.random.rand()
+
+
+def _numpy_from_the_os(shape: torch.Size) -> torch.Tensor:
+    return torch.from_numpy(np.random.default_rng().random(shape, dtype=np.float32))
+
+
+def _numpy_global_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    np.random.seed()
+    return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+
+
+def _python_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    random.seed()
+    return torch.full(shape, random.random())
+
+
+def _python_random_from_the_os(shape: torch.Size) -> torch.Tensor:
+    return torch.full(shape, random.Random().random())
+
+
+def _torch_reseeded_from_the_os(shape: torch.Size) -> torch.Tensor:
+    torch.seed()
+    return torch.rand(shape)
+
+
+def _torch_generator_from_the_os(shape: torch.Size) -> torch.Tensor:
+    generator = torch.Generator()
+    generator.seed()
+    return torch.rand(shape, generator=generator)
+
+
+class FromTheOS(_Block):
+    def __init__(self, noise: Callable[[torch.Size], torch.Tensor]) -> None:
+        super().__init__()
+        self.draw = noise
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+@pytest.mark.parametrize("noise", [_numpy_from_the_os, _numpy_global_reseeded_from_the_os, _python_reseeded_from_the_os,
+                                   _python_random_from_the_os, _torch_reseeded_from_the_os, _torch_generator_from_the_os],
+                         ids=lambda f: f.__name__.strip("_"))
+def test_a_forward_that_seeds_a_generator_from_the_os_is_refused(noise: Callable[[torch.Size], torch.Tensor]) -> None:
+    """NOTE [generators seeded from the OS] in ``ooc.rng``: its re-run seeded another generator and drew
+    other numbers than the forward, so the gradients were not the forward's, without a word (unless
+    ``check_recompute=True``). Its first forward is refused, saying what to do."""
+    torch_state, python_state = torch.get_rng_state(), random.getstate()
+    model = wrapped_copy(Chain([NoDraws(), FromTheOS(noise)]), "RR")
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks.1 seeds a generator from the OS in its forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+        torch.set_rng_state(torch_state)  # the tests after this one draw from seeded generators
+        random.setstate(python_state)
+
+
+class SeededInTheForward(_Block):
+    """Makes a numpy generator at each forward, seeded from torch's generator (which ooc replays), as the
+    refusal above advises."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        rng = np.random.default_rng(torch.randint(2**31, ()).item())
+        return torch.from_numpy(rng.random(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_seeded_from_torchs_in_the_forward_is_replayed(code: str) -> None:
+    assert_same_as_plain(lambda: Chain([SeededInTheForward() for _ in range(3)]), code, _two_steps)
+
+
+class ImportsAndWritesAFile(_Block):
+    """Imports a module whose own code makes a ``random.Random()`` (sympy's does, imported by torch in a
+    first forward), and names a temporary file (``tempfile`` makes a ``random.Random()`` for the names):
+    the OS's numbers reach no output, and nothing is refused."""
+
+    def __init__(self, module: str) -> None:
+        super().__init__()
+        self.module = module
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        importlib.import_module(self.module)
+        with tempfile.NamedTemporaryFile():
+            return torch.ones(shape)
+
+
+def test_seeding_from_the_os_in_an_import_or_for_a_file_name_is_not_refused(tmp_path, monkeypatch) -> None:  # noqa: ANN001
+    """Before the watch passed over module code and ``tempfile``, the forward that first imported sympy
+    (torch's dispatch does, lazily) was refused."""
+    (tmp_path / "makes_a_random.py").write_text("import random\n\nRNG = random.Random()\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(tempfile, "_name_sequence", None)  # made again, with a random.Random(), at the next name
+    sys.modules.pop("makes_a_random", None)
+    model = wrapped_copy(Chain([ImportsAndWritesAFile("makes_a_random")]), "R")
+    try:
+        model(inputs()).pow(2).sum().backward()
+    finally:
+        ooc.unwrap(model)
+        sys.modules.pop("makes_a_random", None)
+    assert tempfile._name_sequence is not None  # the forward made it
+
+
+class SpawnsFromAGenerator(_Block):
+    """Spawns a child of the numpy ``Generator`` it holds at each forward, and draws from the child."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rng = np.random.default_rng(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(self.rng.spawn(1)[0].random(shape, dtype=np.float32))
+
+
+class SpawnsFromASeedSequence(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.seeds = np.random.SeedSequence(3)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(np.random.default_rng(self.seeds.spawn(1)[0]).random(shape, dtype=np.float32))
+
+
+@pytest.mark.parametrize("block", [SpawnsFromAGenerator, SpawnsFromASeedSequence], ids=lambda b: b.__name__)
+def test_a_forward_that_spawns_from_a_numpy_seed_sequence_it_holds_is_refused(block: type[_Block]) -> None:
+    """``Generator.spawn`` and ``SeedSequence.spawn`` count their children in the seed sequence, which
+    numpy cannot set back (``n_children_spawned`` is read-only) and a generator's state does not hold:
+    the re-run spawned the next child, drew other numbers, and the gradients differed, silently. The
+    forward is refused, saying what to do."""
+    model = wrapped_copy(Chain([NoDraws(), block()]), "RR")
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks.1 spawns from a numpy seed sequence it holds"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+
+
+class PeeksAtNumpy(_Block):
+    """Draws from numpy's global generator and puts its state back: no draw is seen from outside."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        noise = np.random.rand(*shape).astype(np.float32)
+        np.random.set_state(state)
+        return torch.from_numpy(noise)
+
+
+def test_a_forward_that_puts_numpys_state_back_itself_is_caught_by_check_recompute() -> None:
+    """The documented limit (NOTE [numpy's state where it is drawn]): the block looks like one that does
+    not draw, so its re-run draws from wherever numpy's generator is then (here: after the loss drew);
+    ``check_recompute=True`` says so."""
+    model = Chain([NoDraws(), PeeksAtNumpy()])
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu", check_recompute=True)
+    try:
+        model(inputs()).pow(2).sum().backward()  # the first forward of each block looks (and replays numpy)
+        out = model(inputs())
+        np.random.rand()  # the loss draws from numpy between the forward and the backward
+        with pytest.raises(RecomputeError, match=r"has other values when recomputed.*generators a re-run replays"):
+            out.pow(2).sum().backward()
+    finally:
+        ooc.unwrap(model)
+
+
+class FailsThenSeedsFromTheOS(_Block):
+    """Its first forward fails (a user's error, fixed before the next); the next seeds from the OS."""
+
+    calls = 0
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        self.calls += 1
+        if self.calls == 1:
+            raise ValueError("a bug in the first forward")
+        return _numpy_from_the_os(shape)
+
+
+def test_a_first_forward_that_failed_does_not_end_the_watch_for_os_seeding() -> None:
+    model = wrapped_copy(Chain([FailsThenSeedsFromTheOS()]), "R")
+    try:
+        with pytest.raises(ValueError, match="a bug in the first forward"):
+            model(inputs())
+        with pytest.raises(RecomputeError, match=r"seeds a generator from the OS in its forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+
+
+def _profile_nothing(frame, event, arg) -> None:  # noqa: ANN001
+    """A profile function, as a profiler sets one."""
+
+
+class StartsAProfiler(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        sys.setprofile(_profile_nothing)
+        return torch.ones(shape)
+
+
+def test_a_profiler_a_first_forward_starts_is_left_on() -> None:
+    """The watch for OS seeding (NOTE [generators seeded from the OS]) set the profile function back to
+    none after the first forward, also one the forward had set (a profiler started there)."""
+    model = wrapped_copy(Chain([StartsAProfiler()]), "R")
+    try:
+        model(inputs())
+        assert sys.getprofile() is _profile_nothing
+    finally:
+        sys.setprofile(None)
+        ooc.unwrap(model)
+
+
+def test_an_hf_config_is_not_looked_into() -> None:
+    """transformers 5 configs are dataclasses (some forty fields, never a generator): looking into the
+    one each HF attention module holds cost every recomputed forward 2 us per module; a user's
+    dataclass is looked into (``TorchGeneratorInADataclass``)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=8, n_layer=1, n_head=2)
+    assert ooc.rng._kind(type(config)) == ooc.rng._OTHER
+    assert ooc.rng._kind(_NoiseConfig) == ooc.rng._FIELDS
