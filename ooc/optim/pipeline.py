@@ -307,7 +307,10 @@ class UpdatePipeline:
         host for the bucket's update, which follows its copies out, and the buckets launched last
         (the embeddings', the first blocks') are gated first. So only the loop's own work between
         the backward and that gate waits earlier. Not covered: a backward whose start the pipeline
-        did not see (outputs its hook cannot reach), whose launches are ordered only at ``step()``."""
+        did not see (outputs its hook cannot reach), whose launches are ordered only at ``step()``;
+        and own-master parameters (host fp32 on the plain CPU backend, not with ``delayed_update``),
+        which have no copies out: the update thread reads their gradients themselves, so a change
+        of values there races that read (a scale by 1 is harmless; ``step()`` refuses any other)."""
         last, self._grads_read_until = self._grads_read_until, None
         if last is not None:
             # The compute stream (the caller's: autograd runs final callbacks on it) must not write a
