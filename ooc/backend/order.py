@@ -103,7 +103,8 @@ _HOST_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::equal"})
 
 
 class _OpInfo:
-    __slots__ = ("name", "written_pos", "written_names", "fresh_outputs", "tracked", "host_sync", "collective")
+    __slots__ = ("name", "written_pos", "written_names", "fresh_outputs", "tracked", "host_sync", "collective",
+                 "bumps_versions")
 
     def __init__(self, func: Any) -> None:
         schema = func._schema
@@ -121,6 +122,20 @@ class _OpInfo:
             r.alias_info is not None and not r.alias_info.is_write for r in schema.returns)
         self.tracked = self.name not in _UNTRACKED_OPS and not is_view
         self.host_sync = self.name in _HOST_SYNC_OPS
+        self.bumps_versions = self.name.startswith("aten::_foreach_") and bool(written)
+        """An in-place foreach op: outside a dispatch mode it bumps its tensors' version counters, under
+        one it does not (NOTE [foreach writes under the checker])."""
+
+    def written(self, args: tuple, kwargs: dict) -> list[torch.Tensor]:
+        """The tensors the op writes (those in lists too)."""
+        tensors: list[torch.Tensor] = []
+        chosen = [a for i, a in enumerate(args) if i in self.written_pos]
+        chosen += [a for name, a in kwargs.items() if name in self.written_names]
+        for arg in chosen:
+            for t in arg if isinstance(arg, (list, tuple)) else (arg,):
+                if isinstance(t, torch.Tensor) and not t.is_inference():
+                    tensors.append(t)
+        return tensors
 
 
 _Key = tuple[int, int, torch.UntypedStorage]
@@ -429,10 +444,14 @@ class OrderChecker:
             keys = self._key(src), self._key(dst)
             return all(keys) and self._between_host_buffers(*(self._buf(k) for k in keys))
 
-    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+    def op_info(self, func: Any) -> _OpInfo:
         info = self._ops.get(func)
         if info is None:
             info = self._ops[func] = _OpInfo(func)
+        return info
+
+    def on_op(self, func: Any, args: tuple, kwargs: dict, out: Any) -> None:
+        info = self.op_info(func)
         if not info.tracked:
             return
         reads: list[_Key] = []
@@ -528,8 +547,24 @@ class _Watch(TorchDispatchMode):
         self.checker = checker
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        """Run the op, as it would run unwatched, and stamp its accesses.
+
+        NOTE [foreach writes under the checker]
+        Under any ``TorchDispatchMode`` (torch 2.13) the in-place foreach ops (``_foreach_mul_``,
+        which ``clip_grad_norm_`` scales the gradients with, ``_foreach_zero_``, ...) leave the version
+        counters of the tensors they write alone, which they bump when no mode runs. HostAdamW's check
+        of gradients changed between the backward and ``step()`` (NOTE [gradients read in the
+        backward] in ooc.optim.pipeline) starts from those counters, so on a watched thread a real
+        ``clip_grad_norm_`` went through unrefused, where on a GPU (no mode) it is refused: the
+        checker bumps them itself, where the op did not."""
         kwargs = kwargs or {}
+        info = self.checker.op_info(func)
+        written = info.written(args, kwargs) if info.bumps_versions else []
+        versions = [t._version for t in written]
         out = func(*args, **kwargs)
+        for t, version in zip(written, versions):
+            if t._version == version:
+                torch.autograd.graph.increment_version(t)
         self.checker.on_op(func, args, kwargs, out)
         return out
 

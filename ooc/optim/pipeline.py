@@ -224,6 +224,9 @@ class UpdatePipeline:
         launch before ``step()`` read them (NOTE [gradients read in the backward])."""
         self._launched_hyper: dict[int, dict[int, Hyper]] = {}
         """Per bucket launched before ``step()``, the settings its job took (NOTE [settings read in the backward])."""
+        self._grads_read_until: Event | None = None
+        """The last copy out of a gradient issued since compute last waited for one (NOTE [gradients
+        written after the backward])."""
         self._versions = self._written_weights_to_watch()
         """Per parameter id, the parameter's version counter when its master last took what was written
         into it (NOTE [weights written outside the optimizer])."""
@@ -266,13 +269,53 @@ class UpdatePipeline:
         return True
 
     def end_backward(self) -> None:
-        """The backward ended (a callback queued on it): buckets waiting for its end launch."""
+        """The backward ended (a callback queued on it): buckets waiting for its end launch; then
+        the compute after it waits for their copies out (NOTE [gradients written after the backward])."""
         self.in_backward = False
         self.backwards += 1
         for i, status in enumerate(self.status):
             if status.arrived and not status.launched and status.at_end and self._last_backward():
                 self.launch(i)
             status.arrived = set()
+        self._order_grad_writes()
+
+    def _order_grad_writes(self) -> None:
+        """Make the compute stream wait for the copies out of the gradients issued so far, before
+        any later kernel may write a gradient.
+
+        NOTE [gradients written after the backward]
+        A bucket's launch issues the D2H copies of its gradients on the copy stream (COPY_OUT, NOTE
+        [the stages of one bucket] in ooc.optim.stages), and nothing made the compute stream wait
+        for them: the exchange thread waits for them on the host, later. A loop or a framework
+        writes the gradients in place between ``backward()`` and ``step()``: ``clip_grad_norm_``
+        (``transformers.Trainer`` logs the norm with ``clip_grad_norm_(params, inf)`` after every
+        backward, a multiply by 1), ``GradScaler.unscale_``, gradient noise, a scale of one's own;
+        and so does a second backward's accumulation. On a GPU such a kernel ran while the copies of
+        the buckets launched last (the first blocks' and the embeddings') still read the same
+        memory, and the update took some values old and some new; on the CPU backend the order
+        checker raised ``StreamOrderError`` (with ``delayed_update`` every parameter is copied out,
+        so the plain CPU backend's Trainer runs failed now and then, and with chaos every time). So
+        at the end of the backward (``end_backward``, after the launches that wait for it) and at
+        every reset of the step (``step()`` launches the rest and resets) the compute stream waits
+        for the last copy out issued (the copies on one engine run in issue order): a write after
+        the backward lands after the copies have read the gradients as the backward left them. The
+        update therefore always takes those (what NOTE [gradients read in the backward] promises,
+        deterministically now); a change of their values makes ``step()`` raise, a scale by 1
+        passes. The cost is a GPU-side wait (the host goes on queueing): the compute after the
+        backward starts once the last bucket's gradients are on the host. The next forward waited
+        for that already, with or without ``delayed_update``: its gate of each bucket waits on the
+        host for the bucket's update, which follows its copies out, and the buckets launched last
+        (the embeddings', the first blocks') are gated first. So only the loop's own work between
+        the backward and that gate waits earlier. Not covered: a backward whose start the pipeline
+        did not see (outputs its hook cannot reach), whose launches are ordered only at ``step()``;
+        and own-master parameters (host fp32 on the plain CPU backend, not with ``delayed_update``),
+        which have no copies out: the update thread reads their gradients themselves, so a change
+        of values there races that read (a scale by 1 is harmless; ``step()`` refuses any other)."""
+        last, self._grads_read_until = self._grads_read_until, None
+        if last is not None:
+            # The compute stream (the caller's: autograd runs final callbacks on it) must not write a
+            # gradient while a copy out still reads it; one wait covers every earlier copy of the engine.
+            self.stages.backend.wait_compute(last)
 
     def _last_backward(self) -> bool:
         """The backward under way (or just ended) is the step's last (``accumulate``). Where no
@@ -462,6 +505,7 @@ class UpdatePipeline:
             status.read_while_held = False
         self._read_grads = {}
         self._launched_hyper = {}
+        self._order_grad_writes()
 
     def launch(self, index: int) -> None:
         """Hand the bucket's gradients to the host: issue their copies out and queue the update."""
@@ -485,7 +529,9 @@ class UpdatePipeline:
         self._adopt_written_weights(index)
         status.done.clear()
         try:
-            compute = self.stages.copy_out(job)
+            compute, last_copy = self.stages.copy_out(job)
+            if last_copy is not None:
+                self._grads_read_until = last_copy  # waited for at the backward's end (_order_grad_writes)
             if self.config.delayed_update and status.pending_h2d:
                 # The previous update's weights go in now that this step's backward of the bucket has
                 # read the old ones: this hook runs when the host has *queued* that backward, so the
@@ -602,7 +648,9 @@ class UpdatePipeline:
         device); ``step()`` compares the fingerprints of those an op wrote since: a change makes it
         reset the step (NOTE [a step is a transaction]) and raise, saying how to clip. A scale by 1
         (``transformers.Trainer`` logs the norm with ``clip_grad_norm_(..., inf)``; a clip under a
-        norm below its limit) changes nothing and passes. The check used to compare only the first 16
+        norm below its limit) changes nothing and passes. The change itself waits for the launches'
+        copies out, so the update took the gradients as the backward left them, not some values of
+        each (NOTE [gradients written after the backward]). The check used to compare only the first 16
         values of each gradient, and let a change that spared them through: ``clip_grad_value_``
         (Lightning's ``gradient_clip_algorithm="value"``) clamping other values, rows masked after
         the backward. ooc itself writes no gradient there; it moves a streamed weight's to a new

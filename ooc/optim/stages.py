@@ -2,8 +2,10 @@
 
 NOTE [the stages of one bucket]
 1. ``COPY_OUT`` (training thread, in the post-accumulate-grad hook of the bucket's last parameter,
-   or at ``step()``): the gradients' D2H copies are issued after a compute event. Data-parallel
-   "device" reduction instead concatenates the gradients on the device.
+   or at ``step()``): the gradients' D2H copies are issued after a compute event; compute after the
+   backward waits for them before it may write a gradient (NOTE [gradients written after the
+   backward] in ooc.optim.pipeline). Data-parallel "device" reduction instead concatenates the
+   gradients on the device.
 2. ``EXCHANGE`` (exchange thread): the copies are waited for and the gradients summed across ranks
    (sharded: each owner's range reduced to its owner) on the exchange thread's process group.
 3. ``UPDATE`` (update thread): torch's fused AdamW runs on the fp32 host masters and moments.
@@ -146,8 +148,11 @@ class Stages:
 
     # 1. training thread ------------------------------------------------------------------------
 
-    def copy_out(self, job: Job) -> Event:
-        """Issue the copies of ``job``'s gradients to the host; returns the compute event they wait on."""
+    def copy_out(self, job: Job) -> tuple[Event, Event | None]:
+        """Issue the copies of ``job``'s gradients to the host; returns the compute event they wait on
+        and the last copy's event (None: nothing copied), after which no copy reads a gradient (copies
+        on one engine run in issue order): compute must not write them before it (NOTE [gradients
+        written after the backward] in ooc.optim.pipeline)."""
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for seg in self.layout.segments[job.bucket]:
             if self.reduce_on_device:
@@ -162,10 +167,12 @@ class Stages:
         # After the sources above are built (and after the bucket's backward, queued before this
         # hook): the copies and the exchange must not read the gradients before compute wrote them.
         compute = self.backend.record_compute()
+        last = None
         for dst, src in copies:
-            job.after.append(self.backend.copy_d2h(dst, src, (compute,)))
+            last = self.backend.copy_d2h(dst, src, (compute,))
+            job.after.append(last)
         job.after.append(compute)
-        return compute
+        return compute, last
 
     # 2. exchange thread ------------------------------------------------------------------------
 

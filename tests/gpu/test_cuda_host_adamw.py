@@ -153,6 +153,39 @@ def test_streamed_weights_with_host_adamw_on_cuda_equal_the_host_reference(delay
     assert _same(model, plain)
 
 
+@pytest.mark.parametrize("delayed", [False, True], ids=["pipelined", "delayed"])
+def test_a_clip_after_the_backward_waits_for_the_gradient_copies(delayed: bool) -> None:
+    """NOTE [gradients written after the backward]: ``clip_grad_norm_`` right after the backward ran on
+    the compute stream while the D2H copies of the last buckets' gradients were still queued (chaos
+    spins keep them so), and the update took clipped values for some and not others. The compute
+    after the backward now waits for those copies: the update takes the gradients as the backward
+    left them, and ``step()`` refuses the change (NOTE [gradients read in the backward])."""
+    from ooc.backend.cuda import CudaBackend, CudaChaosConfig
+    from ooc.optim import HostAdamW
+    from ooc.optim.pipeline import PipelineError
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    # Up to ~12 ms per spin, twice per copy: the copies are still queued when the backward ends.
+    backend = CudaBackend(chaos=CudaChaosConfig(seed=4, max_sleep_cycles=20_000_000))
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, model=model, delayed_update=delayed)
+    try:
+        _backward(model, 0, 0)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        with pytest.raises(PipelineError, match="changed between the backward and step"):
+            opt.step()
+        opt.synchronize()
+        masters = [opt.state[p]["master"].clone() for p in model.parameters()]
+    finally:
+        opt.close()
+    expected = [p.detach().float().cpu().clone() for p in plain.parameters()]
+    _backward(plain, 0, 0)
+    for m, p in zip(expected, plain.parameters()):
+        m.grad = p.grad.float().cpu()
+    torch.optim.AdamW(expected, lr=LR, weight_decay=WD, fused=True).step()
+    assert all(torch.equal(m, e) for m, e in zip(masters, expected))
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("pipelined", [False, True], ids=["step", "pipelined"])
 def test_low_precision_parameters_keep_an_fp32_master_on_the_host(dtype: torch.dtype, pipelined: bool) -> None:

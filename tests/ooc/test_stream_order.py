@@ -189,6 +189,20 @@ def test_a_block_freed_and_reallocated_on_another_thread_is_no_use_after_free(ba
         worker.join()
 
 
+@pytest.mark.parametrize("op", ["mul", "zero", "copy"])
+def test_a_foreach_write_on_a_watched_thread_bumps_the_version_counter(backend: CpuBackend, op: str) -> None:
+    """NOTE [foreach writes under the checker]: under a dispatch mode torch's in-place foreach ops left
+    the version counters alone, so on a watched thread HostAdamW's check of gradients changed after the
+    backward missed ``clip_grad_norm_``'s ``_foreach_mul_``. A write bumps the counter once, as unwatched."""
+    write = {"mul": lambda ts: torch._foreach_mul_(ts, 0.5), "zero": torch._foreach_zero_,
+             "copy": lambda ts: torch._foreach_copy_(ts, [torch.ones(4), torch.ones(4)])}[op]
+    backend.record_compute()  # the calling thread is watched from here on
+    tensors = [torch.full((4,), 3.0), torch.full((4,), 3.0)]
+    before = [t._version for t in tensors]
+    write(tensors)
+    assert [t._version - v for t, v in zip(tensors, before)] == [1, 1]
+
+
 def test_the_checker_is_off_unless_asked() -> None:
     b = CpuBackend(check_order=False)
     b.copy_h2d(b.device_buffer(8), b.host_buffer(8), ()).synchronize()
