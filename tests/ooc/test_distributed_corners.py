@@ -6,12 +6,15 @@ so the weights must be equal bit for bit, sharded or not.
 
 from __future__ import annotations
 
+import functools
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ooc.checkpoint import Checkpointer
 from ooc.distributed import DataParallel
 from ooc.optim import HostAdamW
 from tests.ooc.test_distributed_users import _differ, _gathered, _on_ranks
@@ -74,3 +77,75 @@ def test_frozen_layers_clip_as_one_process_sharded_or_not() -> None:
     from the first step."""
     for rank, found in enumerate(_on_ranks(_frozen_layers_clipped, WORLD)):
         assert found == {"unsharded": [], "sharded": []}, (rank, found)
+
+
+class Small(nn.Module):
+    """Three linear layers, each a bucket: (N, 8) -> (N, 8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 16)
+        self.c = nn.Linear(16, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(F.gelu(self.b(F.gelu(self.a(x)))))
+
+
+def _steps(model: nn.Module, opt: torch.optim.Optimizer, steps: range, ranks: list[int]) -> None:
+    """Train on the batches of ``ranks`` (each loss over their count)."""
+    for step in steps:
+        for r in ranks:
+            x, y = _batch(r, step)
+            (F.mse_loss(model(x), y) / len(ranks)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _host_adamw(*, world: int, shard: bool = False) -> tuple[nn.Module, HostAdamW]:
+    torch.manual_seed(1)
+    model = Small()
+    options: dict[str, Any] = ({"data_parallel": DataParallel(shard=shard, timeout_s=60)} if world > 1
+                               else {"accumulate": WORLD})
+    return model, HostAdamW(model.parameters(), lr=1e-2, model=model, **options)
+
+
+def _begun_without_ooc_then_sharded(root: str, rank: int) -> list[str]:
+    """Two steps of torch's AdamW on both ranks' batches (the same on every rank), loaded into a sharded
+    HostAdamW on every rank; two steps, a version saved in ``root``/ckpt, two more steps, the weights
+    saved in ``root``/rank{rank}.pt. Returns the parameters whose state this rank held after the load."""
+    torch.manual_seed(0)
+    begun = Small()
+    adamw = torch.optim.AdamW(begun.parameters(), lr=1e-2, fused=True)
+    _steps(begun, adamw, range(2), list(range(WORLD)))
+    model, opt = _host_adamw(world=WORLD, shard=True)
+    model.load_state_dict(begun.state_dict())
+    opt.load_state_dict(adamw.state_dict())
+    names = {id(p): n for n, p in model.named_parameters()}
+    held = sorted(names[id(p)] for p in opt.state)
+    ckpt = Checkpointer(Path(root) / "ckpt", model, opt, keep=None, layout={"shard": True})
+    _steps(model, opt, range(2, 4), [rank])
+    ckpt.save(4)
+    _steps(model, opt, range(4, 6), [rank])
+    ckpt.close()
+    opt.close()
+    torch.save(model.state_dict(), Path(root) / f"rank{rank}.pt")  # tensors through the result queue die with the rank
+    return held
+
+
+def test_a_torch_optimizer_state_loaded_sharded_keeps_each_ranks_own(tmp_path: Path) -> None:
+    """Training begun with torch's AdamW and resumed data-parallel with a sharded HostAdamW: every rank
+    loads the AdamW's ``state_dict()``, which holds every parameter's state. Each rank kept all of it,
+    the state of the parameters other ranks own too (never updated there: stale after the first step),
+    and a version saved then held two states of each parameter: restored on one process, the run went on
+    from the stale moments and parted from the two ranks' without a word."""
+    held = _on_ranks(functools.partial(_begun_without_ooc_then_sharded, str(tmp_path)), WORLD)
+    names = [n for n, _ in Small().named_parameters()]
+    assert sorted(held[0] + held[1]) == sorted(names), held
+    model, opt = _host_adamw(world=1)
+    ckpt = Checkpointer(tmp_path / "ckpt", model, opt, keep=None)
+    assert ckpt.restore().step == 4
+    _steps(model, opt, range(4, 6), list(range(WORLD)))
+    ckpt.close()
+    opt.close()
+    assert _differ(torch.load(tmp_path / "rank0.pt"), {k: v.detach() for k, v in model.state_dict().items()}) == []
