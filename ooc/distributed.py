@@ -117,13 +117,14 @@ class GroupCommunicator:
         ranks = list(range(self.world))
         timeout = datetime.timedelta(seconds=config.timeout_s)
         exchange_backend = "gloo" if self.reduce_on == "host" else self.default_backend
+        self._groups: dict[tuple[str, str], Any] = {}
         # new_group is collective: every rank creates the same groups in the same order.
-        self._groups: dict[tuple[str, str], Any] = {
-            ("exchange", exchange_backend): dist.new_group(ranks, backend=exchange_backend, timeout=timeout),
-            ("update", "gloo"): dist.new_group(ranks, backend="gloo", timeout=timeout),
-        }
-        self._groups[("training", self.default_backend)] = dist.new_group(ranks, backend=self.default_backend,
-                                                                          timeout=timeout)
+        for key in (("exchange", exchange_backend), ("update", "gloo"), ("training", self.default_backend)):
+            try:
+                self._groups[key] = dist.new_group(ranks, backend=key[1], timeout=timeout)
+            except RuntimeError as exc:
+                self.close()
+                raise _not_joined(self.rank, config.timeout_s, exc) from exc
 
     def group_for(self, thread: str, tensor: torch.Tensor) -> Any:
         """The process group of ``thread`` (``"exchange"`` or ``"update"``) for a collective on ``tensor``."""
@@ -159,6 +160,23 @@ class GroupCommunicator:
     def close(self) -> None:
         for group in self._groups.values():
             dist.destroy_process_group(group)
+
+
+def _not_joined(rank: int, timeout_s: float, exc: BaseException) -> WorldError:
+    """The error of a rank whose peers did not make the data-parallel process groups with it.
+
+    NOTE [a rank that never joins]
+    Making a process group waits for every rank to make it too. A rank that built its HostAdamW
+    without ``data_parallel=`` (a condition on the rank or the world size that differs by rank), or
+    not at all, or later than ``timeout_s`` (it died, or was still loading data), left the others
+    with torch's own error out of ``new_group`` after the timeout ("DistStoreError: wait timeout
+    after 8000ms, keys: /default_pg/0//1//cpu//0/1"), which names neither the optimizer nor the cause."""
+    return WorldError(
+        f"rank {rank} waited {timeout_s:g} s (DataParallel.timeout_s) for the other ranks to build their HostAdamW "
+        f"with data_parallel=, and not every rank did ({exc}). Every rank of the process group must build one, with "
+        "data_parallel= and at the same point of its script: a rank that builds it without data_parallel= (or not at "
+        "all), or that died or was still busy when this one timed out, leaves the others waiting; see its log."
+    )
 
 
 @contextlib.contextmanager

@@ -6,16 +6,19 @@ so the weights must be equal bit for bit, sharded or not.
 
 from __future__ import annotations
 
+import datetime
 import functools
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
 from ooc.checkpoint import Checkpointer
-from ooc.distributed import DataParallel
+from ooc.distributed import DataParallel, WorldError
 from ooc.optim import HostAdamW
 from tests.ooc.test_distributed_users import _differ, _gathered, _on_ranks
 
@@ -149,3 +152,32 @@ def test_a_torch_optimizer_state_loaded_sharded_keeps_each_ranks_own(tmp_path: P
     ckpt.close()
     opt.close()
     assert _differ(torch.load(tmp_path / "rank0.pt"), {k: v.detach() for k, v in model.state_dict().items()}) == []
+
+
+def _one_rank_builds_without_data_parallel(rank: int) -> str:
+    """Rank 1 builds its HostAdamW without ``data_parallel=``; what building rank 0's said, and after
+    how long ("built" if nothing). Rank 1 stays alive until rank 0 is done (it is not gone: it never joins)."""
+    store = dist.distributed_c10d._get_default_store()
+    if rank == 1:
+        HostAdamW(Small().parameters(), lr=1e-2).close()
+        store.wait(["rank 0 done"], datetime.timedelta(seconds=60))
+        return ""
+    started = time.monotonic()
+    try:
+        HostAdamW(Small().parameters(), lr=1e-2, data_parallel=DataParallel(timeout_s=2)).close()
+        said = "built"
+    except WorldError as exc:
+        said = str(exc)
+    store.set("rank 0 done", "1")
+    return f"after {time.monotonic() - started:.0f} s: {said}"
+
+
+def test_a_rank_that_builds_no_data_parallel_optimizer_is_named_within_the_timeout() -> None:
+    """A rank that built its HostAdamW without ``data_parallel=`` (a condition on the rank that differs
+    by rank) never makes the process groups the others wait for: they failed after the timeout with
+    torch's own error out of ``new_group`` ("DistStoreError: wait timeout after 2000ms, keys:
+    /default_pg/0//1//cpu//0/1"), naming neither the optimizer nor what to check."""
+    said = _on_ranks(_one_rank_builds_without_data_parallel, WORLD)[0]
+    assert "rank 0 waited 2 s (DataParallel.timeout_s) for the other ranks to build their HostAdamW with " \
+           "data_parallel=" in said, said
+    assert int(said.split()[1]) < 20, said  # the timeout and its torch overhead, never the default group's 30 min
