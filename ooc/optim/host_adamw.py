@@ -642,7 +642,11 @@ class HostAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
         (NOTE [a step is a transaction] in ooc.optim.pipeline: a warning names the updates applied)."""
-        if self._pipeline.open_step():
+        if self._pipeline.in_backward:
+            # A backward that raised (caught by the loop, which zeroes and goes on): the cause is its
+            # error, not a GradScaler; data-parallel, the refusal that ends the run named only GradScaler.
+            self._pipeline.discard("zero_grad() after a backward that did not finish (it raised or was interrupted)")
+        elif self._pipeline.open_step():
             # A GradScaler that found an inf skips step() without a word to this optimizer (behind a
             # wrapper that hides _step_supports_amp_scaling: NOTE [a GradScaler behind a wrapper]).
             self._pipeline.discard("zero_grad() without step() after a backward (a torch.amp.GradScaler that found an "

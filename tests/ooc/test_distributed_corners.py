@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+import ooc
 from ooc.checkpoint import Checkpointer
 from ooc.distributed import DataParallel, WorldError
 from ooc.optim import HostAdamW
@@ -181,3 +182,63 @@ def test_a_rank_that_builds_no_data_parallel_optimizer_is_named_within_the_timeo
     assert "rank 0 waited 2 s (DataParallel.timeout_s) for the other ranks to build their HostAdamW with " \
            "data_parallel=" in said, said
     assert int(said.split()[1]) < 20, said  # the timeout and its torch overhead, never the default group's 30 min
+
+
+class _BackwardFailed(Exception):
+    """Raised by :class:`_FailsInBackward` (a type of its own: ooc's errors are RuntimeErrors too)."""
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """The identity, whose backward raises (an error in a layer's backward)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise _BackwardFailed("a layer's backward failed")
+
+
+class _Breakable(Small):
+    """:class:`Small` whose backward fails before ``a`` and ``b`` while ``fail`` is set (after ``c``'s
+    bucket launched)."""
+
+    fail = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.gelu(self.b(F.gelu(self.a(x))))
+        return self.c(_FailsInBackward.apply(h) if self.fail else h)
+
+
+def _backward_fails_after_a_launch(rank: int) -> str:
+    """Rank 1's backward at step 1 raises after the last layer's bucket launched (its exchange began);
+    its loop catches the error and calls ``zero_grad()``. What HostAdamW said on each rank."""
+    torch.manual_seed(0)
+    model = _Breakable()
+    opt = HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=10))
+    try:
+        for step in range(STEPS):
+            x, y = _batch(rank, step)
+            model.fail = rank == 1 and step == 1
+            try:
+                F.mse_loss(model(x), y).backward()
+            except _BackwardFailed:
+                opt.zero_grad()
+                continue
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+    except ooc.OocError as exc:
+        return str(exc)
+    return "trained"
+
+
+def test_zero_grad_after_a_backward_that_raised_names_it_not_a_grad_scaler() -> None:
+    """Data-parallel, ``zero_grad()`` after a backward that raised once an exchange had begun ends the
+    run; its refusal said "zero_grad() without step() after a backward (a torch.amp.GradScaler that
+    found an inf or NaN skips step() ...)", sending the user to a GradScaler they never had."""
+    said = _on_ranks(_backward_fails_after_a_launch, WORLD)
+    assert "lost the other ranks" in said[0], said[0]
+    assert "zero_grad() after a backward that did not finish (it raised or was interrupted)" in said[1], said[1]
+    assert "cannot agree on a half-done data-parallel step" in said[1] and "GradScaler" not in said[1], said[1]
