@@ -254,9 +254,11 @@ def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
 
 
 def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options: dict[str, Any],
-                plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+                plan_json: str | None, groups: Sequence[dict[str, Any]] = (), *, buffers: bool = False) -> dict[str, str]:
     """What every rank must agree on, hashed per topic so a mismatch names the topic. ``groups``: the
-    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count."""
+    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count.
+    ``buffers``: the model's buffers are broadcast from rank 0 (``DataParallel.broadcast_buffers``), so
+    their names, shapes and dtypes count too."""
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     layout = [(names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype)) for i, p in enumerate(params)]
 
@@ -277,6 +279,13 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
         # word (sharded, each owner's settings made a mix). So each group's size and settings count.
         "parameter groups": digest([{"parameters": len(g["params"]), **{k: g[k] for k in _GROUP_SETTINGS if k in g}}
                                     for g in groups]),
+        # NOTE [buffers are compared]: rank 0's buffers are broadcast into every rank's as they lie
+        # (NOTE [buffers follow rank 0] in ooc.optim.host_adamw). A buffer of another size on one rank
+        # (a positional table sized by a per-rank setting) aborted the smaller rank's process inside
+        # gloo without a message, or filled only the start of the larger one and the ranks parted
+        # without a word: the parameters were compared, the buffers not.
+        "buffer names, shapes and dtypes": digest([(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+                                                  if buffers and model is not None else None),
         "torch version": torch.__version__,
     }
 
@@ -325,8 +334,8 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
     comm = GroupCommunicator(config)
     try:
         if config.check:
-            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups),
-                        comm.training_group())
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups,
+                                    buffers=config.broadcast_buffers), comm.training_group())
         broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:

@@ -242,3 +242,25 @@ def test_zero_grad_after_a_backward_that_raised_names_it_not_a_grad_scaler() -> 
     assert "lost the other ranks" in said[0], said[0]
     assert "zero_grad() after a backward that did not finish (it raised or was interrupted)" in said[1], said[1]
     assert "cannot agree on a half-done data-parallel step" in said[1] and "GradScaler" not in said[1], said[1]
+
+
+def _buffer_of_another_size_on_rank_1(rank: int) -> str:
+    """Every rank's model has a buffer ``table`` (a positional table, say) sized by a per-rank setting:
+    16 rows on rank 0, 32 on rank 1. What building the optimizer said ("built" if nothing)."""
+    torch.manual_seed(0)
+    model = Small()
+    model.register_buffer("table", torch.full((16 * (rank + 1), 8), float(rank)))
+    try:
+        HostAdamW(model.parameters(), lr=1e-2, model=model, data_parallel=DataParallel(timeout_s=30)).close()
+    except WorldError as exc:
+        return str(exc)
+    return f"built; rank {rank}'s table holds {int((model.table == 0).sum())} of rank 0's values"
+
+
+def test_buffers_of_another_shape_on_one_rank_are_refused_at_start_up() -> None:
+    """Rank 0's buffers are broadcast into every rank's as they lie; the start-up check compared the
+    parameters, not the buffers. A buffer larger on rank 1 took rank 0's values in its first rows only
+    (the ranks' tables parted without a word); one smaller on rank 1 aborted that rank's process inside
+    gloo, without a message."""
+    for rank, said in enumerate(_on_ranks(_buffer_of_another_size_on_rank_1, WORLD)):
+        assert "rank 1 differs from rank 0 in: buffer names, shapes and dtypes" in said, (rank, said)
