@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,17 @@ def check_reduce_on(value: str, *, extra: tuple[str, ...] = ()) -> str:
     choices = (*REDUCE_ON, *extra)
     if value not in choices:
         raise ValueError(f"reduce_on must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_timeout(value: float, *, name: str = "timeout_s") -> float:
+    """``value`` if it is a finite number of seconds > 0, else ``ValueError``. NOTE: an infinite one
+    (meant as "no timeout") passed the check and failed later, out of ``datetime.timedelta`` when the
+    process groups were made ("OverflowError: cannot convert float infinity to integer"), and NaN
+    (which is not <= 0) likewise: a hung rank must fail the others at some point."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0 (how long a collective waits for a peer "
+                         f"before failing), got {value!r}")
     return value
 
 
@@ -72,8 +84,7 @@ class DataParallel:
 
     def __post_init__(self) -> None:
         check_reduce_on(self.reduce_on)
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_timeout(self.timeout_s)
 
     def resolved_reduce_on(self) -> str:
         if self.reduce_on != "auto":

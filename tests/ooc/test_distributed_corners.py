@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -264,3 +265,12 @@ def test_buffers_of_another_shape_on_one_rank_are_refused_at_start_up() -> None:
     gloo, without a message."""
     for rank, said in enumerate(_on_ranks(_buffer_of_another_size_on_rank_1, WORLD)):
         assert "rank 1 differs from rank 0 in: buffer names, shapes and dtypes" in said, (rank, said)
+
+
+@pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0.0, True], ids=["inf", "nan", "zero", "bool"])
+def test_a_timeout_that_is_not_a_finite_number_of_seconds_is_refused(timeout_s: float) -> None:
+    """An infinite timeout (meant as "never") passed, and HostAdamW then failed out of
+    ``datetime.timedelta`` making its process groups ("cannot convert float infinity to integer");
+    NaN likewise (it is not <= 0)."""
+    with pytest.raises(ValueError, match="timeout_s must be a finite number of seconds > 0"):
+        DataParallel(timeout_s=timeout_s)
