@@ -17,6 +17,7 @@ import contextlib
 import datetime
 import hashlib
 import json
+import math
 import os
 import time
 from collections.abc import Iterator, Sequence
@@ -39,6 +40,17 @@ def check_reduce_on(value: str, *, extra: tuple[str, ...] = ()) -> str:
     choices = (*REDUCE_ON, *extra)
     if value not in choices:
         raise ValueError(f"reduce_on must be one of {', '.join(choices)}, got {value!r}")
+    return value
+
+
+def check_timeout(value: float, *, name: str = "timeout_s") -> float:
+    """``value`` if it is a finite number of seconds > 0, else ``ValueError``. NOTE: an infinite one
+    (meant as "no timeout") passed the check and failed later, out of ``datetime.timedelta`` when the
+    process groups were made ("OverflowError: cannot convert float infinity to integer"), and NaN
+    (which is not <= 0) likewise: a hung rank must fail the others at some point."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite number of seconds > 0 (how long a collective waits for a peer "
+                         f"before failing), got {value!r}")
     return value
 
 
@@ -72,8 +84,7 @@ class DataParallel:
 
     def __post_init__(self) -> None:
         check_reduce_on(self.reduce_on)
-        if not self.timeout_s > 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        check_timeout(self.timeout_s)
 
     def resolved_reduce_on(self) -> str:
         if self.reduce_on != "auto":
@@ -117,13 +128,14 @@ class GroupCommunicator:
         ranks = list(range(self.world))
         timeout = datetime.timedelta(seconds=config.timeout_s)
         exchange_backend = "gloo" if self.reduce_on == "host" else self.default_backend
+        self._groups: dict[tuple[str, str], Any] = {}
         # new_group is collective: every rank creates the same groups in the same order.
-        self._groups: dict[tuple[str, str], Any] = {
-            ("exchange", exchange_backend): dist.new_group(ranks, backend=exchange_backend, timeout=timeout),
-            ("update", "gloo"): dist.new_group(ranks, backend="gloo", timeout=timeout),
-        }
-        self._groups[("training", self.default_backend)] = dist.new_group(ranks, backend=self.default_backend,
-                                                                          timeout=timeout)
+        for key in (("exchange", exchange_backend), ("update", "gloo"), ("training", self.default_backend)):
+            try:
+                self._groups[key] = dist.new_group(ranks, backend=key[1], timeout=timeout)
+            except RuntimeError as exc:
+                self.close()
+                raise _not_joined(self.rank, config.timeout_s, exc) from exc
 
     def group_for(self, thread: str, tensor: torch.Tensor) -> Any:
         """The process group of ``thread`` (``"exchange"`` or ``"update"``) for a collective on ``tensor``."""
@@ -159,6 +171,23 @@ class GroupCommunicator:
     def close(self) -> None:
         for group in self._groups.values():
             dist.destroy_process_group(group)
+
+
+def _not_joined(rank: int, timeout_s: float, exc: BaseException) -> WorldError:
+    """The error of a rank whose peers did not make the data-parallel process groups with it.
+
+    NOTE [a rank that never joins]
+    Making a process group waits for every rank to make it too. A rank that built its HostAdamW
+    without ``data_parallel=`` (a condition on the rank or the world size that differs by rank), or
+    not at all, or later than ``timeout_s`` (it died, or was still loading data), left the others
+    with torch's own error out of ``new_group`` after the timeout ("DistStoreError: wait timeout
+    after 8000ms, keys: /default_pg/0//1//cpu//0/1"), which names neither the optimizer nor the cause."""
+    return WorldError(
+        f"rank {rank} waited {timeout_s:g} s (DataParallel.timeout_s) for the other ranks to build their HostAdamW "
+        f"with data_parallel=, and not every rank did ({exc}). Every rank of the process group must build one, with "
+        "data_parallel= and at the same point of its script: a rank that builds it without data_parallel= (or not at "
+        "all), or that died or was still busy when this one timed out, leaves the others waiting; see its log."
+    )
 
 
 @contextlib.contextmanager
@@ -236,9 +265,11 @@ def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
 
 
 def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options: dict[str, Any],
-                plan_json: str | None, groups: Sequence[dict[str, Any]] = ()) -> dict[str, str]:
+                plan_json: str | None, groups: Sequence[dict[str, Any]] = (), *, buffers: bool = False) -> dict[str, str]:
     """What every rank must agree on, hashed per topic so a mismatch names the topic. ``groups``: the
-    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count."""
+    optimizer's parameter groups (``params`` is their concatenation), whose sizes and AdamW settings count.
+    ``buffers``: the model's buffers are broadcast from rank 0 (``DataParallel.broadcast_buffers``), so
+    their names, shapes and dtypes count too."""
     names = {id(p): n for n, p in model.named_parameters()} if model is not None else {}
     layout = [(names.get(id(p), f"#{i}"), tuple(p.shape), str(p.dtype)) for i, p in enumerate(params)]
 
@@ -259,6 +290,13 @@ def fingerprint(model: nn.Module | None, params: Sequence[torch.Tensor], options
         # word (sharded, each owner's settings made a mix). So each group's size and settings count.
         "parameter groups": digest([{"parameters": len(g["params"]), **{k: g[k] for k in _GROUP_SETTINGS if k in g}}
                                     for g in groups]),
+        # NOTE [buffers are compared]: rank 0's buffers are broadcast into every rank's as they lie
+        # (NOTE [buffers follow rank 0] in ooc.optim.host_adamw). A buffer of another size on one rank
+        # (a positional table sized by a per-rank setting) aborted the smaller rank's process inside
+        # gloo without a message, or filled only the start of the larger one and the ranks parted
+        # without a word: the parameters were compared, the buffers not.
+        "buffer names, shapes and dtypes": digest([(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()]
+                                                  if buffers and model is not None else None),
         "torch version": torch.__version__,
     }
 
@@ -307,8 +345,8 @@ def join_world(config: DataParallel, *, model: nn.Module | None, params: Sequenc
     comm = GroupCommunicator(config)
     try:
         if config.check:
-            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups),
-                        comm.training_group())
+            check_world(fingerprint(model, params, options_of(config, **options), plan_json, groups,
+                                    buffers=config.broadcast_buffers), comm.training_group())
         broadcast_parameters(params, comm)
         owner = assign_owners(host_params, comm.world) if config.shard else {id(p): 0 for p in host_params}
     except BaseException:

@@ -35,7 +35,7 @@ from ooc.checkpoint import (
     Version,
     scan_versions,
 )
-from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
+from ooc.distributed import DataParallel, check_reduce_on, check_timeout, init_from_env, peer_failures
 from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW, LossScale
@@ -100,8 +100,7 @@ class TrainConfig:
             raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
         if self.resume == "auto" and not self.save:
             raise ValueError("--resume auto continues from --save's directory: give --save DIR too")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout must be > 0 seconds, got {self.timeout_s}")
+        check_timeout(self.timeout_s, name="--timeout")
         if not (self.device in ("auto", "cpu", "cuda") or self.device.startswith("cuda:")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         check_reduce_on(self.reduce_on, extra=("model",))  # model: the performance model chooses (rank 0)

@@ -650,7 +650,11 @@ class HostAdamW(torch.optim.Optimizer):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As ``Optimizer.zero_grad``; without ``step()`` after a backward, also resets the step
         (NOTE [a step is a transaction] in ooc.optim.pipeline: a warning names the updates applied)."""
-        if self._pipeline.open_step():
+        if self._pipeline.in_backward:
+            # A backward that raised (caught by the loop, which zeroes and goes on): the cause is its
+            # error, not a GradScaler; data-parallel, the refusal that ends the run named only GradScaler.
+            self._pipeline.discard("zero_grad() after a backward that did not finish (it raised or was interrupted)")
+        elif self._pipeline.open_step():
             # A GradScaler that found an inf skips step() without a word to this optimizer (behind a
             # wrapper that hides _step_supports_amp_scaling: NOTE [a GradScaler behind a wrapper]).
             self._pipeline.discard("zero_grad() without step() after a backward (a torch.amp.GradScaler that found an "
@@ -753,10 +757,20 @@ class HostAdamW(torch.optim.Optimizer):
         id_map = dict(zip(itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"]),
                           itertools.chain.from_iterable(g["params"] for g in self.param_groups)))
         device_ids = {id(p) for p in self._device_params}
+        layout = self._pipeline.stages.layout
         for key, value in saved.items():
             p = id_map.get(key)
             if p is None:
                 self.state[key] = value  # not a parameter's: kept as is, as the base class does
+                continue
+            if id(p) not in device_ids and not layout.mine(p):
+                # NOTE [a shard loads its own]: sharded, a state that holds every parameter's (a torch
+                # optimizer's, from training begun without ooc, loaded on every rank) gave each rank the
+                # state of parameters another rank owns and updates. It stayed as loaded, and a
+                # Checkpointer version then held two states of each such parameter, the owner's and a
+                # stale one, which a restore could take: the run went on from moments steps old
+                # without a word. Each rank keeps the state of the parameters it owns (host memory too).
+                self.state.pop(p, None)
                 continue
             loaded = {name: _loaded(p, name, v, on_device=id(p) in device_ids) for name, v in value.items()}
             # NOTE [loaded masters follow this layout]

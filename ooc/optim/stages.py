@@ -295,8 +295,14 @@ class Stages:
                 norms[i] = others[id(p)]  # sharded: one rank adds it, as an owner does its own
         if self.layout.sharded:
             self.comm.sum_vector(norms)  # each norm comes from its owner; the other ranks add zeros
-        else:
-            norms = norms[[i for i, p in enumerate(order) if id(p) in grads or id(p) in others]]
+        # NOTE [only gradients that exist are stacked]: clip_grad_norm_ stacks the norms of the
+        # gradients that exist, and the total is a vectorized sum whose lanes follow the positions,
+        # so a zero left in the place of a missing one (a frozen layer, a branch no rank took) moves
+        # the others to other lanes and changes the total's last bits. Sharded, the zeros of every
+        # parameter without a gradient stayed in, and the clip factor parted from the unsharded run's
+        # and one process's. ``present`` is the same on every rank (NOTE [gradients missing on some ranks]).
+        present = {pid for job in jobs for pid in job.present}
+        norms = norms[[i for i, p in enumerate(order) if id(p) in present or id(p) in others]]
         if norms.numel() == 0:
             return None
         total = torch.linalg.vector_norm(norms)

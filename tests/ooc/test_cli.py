@@ -185,6 +185,8 @@ def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
                                  "P.json --budget ... --out nowhere.json`, or give keep, swap, recompute"),
     (["--plan", "keepall"], "--plan 'keepall': give keep, swap, recompute, budget:<fraction> or a plan file"),
     (["--reduce-on", "nic"], "reduce_on must be"),
+    (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0"),
+    (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
     (["--plan", "budget:half"], "needs a fraction of the keep-all peak in (0, 1], got 'half'"),
 ])
 def test_train_rejects_bad_options(argv, message, capsys) -> None:
