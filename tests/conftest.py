@@ -69,6 +69,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _one_intra_op_thread_for_fixtures():
+    # Module- and session-scoped fixtures run before the per-test fixture below: one that computes a
+    # reference (test_partition_run's eager step) did so on torch's default threads where torch was
+    # imported before this file set OMP_NUM_THREADS (a plain ``pytest FILE``; xdist's workers import
+    # this file first), and the test, on one thread, then differed from it in the last bits.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(autouse=True)
 def _one_intra_op_thread():
     # NOTE [one intra-op thread in tests]: the tests' tensors are small, and on CI's two cores torch's
