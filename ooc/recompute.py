@@ -49,6 +49,12 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
   inplace operation" error: the re-run would read the new values.
+- So does a parameter or non-persistent buffer of the block that the forward read without saving it
+  (a linear's bias: ``addmm`` saves its two matrices only) and that is modified in place before the
+  re-run (an optimizer step, or a ``no_grad`` update, on it alone). Plain PyTorch raises nothing
+  there: its backward uses what the forward saved, computed from the old value, which the re-run
+  cannot get back; it used to read the new value, and the gradients of another function came out
+  silently (``BlockState.check_unchanged``).
 """
 
 from __future__ import annotations
@@ -101,25 +107,34 @@ class BlockState:
     copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
     are, and a forward that modifies one in place is refused (``check_constants``)."""
 
-    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs")
+    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs", "names", "versions")
 
     def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
         self.tensors: list[tuple[dict, str, torch.Tensor]] = []
         """Parameters and non-persistent buffers: put back by identity if replaced."""
+        self.names: list[str] = []
+        """Per entry of ``tensors``: "parameter <qualified name>" or "buffer <qualified name>", for errors."""
+        self.versions: list[int] = []
+        """Per entry of ``tensors``: its version after the forward (``mark_versions``)."""
         self.buffers: list[tuple[dict, str, torch.Tensor]] = []
         """Persistent buffers: a copy of their values before the forward."""
         self.constants: list[tuple[torch.Tensor, int]] = []
         """Non-persistent buffers and their versions before the forward."""
         self.training: list[tuple[torch.nn.Module, bool]] = []
-        modules = list(module.modules())
-        for m in modules:
+        named = list(module.named_modules())
+        modules = [m for _, m in named]
+        for prefix, m in named:
             self.training.append((m, m.training))
-            self.tensors += [(m._parameters, name, t) for name, t in m._parameters.items() if t is not None]
+            for name, t in m._parameters.items():
+                if t is not None:
+                    self.tensors.append((m._parameters, name, t))
+                    self.names.append(f"parameter {prefix}.{name}" if prefix else f"parameter {name}")
             for name, t in m._buffers.items():
                 if t is None:
                     continue
                 if name in m._non_persistent_buffers_set:
                     self.tensors.append((m._buffers, name, t))
+                    self.names.append(f"buffer {prefix}.{name}" if prefix else f"buffer {name}")
                     self.constants.append((t, t._version))
                 else:
                     self.buffers.append((m._buffers, name, t.detach().clone()))
@@ -139,6 +154,26 @@ class BlockState:
                     f"block {name} modifies a non-persistent buffer {tuple(tensor.shape)} in place in its forward, so "
                     "a re-run would read another value; register it as a persistent buffer (ooc then copies it "
                     "before the forward), or plan this block as keep or swap"
+                )
+
+    def mark_versions(self) -> None:
+        """After the forward, and after each re-run (what a re-run changes in place, an embedding's
+        ``max_norm`` renormalising its rows, is the forward's doing again): the versions
+        ``check_unchanged`` compares."""
+        self.versions = [t._version for _, _, t in self.tensors]
+
+    def check_unchanged(self, name: str) -> None:
+        """Before a re-run: refuse one that would read a parameter or non-persistent buffer changed in
+        place since the forward. Those the forward saved are checked as saved tensors; this catches the
+        ones it read without saving (a linear's bias: ``addmm`` saves its matrices only), whose new value
+        would flow into what the re-run saves, where plain PyTorch's backward uses the forward's."""
+        for (_, _, tensor), label, version in zip(self.tensors, self.names, self.versions):
+            if tensor._version != version:
+                raise RecomputeError(
+                    f"block {name}: its {label} {tuple(tensor.shape)} was modified in place after the block's forward "
+                    "(an optimizer step or a no_grad update between the forward and the backward), so the block's re-run "
+                    "would read the new value where plain PyTorch's backward uses the forward's; run the backward before "
+                    "changing it, or plan this block as keep or swap"
                 )
 
     @contextlib.contextmanager
@@ -320,6 +355,7 @@ class RecomputeFrame:
                     "or make the operation out of place"
                 )
         self.state.check_constants(self.name)
+        self.state.mark_versions()
         # A kept argument is held as itself or as a detached view (same version counter); a swapped
         # one is a copy, which nothing can modify.
         self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None
@@ -450,6 +486,7 @@ class RecomputeFrame:
     def recompute(self, gid: int) -> None:
         args, kwargs = self._arguments()
         self._check_saved_versions()
+        self.state.check_unchanged(self.name)
         replay = None
         if self.cache is not None and self.cache.refused is not None:
             # NOTE [a forward the plan does not fit] in ooc.op_profile: the forward ran as plain
@@ -485,6 +522,7 @@ class RecomputeFrame:
                 except _StopRecompute:
                     pass
         self._refresh_saved_versions()
+        self.state.mark_versions()
         self.done.add(gid)
         self._check(gid)
 

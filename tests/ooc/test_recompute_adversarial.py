@@ -218,6 +218,42 @@ def test_saved_tensor_modified_before_the_backward_raises(code: str, modify: Cal
     ooc.unwrap(wrapped)
 
 
+class Shifted(nn.Module):
+    """``tanh(fc(x) + shift)``: the bias and the non-persistent ``shift`` are read but saved by no node
+    (``addmm`` and ``add`` save neither); ``tanh`` saves its output, which depends on both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("shift", torch.full((6,), 0.25), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self.shift)
+
+
+@pytest.mark.parametrize("which", ["bias", "non-persistent buffer"])
+@pytest.mark.parametrize("code", CODES)
+def test_state_read_but_not_saved_modified_before_the_backward_raises(code: str, which: str) -> None:
+    """A bias (or a non-persistent buffer) changed in place between the forward and the backward, and
+    nothing else: plain PyTorch's backward uses what the forward saved, computed from the old value;
+    the re-run read the new one and returned other gradients, silently."""
+    torch.manual_seed(0)
+    plain = Chain([Shifted() for _ in range(3)])
+    wrapped = wrapped_copy(plain, code)
+    outs = []
+    for model in (plain, wrapped):
+        outs.append(model(inputs()))
+        with torch.no_grad():
+            (model.blocks[0].fc.bias if which == "bias" else model.blocks[0].shift).add_(0.5)
+    outs[0].sum().backward()  # plain PyTorch: no error, the forward's gradients
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks\.0: its (parameter fc\.bias|buffer shift) .* modified in "
+                                                 r"place after the block's forward"):
+            outs[1].sum().backward()
+    finally:
+        ooc.unwrap(wrapped)
+
+
 class ModifiesWhatItSaved(nn.Module):
     def __init__(self) -> None:
         super().__init__()
