@@ -276,6 +276,41 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
+class _RerunSaved:
+    """A tensor a re-run saved, as the re-run's own graph holds it until the re-run ends (NOTE [a re-run's
+    graph outlives it])."""
+
+    __slots__ = ("block", "tensor")
+
+    def __init__(self, block: str, tensor: torch.Tensor) -> None:
+        self.block = block
+        self.tensor: torch.Tensor | None = tensor
+
+
+def _unpack_rerun(box: _RerunSaved) -> torch.Tensor:
+    if box.tensor is None:
+        raise RecomputeError(
+            f"a backward reached the graph of block {box.block}'s re-run, whose saved tensors are freed when the "
+            "re-run ends (NOTE [a re-run's graph outlives it] in ooc.recompute): the tensor it starts from was made "
+            "by the re-run (the block keeps it on a module, and the re-run replaced the forward's). Plain PyTorch "
+            "raises here too when the backward already freed that graph; keep the forward's tensor (read it before "
+            "the backward), or plan this block as keep or swap"
+        )
+    return box.tensor
+
+
+def _release_leaves(leaves: list[torch.Tensor]) -> None:
+    """Point the leaves under a re-run's arguments (``_arguments``: the block got views of them) at empty
+    storages once the re-run is over (NOTE [a re-run's graph outlives it]): the re-run's graph holds
+    each leaf (its ``AccumulateGrad`` node), and the leaf the held argument's storage. The views, and
+    the aliases the holders keep, hold that storage themselves, which ``.data`` leaves alone."""
+    for leaf in leaves:
+        if leaf.layout == torch.strided:
+            # ooc's bookkeeping, not the block's: no dispatch mode of the caller's sees it (``_detach``).
+            with torch._C._DisableTorchDispatch():
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+
+
 class RecomputeFrame:
     """One recomputed call of a block: its held arguments, the state to replay, the holders to fill."""
 
@@ -419,8 +454,10 @@ class RecomputeFrame:
 
     # -- the re-run -----------------------------------------------------------------------------
 
-    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        """The re-run's arguments, and the leaves made for it (``_release_leaves``)."""
         leaves = list(self.leaves)
+        made: list[torch.Tensor] = []
         for n, k in enumerate(self.tensor_slots):
             held = self.versions[n] if n < len(self.versions) else None
             if held is not None and held[0]._version != held[1]:
@@ -437,54 +474,90 @@ class RecomputeFrame:
                     # Nor a leaf where the first run's was none: autocast caches its casts of leaves that
                     # require grad (as of weights), so a block that casts its input for two linears
                     # would cast it once, and a selective re-run would count other ops. A view is none.
+                    # The block never sees the leaf under it, which the re-run's graph holds after the
+                    # re-run (NOTE [a re-run's graph outlives it]); where the block's argument is the
+                    # leaf itself (the caller's, one per step), it may keep it, and it stays.
+                    made.append(tensor)
                     with torch.enable_grad():
                         tensor = tensor.view_as(tensor)
             leaves[k] = tensor
-        return tree_unflatten(leaves, self.spec)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return args, kwargs, made
 
-    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object],
-                        replay: Replay | None = None) -> Callable[[torch.Tensor], object]:
-        def pack(tensor: torch.Tensor) -> object:
-            with self._uncounted(replay):
-                return pack_one(tensor)
+    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object], replay: Replay | None = None
+                        ) -> tuple[Callable[[torch.Tensor], object], Callable[[], None]]:
+        """The pack hook of the re-run for graph task ``gid``, and what drops its references once the
+        re-run is over; the unpack hook is :func:`_unpack_rerun`.
 
-        def pack_one(tensor: torch.Tensor) -> object:
-            if replay is not None:
-                replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
-            index = self.counts.get(gid, 0)
-            self.counts[gid] = index + 1
-            # Detached: a packed output that points back to its own node would be a reference cycle
-            # autograd cannot break (the re-run's graph, and this frame with it, would never be freed).
-            tensor = _detach(tensor, replay) if tensor.requires_grad else tensor
-            if index >= len(self.holders):
-                if not self.forward_done:
-                    # A backward inside the block's forward re-runs it while more is still to be saved.
-                    self.unchecked = True
-                    return tensor
-                raise RecomputeError(
-                    f"block {self.name} saved more tensors when recomputed than in its forward "
-                    f"({len(self.holders)}): its forward is not deterministic (data-dependent control flow, "
-                    "or state changed between the runs); plan this block as keep or swap"
-                )
-            holder = self.holders[index]()
-            if holder is not None:  # None: its node already ran (a backward inside the forward)
-                ptr = tensor.untyped_storage().data_ptr()
-                # A copy of a buffer (BatchNorm saves its running statistics) is model state, as the
-                # buffer the forward saved was: neither is counted as an activation. A cached op's
-                # output was counted when the forward cached it (NOTE [selective recompute]).
-                if (self.state is None or ptr not in self.state.copy_ptrs) and (replay is None or ptr not in replay.ptrs):
-                    account(tensor)
-                holder.tensors[gid] = tensor
-                holder.versions[gid] = tensor._version
-            if index + 1 == len(self.holders):
-                raise _StopRecompute
-            # The re-run's own graph may be backwarded (a backward inside the block's forward).
-            return tensor
+        NOTE [a re-run's graph outlives it]
+        A node of the re-run's graph can outlive the re-run: a tensor the block's forward keeps on a
+        module (an attention map kept for display, a mixture of experts' ``self.aux_loss``, the weight
+        ``torch.nn.utils.prune`` computes in a pre-hook) is the re-run's after the backward, and holds
+        the re-run's graph until the next forward replaces it. That graph's nodes never run, so they
+        kept what the re-run saved up to there (the block's input, its activations), and autograd keeps
+        the pack hook with each of them, which held this frame (and the runtime's accounting hook, and
+        the replay with its cache): the block's input, on the device again where it was swapped, and
+        its cached outputs too. A step's worth of activations stayed alive into the next forward, where
+        plain PyTorch, whose nodes of that graph ran in the backward, frees them. So the re-run's graph
+        holds each saved tensor in a box, emptied when the re-run ends (ooc needs that graph only
+        while it runs: a backward inside the block's forward; the backward uses the holders), and the
+        hook reaches the frame through a list emptied then too. A backward through such a kept tensor
+        afterwards raises, as plain PyTorch does for a graph its backward has freed."""
+        live: list[Any] = [self, account, replay]
+        boxes: list[_RerunSaved] = []
+        name = self.name
 
-        return pack
+        def pack(tensor: torch.Tensor) -> _RerunSaved:
+            frame, account_, replay_ = live
+            with frame._uncounted(replay_):
+                box = _RerunSaved(name, frame._pack_recomputed(gid, account_, replay_, tensor))
+            boxes.append(box)
+            return box
+
+        def close() -> None:
+            live.clear()
+            for box in boxes:
+                box.tensor = None
+            boxes.clear()
+
+        return pack, close
+
+    def _pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object], replay: Replay | None,
+                         tensor: torch.Tensor) -> object:
+        if replay is not None:
+            replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
+        index = self.counts.get(gid, 0)
+        self.counts[gid] = index + 1
+        # Detached: a packed output that points back to its own node would be a reference cycle
+        # autograd cannot break (the re-run's graph, and this frame with it, would never be freed).
+        tensor = _detach(tensor, replay) if tensor.requires_grad else tensor
+        if index >= len(self.holders):
+            if not self.forward_done:
+                # A backward inside the block's forward re-runs it while more is still to be saved.
+                self.unchecked = True
+                return tensor
+            raise RecomputeError(
+                f"block {self.name} saved more tensors when recomputed than in its forward "
+                f"({len(self.holders)}): its forward is not deterministic (data-dependent control flow, "
+                "or state changed between the runs); plan this block as keep or swap"
+            )
+        holder = self.holders[index]()
+        if holder is not None:  # None: its node already ran (a backward inside the forward)
+            ptr = tensor.untyped_storage().data_ptr()
+            # A copy of a buffer (BatchNorm saves its running statistics) is model state, as the
+            # buffer the forward saved was: neither is counted as an activation. A cached op's
+            # output was counted when the forward cached it (NOTE [selective recompute]).
+            if (self.state is None or ptr not in self.state.copy_ptrs) and (replay is None or ptr not in replay.ptrs):
+                account(tensor)
+            holder.tensors[gid] = tensor
+            holder.versions[gid] = tensor._version
+        if index + 1 == len(self.holders):
+            raise _StopRecompute
+        # The re-run's own graph may be backwarded (a backward inside the block's forward).
+        return tensor
 
     def recompute(self, gid: int) -> None:
-        args, kwargs = self._arguments()
+        args, kwargs, made = self._arguments()
         self._check_saved_versions()
         self.state.check_unchanged(self.name)
         replay = None
@@ -505,22 +578,28 @@ class RecomputeFrame:
             # them and count other ops than the forward, which cast each weight anew (a step enters
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
-        pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
+        pack, close = self.pack_recomputed(gid, self.recompute_pack(), replay)
         with nvtx.range(self.range_name), self.timer("recompute"):
-            with (
-                # The first run already updated the buffers (BatchNorm statistics) for this step: the
-                # re-run updates a copy of their values from before it (NOTE [the re-run sees the forward's state]).
-                self.state.restored(),
-                self.rng.restored(),
-                self.autocast.restored(),
-                torch.enable_grad(),
-                saved_tensors_hooks(pack, lambda tensor: tensor),
-                contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
-            ):
-                try:
-                    self.forward(*args, **kwargs)
-                except _StopRecompute:
-                    pass
+            try:
+                with (
+                    # The first run already updated the buffers (BatchNorm statistics) for this step: the
+                    # re-run updates a copy of their values from before it (NOTE [the re-run sees the forward's state]).
+                    self.state.restored(),
+                    self.rng.restored(),
+                    self.autocast.restored(),
+                    torch.enable_grad(),
+                    saved_tensors_hooks(pack, _unpack_rerun),
+                    contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
+                ):
+                    try:
+                        self.forward(*args, **kwargs)
+                    except _StopRecompute:
+                        pass
+            finally:
+                # NOTE [a re-run's graph outlives it]; outside the replay, whose mode would count the
+                # empty storages as ops of the block.
+                close()
+                _release_leaves(made)
         self._refresh_saved_versions()
         self.state.mark_versions()
         self.done.add(gid)
