@@ -344,6 +344,9 @@ class RecomputeFrame:
         self.requires_grad: list[bool] = []
         self.is_leaf: list[bool] = []
         self.versions: list[tuple[torch.Tensor, int] | None] = []
+        self.in_flight: list[Callable[[], bool] | None] = []
+        """Per tensor argument copied to the host (``swap_input``): whether the caller modified it in
+        place while the copy could still read it (``hold_inputs``)."""
         self.load_input: Callable[[object], torch.Tensor] = lambda packed: packed  # type: ignore[assignment, return-value]
         self.holders: list[weakref.ref[_Holder]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
@@ -377,7 +380,13 @@ class RecomputeFrame:
         self.state = BlockState(self.module, leaves)
         self.leaves = list(leaves)
         for k in self.tensor_slots:
-            self.leaves[k] = save_input(leaves[k])
+            self.leaves[k] = held = save_input(leaves[k])
+            # A copy to the host (``swap_input``) reads the argument until the schedule orders it before
+            # compute (after the next block's forward): an in-place change by the caller before then
+            # (``x += block(x)``) races it, and the re-run would start from either value. Watched through
+            # an alias that shares the argument's version counter (the argument may die before then).
+            watch = getattr(held, "watch", None)
+            self.in_flight.append(None if watch is None else watch(leaves[k].detach()))
 
     def note_versions(self, leaves: list[Any], before: list[int]) -> None:
         """After the first run: refuse a block that modified an argument in place; remember the versions
@@ -465,6 +474,14 @@ class RecomputeFrame:
                     f"block {self.name}: its argument {k} was modified in place after the block's forward, so "
                     "the block cannot be recomputed from it; plan this block as keep or swap, or make that "
                     "operation out of place"
+                )
+            modified = self.in_flight[n] if n < len(self.in_flight) else None
+            if modified is not None and modified():
+                raise RecomputeError(
+                    f"block {self.name}: its argument {k} was modified in place after the block's forward while its "
+                    "copy to the host was in flight (its plan swaps the block's input, swap_input), so the copy may "
+                    "hold either value; make that operation out of place, run it after the next block's forward, "
+                    "or plan this block without swap_input"
                 )
             tensor = self.load_input(leaves[k])
             if self.requires_grad[n] and not tensor.requires_grad:
