@@ -176,8 +176,8 @@ def test_a_tensor_a_recomputed_block_keeps_on_itself_does_not_hold_its_frame(swa
     try:
         for model in (plain, wrapped):
             inputs: list[StorageWeakRef] = []
-            handles = [b.register_forward_pre_hook(lambda _m, args: inputs.append(StorageWeakRef(args[0].untyped_storage())))
-                       for b in model]
+            handles = [b.register_forward_pre_hook(
+                lambda _m, args, inputs=inputs: inputs.append(StorageWeakRef(args[0].untyped_storage()))) for b in model]
             for _ in range(2):
                 model(x).square().mean().backward()
             for handle in handles:
