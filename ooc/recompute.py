@@ -311,6 +311,30 @@ def _release_leaves(leaves: list[torch.Tensor]) -> None:
                 leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
 
 
+@contextlib.contextmanager
+def _unbatched() -> Iterator[None]:
+    """Run a re-run outside any vmap its backward runs under.
+
+    NOTE [a re-run under a batched backward]
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (and ``autograd.functional.jacobian(...,
+    vectorize=True)``, built on it) runs the backward under the legacy vmap's mode, and with it the
+    re-runs it triggers, where a random op (dropout) raised "vmap: We do not yet support calling random
+    operations inside of vmap"; ``torch.func.vmap`` over a backward likewise. The forward ran
+    unbatched (ooc refuses torch.func transforms over it), and its re-run, which computes tensors
+    the forward saved, does too: the mode's nesting is stepped down to 0 for it (no getter for the
+    level: one step up, read, and back) and functorch's layers are left out."""
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(level):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        with torch._C._DisableFuncTorch():
+            yield
+    finally:
+        for _ in range(level):
+            torch._C._vmapmode_increment_nesting()
+
+
 class RecomputeFrame:
     """One recomputed call of a block: its held arguments, the state to replay, the holders to fill."""
 
@@ -605,6 +629,7 @@ class RecomputeFrame:
                     self.rng.restored(),
                     self.autocast.restored(),
                     torch.enable_grad(),
+                    _unbatched(),
                     saved_tensors_hooks(pack, _unpack_rerun),
                     contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
                 ):

@@ -305,3 +305,28 @@ def test_a_model_whose_buffers_change_shape_in_its_forward_profiles_and_trains_a
         assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), wrapped.buffers()))
     finally:
         ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("plan", ["recompute", "mixed", "streamed"])
+def test_a_batched_backward_reruns_blocks_with_dropout_as_plain(plan: str) -> None:
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (a vectorized jacobian) runs the backward
+    under vmap, and with it a recomputed block's re-run, where dropout raised "vmap: We do not yet
+    support calling random operations inside of vmap" (plain PyTorch drew its masks in the forward).
+    The re-run runs unbatched, as the forward did: the gradients equal plain PyTorch's."""
+    torch.manual_seed(0)
+    plain = GPT(NANO)
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], backend="cpu")
+    idx = gpt_batch(batch=2, seq=16)[0]
+    try:
+        grads = []
+        for model in (plain, wrapped):
+            torch.manual_seed(1)  # the same dropout masks
+            logits = model(idx)[0]
+            directions = torch.zeros(3, *logits.shape)
+            directions[0, 0, 0, 0], directions[1, 1, 5, 7], directions[2, 0, 15, 64] = 1.0, 1.0, 1.0
+            params = [model.blocks[0].attn.qkv.weight, model.blocks[3].mlp.fc.weight]
+            grads.append(torch.autograd.grad(logits, params, grad_outputs=directions, is_grads_batched=True))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
+    finally:
+        ooc.unwrap(wrapped)
