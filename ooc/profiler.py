@@ -70,7 +70,12 @@ class ModelState:
             for p, grad in self.grads:
                 p.grad = grad
             for b, saved in self.buffers:
-                b.copy_(saved)
+                if b.shape == saved.shape:
+                    b.copy_(saved)
+                else:
+                    # A forward that resized it (a quantization-aware observer's min/max start empty
+                    # and take the channels' shape): its own storage again, as it was.
+                    b.set_(saved)
         self.rng.restore()
         self.generators.restore()
 

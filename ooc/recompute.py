@@ -49,6 +49,12 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
   inplace operation" error: the re-run would read the new values.
+- So does a parameter or non-persistent buffer of the block that the forward read without saving it
+  (a linear's bias: ``addmm`` saves its two matrices only) and that is modified in place before the
+  re-run (an optimizer step, or a ``no_grad`` update, on it alone). Plain PyTorch raises nothing
+  there: its backward uses what the forward saved, computed from the old value, which the re-run
+  cannot get back; it used to read the new value, and the gradients of another function came out
+  silently (``BlockState.check_unchanged``).
 """
 
 from __future__ import annotations
@@ -109,25 +115,34 @@ class BlockState:
     copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
     are, and a forward that modifies one in place is refused (``check_constants``)."""
 
-    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs")
+    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs", "names", "versions")
 
     def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
         self.tensors: list[tuple[dict, str, torch.Tensor]] = []
         """Parameters and non-persistent buffers: put back by identity if replaced."""
+        self.names: list[str] = []
+        """Per entry of ``tensors``: "parameter <qualified name>" or "buffer <qualified name>", for errors."""
+        self.versions: list[int] = []
+        """Per entry of ``tensors``: its version after the forward (``mark_versions``)."""
         self.buffers: list[tuple[dict, str, torch.Tensor]] = []
         """Persistent buffers: a copy of their values before the forward."""
         self.constants: list[tuple[torch.Tensor, int]] = []
         """Non-persistent buffers and their versions before the forward."""
         self.training: list[tuple[torch.nn.Module, bool]] = []
-        modules = list(module.modules())
-        for m in modules:
+        named = list(module.named_modules())
+        modules = [m for _, m in named]
+        for prefix, m in named:
             self.training.append((m, m.training))
-            self.tensors += [(m._parameters, name, t) for name, t in m._parameters.items() if t is not None]
+            for name, t in m._parameters.items():
+                if t is not None:
+                    self.tensors.append((m._parameters, name, t))
+                    self.names.append(f"parameter {prefix}.{name}" if prefix else f"parameter {name}")
             for name, t in m._buffers.items():
                 if t is None:
                     continue
                 if name in m._non_persistent_buffers_set:
                     self.tensors.append((m._buffers, name, t))
+                    self.names.append(f"buffer {prefix}.{name}" if prefix else f"buffer {name}")
                     self.constants.append((t, t._version))
                 else:
                     self.buffers.append((m._buffers, name, t.detach().clone()))
@@ -147,6 +162,26 @@ class BlockState:
                     f"block {name} modifies a non-persistent buffer {tuple(tensor.shape)} in place in its forward, so "
                     "a re-run would read another value; register it as a persistent buffer (ooc then copies it "
                     "before the forward), or plan this block as keep or swap"
+                )
+
+    def mark_versions(self) -> None:
+        """After the forward, and after each re-run (what a re-run changes in place, an embedding's
+        ``max_norm`` renormalising its rows, is the forward's doing again): the versions
+        ``check_unchanged`` compares."""
+        self.versions = [t._version for _, _, t in self.tensors]
+
+    def check_unchanged(self, name: str) -> None:
+        """Before a re-run: refuse one that would read a parameter or non-persistent buffer changed in
+        place since the forward. Those the forward saved are checked as saved tensors; this catches the
+        ones it read without saving (a linear's bias: ``addmm`` saves its matrices only), whose new value
+        would flow into what the re-run saves, where plain PyTorch's backward uses the forward's."""
+        for (_, _, tensor), label, version in zip(self.tensors, self.names, self.versions):
+            if tensor._version != version:
+                raise RecomputeError(
+                    f"block {name}: its {label} {tuple(tensor.shape)} was modified in place after the block's forward "
+                    "(an optimizer step or a no_grad update between the forward and the backward), so the block's re-run "
+                    "would read the new value where plain PyTorch's backward uses the forward's; run the backward before "
+                    "changing it, or plan this block as keep or swap"
                 )
 
     @contextlib.contextmanager
@@ -249,6 +284,65 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if t.dtype != torch.bool else t
 
 
+class _RerunSaved:
+    """A tensor a re-run saved, as the re-run's own graph holds it until the re-run ends (NOTE [a re-run's
+    graph outlives it])."""
+
+    __slots__ = ("block", "tensor")
+
+    def __init__(self, block: str, tensor: torch.Tensor) -> None:
+        self.block = block
+        self.tensor: torch.Tensor | None = tensor
+
+
+def _unpack_rerun(box: _RerunSaved) -> torch.Tensor:
+    if box.tensor is None:
+        raise RecomputeError(
+            f"a backward reached the graph of block {box.block}'s re-run, whose saved tensors are freed when the "
+            "re-run ends (NOTE [a re-run's graph outlives it] in ooc.recompute): the tensor it starts from was made "
+            "by the re-run (the block keeps it on a module, and the re-run replaced the forward's). Plain PyTorch "
+            "raises here too when the backward already freed that graph; keep the forward's tensor (read it before "
+            "the backward), or plan this block as keep or swap"
+        )
+    return box.tensor
+
+
+def _release_leaves(leaves: list[torch.Tensor]) -> None:
+    """Point the leaves under a re-run's arguments (``_arguments``: the block got views of them) at empty
+    storages once the re-run is over (NOTE [a re-run's graph outlives it]): the re-run's graph holds
+    each leaf (its ``AccumulateGrad`` node), and the leaf the held argument's storage. The views, and
+    the aliases the holders keep, hold that storage themselves, which ``.data`` leaves alone."""
+    for leaf in leaves:
+        if leaf.layout == torch.strided:
+            # ooc's bookkeeping, not the block's: no dispatch mode of the caller's sees it (``_detach``).
+            with torch._C._DisableTorchDispatch():
+                leaf.data = torch.empty(0, dtype=leaf.dtype, device=leaf.device)
+
+
+@contextlib.contextmanager
+def _unbatched() -> Iterator[None]:
+    """Run a re-run outside any vmap its backward runs under.
+
+    NOTE [a re-run under a batched backward]
+    ``torch.autograd.grad(..., is_grads_batched=True)`` (and ``autograd.functional.jacobian(...,
+    vectorize=True)``, built on it) runs the backward under the legacy vmap's mode, and with it the
+    re-runs it triggers, where a random op (dropout) raised "vmap: We do not yet support calling random
+    operations inside of vmap"; ``torch.func.vmap`` over a backward likewise. The forward ran
+    unbatched (ooc refuses torch.func transforms over it), and its re-run, which computes tensors
+    the forward saved, does too: the mode's nesting is stepped down to 0 for it (no getter for the
+    level: one step up, read, and back) and functorch's layers are left out."""
+    level = torch._C._vmapmode_increment_nesting() - 1
+    torch._C._vmapmode_decrement_nesting()
+    for _ in range(level):
+        torch._C._vmapmode_decrement_nesting()
+    try:
+        with torch._C._DisableFuncTorch():
+            yield
+    finally:
+        for _ in range(level):
+            torch._C._vmapmode_increment_nesting()
+
+
 class RecomputeFrame:
     """One recomputed call of a block: its held arguments, the state to replay, the holders to fill."""
 
@@ -283,6 +377,9 @@ class RecomputeFrame:
         self.requires_grad: list[bool] = []
         self.is_leaf: list[bool] = []
         self.versions: list[tuple[torch.Tensor, int] | None] = []
+        self.in_flight: list[Callable[[], bool] | None] = []
+        """Per tensor argument copied to the host (``swap_input``): whether the caller modified it in
+        place while the copy could still read it (``hold_inputs``)."""
         self.load_input: Callable[[object], torch.Tensor] = lambda packed: packed  # type: ignore[assignment, return-value]
         self.holders: list[weakref.ref[_Holder]] = []
         self.metas: list[tuple[torch.Size, torch.dtype, torch.device]] = []
@@ -316,7 +413,13 @@ class RecomputeFrame:
         self.state = BlockState(self.module, leaves)
         self.leaves = list(leaves)
         for k in self.tensor_slots:
-            self.leaves[k] = save_input(leaves[k])
+            self.leaves[k] = held = save_input(leaves[k])
+            # A copy to the host (``swap_input``) reads the argument until the schedule orders it before
+            # compute (after the next block's forward): an in-place change by the caller before then
+            # (``x += block(x)``) races it, and the re-run would start from either value. Watched through
+            # an alias that shares the argument's version counter (the argument may die before then).
+            watch = getattr(held, "watch", None)
+            self.in_flight.append(None if watch is None else watch(leaves[k].detach()))
 
     def note_versions(self, leaves: list[Any], before: list[int]) -> None:
         """After the first run: refuse a block that modified an argument in place; remember the versions
@@ -337,6 +440,7 @@ class RecomputeFrame:
                 "them; or seed a generator in the forward from torch's (torch.randint(2**31, ()).item()); or plan this "
                 "block as keep or swap"
             )
+        self.state.mark_versions()
         # A kept argument is held as itself or as a detached view (same version counter); a swapped
         # one is a copy, which nothing can modify.
         self.versions = [(held, held._version) if isinstance(held := self.leaves[k], torch.Tensor) else None
@@ -400,8 +504,10 @@ class RecomputeFrame:
 
     # -- the re-run -----------------------------------------------------------------------------
 
-    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    def _arguments(self) -> tuple[tuple[Any, ...], dict[str, Any], list[torch.Tensor]]:
+        """The re-run's arguments, and the leaves made for it (``_release_leaves``)."""
         leaves = list(self.leaves)
+        made: list[torch.Tensor] = []
         for n, k in enumerate(self.tensor_slots):
             held = self.versions[n] if n < len(self.versions) else None
             if held is not None and held[0]._version != held[1]:
@@ -409,6 +515,14 @@ class RecomputeFrame:
                     f"block {self.name}: its argument {k} was modified in place after the block's forward, so "
                     "the block cannot be recomputed from it; plan this block as keep or swap, or make that "
                     "operation out of place"
+                )
+            modified = self.in_flight[n] if n < len(self.in_flight) else None
+            if modified is not None and modified():
+                raise RecomputeError(
+                    f"block {self.name}: its argument {k} was modified in place after the block's forward while its "
+                    "copy to the host was in flight (its plan swaps the block's input, swap_input), so the copy may "
+                    "hold either value; make that operation out of place, run it after the next block's forward, "
+                    "or plan this block without swap_input"
                 )
             tensor = self.load_input(leaves[k])
             if self.requires_grad[n] and not tensor.requires_grad:
@@ -418,55 +532,92 @@ class RecomputeFrame:
                     # Nor a leaf where the first run's was none: autocast caches its casts of leaves that
                     # require grad (as of weights), so a block that casts its input for two linears
                     # would cast it once, and a selective re-run would count other ops. A view is none.
+                    # The block never sees the leaf under it, which the re-run's graph holds after the
+                    # re-run (NOTE [a re-run's graph outlives it]); where the block's argument is the
+                    # leaf itself (the caller's, one per step), it may keep it, and it stays.
+                    made.append(tensor)
                     with torch.enable_grad():
                         tensor = tensor.view_as(tensor)
             leaves[k] = tensor
-        return tree_unflatten(leaves, self.spec)
+        args, kwargs = tree_unflatten(leaves, self.spec)
+        return args, kwargs, made
 
-    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object],
-                        replay: Replay | None = None) -> Callable[[torch.Tensor], object]:
-        def pack(tensor: torch.Tensor) -> object:
-            with self._uncounted(replay):
-                return pack_one(tensor)
+    def pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object], replay: Replay | None = None
+                        ) -> tuple[Callable[[torch.Tensor], object], Callable[[], None]]:
+        """The pack hook of the re-run for graph task ``gid``, and what drops its references once the
+        re-run is over; the unpack hook is :func:`_unpack_rerun`.
 
-        def pack_one(tensor: torch.Tensor) -> object:
-            if replay is not None:
-                replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
-            index = self.counts.get(gid, 0)
-            self.counts[gid] = index + 1
-            # Detached: a packed output that points back to its own node would be a reference cycle
-            # autograd cannot break (the re-run's graph, and this frame with it, would never be freed).
-            tensor = _detach(tensor, replay) if tensor.requires_grad else tensor
-            if index >= len(self.holders):
-                if not self.forward_done:
-                    # A backward inside the block's forward re-runs it while more is still to be saved.
-                    self.unchecked = True
-                    return tensor
-                raise RecomputeError(
-                    f"block {self.name} saved more tensors when recomputed than in its forward "
-                    f"({len(self.holders)}): its forward is not deterministic (data-dependent control flow, "
-                    "or state changed between the runs); plan this block as keep or swap"
-                )
-            holder = self.holders[index]()
-            if holder is not None:  # None: its node already ran (a backward inside the forward)
-                ptr = tensor.untyped_storage().data_ptr()
-                # A copy of a buffer (BatchNorm saves its running statistics) is model state, as the
-                # buffer the forward saved was: neither is counted as an activation. A cached op's
-                # output was counted when the forward cached it (NOTE [selective recompute]).
-                if (self.state is None or ptr not in self.state.copy_ptrs) and (replay is None or ptr not in replay.ptrs):
-                    account(tensor)
-                holder.tensors[gid] = tensor
-                holder.versions[gid] = tensor._version
-            if index + 1 == len(self.holders):
-                raise _StopRecompute
-            # The re-run's own graph may be backwarded (a backward inside the block's forward).
-            return tensor
+        NOTE [a re-run's graph outlives it]
+        A node of the re-run's graph can outlive the re-run: a tensor the block's forward keeps on a
+        module (an attention map kept for display, a mixture of experts' ``self.aux_loss``, the weight
+        ``torch.nn.utils.prune`` computes in a pre-hook) is the re-run's after the backward, and holds
+        the re-run's graph until the next forward replaces it. That graph's nodes never run, so they
+        kept what the re-run saved up to there (the block's input, its activations), and autograd keeps
+        the pack hook with each of them, which held this frame (and the runtime's accounting hook, and
+        the replay with its cache): the block's input, on the device again where it was swapped, and
+        its cached outputs too. A step's worth of activations stayed alive into the next forward, where
+        plain PyTorch, whose nodes of that graph ran in the backward, frees them. So the re-run's graph
+        holds each saved tensor in a box, emptied when the re-run ends (ooc needs that graph only
+        while it runs: a backward inside the block's forward; the backward uses the holders), and the
+        hook reaches the frame through a list emptied then too. A backward through such a kept tensor
+        afterwards raises, as plain PyTorch does for a graph its backward has freed."""
+        live: list[Any] = [self, account, replay]
+        boxes: list[_RerunSaved] = []
+        name = self.name
 
-        return pack
+        def pack(tensor: torch.Tensor) -> _RerunSaved:
+            frame, account_, replay_ = live
+            with frame._uncounted(replay_):
+                box = _RerunSaved(name, frame._pack_recomputed(gid, account_, replay_, tensor))
+            boxes.append(box)
+            return box
+
+        def close() -> None:
+            live.clear()
+            for box in boxes:
+                box.tensor = None
+            boxes.clear()
+
+        return pack, close
+
+    def _pack_recomputed(self, gid: int, account: Callable[[torch.Tensor], object], replay: Replay | None,
+                         tensor: torch.Tensor) -> object:
+        if replay is not None:
+            replay.check_saved(tensor)  # not the uninitialised output of an op the re-run left out
+        index = self.counts.get(gid, 0)
+        self.counts[gid] = index + 1
+        # Detached: a packed output that points back to its own node would be a reference cycle
+        # autograd cannot break (the re-run's graph, and this frame with it, would never be freed).
+        tensor = _detach(tensor, replay) if tensor.requires_grad else tensor
+        if index >= len(self.holders):
+            if not self.forward_done:
+                # A backward inside the block's forward re-runs it while more is still to be saved.
+                self.unchecked = True
+                return tensor
+            raise RecomputeError(
+                f"block {self.name} saved more tensors when recomputed than in its forward "
+                f"({len(self.holders)}): its forward is not deterministic (data-dependent control flow, "
+                "or state changed between the runs); plan this block as keep or swap"
+            )
+        holder = self.holders[index]()
+        if holder is not None:  # None: its node already ran (a backward inside the forward)
+            ptr = tensor.untyped_storage().data_ptr()
+            # A copy of a buffer (BatchNorm saves its running statistics) is model state, as the
+            # buffer the forward saved was: neither is counted as an activation. A cached op's
+            # output was counted when the forward cached it (NOTE [selective recompute]).
+            if (self.state is None or ptr not in self.state.copy_ptrs) and (replay is None or ptr not in replay.ptrs):
+                account(tensor)
+            holder.tensors[gid] = tensor
+            holder.versions[gid] = tensor._version
+        if index + 1 == len(self.holders):
+            raise _StopRecompute
+        # The re-run's own graph may be backwarded (a backward inside the block's forward).
+        return tensor
 
     def recompute(self, gid: int) -> None:
-        args, kwargs = self._arguments()
+        args, kwargs, made = self._arguments()
         self._check_saved_versions()
+        self.state.check_unchanged(self.name)
         replay = None
         if self.cache is not None and self.cache.refused is not None:
             # NOTE [a forward the plan does not fit] in ooc.op_profile: the forward ran as plain
@@ -485,25 +636,33 @@ class RecomputeFrame:
             # them and count other ops than the forward, which cast each weight anew (a step enters
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
-        pack = self.pack_recomputed(gid, self.recompute_pack(), replay)
+        pack, close = self.pack_recomputed(gid, self.recompute_pack(), replay)
         # No numpy state taken for this re-run: its mark says whether the re-run moved the generator anyway.
         numpy_before = numpy_mark() if self.rng.numpy is None else None
         with nvtx.range(self.range_name), self.timer("recompute"):
-            with (
-                # The first run already updated the buffers (BatchNorm statistics) for this step: the
-                # re-run updates a copy of their values from before it (NOTE [the re-run sees the forward's state]).
-                self.state.restored(),
-                self.rng.restored(),
-                self.autocast.restored(),
-                torch.enable_grad(),
-                saved_tensors_hooks(pack, lambda tensor: tensor),
-                contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
-            ):
-                try:
-                    self.forward(*args, **kwargs)
-                except _StopRecompute:
-                    pass
+            try:
+                with (
+                    # The first run already updated the buffers (BatchNorm statistics) for this step: the
+                    # re-run updates a copy of their values from before it (NOTE [the re-run sees the forward's state]).
+                    self.state.restored(),
+                    self.rng.restored(),
+                    self.autocast.restored(),
+                    torch.enable_grad(),
+                    _unbatched(),
+                    saved_tensors_hooks(pack, _unpack_rerun),
+                    contextlib.nullcontext() if replay is None else replay,  # innermost: counts the block's ops alone
+                ):
+                    try:
+                        self.forward(*args, **kwargs)
+                    except _StopRecompute:
+                        pass
+            finally:
+                # NOTE [a re-run's graph outlives it]; outside the replay, whose mode would count the
+                # empty storages as ops of the block.
+                close()
+                _release_leaves(made)
         self._refresh_saved_versions()
+        self.state.mark_versions()
         self.done.add(gid)
         self._check_numpy_kept(numpy_before)
         self._check(gid)

@@ -218,6 +218,13 @@ class _Pass:
         A compressed record holds codes taken at the save, not its source: the source's version is
         compared when the block's forward ends (``seal_compressed``), while the pack hook still holds the
         source; a change after that through a tensor that dies before the backward goes unseen.
+        NOTE [saved again after an in-place change]
+        A kept tensor without a ``grad_fn`` is packed as itself (NOTE [kept tensors are detached] in
+        ooc.saved), so the table keyed by what the pack returns had one entry for two saves of it, and
+        a save after an in-place change (a mask made without grad, used, scaled in place, used again;
+        a tensor the caller changes between two blocks that save it) overwrote the first save's version:
+        the first save's backward read the changed values without a word, where plain PyTorch raises.
+        Such a save gets an alias of its own (``detach()``: the same storage and version counter).
         A swapped (or compressed) tensor that is a view is watched through its base, which shares its
         version counter: the view often dies with the forward (``h[:, :32]`` saved by the next op)
         while its base lives on (a probe or hook that keeps ``h``), and a change to the base went
@@ -228,6 +235,8 @@ class _Pass:
 
         def pack_versioned(tensor: torch.Tensor) -> object:
             packed = pack(tensor)
+            if packed is tensor and (entry := versions.get(id(packed))) is not None and entry[2] != packed._version:
+                packed = tensor.detach()  # NOTE [saved again after an in-place change]
             if isinstance(packed, StreamedView):
                 # The view itself dies with the forward's device copy; the backward's is rebuilt
                 # from the parameter's bytes as they are then.
@@ -323,6 +332,8 @@ class _Pass:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
             alias = tensor if tensor.grad_fn is None else tensor.detach()
+            if versions.get(id(alias), alias._version) != alias._version:
+                alias = tensor.detach()  # NOTE [saved again after an in-place change]
             versions[id(alias)] = alias._version
             if tensor.device == device:
                 storage = tensor.untyped_storage()

@@ -265,6 +265,11 @@ class CompressedStorage(SwappedStorage):
         self._layout = (q.scales.numel() * 4, q.codes.dtype, tuple(q.codes.shape), tuple(q.scales.shape))
         return codes
 
+    def watch(self, tensor: torch.Tensor) -> None:
+        """Nothing to watch: the copy out reads the codes, taken from the source at the save (a change to
+        the source within the forward is ``seal_compressed``'s, NOTE [saved tensors modified in place]
+        in ``ooc.runtime``)."""
+
     def prefetch(self) -> None:
         if self.restored is not None:
             return  # decoded already: the codes are gone

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import warnings
 
 import pytest
 import torch
@@ -263,5 +264,69 @@ def test_forward_mode_ad_is_refused_with_grad_and_exact_without(plan: str) -> No
         with torch.no_grad():  # what the error proposes
             for a, b in zip(jvp(plain), jvp(wrapped)):
                 assert torch.equal(a, b)
+    finally:
+        ooc.unwrap(wrapped)
+
+
+def _qat_chain() -> nn.Module:
+    """Four linear+ReLU+linear blocks prepared for quantization-aware training: per-channel weight
+    observers whose buffers start empty and take the channels' shape in the first forward."""
+    import torch.ao.quantization as q
+
+    model = Chain(lambda: nn.Sequential(nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 16)))
+    for block in model.blocks:
+        block.qconfig = q.get_default_qat_qconfig("fbgemm")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.ao.quantization's deprecation notices
+        return q.prepare_qat(model, inplace=True)
+
+
+def test_a_model_whose_buffers_change_shape_in_its_forward_profiles_and_trains_as_plain() -> None:
+    """``ooc.profile`` (and ``wrap(budget=..., sample=...)``) copied each buffer back into itself after
+    its measurement steps and crashed with "The size of tensor a (16) must match the size of tensor
+    b (0)" on a QAT model. It now leaves every buffer as it found it, shape included, and the model
+    trains under the profile's plan as plain PyTorch."""
+    torch.manual_seed(0)
+    plain = _qat_chain()
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    before = [b.clone() for b in wrapped.buffers()]
+    assert any(b.numel() == 0 for b in before)  # the observers' min/max, empty before the first forward
+    prof = ooc.profile(wrapped, (x,), blocks=list(wrapped.blocks), codec_errors=False, reps=1,
+                       loss_fn=lambda out: out[0].square().mean(), backend="cpu")
+    assert all(a.shape == b.shape and torch.equal(a, b) for a, b in zip(before, wrapped.buffers()))
+    ooc.wrap(wrapped, ooc.Plan.uniform("recompute", len(prof), min_swap_bytes=0), blocks=list(wrapped.blocks),
+             backend="cpu")
+    try:
+        for model in (plain, wrapped):
+            model(x)[0].square().mean().backward()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+        assert all(torch.equal(a, b) for a, b in zip(plain.buffers(), wrapped.buffers()))
+    finally:
+        ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("plan", ["recompute", "mixed", "streamed"])
+def test_a_batched_backward_reruns_blocks_with_dropout_as_plain(plan: str) -> None:
+    """``torch.autograd.grad(..., is_grads_batched=True)`` (a vectorized jacobian) runs the backward
+    under vmap, and with it a recomputed block's re-run, where dropout raised "vmap: We do not yet
+    support calling random operations inside of vmap" (plain PyTorch drew its masks in the forward).
+    The re-run runs unbatched, as the forward did: the gradients equal plain PyTorch's."""
+    torch.manual_seed(0)
+    plain = GPT(NANO)
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], backend="cpu")
+    idx = gpt_batch(batch=2, seq=16)[0]
+    try:
+        grads = []
+        for model in (plain, wrapped):
+            torch.manual_seed(1)  # the same dropout masks
+            logits = model(idx)[0]
+            directions = torch.zeros(3, *logits.shape)
+            directions[0, 0, 0, 0], directions[1, 1, 5, 7], directions[2, 0, 15, 64] = 1.0, 1.0, 1.0
+            params = [model.blocks[0].attn.qkv.weight, model.blocks[3].mlp.fc.weight]
+            grads.append(torch.autograd.grad(logits, params, grad_outputs=directions, is_grads_batched=True))
+        assert all(torch.equal(a, b) for a, b in zip(*grads))
     finally:
         ooc.unwrap(wrapped)

@@ -120,3 +120,38 @@ def test_a_tensor_a_kept_block_saved_and_changed_in_place_raises(changed: str) -
         assert model.blocks[0].weight.grad is not None
     finally:
         ooc.unwrap(model)
+
+
+class _Remasked(nn.Module):
+    """Saves a tensor made without grad, changes it in place, saves it again: ``fc2(fc(x) * m * 3)``
+    with ``m`` scaled in place between the two products (each saves ``m``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.fc2 = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        m = (torch.arange(6) % 2).float().expand(5, 6).contiguous()
+        h = self.fc(x) * m
+        m.mul_(3.0)
+        return self.fc2(h * m)
+
+
+@pytest.mark.parametrize("plan", ["keep", "streamed keep"])
+def test_a_tensor_saved_twice_around_an_in_place_change_raises(plan: str) -> None:
+    """A tensor without a ``grad_fn`` is kept as itself (NOTE [kept tensors are detached] in ooc.saved),
+    so its two saves were one entry of the version table, which the second save overwrote: the first
+    product's backward read the changed ``m`` without a word (wrong gradients), where plain PyTorch
+    raises. Each save now keeps its own version (the general pair, under streamed weights, likewise)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(_Remasked(), _Remasked())
+    x = torch.randn(5, 6)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        model(x).sum().backward()
+    keep = ooc.Plan.uniform("keep", 2, min_swap_bytes=0)
+    ooc.wrap(model, keep if plan == "keep" else keep.streaming(range(2)), blocks=list(model), backend="cpu")
+    try:
+        with pytest.raises(ooc.SavedTensorModifiedError, match=r"block '1' saved for its backward \(shape \(5, 6\)\)"):
+            model(x).sum().backward()
+    finally:
+        ooc.unwrap(model)

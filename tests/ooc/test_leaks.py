@@ -10,10 +10,12 @@ import pytest
 import torch
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.multiprocessing.reductions import StorageWeakRef
 
 import ooc
 from ooc.models import GPT
 from ooc.models.gpt import GPTConfig
+from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
 from tests.helpers import gpt_batch
 
@@ -141,3 +143,55 @@ def test_a_forward_that_raises_sends_the_streamed_weights_back(policy: str, wher
         assert ooc.memory_report(model).param_peak_bytes == clean.param_peak_bytes
     finally:
         ooc.unwrap(model)
+
+
+class Stashing(nn.Module):
+    """``x + fc2(softmax(fc1(x)))`` that keeps its softmax on itself (``self.probs``), as models that
+    expose their attention maps for display do (a mixture of experts' ``self.aux_loss`` alike)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 8)
+        self.probs: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.probs = torch.softmax(self.fc1(x), -1)
+        return x + self.fc2(self.probs)
+
+
+@pytest.mark.parametrize("swap_input", [False, True], ids=["recompute", "recompute+swap_input"])
+def test_a_tensor_a_recomputed_block_keeps_on_itself_does_not_hold_its_frame(swap_input: bool) -> None:
+    """After the backward ``block.probs`` is the re-run's tensor, whose graph autograd keeps with the
+    pack hook each of its saved tensors went through. That hook held the recompute frame, and the
+    frame the block's input (on the device again: a swapped one was copied back for the re-run) and
+    its cached outputs: until the next forward replaced ``probs``, a step's worth of inputs stayed
+    alive (counted by the tracker when swapped), where plain PyTorch frees them."""
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[Stashing() for _ in range(3)])
+    wrapped = nn.Sequential(*[Stashing() for _ in range(3)])
+    wrapped.load_state_dict(plain.state_dict())
+    ooc.wrap(wrapped, ooc.Plan.of([ooc.BlockPlan("recompute", swap_input=swap_input)] * 3, min_swap_bytes=0),
+             blocks=list(wrapped), backend="cpu")
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    try:
+        for model in (plain, wrapped):
+            inputs: list[StorageWeakRef] = []
+            handles = [b.register_forward_pre_hook(
+                lambda _m, args, inputs=inputs: inputs.append(StorageWeakRef(args[0].untyped_storage()))) for b in model]
+            for _ in range(2):
+                model(x).square().mean().backward()
+            for handle in handles:
+                handle.remove()
+            gc.collect()
+            # The inputs of the blocks after the first, made in the last forward, died with its graph.
+            assert [ref.expired() for ref in inputs[-2:]] == [True, True], "wrapped" if model is wrapped else "plain"
+        assert ooc.memory_report(wrapped).current_bytes == 0
+        assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), wrapped.parameters()))
+        # Its values are the forward's; a backward through it raises, as plain PyTorch's, whose backward freed that graph.
+        assert torch.equal(plain[1].probs, wrapped[1].probs)
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            plain[1].probs.sum().backward()
+        with pytest.raises(RecomputeError, match=r"graph of block 1's re-run"):
+            wrapped[1].probs.sum().backward()
+    finally:
+        ooc.unwrap(wrapped)

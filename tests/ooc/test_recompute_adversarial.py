@@ -16,6 +16,8 @@ import torch
 import torch.nn as nn
 
 import ooc
+from ooc.backend.cpu import ChaosConfig, CpuBackend
+from ooc.backend.order import StreamOrderError
 from ooc.blocks import find_blocks
 from ooc.recompute import RecomputeError
 
@@ -216,6 +218,93 @@ def test_saved_tensor_modified_before_the_backward_raises(code: str, modify: Cal
         with pytest.raises(error, match="modified"):
             out.sum().backward()
     ooc.unwrap(wrapped)
+
+
+class Shifted(nn.Module):
+    """``tanh(fc(x) + shift)``: the bias and the non-persistent ``shift`` are read but saved by no node
+    (``addmm`` and ``add`` save neither); ``tanh`` saves its output, which depends on both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.register_buffer("shift", torch.full((6,), 0.25), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.fc(x) + self.shift)
+
+
+@pytest.mark.parametrize("which", ["bias", "non-persistent buffer"])
+@pytest.mark.parametrize("code", CODES)
+def test_state_read_but_not_saved_modified_before_the_backward_raises(code: str, which: str) -> None:
+    """A bias (or a non-persistent buffer) changed in place between the forward and the backward, and
+    nothing else: plain PyTorch's backward uses what the forward saved, computed from the old value;
+    the re-run read the new one and returned other gradients, silently."""
+    torch.manual_seed(0)
+    plain = Chain([Shifted() for _ in range(3)])
+    wrapped = wrapped_copy(plain, code)
+    outs = []
+    for model in (plain, wrapped):
+        outs.append(model(inputs()))
+        with torch.no_grad():
+            (model.blocks[0].fc.bias if which == "bias" else model.blocks[0].shift).add_(0.5)
+    outs[0].sum().backward()  # plain PyTorch: no error, the forward's gradients
+    try:
+        with pytest.raises(RecomputeError, match=r"block blocks\.0: its (parameter fc\.bias|buffer shift) .* modified in "
+                                                 r"place after the block's forward"):
+            outs[1].sum().backward()
+    finally:
+        ooc.unwrap(wrapped)
+
+
+class Squashed(nn.Module):
+    """``tanh(x + bias) * scale``: saves ``tanh``'s output and ``scale``, not its argument."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bias = nn.Parameter(torch.randn(6) * 0.1)
+        self.scale = nn.Parameter(torch.ones(6))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(x + self.bias) * self.scale
+
+
+class InPlaceResidual(Chain):
+    """``x += block(x)``: the residual stream updated in place after each block, which plain PyTorch
+    allows here (no block saves its argument)."""
+
+    def forward(self, x: torch.Tensor, *args: Any) -> torch.Tensor:
+        x = x * 1.0
+        for block in self.blocks:
+            x += block(x)
+        return x
+
+
+@pytest.mark.parametrize("chaos", [False, True], ids=["cpu", "chaos"])
+def test_an_argument_modified_while_its_swap_is_in_flight_raises(chaos: bool) -> None:
+    """With ``swap_input`` the argument is copied to the host after the forward; the caller's in-place
+    update is not ordered with that copy (the next block's forward releases it), which reads either
+    value. The stream-order checker sees that race; with it off, as a user runs, the re-run ran from
+    the updated value, silently (3 steps in 10 on the CPU backend, every one under chaos). Now it
+    raises, as a kept argument's re-run does."""
+    torch.manual_seed(0)
+    plain = InPlaceResidual([Squashed() for _ in range(3)])
+    x = torch.randn(5, 6, generator=torch.Generator().manual_seed(3))
+    plain(x).square().sum().backward()  # plain PyTorch: no error
+    config = ChaosConfig() if chaos else None
+    for code, check_order, error, match in (
+            ("rrr", True, StreamOrderError, r"D2H copy .* is not ordered before aten::add_ \(write\)"),
+            ("rrr", False, RecomputeError, r"block blocks\.2: its argument 0 was modified in place after the block's "
+                                           "forward while its copy to the host was in flight"),
+            ("RRR", False, RecomputeError, "its argument 0 was modified in place after the block's forward")):
+        wrapped, backend = copy.deepcopy(plain), CpuBackend(chaos=config, check_order=check_order)
+        ooc.wrap(wrapped, ooc.Plan(blocks=tuple(LETTERS[c] for c in code), min_swap_bytes=0),
+                 blocks=list(wrapped.blocks), backend=backend)
+        try:
+            with pytest.raises(error, match=match):
+                wrapped(x).square().sum().backward()
+        finally:
+            ooc.unwrap(wrapped)
+            backend.close()
 
 
 class ModifiesWhatItSaved(nn.Module):
