@@ -519,10 +519,18 @@ class OrderChecker:
     # threads -----------------------------------------------------------------------------------
 
     def watch(self) -> None:
-        """Watch the calling thread's torch ops from now on (NOTE [stream-order checker])."""
-        if getattr(self._tls, "mode", None) is not None:
+        """Watch the calling thread's torch ops from now on (NOTE [stream-order checker]).
+
+        A mode pushed while autograd runs a backward node is gone when the node returns: the engine
+        puts back the thread-local state it found (the dispatch stack included). So a thread whose
+        first call came inside a backward (a hook of an unwrapped model's HostAdamW) was taken for
+        watched for the rest of the run and never checked again; the mode is looked for, and pushed
+        again where it is gone."""
+        mode = getattr(self._tls, "mode", None)
+        stack_len = torch._C._len_torch_dispatch_stack()
+        if mode is not None and any(torch._C._get_dispatch_stack_at(i) is mode for i in range(stack_len)):
             return
-        if torch._C._len_torch_dispatch_stack() != 0:
+        if stack_len != 0:
             return  # another mode is active: pushing under it would break its exit
         mode = _Watch(self)
         _push_mode(mode)

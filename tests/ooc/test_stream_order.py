@@ -484,3 +484,22 @@ def _run_and_unwrap_cause(fn) -> None:  # noqa: ANN001
         while cause is not None and not isinstance(cause, StreamOrderError):
             cause = cause.__cause__
         raise (cause or exc) from None
+
+
+def test_a_watch_that_a_backward_node_dropped_is_taken_again() -> None:
+    """A thread's first call into the checking backend from inside a backward node (a hook) pushes the
+    checker's mode, and autograd drops it when the node returns; the thread's next call outside a
+    backward watches it again (it used to count as watched for good, and nothing more was checked)."""
+    backend = CpuBackend(check_order=True)
+    x = torch.ones(4, requires_grad=True)
+    y = x * 2
+
+    def first_call_in_the_backward(grad: torch.Tensor) -> torch.Tensor:
+        backend.record_compute()
+        return grad
+
+    y.register_hook(first_call_in_the_backward)
+    y.sum().backward()
+    assert torch._C._len_torch_dispatch_stack() == 0  # the node's mode is gone
+    backend.record_compute()
+    assert torch._C._len_torch_dispatch_stack() == 1
