@@ -13,6 +13,7 @@ from typing import Any
 import torch.nn as nn
 
 from ooc.blocks import Candidate, by_saved_activations, candidates, find_blocks, saved_shares, with_stem
+from ooc.runtime import check_not_wrapped
 from ooc.scheduler.units import format_bytes
 
 
@@ -66,6 +67,11 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     The model's gradients are untouched (no backward runs); buffers such as BatchNorm running
     statistics are updated by the forward as by any training forward.
     """
+    if sample is not None:
+        # A wrapped block saves through ooc's own hooks, which the measurement's hooks do not see (its
+        # shares read 0%), and a grad forward through the runtime is a training step to it (the
+        # first step that wrap(budget=...) without a sample measures).
+        check_not_wrapped(model, why="to measure what its forward saves (without a sample, describe works on a wrapped model)")
     found = candidates(model)
     chosen = find_blocks(model, blocks)
     if blocks is None and sample is not None and found:

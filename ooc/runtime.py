@@ -776,12 +776,11 @@ class Runtime:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
 
 
-def check_trainable(model: nn.Module) -> None:
-    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
-    if not isinstance(model, nn.Module):
-        raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
+def check_not_wrapped(model: nn.Module, *, why: str = "to change its plan") -> None:
+    """Raise :class:`WrapError` if ``model``, a module inside it or a model around it is wrapped;
+    ``why`` ends the advice to unwrap first."""
     if model in _RUNTIMES:
-        raise WrapError("this model is already wrapped by ooc; call ooc.unwrap(model) first to change its plan")
+        raise WrapError(f"this model is already wrapped by ooc; call ooc.unwrap(model) first {why}")
     inside = set(model.modules())
     for wrapped in list(_RUNTIMES.keys()):
         if wrapped in inside:
@@ -790,6 +789,13 @@ def check_trainable(model: nn.Module) -> None:
         if any(m is model for m in wrapped.modules()):
             raise WrapError(f"this module is inside a model ({type(wrapped).__name__}) already wrapped by ooc; "
                             "call ooc.unwrap on that model first, or wrap only one of the two")
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
+    check_not_wrapped(model)
     check_no_hf_checkpointing(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
