@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -246,6 +245,10 @@ def profile(
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
     state = ModelState(model, backend_obj.device)
+    # Every measurement runs as the runtime will, HF key/value caches off (they change a layer's ops),
+    # without a word: each runtime installed below finds them off already and says nothing either
+    # (it said so once per measurement, four times for one wrap(sample=...)).
+    restore_caches = disable_caches(model, warn=False)
     outputs = [0] * len(chain)
     handles = [
         m.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, _bytes(out)))
@@ -279,6 +282,7 @@ def profile(
         errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
         op_profiles = _op_profiles(model, chain, backend_obj, sample, reps) if ops else None
     finally:
+        restore_caches()
         state.restore()
         if not isinstance(backend, Backend):
             backend_obj.close()
@@ -298,16 +302,10 @@ def profile(
 
 
 def _op_profiles(model: nn.Module, chain, backend: Backend, sample: Any, reps: int) -> list[tuple[OpProfile, ...]]:  # noqa: ANN001
-    """Per block, its forward op by op, measured as the runtime will see it: with the model's
-    key/value caches off, as ``wrap`` turns them off (they change a layer's ops)."""
-    restore = disable_caches(model)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the warning is for models left wrapped; this one is not
-            return measure_ops(list(chain.modules), list(chain.names), lambda: call_model(model, sample),
-                               device=backend.device, reps=reps)
-    finally:
-        restore()
+    """Per block, its forward op by op, measured as the runtime will see it (``profile`` has turned the
+    model's key/value caches off, as ``wrap`` does)."""
+    return measure_ops(list(chain.modules), list(chain.names), lambda: call_model(model, sample),
+                       device=backend.device, reps=reps)
 
 
 def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[str, float]]:  # noqa: ANN001
