@@ -175,6 +175,7 @@ def wrap(
     """
     check_trainable(model)
     _check_prefetch(prefetch)
+    given_plan = plan
     # Without a sample the planner runs only when the first step's backward ends; a misspelt
     # name must fail here, before that step is spent and the model unwrapped.
     _planner(planner)
@@ -206,6 +207,7 @@ def wrap(
             recorder = FirstStepRecorder(model, chain, backend_obj, first.min_swap_bytes)
             runtime.begin_deferred(recorder, lambda prof: plan_for_profile(
                 prof, budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
+            runtime.budget = (budget_bytes, False)
             return model
         elif budget is not None:
             plan = _profile_and_plan(
@@ -216,5 +218,9 @@ def wrap(
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
         raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
-    install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend), check_recompute=check_recompute)
+    planned_for = parse_bytes(budget) if budget is not None and plan is not given_plan else None
+    runtime = install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend),
+                      check_recompute=check_recompute)
+    if planned_for is not None:
+        runtime.budget = (planned_for, include_params)  # NOTE [a plan is for the batch it measured] in ooc.runtime
     return model

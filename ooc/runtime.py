@@ -18,6 +18,7 @@ frees its kept bytes (NOTE [kept tensors are detached] in ``ooc.saved`` keeps th
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -432,7 +433,9 @@ class _Pass:
             self.bwd_range = None
         self.rt.steps += 1
         if self.rt.deferred is not None:
-            self.rt.finish_deferred()
+            self.rt.finish_deferred()  # this step ran the measuring plan, not one chosen for the budget
+        else:
+            self.rt.check_budget()
 
 
 def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
@@ -601,6 +604,11 @@ class _BlockForward:
         return out
 
 
+class BudgetExceededWarning(UserWarning):
+    """A step's device-resident saved activations (with ``include_params``, plus parameters) went over
+    the budget its plan was chosen for (NOTE [a plan is for the batch it measured])."""
+
+
 class Runtime:
     """Everything ``wrap`` installs on one model."""
 
@@ -623,6 +631,9 @@ class Runtime:
         self.timer: Recorder | _NoRecorder = _NoRecorder()
         """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
+        self.budget: tuple[int, bool] | None = None
+        """``(bytes, include_params)`` of the budget the plan was chosen for by ``wrap``, else None;
+        checked after each backward (``check_budget``) until one step goes over it."""
         self.deferred: Callable[[], Plan] | None = None
         self._current: weakref.ref[_Pass] | None = None
         """The pass of the latest forward, held by its graph alone (NOTE [one step, as the runtime sees it])."""
@@ -765,6 +776,37 @@ class Runtime:
         if any(b.streamed for b in plan.blocks):
             self._restore_streamer()
             self.streamer = self._make_streamer(plan)
+
+    def check_budget(self) -> None:
+        """NOTE [a plan is for the batch it measured]
+        A plan chosen for a budget fits the saved activations of the batch its profile measured (the
+        sample, or the first training step): their bytes grow with the batch and the sequence length,
+        and nothing re-plans. A larger batch or a longer sequence went over the budget without a word
+        (4x the batch, 4x the bytes: an out-of-memory error on the device, or none on the CPU). So does a
+        training forward under ``torch.autocast`` planned from a sample profiled without it: each block
+        saves its weights' low-precision copies too (a ResNet-18 at batch 2 under CPU bf16 autocast: 18.5
+        MiB against a plan for 500 KiB). So a step whose tracked peak exceeds the budget warns, once per
+        wrap, saying how to plan for the largest batch."""
+        if self.budget is None:
+            return
+        budget, include_params = self.budget
+        report = self.tracker.report(0, None)
+        peak = report.peak_bytes + (report.param_peak_bytes if include_params else 0)
+        if peak <= budget:
+            return
+        self.budget = None
+        from ooc.scheduler.units import format_bytes
+
+        what = "parameters and saved activations" if include_params else "saved activations"
+        warnings.warn(
+            f"this step's {what} on the device peaked at {format_bytes(peak)}, over the budget of "
+            f"{format_bytes(budget)} the plan was chosen for: a plan fits the batch it was profiled on, and this "
+            "forward saves more (a larger batch, a longer sequence, or torch.autocast that the profile ran without: "
+            "its low-precision copies of the weights are saved too). Plan for the largest batch: ooc.unwrap(model), "
+            "then ooc.wrap(model, budget=..., sample=<the largest batch>), under the training forward's autocast "
+            "(NOTE [a plan is for the batch it measured] in ooc.runtime). Said once per wrap.",
+            BudgetExceededWarning, stacklevel=2,
+        )
 
     def _restore_streamer(self) -> None:
         """Streamed weights back to the device for good (NOTE [weights move at rest])."""

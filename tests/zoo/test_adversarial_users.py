@@ -45,3 +45,34 @@ def test_a_tokenizers_batch_encoding_is_a_sample(model: str) -> None:
         ooc.wrap(m, budget=3 * saved // 4, sample=sample, backend="chaos")
 
     train_side_by_side(dataclasses.replace(zoo, batch=lambda seed: transformers.BatchEncoding(zoo.batch(seed))), wrap)
+
+
+def test_autocast_training_planned_without_autocast_says_it_went_over_the_budget() -> None:
+    """NOTE [a plan is for the batch it measured] in ooc.runtime: ``wrap(budget=..., sample=x)`` profiled
+    timm's ResNet-18 without autocast, then trained under CPU bf16 autocast, whose low-precision copies of
+    the weights each block saves: 18.5 MiB on the device against a plan for 2 MiB, without a word. It says
+    so, naming autocast (wrapped under the training forward's autocast, the plan fits)."""
+    import warnings
+
+    from ooc.runtime import BudgetExceededWarning
+
+    zoo = MODELS["timm-resnet18"]
+    batch = zoo.batch(0)
+
+    def step(model: nn.Module) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = zoo.loss(model, batch)
+            loss.backward()
+        return [str(w.message) for w in caught if issubclass(w.category, BudgetExceededWarning)]
+
+    torch.manual_seed(0)
+    model = zoo.build().train()
+    ooc.wrap(model, budget="2MiB", sample=zoo.sample(batch))
+    try:
+        said = step(model)
+        assert ooc.memory_report(model).peak_bytes > 8 * 2**20
+        assert len(said) == 1 and "torch.autocast that the profile ran without" in said[0]
+    finally:
+        ooc.unwrap(model)
