@@ -22,7 +22,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks, shared_parameter_ids
 from ooc.clock import Clock
 from ooc.codec_error import measure_codec_errors
-from ooc.errors import WrapError
+from ooc.errors import OocError, WrapError
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.rng import GeneratorStates, RngState, generators_in
@@ -45,12 +45,38 @@ def default_loss(output: Any) -> torch.Tensor:
 
 def call_model(model: nn.Module, sample: Any) -> Any:
     """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a mapping (a
-    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict)."""
+    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict).
+
+    An error of the forward (not ooc's own) gets a note saying how ooc called the model: a data
+    loader's ``(inputs, labels)`` pair passed as the sample became two arguments, and the error came
+    from deep inside the model (timm's ViT: "Expected attn_mask dtype to be bool or float")."""
+    try:
+        if isinstance(sample, Mapping):
+            return model(**sample)
+        if isinstance(sample, (tuple, list)):
+            return model(*sample)
+        return model(sample)
+    except OocError:
+        raise
+    except Exception as exc:
+        exc.add_note(_how_called(model, sample))
+        raise
+
+
+def _how_called(model: nn.Module, sample: Any) -> str:
+    def show(value: Any) -> str:
+        return f"Tensor{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+    name = type(model).__name__
     if isinstance(sample, Mapping):
-        return model(**sample)
-    if isinstance(sample, (tuple, list)):
-        return model(*sample)
-    return model(sample)
+        call = f"{name}(**sample) with keywords {', '.join(f'{k}={show(v)}' for k, v in sample.items())}"
+    elif isinstance(sample, (tuple, list)):
+        call = f"{name}(*sample) with {len(sample)} argument(s) {', '.join(show(v) for v in sample)}"
+    else:
+        call = f"{name}(sample) with {show(sample)}"
+    return (f"ooc called {call}. A sample is one input as the model itself takes it: a tuple or list is its "
+            "positional arguments, a mapping its keywords; for a data loader's (inputs, labels) pair pass "
+            "sample=inputs")
 
 
 class ModelState:

@@ -76,3 +76,24 @@ def test_autocast_training_planned_without_autocast_says_it_went_over_the_budget
         assert len(said) == 1 and "torch.autocast that the profile ran without" in said[0]
     finally:
         ooc.unwrap(model)
+
+
+def test_a_data_loaders_pair_as_the_sample_says_how_the_model_was_called() -> None:
+    """``ooc.wrap(vit, budget=..., sample=(images, labels))``: the pair became the forward's two arguments,
+    and the error came from inside timm ("Expected attn_mask dtype to be bool or float ..."), with nothing
+    on what ooc had done. The model's own error stays; a note says how ooc called it and what to pass."""
+    zoo = MODELS["timm-vit"]
+    batch = zoo.batch(0)
+    model = zoo.build().train()
+    with pytest.raises(RuntimeError, match="attn_mask") as raised:
+        ooc.wrap(model, budget="1MiB", sample=(batch["x"], batch["labels"]))
+    assert raised.value.__notes__ == [
+        "ooc called VisionTransformer(*sample) with 2 argument(s) Tensor(2, 3, 32, 32), Tensor(2,). A sample is one "
+        "input as the model itself takes it: a tuple or list is its positional arguments, a mapping its keywords; for "
+        "a data loader's (inputs, labels) pair pass sample=inputs"]
+    assert not ooc.is_wrapped(model)
+    with pytest.raises(TypeError, match="unexpected keyword") as raised:
+        ooc.describe(model, {"images": batch["x"]})
+    assert raised.value.__notes__[0].startswith("ooc called VisionTransformer(**sample) with keywords images=Tensor(2, 3, 32, 32).")
+    ooc.wrap(model, budget="1MiB", sample=batch["x"])
+    ooc.unwrap(model)
