@@ -155,6 +155,11 @@ class StepRecorder:
                 s.clear()
         self._started.clear()
 
+    def discard(self) -> None:
+        """Forget the times and the log so far (the log in place: the runtime's tracker appends to it)."""
+        self.clear_times()
+        self.log.clear()
+
     def medians(self) -> dict[str, list[float]]:
         """Per phase, each block's median seconds (0 where it was never timed)."""
         if self.clock.cuda:
@@ -188,6 +193,10 @@ class FirstStepRecorder(StepRecorder):
             self.sharing = SharingMeter(len(self.chain), skip_ptrs=state, device=self.backend.device)
         sharing = self.sharing
         return lambda tensor, role: sharing.note(block, tensor, role)
+
+    def discard(self) -> None:
+        super().discard()
+        self.sharing = None
 
     def finish(self) -> Profile:
         med = self.medians()

@@ -70,6 +70,10 @@ class Recorder(Protocol):
     def finish(self) -> Any:
         """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
 
+    def discard(self) -> None:
+        """Forget every report so far: they were of a forward whose graph was dropped without a
+        backward (NOTE [a forward dropped before the measured step])."""
+
     def observer(self, block: int) -> Callable[[torch.Tensor, str], None] | None:
         """Called with each tensor argument ("input") and saved tensor ("saved") of a recomputed
         block's forward (``run_recomputed``'s ``observe``), or None."""
@@ -90,6 +94,9 @@ class _NoRecorder:
     def observer(self, block: int) -> None:
         """What a recomputed block's forward reports its tensors to (none)."""
         return None
+
+    def discard(self) -> None:
+        pass
 
 
 def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -680,6 +687,15 @@ class Runtime:
 
     def pass_for(self, block: int) -> _Pass:
         current = None if self._current is None else self._current()
+        if current is None and self._current is not None and self.deferred is not None:
+            # NOTE [a forward dropped before the measured step]
+            # The first training step of wrap(budget=...) without a sample is measured for the plan.
+            # A forward before it whose graph died without a backward (a validation loss without
+            # no_grad, in train or eval mode) is no part of that step: its records went into the
+            # profile beside the step's (each block's input bytes doubled, its times mixed with an
+            # eval forward's). A forward while an earlier graph is alive (two forwards, one backward)
+            # is part of the step, and stays.
+            self.timer.discard()
         if current is None or block <= current.last_forward:
             current = _Pass(self)
             self._current = weakref.ref(current)
