@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -36,7 +37,7 @@ from ooc.checkpoint import (
     scan_versions,
 )
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
-from ooc.errors import OocError
+from ooc.errors import BudgetError, OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW, LossScale
 from ooc.scheduler.dataparallel import choose_reduce_on
@@ -167,8 +168,16 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
                 prof = ooc.profile(model, sample, backend=backend)
             finally:
                 backend.close()
-            budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
-            chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
+            keep_all = sum(b.saved_bytes for b in prof.blocks)
+            budget = int(keep_all * fraction)
+            try:
+                chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
+            except BudgetError as exc:
+                # The error names bytes; this option takes a fraction of the keep-all peak.
+                smallest = math.ceil(exc.minimum_bytes / keep_all * 1000) / 1000
+                raise BudgetError(exc.budget_bytes, exc.minimum_bytes, f"(--plan budget:<fraction> takes a fraction "
+                                  f"of the keep-all peak, {format_bytes(keep_all)}: the smallest --plan that fits here "
+                                  f"is budget:{smallest:g})") from None
         else:
             path = Path(cfg.plan)
             if not path.is_file():
