@@ -97,3 +97,40 @@ def test_a_data_loaders_pair_as_the_sample_says_how_the_model_was_called() -> No
     assert raised.value.__notes__[0].startswith("ooc called VisionTransformer(**sample) with keywords images=Tensor(2, 3, 32, 32).")
     ooc.wrap(model, budget="1MiB", sample=batch["x"])
     ooc.unwrap(model)
+
+
+def test_clip_whose_towers_run_in_another_order_than_declared_trains_from_a_sample() -> None:
+    """NOTE [containers in run order] in ooc.blocks: CLIP declares ``text_model`` before ``vision_model``
+    and encodes the image first. ooc chained both towers' ``CLIPEncoderLayer`` stacks in declaration
+    order, and ``wrap(budget=..., sample=batch)`` raised BlockError ("not in chain order") at the first
+    step, though the sample had shown the order. With a sample the chain takes the order it ran in."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.CLIPConfig(
+        text_config={"vocab_size": 64, "hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 2,
+                     "num_attention_heads": 2, "max_position_embeddings": 16},
+        vision_config={"image_size": 16, "patch_size": 8, "hidden_size": 16, "intermediate_size": 32,
+                       "num_hidden_layers": 2, "num_attention_heads": 2},
+        projection_dim=8)
+
+    def batch(seed: int) -> dict:
+        g = torch.Generator().manual_seed(seed)
+        return {"input_ids": torch.randint(1, 64, (2, 8), generator=g), "pixel_values": torch.randn(2, 3, 16, 16, generator=g),
+                "return_loss": True}
+
+    torch.manual_seed(0)
+    plain = transformers.CLIPModel(config).train()
+    model = copy.deepcopy(plain)
+    report = ooc.describe(model, batch(0))
+    assert report.chosen.containers == ("vision_model.encoder.layers", "text_model.encoder.layers")
+    ooc.wrap(model, budget="1GiB", sample=batch(0))
+    try:
+        assert ooc.runtime.runtime_of(model).chain.names[:2] == ("vision_model.encoder.layers.0", "vision_model.encoder.layers.1")
+        for seed in range(2):
+            for m in (plain, model):
+                m.zero_grad(set_to_none=True)
+                torch.manual_seed(seed)
+                m(**batch(seed)).loss.backward()
+            for (name, p), q in zip(plain.named_parameters(), model.parameters()):
+                assert torch.equal(p.grad, q.grad), name
+    finally:
+        ooc.unwrap(model)
