@@ -269,10 +269,10 @@ def by_saved_activations(model: nn.Module, found: list[Candidate], sample: Any) 
     best, best_share = max(options, key=lambda o: o[1])  # max() keeps the first of equals
     ranked = found if shares[0] >= _COVERAGE_TIE * best_share else [best, *(c for c in found if c is not best)]
     order = {id(c): k for k, c in enumerate(found)}
-    return [_in_run_order(c, [i for k, i in calls if k == order[id(c)]]) if id(c) in order else c for c in ranked]
+    return [in_run_order(c, [i for k, i in calls if k == order[id(c)]]) if id(c) in order else c for c in ranked]
 
 
-def _in_run_order(candidate: Candidate, ran: list[int]) -> Candidate:
+def in_run_order(candidate: Candidate, ran: list[int]) -> Candidate:
     """``candidate`` with its blocks in the order one forward ran them, when it ran each once.
 
     NOTE [containers in run order]
