@@ -116,11 +116,28 @@ def plan(
     on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``); with
     ``include_params``, of parameters and saved activations together, streaming parameters from
     the host where needed."""
+    return _plan_from_sample(model, sample, budget=budget, hardware=hardware, planner=planner, blocks=blocks,
+                             backend=backend, prefetch=prefetch, include_params=include_params)
+
+
+def _plan_from_sample(model: nn.Module, sample: Any, *, budget: int | str, hardware: Hardware | str | None, planner: str,
+                      blocks: object, backend: str | Backend, prefetch: int, include_params: bool) -> Plan:
+    """``plan``, for it and for ``wrap(budget=..., sample=...)``: its warnings point at their caller."""
     _check_prefetch(prefetch)
     _planner(planner)
     if sample is None:
         raise WrapError("ooc.plan profiles the model on a sample: pass one input batch as its second argument (or "
                         "call ooc.wrap(model, budget=...) without a sample to plan from the first training step)")
+    if not model.training:
+        # NOTE [a plan is for the batch it measured] in ooc.runtime: the profile measures the forward as
+        # the model runs it now (HF's from_pretrained returns models in eval mode, Trainer then trains them).
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode, so its profile measures an eval forward, which saves less "
+            "than a training one (dropout saves its masks): a plan for this budget goes over it once the model "
+            "trains in train mode. Call model.train() before ooc.wrap / ooc.plan (Hugging Face's from_pretrained "
+            "returns models in eval mode); if you train in eval mode, ignore this.",
+            UserWarning, stacklevel=3,  # the caller of ooc.plan or ooc.wrap
+        )
     backend_obj = resolve_backend(backend, model)
     try:
         prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
@@ -129,9 +146,6 @@ def plan(
             backend_obj.close()
     return plan_for_profile(prof, budget, hardware=hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch,
                             include_params=include_params)
-
-
-_profile_and_plan = plan
 """``plan``, under a name that ``wrap``'s own ``plan`` parameter does not shadow."""
 
 
@@ -210,7 +224,7 @@ def wrap(
             runtime.budget = (budget_bytes, False)
             return model
         elif budget is not None:
-            plan = _profile_and_plan(
+            plan = _plan_from_sample(
                 model, sample, budget=budget, hardware=hardware, planner=planner,
                 blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch, include_params=include_params,
             )

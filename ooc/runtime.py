@@ -801,7 +801,9 @@ class Runtime:
         (4x the batch, 4x the bytes: an out-of-memory error on the device, or none on the CPU). So does a
         training forward under ``torch.autocast`` planned from a sample profiled without it: each block
         saves its weights' low-precision copies too (a ResNet-18 at batch 2 under CPU bf16 autocast: 18.5
-        MiB against a plan for 500 KiB). So a step whose tracked peak exceeds the budget warns, once per
+        MiB against a plan for 500 KiB), and a model profiled in eval mode (Hugging Face's from_pretrained
+        returns it so) that trains in train mode: dropout saves its masks (``ooc.plan`` and ``wrap`` warn
+        of eval mode before they profile). So a step whose tracked peak exceeds the budget warns, once per
         wrap, saying how to plan for the largest batch."""
         if self.budget is None:
             return
@@ -817,10 +819,11 @@ class Runtime:
         warnings.warn(
             f"this step's {what} on the device peaked at {format_bytes(peak)}, over the budget of "
             f"{format_bytes(budget)} the plan was chosen for: a plan fits the batch it was profiled on, and this "
-            "forward saves more (a larger batch, a longer sequence, or torch.autocast that the profile ran without: "
-            "its low-precision copies of the weights are saved too). Plan for the largest batch: ooc.unwrap(model), "
-            "then ooc.wrap(model, budget=..., sample=<the largest batch>), under the training forward's autocast "
-            "(NOTE [a plan is for the batch it measured] in ooc.runtime). Said once per wrap.",
+            "forward saves more (a larger batch, a longer sequence, train mode where the profile ran in eval mode, or "
+            "torch.autocast that the profile ran without: its low-precision copies of the weights are saved too). Plan "
+            "for the largest batch: ooc.unwrap(model), then ooc.wrap(model, budget=..., sample=<the largest batch>), in "
+            "train mode and under the training forward's autocast (NOTE [a plan is for the batch it measured] in "
+            "ooc.runtime). Said once per wrap.",
             BudgetExceededWarning, stacklevel=2,
         )
 

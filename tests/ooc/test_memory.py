@@ -204,3 +204,30 @@ def test_a_given_plan_has_no_budget_to_go_over() -> None:
         assert _budget_warnings(model, gpt_batch(batch=2, seq=16)) == []
     finally:
         ooc.unwrap(model)
+
+
+def test_a_model_profiled_in_eval_mode_is_warned_of_before_it_trains_over_the_budget() -> None:
+    """Hugging Face's ``from_pretrained`` returns a model in eval mode and ``Trainer`` trains it in train mode:
+    ``wrap(budget=..., sample=...)`` profiled the eval forward, which saves no dropout masks, and the
+    training steps went over the budget without a word. ``wrap`` and ``ooc.plan`` now say so before they
+    profile, at the caller's line; the training step then says it went over."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = GPT(NANO).eval()  # dropout 0.1
+    batch = gpt_batch(batch=2, seq=16)
+    with pytest.warns(UserWarning, match=r"GPT is in eval mode.*Call model.train\(\) before ooc.wrap") as caught:
+        ooc.wrap(model, budget=150 * 1024, sample=batch)
+    assert [w.filename for w in caught if "eval mode" in str(w.message)] == [__file__]
+    try:
+        model.train()
+        said = _budget_warnings(model, batch)
+        assert len(said) == 1 and "train mode where the profile ran in eval mode" in said[0]
+    finally:
+        ooc.unwrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ooc.plan(model, batch, budget="1GiB")  # train mode: nothing to say
+    with pytest.warns(UserWarning, match="eval mode") as caught:
+        ooc.plan(model.eval(), batch, budget="1GiB")
+    assert caught[0].filename == __file__
