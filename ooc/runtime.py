@@ -41,6 +41,7 @@ from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStora
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
+from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer, StreamedView
 from ooc.tracker import MemoryReport, MemoryTracker
 
@@ -813,8 +814,6 @@ class Runtime:
         if peak <= budget:
             return
         self.budget = None
-        from ooc.scheduler.units import format_bytes
-
         what = "parameters and saved activations" if include_params else "saved activations"
         warnings.warn(
             f"this step's {what} on the device peaked at {format_bytes(peak)}, over the budget of "
