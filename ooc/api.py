@@ -149,6 +149,16 @@ def _plan_from_sample(model: nn.Module, sample: Any, *, budget: int | str, hardw
 """``plan``, under a name that ``wrap``'s own ``plan`` parameter does not shadow."""
 
 
+def _plan_hint(plan: object) -> str:
+    """What a plan of the wrong type was likely meant as: ``wrap(model, "20GiB")`` took the budget as its
+    ``plan`` (the second argument) and said only that a str is no Plan."""
+    if isinstance(plan, (str, int, float)) and not isinstance(plan, bool):
+        return f" ({plan!r}): for a budget, pass it by name, ooc.wrap(model, budget={plan!r})"
+    if isinstance(plan, (list, tuple)):
+        return "; ooc.Plan.of([...]) makes one from policy names ('keep', 'swap', 'recompute') or BlockPlans"
+    return ""
+
+
 def wrap(
     model: nn.Module,
     plan: Plan | None = None,
@@ -231,7 +241,7 @@ def wrap(
         else:
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
-        raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
+        raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}{_plan_hint(plan)}")
     planned_for = parse_bytes(budget) if budget is not None and plan is not given_plan else None
     runtime = install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend),
                       check_recompute=check_recompute)

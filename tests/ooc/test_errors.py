@@ -281,3 +281,17 @@ def test_no_hardware_on_a_gpu_warns_which_preset_is_assumed() -> None:
         warnings.simplefilter("error")
         assert hardware_for(None, SimpleNamespace(device=torch.device("cpu"))) == preset("cpu")
         assert hardware_for("h200", gpu) == preset("h200")
+
+
+@pytest.mark.parametrize("plan, hint", [
+    ("20GiB", r"got str \('20GiB'\): for a budget, pass it by name, ooc.wrap\(model, budget='20GiB'\)"),
+    (2**30, r"got int \(1073741824\): for a budget, pass it by name, ooc.wrap\(model, budget=1073741824\)"),
+    (["keep", "recompute"], r"got list; ooc.Plan.of\(\[...\]\) makes one from policy names"),
+])
+def test_a_budget_or_a_list_given_as_the_plan_says_what_to_write(gpt, plan, hint: str) -> None:
+    """``ooc.wrap(model, "20GiB")``: the budget went to ``plan``, the second argument, and the error said only
+    "plan must be an ooc.scheduler.Plan, got str"."""
+    model, reference, batch = gpt
+    with pytest.raises(ooc.WrapError, match=r"plan must be an ooc.scheduler.Plan, " + hint):
+        ooc.wrap(model, plan)
+    _assert_untouched_and_trainable(model, reference, batch)
