@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import statistics
 import sys
@@ -24,9 +23,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ooc
-from ooc.api import hardware_for, plan_for_profile
+from ooc.api import hardware_for
 from ooc.apps.cli import INTERRUPTED
-from ooc.apps.demo import CharData, load_text
+from ooc.apps.demo import CharData, load_text, plan_for_fraction
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
     Checkpointer,
@@ -37,7 +36,7 @@ from ooc.checkpoint import (
     scan_versions,
 )
 from ooc.distributed import DataParallel, check_reduce_on, init_from_env, peer_failures
-from ooc.errors import BudgetError, OocError
+from ooc.errors import OocError
 from ooc.models.gpt import GPT, GPT_PRESETS
 from ooc.optim import HostAdamW, LossScale
 from ooc.scheduler.dataparallel import choose_reduce_on
@@ -168,16 +167,8 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
                 prof = ooc.profile(model, sample, backend=backend)
             finally:
                 backend.close()
-            keep_all = sum(b.saved_bytes for b in prof.blocks)
-            budget = int(keep_all * fraction)
-            try:
-                chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
-            except BudgetError as exc:
-                # The error names bytes; this option takes a fraction of the keep-all peak.
-                smallest = math.ceil(exc.minimum_bytes / keep_all * 1000) / 1000
-                raise BudgetError(exc.budget_bytes, exc.minimum_bytes, f"(--plan budget:<fraction> takes a fraction "
-                                  f"of the keep-all peak, {format_bytes(keep_all)}: the smallest --plan that fits here "
-                                  f"is budget:{smallest:g})") from None
+            plan, _, _ = plan_for_fraction(prof, fraction, hardware=hardware_for(None, backend), option="--plan budget:{}")
+            chosen[0] = plan.to_json()
         else:
             path = Path(cfg.plan)
             if not path.is_file():

@@ -45,9 +45,19 @@ def test_a_budget_fraction_nothing_fits_says_which_fraction_does(capsys) -> None
     assert main([*args, "--plan", "budget:0.01"]) == 1
     err = capsys.readouterr().err
     assert "no plan fits a budget of 3.39 KiB" in err
-    found = re.search(r"keep-all peak, ([0-9.]+ KiB): the smallest --plan that fits here is budget:([0-9.]+)\)$", err)
+    found = re.search(r"\(--plan budget:<fraction> takes a fraction of the keep-all peak, ([0-9.]+ KiB): the smallest "
+                      r"that fits here is --plan budget:([0-9.]+)\)$", err)
     assert found and found.group(1) == "339.00 KiB", err
     fraction = float(found.group(2))
     assert 0.01 < fraction <= 1
     # The smallest peak moves by some bytes from profile to profile (the swaps' timing): a little above it.
     assert main([*args, "--plan", f"budget:{min(1.0, fraction + 0.02):g}"]) == 0
+
+
+def test_a_demo_budget_fraction_nothing_fits_says_which_fraction_does(capsys) -> None:
+    """`ooc demo --budget-fraction 0.01` said "Raise the budget to at least 13.52 MiB", a size it does not take."""
+    assert main(["demo", "--steps", "10", "--budget-fraction", "0.01", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"\(--budget-fraction <fraction> takes a fraction of the keep-all peak, [0-9.]+ MiB: the smallest "
+                      r"that fits here is --budget-fraction ([0-9.]+)\)$", err.strip())
+    assert found and 0.01 < float(found.group(1)) <= 1, err
