@@ -116,11 +116,28 @@ def plan(
     on the device is at most ``budget`` (bytes, or a string like ``"20GiB"``); with
     ``include_params``, of parameters and saved activations together, streaming parameters from
     the host where needed."""
+    return _plan_from_sample(model, sample, budget=budget, hardware=hardware, planner=planner, blocks=blocks,
+                             backend=backend, prefetch=prefetch, include_params=include_params)
+
+
+def _plan_from_sample(model: nn.Module, sample: Any, *, budget: int | str, hardware: Hardware | str | None, planner: str,
+                      blocks: object, backend: str | Backend, prefetch: int, include_params: bool) -> Plan:
+    """``plan``, for it and for ``wrap(budget=..., sample=...)``: its warnings point at their caller."""
     _check_prefetch(prefetch)
     _planner(planner)
     if sample is None:
         raise WrapError("ooc.plan profiles the model on a sample: pass one input batch as its second argument (or "
                         "call ooc.wrap(model, budget=...) without a sample to plan from the first training step)")
+    if not model.training:
+        # NOTE [a plan is for the batch it measured] in ooc.runtime: the profile measures the forward as
+        # the model runs it now (HF's from_pretrained returns models in eval mode, Trainer then trains them).
+        warnings.warn(
+            f"{type(model).__name__} is in eval mode, so its profile measures an eval forward, which saves less "
+            "than a training one (dropout saves its masks): a plan for this budget goes over it once the model "
+            "trains in train mode. Call model.train() before ooc.wrap / ooc.plan (Hugging Face's from_pretrained "
+            "returns models in eval mode); if you train in eval mode, ignore this.",
+            UserWarning, stacklevel=3,  # the caller of ooc.plan or ooc.wrap
+        )
     backend_obj = resolve_backend(backend, model)
     try:
         prof = measure_profile(model, sample, blocks=blocks, backend=backend_obj)
@@ -129,10 +146,17 @@ def plan(
             backend_obj.close()
     return plan_for_profile(prof, budget, hardware=hardware_for(hardware, backend_obj), planner=planner, prefetch=prefetch,
                             include_params=include_params)
-
-
-_profile_and_plan = plan
 """``plan``, under a name that ``wrap``'s own ``plan`` parameter does not shadow."""
+
+
+def _plan_hint(plan: object) -> str:
+    """What a plan of the wrong type was likely meant as: ``wrap(model, "20GiB")`` took the budget as its
+    ``plan`` (the second argument) and said only that a str is no Plan."""
+    if isinstance(plan, (str, int, float)) and not isinstance(plan, bool):
+        return f" ({plan!r}): for a budget, pass it by name, ooc.wrap(model, budget={plan!r})"
+    if isinstance(plan, (list, tuple)):
+        return "; ooc.Plan.of([...]) makes one from policy names ('keep', 'swap', 'recompute') or BlockPlans"
+    return ""
 
 
 def wrap(
@@ -175,6 +199,7 @@ def wrap(
     """
     check_trainable(model)
     _check_prefetch(prefetch)
+    given_plan = plan
     # Without a sample the planner runs only when the first step's backward ends; a misspelt
     # name must fail here, before that step is spent and the model unwrapped.
     _planner(planner)
@@ -206,15 +231,20 @@ def wrap(
             recorder = FirstStepRecorder(model, chain, backend_obj, first.min_swap_bytes)
             runtime.begin_deferred(recorder, lambda prof: plan_for_profile(
                 prof, budget_bytes, hardware=hw, planner=planner, prefetch=prefetch))
+            runtime.budget = (budget_bytes, False)
             return model
         elif budget is not None:
-            plan = _profile_and_plan(
+            plan = _plan_from_sample(
                 model, sample, budget=budget, hardware=hardware, planner=planner,
                 blocks=list(chain.modules), backend=backend_obj, prefetch=prefetch, include_params=include_params,
             )
         else:
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
-        raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}")
-    install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend), check_recompute=check_recompute)
+        raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}{_plan_hint(plan)}")
+    planned_for = parse_bytes(budget) if budget is not None and plan is not given_plan else None
+    runtime = install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend),
+                      check_recompute=check_recompute)
+    if planned_for is not None:
+        runtime.budget = (planned_for, include_params)  # NOTE [a plan is for the batch it measured] in ooc.runtime
     return model

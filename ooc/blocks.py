@@ -267,9 +267,26 @@ def by_saved_activations(model: nn.Module, found: list[Candidate], sample: Any) 
             joined = Candidate(found[a].containers + found[b].containers, chain, _param_bytes(chain.modules))
             options.append((joined, shares[a] + shares[b]))  # never running at once, they save apart
     best, best_share = max(options, key=lambda o: o[1])  # max() keeps the first of equals
-    if shares[0] >= _COVERAGE_TIE * best_share:
-        return found
-    return [best, *(c for c in found if c is not best)]
+    ranked = found if shares[0] >= _COVERAGE_TIE * best_share else [best, *(c for c in found if c is not best)]
+    order = {id(c): k for k, c in enumerate(found)}
+    return [in_run_order(c, [i for k, i in calls if k == order[id(c)]]) if id(c) in order else c for c in ranked]
+
+
+def in_run_order(candidate: Candidate, ran: list[int]) -> Candidate:
+    """``candidate`` with its blocks in the order one forward ran them, when it ran each once.
+
+    NOTE [containers in run order]
+    Containers are concatenated in declaration order, which need not be the order the forward runs
+    them: CLIP declares ``text_model`` before ``vision_model`` and encodes the image first, so its
+    chain of both towers' layers (one block class) was refused at the first training forward, with
+    a sample that had just shown the order. A chain whose blocks ran once each takes that order, its
+    containers too; one that ran otherwise stays as found, for the runtime's check to refuse."""
+    n = len(candidate.chain)
+    if ran == list(range(n)) or sorted(ran) != list(range(n)):
+        return candidate
+    chain = Chain(tuple(candidate.chain.modules[i] for i in ran), tuple(candidate.chain.names[i] for i in ran))
+    first_run = {c: min(k for k, name in enumerate(chain.names) if name.startswith(c + ".")) for c in candidate.containers}
+    return Candidate(tuple(sorted(candidate.containers, key=first_run.__getitem__)), chain, candidate.param_bytes)
 
 
 def with_stem(model: nn.Module, candidate: Candidate, sample: Any) -> Candidate:

@@ -1984,6 +1984,7 @@ class Checkpointer:
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
                  lazy: bool = True, timeout_s: float = 300.0) -> None:
+        _check_arguments(directory, model, optimizer, scheduler)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             # Checked here: retention runs on the writer thread, after a version is committed.
             raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
@@ -3012,6 +3013,24 @@ def _finish_writes_at_exit() -> None:
     register = getattr(threading, "_register_atexit", None)
     if register is not None:  # (else the daemon writers are stopped at exit, and a version in flight is lost)
         register(lambda: [c._finish_at_exit() for c in list(_WRITING)])
+
+
+def _check_arguments(directory: object, model: object, optimizer: object, scheduler: object) -> None:
+    """Refuse what ``Checkpointer`` cannot save, where it is made: arguments in another order
+    (``Checkpointer(d, opt, model)``) were taken, and the first ``save``, a training step later, raised
+    an AttributeError from deep inside."""
+    order = "the order is Checkpointer(directory, model, optimizer=None, *, scheduler=None, ...)"
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be an nn.Module, got {type(model).__name__}: {order}")
+    if optimizer is not None and not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
+        raise TypeError(f"optimizer must be a torch optimizer (param_groups, state_dict, load_state_dict) or None, "
+                        f"got {type(optimizer).__name__}: {order}")
+    if scheduler is not None and (hasattr(scheduler, "param_groups")
+                                  or not all(hasattr(scheduler, a) for a in ("state_dict", "load_state_dict"))):
+        raise TypeError(f"scheduler must be an LR scheduler (state_dict, load_state_dict) or None, got "
+                        f"{type(scheduler).__name__}: {order}")
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ValueError(f"{directory} is a file, not a directory: give Checkpointer the directory its versions go in")
 
 
 def _compiled_module(model: nn.Module) -> nn.Module:

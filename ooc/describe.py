@@ -12,7 +12,17 @@ from typing import Any
 
 import torch.nn as nn
 
-from ooc.blocks import Candidate, by_saved_activations, candidates, find_blocks, saved_shares, with_stem
+from ooc.blocks import (
+    Candidate,
+    Chain,
+    by_saved_activations,
+    candidates,
+    find_blocks,
+    in_run_order,
+    saved_shares,
+    with_stem,
+)
+from ooc.runtime import check_not_wrapped, is_wrapped, runtime_of
 from ooc.scheduler.units import format_bytes
 
 
@@ -66,8 +76,19 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     The model's gradients are untouched (no backward runs); buffers such as BatchNorm running
     statistics are updated by the forward as by any training forward.
     """
+    if sample is not None:
+        # A wrapped block saves through ooc's own hooks, which the measurement's hooks do not see (its
+        # shares read 0%), and a grad forward through the runtime is a training step to it (the
+        # first step that wrap(budget=...) without a sample measures).
+        check_not_wrapped(model, why="to measure what its forward saves (without a sample, describe works on a wrapped model)")
     found = candidates(model)
     chosen = find_blocks(model, blocks)
+    if blocks is None and is_wrapped(model):
+        # The chain the model runs (its stem included, when it was wrapped with a sample), not the one
+        # a fresh wrap without a sample would pick: the table starred that one beside the running chain.
+        chosen = runtime_of(model).chain
+        if not any(c.chain.modules == chosen.modules for c in found):
+            found.insert(0, _wrapped_candidate(chosen, found))
     if blocks is None and sample is not None and found:
         # The chain wrap(budget=..., sample=...) uses: the candidate (or candidates run one after the
         # other) holding the most saved activations, with its stem.
@@ -90,3 +111,18 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     ]
     rows.sort(key=lambda r: not r.chosen)
     return ChainReport(type(model).__name__, tuple(rows), total)
+
+
+def _wrapped_candidate(chain: Chain, found: list[Candidate]) -> Candidate:
+    """The running chain of a wrapped model as a row: the candidate it ends with, after its stem's
+    modules by name (NOTE [the stem joins the chain]); ``blocks=`` where it ends with none."""
+    params = {id(p): p for b in chain.modules for p in b.parameters()}
+    nbytes = sum(p.numel() * p.element_size() for p in params.values())
+    for c in found:
+        n = len(c.chain)
+        tail = chain.modules[-n:]
+        if len(chain) >= n and {id(m) for m in tail} == {id(m) for m in c.chain.modules}:
+            # In the order it runs (NOTE [containers in run order] in ooc.blocks).
+            ran = in_run_order(c, [next(i for i, m in enumerate(c.chain.modules) if m is b) for b in tail])
+            return Candidate(chain.names[:-n] + ran.containers, chain, nbytes)
+    return Candidate(("blocks=",), chain, nbytes)

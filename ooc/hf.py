@@ -74,8 +74,9 @@ def hf_checkpointing_error(where: str) -> WrapError:
     )
 
 
-def disable_caches(model: nn.Module) -> Callable[[], None]:
-    """Set ``use_cache=False`` on every config of ``model`` that has it on; return the undo."""
+def disable_caches(model: nn.Module, *, warn: bool = True) -> Callable[[], None]:
+    """Set ``use_cache=False`` on every config of ``model`` that has it on; return the undo. ``warn``:
+    say so (for a model left wrapped; a profile, which leaves the model as it found it, does not)."""
     configs = {}
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -83,7 +84,7 @@ def disable_caches(model: nn.Module) -> Callable[[], None]:
             configs[id(config)] = config
     for config in configs.values():
         config.use_cache = False
-    if configs:
+    if configs and warn:
         warnings.warn(
             f"ooc turned off use_cache on {type(model).__name__}'s config while it is wrapped: a recomputed layer "
             "would append to the key/value cache twice (NOTE [caches and recompute] in ooc.hf). ooc.unwrap turns it "

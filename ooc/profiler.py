@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -23,7 +22,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks, shared_parameter_ids
 from ooc.clock import Clock
 from ooc.codec_error import measure_codec_errors
-from ooc.errors import WrapError
+from ooc.errors import OocError, WrapError
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.rng import GeneratorStates, RngState, generators_in
@@ -46,12 +45,38 @@ def default_loss(output: Any) -> torch.Tensor:
 
 def call_model(model: nn.Module, sample: Any) -> Any:
     """``model(sample)``, ``model(*sample)`` for a tuple/list, ``model(**sample)`` for a mapping (a
-    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict)."""
+    dict, or a Hugging Face tokenizer's or collator's ``BatchEncoding``, which is not a dict).
+
+    An error of the forward (not ooc's own) gets a note saying how ooc called the model: a data
+    loader's ``(inputs, labels)`` pair passed as the sample became two arguments, and the error came
+    from deep inside the model (timm's ViT: "Expected attn_mask dtype to be bool or float")."""
+    try:
+        if isinstance(sample, Mapping):
+            return model(**sample)
+        if isinstance(sample, (tuple, list)):
+            return model(*sample)
+        return model(sample)
+    except OocError:
+        raise
+    except Exception as exc:
+        exc.add_note(_how_called(model, sample))
+        raise
+
+
+def _how_called(model: nn.Module, sample: Any) -> str:
+    def show(value: Any) -> str:
+        return f"Tensor{tuple(value.shape)}" if isinstance(value, torch.Tensor) else type(value).__name__
+
+    name = type(model).__name__
     if isinstance(sample, Mapping):
-        return model(**sample)
-    if isinstance(sample, (tuple, list)):
-        return model(*sample)
-    return model(sample)
+        call = f"{name}(**sample) with keywords {', '.join(f'{k}={show(v)}' for k, v in sample.items())}"
+    elif isinstance(sample, (tuple, list)):
+        call = f"{name}(*sample) with {len(sample)} argument(s) {', '.join(show(v) for v in sample)}"
+    else:
+        call = f"{name}(sample) with {show(sample)}"
+    return (f"ooc called {call}. A sample is one input as the model itself takes it: a tuple or list is its "
+            "positional arguments, a mapping its keywords; for a data loader's (inputs, labels) pair pass "
+            "sample=inputs")
 
 
 class ModelState:
@@ -135,6 +160,11 @@ class StepRecorder:
                 s.clear()
         self._started.clear()
 
+    def discard(self) -> None:
+        """Forget the times and the log so far (the log in place: the runtime's tracker appends to it)."""
+        self.clear_times()
+        self.log.clear()
+
     def medians(self) -> dict[str, list[float]]:
         """Per phase, each block's median seconds (0 where it was never timed)."""
         if self.clock.cuda:
@@ -168,6 +198,10 @@ class FirstStepRecorder(StepRecorder):
             self.sharing = SharingMeter(len(self.chain), skip_ptrs=state, device=self.backend.device)
         sharing = self.sharing
         return lambda tensor, role: sharing.note(block, tensor, role)
+
+    def discard(self) -> None:
+        super().discard()
+        self.sharing = None
 
     def finish(self) -> Profile:
         med = self.medians()
@@ -251,6 +285,10 @@ def profile(
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)
     state = ModelState(model, backend_obj.device)
+    # Every measurement runs as the runtime will, HF key/value caches off (they change a layer's ops),
+    # without a word: each runtime installed below finds them off already and says nothing either
+    # (it said so once per measurement, four times for one wrap(sample=...)).
+    restore_caches = disable_caches(model, warn=False)
     outputs = [0] * len(chain)
     handles = [
         m.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, _bytes(out)))
@@ -284,6 +322,7 @@ def profile(
         errors = _codec_errors(model, chain, recompute, backend_obj, sample, loss_fn) if codec_errors else None
         op_profiles = _op_profiles(model, chain, backend_obj, sample, reps) if ops else None
     finally:
+        restore_caches()
         state.restore()
         if not isinstance(backend, Backend):
             backend_obj.close()
@@ -303,16 +342,10 @@ def profile(
 
 
 def _op_profiles(model: nn.Module, chain, backend: Backend, sample: Any, reps: int) -> list[tuple[OpProfile, ...]]:  # noqa: ANN001
-    """Per block, its forward op by op, measured as the runtime will see it: with the model's
-    key/value caches off, as ``wrap`` turns them off (they change a layer's ops)."""
-    restore = disable_caches(model)
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # the warning is for models left wrapped; this one is not
-            return measure_ops(list(chain.modules), list(chain.names), lambda: call_model(model, sample),
-                               device=backend.device, reps=reps)
-    finally:
-        restore()
+    """Per block, its forward op by op, measured as the runtime will see it (``profile`` has turned the
+    model's key/value caches off, as ``wrap`` does)."""
+    return measure_ops(list(chain.modules), list(chain.names), lambda: call_model(model, sample),
+                       device=backend.device, reps=reps)
 
 
 def _codec_errors(model: nn.Module, chain, plan: Plan, backend: Backend, sample: Any, loss_fn) -> list[dict[str, float]]:  # noqa: ANN001

@@ -18,6 +18,7 @@ frees its kept bytes (NOTE [kept tensors are detached] in ``ooc.saved`` keeps th
 from __future__ import annotations
 
 import contextlib
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -40,6 +41,7 @@ from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStora
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
+from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer, StreamedView
 from ooc.tracker import MemoryReport, MemoryTracker
 
@@ -69,6 +71,10 @@ class Recorder(Protocol):
     def finish(self) -> Any:
         """What a deferred plan is chosen from (``Runtime.begin_deferred``), at the end of the step."""
 
+    def discard(self) -> None:
+        """Forget every report so far: they were of a forward whose graph was dropped without a
+        backward (NOTE [a forward dropped before the measured step])."""
+
     def observer(self, block: int) -> Callable[[torch.Tensor, str], None] | None:
         """Called with each tensor argument ("input") and saved tensor ("saved") of a recomputed
         block's forward (``run_recomputed``'s ``observe``), or None."""
@@ -89,6 +95,9 @@ class _NoRecorder:
     def observer(self, block: int) -> None:
         """What a recomputed block's forward reports its tensors to (none)."""
         return None
+
+    def discard(self) -> None:
+        pass
 
 
 def _state_tensors(model: nn.Module) -> list[torch.Tensor]:
@@ -443,7 +452,9 @@ class _Pass:
             self.bwd_range = None
         self.rt.steps += 1
         if self.rt.deferred is not None:
-            self.rt.finish_deferred()
+            self.rt.finish_deferred()  # this step ran the measuring plan, not one chosen for the budget
+        else:
+            self.rt.check_budget()
 
 
 def _refuse_copy(_self: object, _protocol: int = 2) -> Any:
@@ -612,6 +623,11 @@ class _BlockForward:
         return out
 
 
+class BudgetExceededWarning(UserWarning):
+    """A step's device-resident saved activations (with ``include_params``, plus parameters) went over
+    the budget its plan was chosen for (NOTE [a plan is for the batch it measured])."""
+
+
 class Runtime:
     """Everything ``wrap`` installs on one model."""
 
@@ -634,6 +650,9 @@ class Runtime:
         self.timer: Recorder | _NoRecorder = _NoRecorder()
         """The attached recorder (``record``), whose hooks the blocks call."""
         self.steps = 0
+        self.budget: tuple[int, bool] | None = None
+        """``(bytes, include_params)`` of the budget the plan was chosen for by ``wrap``, else None;
+        checked after each backward (``check_budget``) until one step goes over it."""
         self.deferred: Callable[[], Plan] | None = None
         self._current: weakref.ref[_Pass] | None = None
         """The pass of the latest forward, held by its graph alone (NOTE [one step, as the runtime sees it])."""
@@ -680,6 +699,15 @@ class Runtime:
 
     def pass_for(self, block: int) -> _Pass:
         current = None if self._current is None else self._current()
+        if current is None and self._current is not None and self.deferred is not None:
+            # NOTE [a forward dropped before the measured step]
+            # The first training step of wrap(budget=...) without a sample is measured for the plan.
+            # A forward before it whose graph died without a backward (a validation loss without
+            # no_grad, in train or eval mode) is no part of that step: its records went into the
+            # profile beside the step's (each block's input bytes doubled, its times mixed with an
+            # eval forward's). A forward while an earlier graph is alive (two forwards, one backward)
+            # is part of the step, and stays.
+            self.timer.discard()
         if current is None or block <= current.last_forward:
             current = _Pass(self)
             self._current = weakref.ref(current)
@@ -777,6 +805,38 @@ class Runtime:
             self._restore_streamer()
             self.streamer = self._make_streamer(plan)
 
+    def check_budget(self) -> None:
+        """NOTE [a plan is for the batch it measured]
+        A plan chosen for a budget fits the saved activations of the batch its profile measured (the
+        sample, or the first training step): their bytes grow with the batch and the sequence length,
+        and nothing re-plans. A larger batch or a longer sequence went over the budget without a word
+        (4x the batch, 4x the bytes: an out-of-memory error on the device, or none on the CPU). So does a
+        training forward under ``torch.autocast`` planned from a sample profiled without it: each block
+        saves its weights' low-precision copies too (a ResNet-18 at batch 2 under CPU bf16 autocast: 18.5
+        MiB against a plan for 500 KiB), and a model profiled in eval mode (Hugging Face's from_pretrained
+        returns it so) that trains in train mode: dropout saves its masks (``ooc.plan`` and ``wrap`` warn
+        of eval mode before they profile). So a step whose tracked peak exceeds the budget warns, once per
+        wrap, saying how to plan for the largest batch."""
+        if self.budget is None:
+            return
+        budget, include_params = self.budget
+        report = self.tracker.report(0, None)
+        peak = report.peak_bytes + (report.param_peak_bytes if include_params else 0)
+        if peak <= budget:
+            return
+        self.budget = None
+        what = "parameters and saved activations" if include_params else "saved activations"
+        warnings.warn(
+            f"this step's {what} on the device peaked at {format_bytes(peak)}, over the budget of "
+            f"{format_bytes(budget)} the plan was chosen for: a plan fits the batch it was profiled on, and this "
+            "forward saves more (a larger batch, a longer sequence, train mode where the profile ran in eval mode, or "
+            "torch.autocast that the profile ran without: its low-precision copies of the weights are saved too). Plan "
+            "for the largest batch: ooc.unwrap(model), then ooc.wrap(model, budget=..., sample=<the largest batch>), in "
+            "train mode and under the training forward's autocast (NOTE [a plan is for the batch it measured] in "
+            "ooc.runtime). Said once per wrap.",
+            BudgetExceededWarning, stacklevel=2,
+        )
+
     def _restore_streamer(self) -> None:
         """Streamed weights back to the device for good (NOTE [weights move at rest])."""
         if self.streamer.blocks:
@@ -787,12 +847,11 @@ class Runtime:
         return self.tracker.report(self.pool.allocated_bytes, self.backend.max_memory_allocated())
 
 
-def check_trainable(model: nn.Module) -> None:
-    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
-    if not isinstance(model, nn.Module):
-        raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
+def check_not_wrapped(model: nn.Module, *, why: str = "to change its plan") -> None:
+    """Raise :class:`WrapError` if ``model``, a module inside it or a model around it is wrapped;
+    ``why`` ends the advice to unwrap first."""
     if model in _RUNTIMES:
-        raise WrapError("this model is already wrapped by ooc; call ooc.unwrap(model) first to change its plan")
+        raise WrapError(f"this model is already wrapped by ooc; call ooc.unwrap(model) first {why}")
     inside = set(model.modules())
     for wrapped in list(_RUNTIMES.keys()):
         if wrapped in inside:
@@ -801,6 +860,13 @@ def check_trainable(model: nn.Module) -> None:
         if any(m is model for m in wrapped.modules()):
             raise WrapError(f"this module is inside a model ({type(wrapped).__name__}) already wrapped by ooc; "
                             "call ooc.unwrap on that model first, or wrap only one of the two")
+
+
+def check_trainable(model: nn.Module) -> None:
+    """Raise :class:`WrapError` unless ``model`` is an unwrapped module with something to train."""
+    if not isinstance(model, nn.Module):
+        raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
+    check_not_wrapped(model)
     check_no_hf_checkpointing(model)
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(

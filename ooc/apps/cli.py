@@ -26,6 +26,18 @@ def _hardware(spec: str | None, default: str = "cpu"):
     return preset(spec)
 
 
+def _output_file(value: str) -> str:
+    """An argparse ``type`` for a file a command writes when its work is done: a missing folder failed
+    only then (``ooc train --out`` after the whole run, ``ooc profile --out`` naming its ``.tmp`` file),
+    so the path is checked before the work starts."""
+    path = Path(value)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{value} is a directory; give a file name in it")
+    if not path.parent.is_dir():
+        raise argparse.ArgumentTypeError(f"no directory {path.parent} to write {path.name} into; create it first")
+    return value
+
+
 def _demo(args: argparse.Namespace) -> int:
     from ooc.apps.demo import run_demo
 
@@ -283,7 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--flash-attention", action="store_true", help="analytic transformers: fused attention, scores never materialised")
     prof.add_argument("--ops", action="store_true",
                       help="measured models: also time each block's forward op by op (for the op-level planner)")
-    prof.add_argument("--out", help="write the profile JSON here")
+    prof.add_argument("--out", type=_output_file, help="write the profile JSON here")
     prof.set_defaults(run=_profile)
 
     plan = sub.add_parser("plan", help="choose a plan for a profile under a budget; compare every planner")
@@ -296,15 +308,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="swapped blocks whose copies back may be in flight at once (default %(default)s)")
     plan.add_argument("--include-params", action="store_true",
                       help="the budget covers parameters too; stream some blocks' parameters from the host")
-    plan.add_argument("--out", help="write the chosen plan JSON here")
+    plan.add_argument("--out", type=_output_file, help="write the chosen plan JSON here")
     plan.set_defaults(run=_plan)
 
     sim = sub.add_parser("simulate", help="predict a plan's step; draw its timeline; or check the model against runs")
     sim.add_argument("--profile", help="a profile JSON from `ooc profile --out`")
     sim.add_argument("--plan", help="a plan JSON from `ooc plan --out`, for the same model as --profile")
     sim.add_argument("--hardware", help=_hardware_help())
-    sim.add_argument("--timeline", help="write a PNG Gantt chart with the memory curve")
-    sim.add_argument("--trace", help="write a Chrome/Perfetto trace JSON")
+    sim.add_argument("--timeline", type=_output_file, help="write a PNG Gantt chart with the memory curve")
+    sim.add_argument("--trace", type=_output_file, help="write a Chrome/Perfetto trace JSON")
     sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed)")
     sim.add_argument("--reps", type=int, default=10, help="--check: measured steps per plan (default %(default)s)")
     sim.set_defaults(run=_simulate)
@@ -339,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--no-pipeline", action="store_true",
                     help="update in step() after the backward (faster where compute already uses every core)")
     tr.add_argument("--timeout", type=float, default=60.0, help="seconds a collective may wait for a peer")
-    tr.add_argument("--out", help="write losses and step times as JSON (rank 0)")
+    tr.add_argument("--out", type=_output_file, help="write losses and step times as JSON (rank 0)")
     tr.add_argument("--save", help="checkpoint directory: a version at the end (and every --save-every steps)")
     tr.add_argument("--save-every", type=int, default=0, help="also save a version every N steps (0: only at the end)")
     tr.add_argument("--keep", type=int, default=3, help="versions kept in --save's directory")
@@ -370,13 +382,13 @@ def build_parser() -> argparse.ArgumentParser:
     part.add_argument("--batch", type=int, default=8, help="batch of a captured reference model")
     part.add_argument("--seq", type=int, default=64, help="sequence length of a captured GPT")
     part.add_argument("--export-pardnn", metavar="DIR", help="write the graph in ParDNN's format (with settings.json)")
-    part.add_argument("--gantt", metavar="PNG", help="draw the best placement: ops per device, copies per link, memory")
-    part.add_argument("--placement", metavar="FILE", help="write the best placement as ParDNN's `name device` lines")
+    part.add_argument("--gantt", metavar="PNG", type=_output_file, help="draw the best placement: ops per device, copies per link, memory")
+    part.add_argument("--placement", metavar="FILE", type=_output_file, help="write the best placement as ParDNN's `name device` lines")
     part.set_defaults(run=_partition)
 
     cal = sub.add_parser("calibrate", help="measure this machine's copy engines and host optimizer rate")
     cal.add_argument("--backend", default="auto", help="auto (cuda if there is a GPU, else cpu), cuda or cpu")
-    cal.add_argument("--out", help="write the hardware JSON here")
+    cal.add_argument("--out", type=_output_file, help="write the hardware JSON here")
     cal.set_defaults(run=_calibrate)
 
     doc = sub.add_parser("doctor", help="first contact with a GPU machine: run every check and write doctor.md/doctor.json")

@@ -4,6 +4,7 @@ that forces a mix of keep, swap and recompute, and show what it cost."""
 from __future__ import annotations
 
 import copy
+import math
 import os
 import statistics
 import time
@@ -15,10 +16,14 @@ import torch
 from tqdm import tqdm
 
 import ooc
-from ooc.api import hardware_for, plan_for_profile
+from ooc.api import DEFAULT_PLANNER, hardware_for, plan_for_profile
 from ooc.backend import resolve_backend
 from ooc.blocks import find_blocks
+from ooc.errors import BudgetError
 from ooc.models.gpt import GPT, GPT_PRESETS, GPTConfig
+from ooc.scheduler.hardware import Hardware
+from ooc.scheduler.plan import Plan
+from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import build_schedule
 from ooc.scheduler.units import format_bytes
 
@@ -107,6 +112,23 @@ def sample_text(model: GPT, data: CharData, prompt: str, length: int, generator:
     return data.decode(ids[0])
 
 
+def plan_for_fraction(prof: Profile, fraction: float, *, hardware: Hardware, option: str,
+                      planner: str = DEFAULT_PLANNER) -> tuple[Plan, int, int]:
+    """A plan for a budget of ``fraction`` of the keep-all peak (every block's saved bytes), with that
+    budget and peak. Where nothing fits, the ``BudgetError`` also names the smallest fraction that does,
+    as the command's ``option`` takes it (``"--budget-fraction {}"``): its message named bytes alone,
+    which neither ``ooc demo --budget-fraction`` nor ``ooc train --plan budget:<fraction>`` takes."""
+    keep_peak = sum(b.saved_bytes for b in prof.blocks)
+    budget = int(keep_peak * fraction)
+    try:
+        return plan_for_profile(prof, budget, hardware=hardware, planner=planner), budget, keep_peak
+    except BudgetError as exc:
+        smallest = math.ceil(exc.minimum_bytes / keep_peak * 1000) / 1000
+        raise BudgetError(exc.budget_bytes, exc.minimum_bytes, f"({option.format('<fraction>')} takes a fraction of "
+                          f"the keep-all peak, {format_bytes(keep_peak)}: the smallest that fits here is "
+                          f"{option.format(f'{smallest:g}')})") from None
+
+
 def run_demo(
     *,
     steps: int = 300,
@@ -150,9 +172,8 @@ def _train(steps: int, batch_size: int, budget_fraction: float, planner: str, se
 
     backend = resolve_backend("auto", model)
     prof = ooc.profile(model, sample, backend=backend)
-    keep_peak = sum(b.saved_bytes for b in prof.blocks)
-    budget = int(keep_peak * budget_fraction)
-    plan = plan_for_profile(prof, budget, hardware=hardware_for(None, backend), planner=planner)
+    plan, budget, keep_peak = plan_for_fraction(prof, budget_fraction, hardware=hardware_for(None, backend),
+                                                planner=planner, option="--budget-fraction {}")
     predicted = build_schedule(plan, prof).peak_bytes
     show(f"budget for saved activations: {format_bytes(budget)} "
          f"({budget_fraction:.0%} of the {format_bytes(keep_peak)} that keeping everything needs)")

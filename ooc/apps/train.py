@@ -23,9 +23,9 @@ import torch.distributed as dist
 from tqdm import tqdm
 
 import ooc
-from ooc.api import hardware_for, plan_for_profile
+from ooc.api import hardware_for
 from ooc.apps.cli import INTERRUPTED
-from ooc.apps.demo import CharData, load_text
+from ooc.apps.demo import CharData, load_text, plan_for_fraction
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
     Checkpointer,
@@ -166,8 +166,8 @@ def _resolve_plan(cfg: TrainConfig, model: GPT, sample: tuple[torch.Tensor, torc
                 prof = ooc.profile(model, sample, backend=backend)
             finally:
                 backend.close()
-            budget = int(sum(b.saved_bytes for b in prof.blocks) * fraction)
-            chosen[0] = plan_for_profile(prof, budget, hardware=hardware_for(None, backend)).to_json()
+            plan, _, _ = plan_for_fraction(prof, fraction, hardware=hardware_for(None, backend), option="--plan budget:{}")
+            chosen[0] = plan.to_json()
         else:
             path = Path(cfg.plan)
             if not path.is_file():

@@ -75,3 +75,39 @@ def test_profile_prints_sizes_as_the_plan_table_does(capsys) -> None:  # noqa: A
 
     assert main(["profile", "--analytic", "gpt2-xl", "--seq", "1024", "--hardware", "h100-sxm"]) == 0
     assert "  layers.0: fwd 2.350 ms, bwd 4.700 ms, saved 2.78 GiB, input 50.00 MiB\n" in capsys.readouterr().out
+
+
+def test_an_output_file_in_a_missing_folder_is_refused_before_the_work(tmp_path, capsys, monkeypatch) -> None:  # noqa: ANN001
+    """`ooc profile --out`, `ooc plan --out`, `ooc simulate --timeline/--trace` and `ooc train --out` did
+    their work (a whole training run for `train`) and then failed on the folder, `profile` naming its
+    `.tmp` file; `ooc calibrate --out` and `ooc partition --gantt/--placement` alike."""
+    import pytest
+
+    from ooc.apps.cli import main
+
+    def never(*_args, **_kwargs):  # noqa: ANN002, ANN003, ANN202
+        raise AssertionError("the work started")
+
+    monkeypatch.setattr("ooc.profile", never)
+    monkeypatch.setattr("ooc.calibrate.calibrate", never)
+    monkeypatch.setattr("ooc.apps.train.main", never)
+    monkeypatch.setattr("ooc.apps.partition.run_partition", never)
+    profile = str(Path(__file__).resolve().parents[2] / "profiles" / "analytic-h100-sxm-gpt2-xl-s1024.json")
+    missing = tmp_path / "no-such-folder" / "x.json"
+    for argv in (["profile", "--model", "mlp", "--out", str(missing)],
+                 ["plan", "--profile", profile, "--budget", "20GiB", "--out", str(missing)],
+                 ["simulate", "--profile", profile, "--plan", profile, "--timeline", str(missing)],
+                 ["simulate", "--profile", profile, "--plan", profile, "--trace", str(missing)],
+                 ["train", "--steps", "1", "--out", str(missing)],
+                 ["calibrate", "--out", str(missing)],
+                 ["partition", "--gantt", str(missing)],
+                 ["partition", "--placement", str(missing)]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2, argv
+        assert f"no directory {missing.parent} to write x.json into; create it first" in capsys.readouterr().err, argv
+    with pytest.raises(SystemExit):
+        main(["plan", "--profile", profile, "--budget", "20GiB", "--out", str(tmp_path)])
+    assert f"{tmp_path} is a directory; give a file name in it" in capsys.readouterr().err
+    assert main(["plan", "--profile", profile, "--budget", "20GiB", "--out", str(tmp_path / "q.json")]) == 0
+    assert (tmp_path / "q.json").is_file()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from ooc.apps.cli import main
@@ -35,3 +36,28 @@ def test_resume_with_another_preset_names_the_preset_it_was_saved_with(tmp_path:
     assert capsys.readouterr().err == (
         f"ooc train: rank 0: error: --resume {save}: its newest version (step 1) is of --preset nano, this run builds "
         "--preset tiny; run with --preset nano, or --save into another directory to train a new model\n")
+
+
+def test_a_budget_fraction_nothing_fits_says_which_fraction_does(capsys) -> None:
+    """`--plan budget:0.01` said "Raise the budget to at least 96.75 KiB": a size the option does not take
+    (it takes a fraction of the keep-all peak), left for the user to divide."""
+    args = ["train", "--preset", "nano", "--steps", "1", "--batch-size", "2", "--seq", "16", "--no-progress"]
+    assert main([*args, "--plan", "budget:0.01"]) == 1
+    err = capsys.readouterr().err
+    assert "no plan fits a budget of 3.39 KiB" in err
+    found = re.search(r"\(--plan budget:<fraction> takes a fraction of the keep-all peak, ([0-9.]+ KiB): the smallest "
+                      r"that fits here is --plan budget:([0-9.]+)\)$", err)
+    assert found and found.group(1) == "339.00 KiB", err
+    fraction = float(found.group(2))
+    assert 0.01 < fraction <= 1
+    # The smallest peak moves by some bytes from profile to profile (the swaps' timing): a little above it.
+    assert main([*args, "--plan", f"budget:{min(1.0, fraction + 0.02):g}"]) == 0
+
+
+def test_a_demo_budget_fraction_nothing_fits_says_which_fraction_does(capsys) -> None:
+    """`ooc demo --budget-fraction 0.01` said "Raise the budget to at least 13.52 MiB", a size it does not take."""
+    assert main(["demo", "--steps", "10", "--budget-fraction", "0.01", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    found = re.search(r"\(--budget-fraction <fraction> takes a fraction of the keep-all peak, [0-9.]+ MiB: the smallest "
+                      r"that fits here is --budget-fraction ([0-9.]+)\)$", err.strip())
+    assert found and 0.01 < float(found.group(1)) <= 1, err

@@ -242,3 +242,45 @@ def test_describe_reports_each_chain_with_its_shares() -> None:
     assert "stem + layer1 + layer2" in str(report)
     without_sample = ooc.describe(model).chosen
     assert without_sample.containers == ("layer1", "layer2") and without_sample.saved_share is None
+
+
+def test_describe_of_a_wrapped_model_stars_the_chain_it_runs() -> None:
+    """Wrapped with a sample, a ResNet runs its stem as the chain's first block; ``describe(model)``
+    starred the chain a wrap without a sample would find (the blocks alone), beside the one running."""
+    model = ResNet(widths=(8, 16, 32), depth_per_stage=2)
+    sample = torch.randn(2, 3, 16, 16)
+    plain = ooc.describe(model, sample).chosen
+    assert plain.containers == ("stem", "blocks")
+    ooc.wrap(model, budget="1GiB", sample=sample)
+    try:
+        report = ooc.describe(model)
+        assert report.chosen.containers == ("stem", "blocks") and report.chosen.blocks == plain.blocks
+        assert report.chosen.blocks == len(ooc.runtime.runtime_of(model).chain)
+        assert [c.containers for c in report.chains if not c.chosen] == [("blocks",)]
+    finally:
+        ooc.unwrap(model)
+    ooc.wrap(model, blocks=list(model.blocks)[1:])
+    try:
+        assert ooc.describe(model).chosen.containers == ("blocks=",)
+    finally:
+        ooc.unwrap(model)
+
+
+def test_describe_with_a_sample_refuses_a_wrapped_model() -> None:
+    """A wrapped block saves through ooc's hooks, which describe's measurement does not see: on a wrapped
+    GPT it reported the chain's share of the saved bytes as 0.0%, and a forward through the runtime,
+    the first step wrap(budget=...) measures. Without a sample it still describes the chain."""
+    model = GPT("nano")
+    sample = torch.randint(0, 57, (2, 8))
+    plain = ooc.describe(model, sample).chosen.saved_share
+    assert plain is not None and plain > 0.5
+    ooc.wrap(model, budget="1MiB")
+    try:
+        with pytest.raises(ooc.WrapError, match="already wrapped.*unwrap"):
+            ooc.describe(model, sample)
+        with pytest.raises(ooc.WrapError, match="inside a model"):
+            ooc.describe(model.blocks[0], torch.randn(2, 8, model.config.n_embd))
+        assert ooc.describe(model).chosen.blocks == 4
+    finally:
+        ooc.unwrap(model)
+    assert ooc.describe(model, sample).chosen.saved_share == pytest.approx(plain)

@@ -878,3 +878,30 @@ def test_synchronize_save_and_export_mid_training_leave_the_delayed_schedule_alo
     assert losses == expected
     assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
     assert all(torch.equal(a, b) for a, b in zip(masters, plain_masters))
+
+
+def test_arguments_in_the_wrong_order_or_a_file_for_the_directory_are_refused_at_once(tmp_path: Path) -> None:
+    """``Checkpointer(d, opt, model)``, ``Checkpointer(d, model, model)`` or a scheduler passed as the
+    optimizer were taken, and the first ``save`` (a training step later) raised an AttributeError
+    ("'AdamW' object has no attribute 'named_parameters'"); a directory that is a file, a bare
+    FileExistsError there. Each is refused where it is made, naming the expected order."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1)
+    for args, kwargs, message in (
+        ((opt, model), {}, r"model must be an nn.Module, got AdamW: the order is Checkpointer\(directory, model, optimizer"),
+        (("model", opt), {}, "model must be an nn.Module, got str"),
+        ((model, model), {}, "optimizer must be a torch optimizer .* got Linear"),
+        ((model, sched), {}, "optimizer must be a torch optimizer .* got StepLR"),
+        ((model, opt), {"scheduler": opt}, "scheduler must be an LR scheduler .* got AdamW"),
+    ):
+        with pytest.raises(TypeError, match=message):
+            Checkpointer(tmp_path / "ckpt", *args, **kwargs)
+    afile = tmp_path / "notes.txt"
+    afile.write_text("x")
+    with pytest.raises(ValueError, match="is a file, not a directory"):
+        Checkpointer(afile, model, opt)
+    ckpt = Checkpointer(tmp_path / "ckpt", model, opt, scheduler=sched)  # the right order still works
+    ckpt.save(0)
+    ckpt.close()
+    assert _steps(tmp_path / "ckpt") == [0]

@@ -251,6 +251,28 @@ def test_the_first_step_is_planned_from_its_own_profile(gpt, monkeypatch) -> Non
     assert [[getattr(b, f) for f in fields] for b in seen[0].blocks] == [[getattr(b, f) for f in fields] for b in prof.blocks]
 
 
+@pytest.mark.parametrize("before", ["validation", "eval-validation"])
+def test_a_forward_dropped_before_the_first_step_is_not_in_its_profile(gpt, monkeypatch, before: str) -> None:
+    """A validation forward without ``no_grad`` (README: it works) before the first training step of
+    ``wrap(budget=...)``: its graph dropped unused, the recorder kept its records and the first step's
+    profile held both forwards' (every block's input bytes doubled, its times mixed). The profile the
+    plan comes from is the training step's alone."""
+    model, _, batch = gpt
+    prof = ooc.profile(model, batch)
+    seen = []
+    planner = ooc.api.plan_for_profile
+    monkeypatch.setattr(ooc.api, "plan_for_profile", lambda p, *a, **k: seen.append(p) or planner(p, *a, **k))
+    ooc.wrap(model, budget=sum(b.saved_bytes for b in prof.blocks), backend="cpu")
+    model.train(before == "validation")
+    model(*batch)[1].item()  # a validation loss read; its graph is dropped
+    model.train()
+    model(*batch)[1].backward()
+    ooc.unwrap(model)
+    assert len(seen) == 1
+    fields = ("saved_bytes", "swappable_bytes", "input_bytes", "input_swappable_bytes", "param_bytes", "compressed")
+    assert [[getattr(b, f) for f in fields] for b in seen[0].blocks] == [[getattr(b, f) for f in fields] for b in prof.blocks]
+
+
 def test_no_hardware_on_a_gpu_warns_which_preset_is_assumed() -> None:
     gpu = SimpleNamespace(device=torch.device("cuda", 0))  # a device object; CUDA is never touched
     with pytest.warns(UserWarning, match=r"planning for the 'h100-sxm' preset.*hardware=.*ooc calibrate"):
@@ -259,3 +281,17 @@ def test_no_hardware_on_a_gpu_warns_which_preset_is_assumed() -> None:
         warnings.simplefilter("error")
         assert hardware_for(None, SimpleNamespace(device=torch.device("cpu"))) == preset("cpu")
         assert hardware_for("h200", gpu) == preset("h200")
+
+
+@pytest.mark.parametrize("plan, hint", [
+    ("20GiB", r"got str \('20GiB'\): for a budget, pass it by name, ooc.wrap\(model, budget='20GiB'\)"),
+    (2**30, r"got int \(1073741824\): for a budget, pass it by name, ooc.wrap\(model, budget=1073741824\)"),
+    (["keep", "recompute"], r"got list; ooc.Plan.of\(\[...\]\) makes one from policy names"),
+])
+def test_a_budget_or_a_list_given_as_the_plan_says_what_to_write(gpt, plan, hint: str) -> None:
+    """``ooc.wrap(model, "20GiB")``: the budget went to ``plan``, the second argument, and the error said only
+    "plan must be an ooc.scheduler.Plan, got str"."""
+    model, reference, batch = gpt
+    with pytest.raises(ooc.WrapError, match=r"plan must be an ooc.scheduler.Plan, " + hint):
+        ooc.wrap(model, plan)
+    _assert_untouched_and_trainable(model, reference, batch)

@@ -158,3 +158,76 @@ def test_kept_tensors_are_dead_when_released() -> None:
     assert sorted(alive_after) == [0, 1, 2, 3]
     assert all(not any(flags) for flags in alive_after.values()), alive_after
     assert all(ref() is None for refs in registry for ref in refs)
+
+
+def _budget_warnings(model, batch) -> list[str]:  # noqa: ANN001
+    import warnings
+
+    from ooc.runtime import BudgetExceededWarning
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(*batch)[1].backward()
+    model.zero_grad(set_to_none=True)
+    return [str(w.message) for w in caught if issubclass(w.category, BudgetExceededWarning)]
+
+
+@pytest.mark.parametrize("with_sample", [True, False], ids=["sample", "first-step"])
+def test_a_batch_larger_than_the_planned_one_says_it_went_over_the_budget(with_sample: bool) -> None:
+    """NOTE [a plan is for the batch it measured]: a plan chosen for a budget on a batch of 2 held 4x the
+    budget's bytes on a batch of 8 (on a GPU an out-of-memory error, on the CPU nothing), without a word.
+    It says so once, naming the peak and the budget; the planned batch stays quiet."""
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    small, large = gpt_batch(batch=2, seq=16), gpt_batch(batch=8, seq=32)
+    budget = 120 * 1024
+    ooc.wrap(model, budget=budget, sample=small if with_sample else None)
+    try:
+        for _ in range(2):
+            assert _budget_warnings(model, small) == []
+            assert ooc.memory_report(model).peak_bytes <= budget
+        said = _budget_warnings(model, large)
+        peak = ooc.memory_report(model).peak_bytes
+        assert peak > 4 * budget
+        assert len(said) == 1 and "over the budget of 120.00 KiB" in said[0] and "sample=<the largest batch>" in said[0]
+        assert _budget_warnings(model, large) == []  # once per wrap
+    finally:
+        ooc.unwrap(model)
+
+
+def test_a_given_plan_has_no_budget_to_go_over() -> None:
+    """``plan=`` wins over ``budget=`` (wrap's docstring): the budget then describes nothing."""
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    ooc.wrap(model, ooc.Plan.uniform("keep", 4), budget=1024)
+    try:
+        assert _budget_warnings(model, gpt_batch(batch=2, seq=16)) == []
+    finally:
+        ooc.unwrap(model)
+
+
+def test_a_model_profiled_in_eval_mode_is_warned_of_before_it_trains_over_the_budget() -> None:
+    """Hugging Face's ``from_pretrained`` returns a model in eval mode and ``Trainer`` trains it in train mode:
+    ``wrap(budget=..., sample=...)`` profiled the eval forward, which saves no dropout masks, and the
+    training steps went over the budget without a word. ``wrap`` and ``ooc.plan`` now say so before they
+    profile, at the caller's line; the training step then says it went over."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = GPT(NANO).eval()  # dropout 0.1
+    batch = gpt_batch(batch=2, seq=16)
+    with pytest.warns(UserWarning, match=r"GPT is in eval mode.*Call model.train\(\) before ooc.wrap") as caught:
+        ooc.wrap(model, budget=150 * 1024, sample=batch)
+    assert [w.filename for w in caught if "eval mode" in str(w.message)] == [__file__]
+    try:
+        model.train()
+        said = _budget_warnings(model, batch)
+        assert len(said) == 1 and "train mode where the profile ran in eval mode" in said[0]
+    finally:
+        ooc.unwrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ooc.plan(model, batch, budget="1GiB")  # train mode: nothing to say
+    with pytest.warns(UserWarning, match="eval mode") as caught:
+        ooc.plan(model.eval(), batch, budget="1GiB")
+    assert caught[0].filename == __file__

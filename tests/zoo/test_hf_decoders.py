@@ -63,3 +63,30 @@ def test_hf_gradient_checkpointing_is_refused_with_the_fix() -> None:
     model.gradient_checkpointing_disable()
     ooc.wrap(model)
     ooc.unwrap(model)
+
+
+def test_wrap_with_a_sample_says_once_that_the_cache_is_off() -> None:
+    """NOTE [caches and recompute] says so once: ``wrap(budget=..., sample=...)`` said it four times, once
+    per runtime its profile installed for a measurement (and then once more for the model left wrapped);
+    ``ooc.profile`` and ``ooc.plan``, which leave the model unwrapped, said it three times."""
+    import warnings
+
+    torch.manual_seed(0)
+    model = _llama("sdpa").train()
+    x = torch.randint(0, VOCAB, (2, 8))
+    sample = {"input_ids": x, "labels": x}
+
+    def cache_warnings(call) -> int:  # noqa: ANN001
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            call()
+        return sum("use_cache" in str(w.message) for w in caught)
+
+    assert cache_warnings(lambda: ooc.plan(model, sample, budget="1GiB")) == 0
+    assert model.config.use_cache is True
+    assert cache_warnings(lambda: ooc.wrap(model, budget="1GiB", sample=sample)) == 1
+    try:
+        assert model.config.use_cache is False
+    finally:
+        ooc.unwrap(model)
+    assert model.config.use_cache is True
