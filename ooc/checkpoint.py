@@ -206,7 +206,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ooc.distributed import ranks_not_arrived
+from ooc.distributed import announce, ranks_announced, ranks_not_arrived
 from ooc.errors import OocError
 from ooc.optim.stages import Stage
 
@@ -219,6 +219,11 @@ _VERSION_RE = re.compile(r"^step-(\d{9,})$")
 _OTHERS_LAG = 3
 """Versions a rank commits after one still incomplete before it says the other ranks do not save
 (NOTE [every rank saves])."""
+_CLOSED_GRACE_S = 2.0
+"""How long ``close`` still looks for the record of a rank that closed without it in this rank's
+folder, before it says so (NOTE [every rank commits where this rank does])."""
+_RECORD_POLL_S = 0.05
+"""How often ``close`` looks for the other ranks' records and reads the store while it waits."""
 _MOVED_ASIDE_RE = re.compile(r"^step-\d{9,}\.damaged-\d+(-\d+)?$")
 _SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
 """A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
@@ -2017,6 +2022,8 @@ class Checkpointer:
         """The directory's key in ``_HOLDERS`` while this Checkpointer holds it."""
         """Lets go of the directory's lock if this Checkpointer is collected unclosed."""
         self._last_saved: int | None = None
+        self._committed_step: int | None = None
+        """The step of the last version this rank committed (NOTE [every rank commits where this rank does])."""
         """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
@@ -2156,6 +2163,64 @@ class Checkpointer:
             f"{self.world} ranks every rank must make a Checkpointer on this directory and call save() at the same "
             "steps (not only rank 0): a version is complete, and restores, only with every rank's record"
         )
+
+    def _check_every_rank_committed(self) -> None:
+        """Raise unless every rank commits its record of the last version this rank committed.
+
+        NOTE [every rank commits where this rank does]
+        Ranks saving into directories of their own (``Checkpointer(f"{root}/r{rank}", ...)``, or
+        one path on hosts that share no file system) each wrote their records into a folder no
+        other rank wrote into: no version was ever complete, and every save, wait and close
+        returned. NOTE [every rank saves] caught it only ``_OTHERS_LAG`` saves later, so a run that
+        saved at its end alone, or a few times, lost its checkpoint without a word. So ``close``,
+        with a process group of ``world`` ranks, waits up to ``timeout_s`` for the other ranks'
+        records of the last version this rank committed (a rank that shares the folder and saves
+        the same steps writes its own soon: only a rank slower by a version's write is waited for),
+        and raises naming the ranks whose records did not come. It need not wait that long: a rank
+        that closes on a version whose records are incomplete first announces it on the group's
+        store (``announce``, counted per rank, so that the n-th such closes meet), after its own
+        write is committed, so a rank that shares the folder has its record there by then. Once
+        every missing rank has announced, the records still missing are looked for during
+        ``_CLOSED_GRACE_S`` more (for a file system that caches a folder's names a short while),
+        and then the error is raised: on ranks in directories of their own, within about that
+        grace. A rank whose version is complete reads and writes nothing on the store, so a correct
+        run's close never needs rank 0's process (which serves the store) to be alive; one that
+        cannot read the store waits up to ``timeout_s`` on the files alone. Not in ``wait``, which
+        every ``save`` calls: its fast path must not wait for the other ranks."""
+        step = self._committed_step
+        if self.world == 1 or step is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                                   and torch.distributed.get_world_size() == self.world):
+            return
+        folder = self.directory / _name(step)
+
+        def missing() -> list[int]:
+            return [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
+
+        absent = missing()
+        if not absent:
+            return
+        count = announce("checkpoint-closed-incomplete")
+        deadline = time.monotonic() + self.timeout_s
+        closed: dict[int, float] = {}  # rank -> when it was seen to have closed without its record here
+        while absent:
+            now = time.monotonic()
+            unseen = [r for r in absent if r not in closed]
+            seen = ranks_announced("checkpoint-closed-incomplete", unseen, count) if unseen else []
+            closed.update((r, now) for r in seen or [])
+            if now >= deadline or all(r in closed and now - closed[r] >= _CLOSED_GRACE_S for r in absent):
+                break
+            time.sleep(_RECORD_POLL_S)
+            absent = missing()
+        if not absent:
+            return
+        ranks = f"{'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))}"
+        why = (f"{ranks} closed without writing {'its' if len(absent) == 1 else 'their'} record here"
+               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it")
+        raise CheckpointError(
+            f"the version of step {step} in {folder} has no commit record of {ranks} ({why}), so it is not complete "
+            f"and will not restore: with {self.world} ranks every rank must make its Checkpointer on one shared "
+            "directory (the same folder, on a file system every rank's host mounts; not one directory per rank) and "
+            "call save() at the same steps: a version is complete only with every rank's record in its folder")
 
     def _stop_writer(self) -> None:
         """Hand the writer thread its stop after the saves queued, and wait for it to end."""
@@ -2559,6 +2624,7 @@ class Checkpointer:
         self._hook("manifest-written")
         os.replace(tmp, folder / record_name)  # the commit
         self._newest = step  # save() refused any step not above it (NOTE [saves go forward])
+        self._committed_step = step
         self._hook("renamed")
         _fsync_dir(folder)  # the commit durable before wait() returns and retention deletes older versions
         self._hook("committed")
@@ -2943,17 +3009,24 @@ class Checkpointer:
             newest.update((name, master) for name in by_first.get(param, [param]))
         return newest
 
-    def close(self) -> None:
+    def close(self, *, check_ranks: bool = True) -> None:
         """Wait for the last save (raising its error), end the writer thread, remove the stage
         listener and free the kept copies aside; a later :meth:`save` raises (restoring still works).
-        Closing again does nothing."""
+        Closing again does nothing.
+
+        With several ranks, first wait up to ``timeout_s`` for the other ranks' records of the last
+        version this rank committed, and raise :class:`CheckpointError` naming the ranks whose
+        records never came (NOTE [every rank commits where this rank does]); ``check_ranks=False``
+        (closing after an error, when a rank may be gone) does not wait."""
         with self._save_lock:
             if not self._closed:
-                self._close()
+                self._close(check_ranks and not self._superseded)
 
-    def _close(self) -> None:
+    def _close(self, check_ranks: bool = False) -> None:
         try:
             self.wait()
+            if check_ranks:
+                self._check_every_rank_committed()
         finally:
             self._stop_writer()
             if self.lazy and self._listener in self.optimizer.stage_listeners:

@@ -380,6 +380,30 @@ def test_close_waits_for_a_late_ranks_record_in_a_shared_directory(tmp_path: Pat
     assert ranks[0][0] > 1.0, ranks  # rank 0 did wait for rank 1
 
 
+
+def _rank_1_never_closes(root: str, rank: int) -> tuple[float, str]:
+    """Each rank saves version 1 into a directory of its own; rank 1 then leaves without ``close``,
+    rank 0 closes with a ``timeout_s`` of 3 s and returns how long that took and what it raised."""
+    ckpt = Checkpointer(f"{root}/r{rank}", Net(), timeout_s=3.0)
+    ckpt.save(1)
+    ckpt.wait()
+    if rank == 1:
+        return 0.0, ""
+    started = time.monotonic()
+    try:
+        ckpt.close()
+    except CheckpointError as exc:
+        return time.monotonic() - started, str(exc)
+    return time.monotonic() - started, ""
+
+
+def test_close_waits_at_most_its_timeout_for_a_rank_that_never_closes(tmp_path: Path) -> None:
+    import functools
+
+    took, said = _on_two_ranks(functools.partial(_rank_1_never_closes, str(tmp_path)))[0]
+    assert "rank 1" in said and "waited 3 s" in said and "one shared directory" in said, said
+    assert 3.0 <= took < 3.0 + 10, took
+
 RESTORE_TIMEOUT_S = 3.0
 
 
