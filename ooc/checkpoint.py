@@ -2176,17 +2176,18 @@ class Checkpointer:
         with a process group of ``world`` ranks, waits up to ``timeout_s`` for the other ranks'
         records of the last version this rank committed (a rank that shares the folder and saves
         the same steps writes its own soon: only a rank slower by a version's write is waited for),
-        and raises naming the ranks whose records did not come. It need not wait that long: a rank
-        that closes on a version whose records are incomplete first announces it on the group's
-        store (``announce``, counted per rank, so that the n-th such closes meet), after its own
-        write is committed, so a rank that shares the folder has its record there by then. Once
-        every missing rank has announced, the records still missing are looked for during
-        ``_CLOSED_GRACE_S`` more (for a file system that caches a folder's names a short while),
-        and then the error is raised: on ranks in directories of their own, within about that
-        grace. A rank whose version is complete reads and writes nothing on the store, so a correct
-        run's close never needs rank 0's process (which serves the store) to be alive; one that
-        cannot read the store waits up to ``timeout_s`` on the files alone. Not in ``wait``, which
-        every ``save`` calls: its fast path must not wait for the other ranks."""
+        and raises naming the ranks whose records did not come. It need not wait that long: every
+        rank closing a Checkpointer that committed a version announces it on the group's store
+        (``announce``: counted per rank, so that the n-th such closes of the ranks meet, whatever
+        each found), after its own write is committed; so by then a rank that shares the folder
+        has its record there. Once every missing rank has announced, the records still missing
+        are looked for during ``_CLOSED_GRACE_S`` more (for a file system that caches a folder's
+        names a short while), and then the error is raised: on ranks in directories of their own,
+        within about that grace after the last one closes. A store that cannot be reached (rank 0's
+        process serves it, and may have ended after its own close) is no error: a rank whose
+        version is complete returns, one whose version is not waits up to ``timeout_s`` on the
+        files alone. Not in ``wait``, which every ``save`` calls: its fast path must not wait for
+        the other ranks."""
         step = self._committed_step
         if self.world == 1 or step is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
                                                    and torch.distributed.get_world_size() == self.world):
@@ -2196,16 +2197,16 @@ class Checkpointer:
         def missing() -> list[int]:
             return [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
 
+        count = announce("checkpoint-closed")  # on every rank, also where complete: the n-th closes meet
         absent = missing()
         if not absent:
             return
-        count = announce("checkpoint-closed-incomplete")
         deadline = time.monotonic() + self.timeout_s
-        closed: dict[int, float] = {}  # rank -> when it was seen to have closed without its record here
+        closed: dict[int, float] = {}  # rank -> when it was seen to have closed (without its record here)
         while absent:
             now = time.monotonic()
             unseen = [r for r in absent if r not in closed]
-            seen = ranks_announced("checkpoint-closed-incomplete", unseen, count) if unseen else []
+            seen = ranks_announced("checkpoint-closed", unseen, count) if unseen and count is not None else None
             closed.update((r, now) for r in seen or [])
             if now >= deadline or all(r in closed and now - closed[r] >= _CLOSED_GRACE_S for r in absent):
                 break

@@ -381,6 +381,35 @@ def test_close_waits_for_a_late_ranks_record_in_a_shared_directory(tmp_path: Pat
 
 
 
+def _two_directories_in_turn(root: str, rank: int) -> list[tuple[str, int]]:
+    """Both ranks save version 1 into ``root/a``, rank 1 two seconds late, close, then into
+    ``root/b``, rank 0 three seconds late (past ``_CLOSED_GRACE_S``), and close; what each close
+    raised ("" if nothing) and the complete versions right after it."""
+    found = []
+    for name, late in (("a", 1), ("b", 0)):
+        ckpt = Checkpointer(f"{root}/{name}", Net(), timeout_s=CLOSE_TIMEOUT_S)
+        dist.barrier()
+        if rank == late:
+            time.sleep(2.0 if name == "a" else 3.0)
+        ckpt.save(1)
+        try:
+            ckpt.close()
+            said = ""
+        except CheckpointError as exc:
+            said = str(exc)
+        found.append((said, len(list_versions(f"{root}/{name}"))))
+    return found
+
+
+def test_closes_of_the_ranks_meet_in_order_whichever_found_its_version_complete(tmp_path: Path) -> None:
+    """Rank 0's first close waits for rank 1's record, rank 1's finds the version complete: both
+    count that close on the store, so rank 0's second close, late, is not taken by rank 1's for
+    the close of a rank that went without its record."""
+    import functools
+
+    assert _on_two_ranks(functools.partial(_two_directories_in_turn, str(tmp_path))) == [[("", 1), ("", 1)]] * 2
+
+
 def _rank_1_never_closes(root: str, rank: int) -> tuple[float, str]:
     """Each rank saves version 1 into a directory of its own; rank 1 then leaves without ``close``,
     rank 0 closes with a ``timeout_s`` of 3 s and returns how long that took and what it raised."""
