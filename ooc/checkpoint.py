@@ -1975,7 +1975,9 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
-    ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]).
+    ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]),
+    and :meth:`close` for the other ranks' records of its last version (NOTE [every rank commits
+    where this rank does]).
 
     One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
     job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
@@ -1995,7 +1997,8 @@ class Checkpointer:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
-        """How long ``restore`` waits for every rank to call it (NOTE [every rank restores])."""
+        """How long ``restore`` waits for every rank to call it (NOTE [every rank restores]), and
+        ``close`` for the other ranks' records (NOTE [every rank commits where this rank does])."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
@@ -2022,9 +2025,9 @@ class Checkpointer:
         """The directory's key in ``_HOLDERS`` while this Checkpointer holds it."""
         """Lets go of the directory's lock if this Checkpointer is collected unclosed."""
         self._last_saved: int | None = None
+        """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._committed_step: int | None = None
         """The step of the last version this rank committed (NOTE [every rank commits where this rank does])."""
-        """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
