@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
 import ooc
-from ooc.checkpoint import Checkpointer, CheckpointError, list_versions
+from ooc.checkpoint import _CLOSED_GRACE_S, Checkpointer, CheckpointError, list_versions
 from ooc.distributed import DataParallel, WorldError, check_world, fingerprint
 from ooc.optim import HostAdamW
 from tests.helpers import small_resnet
@@ -379,6 +379,24 @@ def test_close_waits_for_a_late_ranks_record_in_a_shared_directory(tmp_path: Pat
     assert [(said, complete) for _, said, complete in ranks] == [("", 2), ("", 2)], ranks
     assert ranks[0][0] > 1.0, ranks  # rank 0 did wait for rank 1
 
+
+
+def _close_unchecked(root: str, rank: int) -> tuple[float, str]:
+    ckpt = Checkpointer(f"{root}/r{rank}", Net(), timeout_s=CLOSE_TIMEOUT_S)
+    ckpt.save(1)
+    ckpt.wait()  # timed: close alone
+    started = time.monotonic()
+    ckpt.close(check_ranks=False)
+    return time.monotonic() - started, str(list_versions(f"{root}/r{rank}"))
+
+
+def test_close_after_an_error_does_not_wait_for_the_other_ranks(tmp_path: Path) -> None:
+    """``close(check_ranks=False)``, as ``ooc train`` closes after an error (a rank may be gone):
+    it writes the version in flight and returns, without waiting for the other ranks' records."""
+    import functools
+
+    for took, found in _on_two_ranks(functools.partial(_close_unchecked, str(tmp_path))):
+        assert took < _CLOSED_GRACE_S and found == "[]", (took, found)
 
 
 def _two_directories_in_turn(root: str, rank: int) -> list[tuple[str, int]]:
