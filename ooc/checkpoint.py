@@ -61,7 +61,7 @@ In a loop of your own::
     for step in range(start, steps):
         ...  # forward, backward, opt.step()
         ckpt.save(step, loss=loss.item())   # returns once the state is copied; written in the background
-    ckpt.wait()
+    ckpt.close()   # waits for the last version (with several ranks, for every rank's record of it)
 
 ``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
 serializes and writes it. A second ``save`` waits until the previous version is committed (one write
