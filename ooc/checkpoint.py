@@ -61,7 +61,7 @@ In a loop of your own::
     for step in range(start, steps):
         ...  # forward, backward, opt.step()
         ckpt.save(step, loss=loss.item())   # returns once the state is copied; written in the background
-    ckpt.wait()
+    ckpt.close()   # waits for the last version (with several ranks, for every rank's record of it)
 
 ``save`` takes a snapshot of the state (after ``optimizer.synchronize()``) and returns; a thread
 serializes and writes it. A second ``save`` waits until the previous version is committed (one write
@@ -206,7 +206,7 @@ import torch
 import xxhash
 from torch import nn
 
-from ooc.distributed import ranks_not_arrived
+from ooc.distributed import announce, ranks_announced, ranks_not_arrived
 from ooc.errors import OocError
 from ooc.optim.stages import Stage
 
@@ -219,6 +219,11 @@ _VERSION_RE = re.compile(r"^step-(\d{9,})$")
 _OTHERS_LAG = 3
 """Versions a rank commits after one still incomplete before it says the other ranks do not save
 (NOTE [every rank saves])."""
+_CLOSED_GRACE_S = 2.0
+"""How long ``close`` still looks for the record of a rank that closed without it in this rank's
+folder, before it says so (NOTE [every rank commits where this rank does])."""
+_RECORD_POLL_S = 0.05
+"""How often ``close`` looks for the other ranks' records and reads the store while it waits."""
 _MOVED_ASIDE_RE = re.compile(r"^step-\d{9,}\.damaged-\d+(-\d+)?$")
 _SPARE_RE = re.compile(r"^\.spare-(\d{9,})$")
 """A retired version's folder whose files the next version is written over (NOTE [recycled files])."""
@@ -1970,7 +1975,9 @@ class Checkpointer:
     saved by any number of ranks, sharded or not, restores on any number (NOTE [resharding]).
     ``layout`` (JSON-able) is recorded with the version for your information (``ooc train``: the
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
-    ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]).
+    ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]),
+    and :meth:`close` for the other ranks' records of its last version (NOTE [every rank commits
+    where this rank does]).
 
     One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
     job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
@@ -1991,7 +1998,8 @@ class Checkpointer:
         if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
             raise ValueError(f"timeout_s must be a number of seconds > 0, got {timeout_s!r}")
         self.timeout_s = float(timeout_s)
-        """How long ``restore`` waits for every rank to call it (NOTE [every rank restores])."""
+        """How long ``restore`` waits for every rank to call it (NOTE [every rank restores]), and
+        ``close`` for the other ranks' records (NOTE [every rank commits where this rank does])."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         self.rank = rank if rank is not None else (torch.distributed.get_rank() if distributed else 0)
         self.world = world if world is not None else (torch.distributed.get_world_size() if distributed else 1)
@@ -2019,6 +2027,8 @@ class Checkpointer:
         """Lets go of the directory's lock if this Checkpointer is collected unclosed."""
         self._last_saved: int | None = None
         """The step of the last save handed to the writer (named at exit: NOTE [writer thread])."""
+        self._committed_step: int | None = None
+        """The step of the last version this rank committed (NOTE [every rank commits where this rank does])."""
         self._recycles = _file_system(self.directory) in _LOCAL_FILE_SYSTEMS
         """Whether a version may be written over a retired one's files: only on a local file system,
         where a lease sees every reader (NOTE [recycled files])."""
@@ -2157,6 +2167,65 @@ class Checkpointer:
             f"{self.world} ranks every rank must make a Checkpointer on this directory and call save() at the same "
             "steps (not only rank 0): a version is complete, and restores, only with every rank's record"
         )
+
+    def _check_every_rank_committed(self) -> None:
+        """Raise unless every rank commits its record of the last version this rank committed.
+
+        NOTE [every rank commits where this rank does]
+        Ranks saving into directories of their own (``Checkpointer(f"{root}/r{rank}", ...)``, or
+        one path on hosts that share no file system) each wrote their records into a folder no
+        other rank wrote into: no version was ever complete, and every save, wait and close
+        returned. NOTE [every rank saves] caught it only ``_OTHERS_LAG`` saves later, so a run that
+        saved at its end alone, or a few times, lost its checkpoint without a word. So ``close``,
+        with a process group of ``world`` ranks, waits up to ``timeout_s`` for the other ranks'
+        records of the last version this rank committed (a rank that shares the folder and saves
+        the same steps writes its own soon: only a rank slower by a version's write is waited for),
+        and raises naming the ranks whose records did not come. It need not wait that long: every
+        rank closing a Checkpointer that committed a version announces it on the group's store
+        (``announce``: counted per rank, so that the n-th such closes of the ranks meet, whatever
+        each found), after its own write is committed; so by then a rank that shares the folder
+        has its record there. Once every missing rank has announced, the records still missing
+        are looked for during ``_CLOSED_GRACE_S`` more (for a file system that caches a folder's
+        names a short while), and then the error is raised: on ranks in directories of their own,
+        within about that grace after the last one closes. A store that cannot be reached (rank 0's
+        process serves it, and may have ended after its own close) is no error: a rank whose
+        version is complete returns, one whose version is not waits up to ``timeout_s`` on the
+        files alone. Not in ``wait``, which every ``save`` calls: its fast path must not wait for
+        the other ranks."""
+        step = self._committed_step
+        if self.world == 1 or step is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
+                                                   and torch.distributed.get_world_size() == self.world):
+            return
+        folder = self.directory / _name(step)
+
+        def missing() -> list[int]:
+            return [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
+
+        count = announce("checkpoint-closed")  # on every rank, also where complete: the n-th closes meet
+        absent = missing()
+        if not absent:
+            return
+        deadline = time.monotonic() + self.timeout_s
+        closed: dict[int, float] = {}  # rank -> when it was seen to have closed (without its record here)
+        while absent:
+            now = time.monotonic()
+            unseen = [r for r in absent if r not in closed]
+            seen = ranks_announced("checkpoint-closed", unseen, count) if unseen and count is not None else None
+            closed.update((r, now) for r in seen or [])
+            if now >= deadline or all(r in closed and now - closed[r] >= _CLOSED_GRACE_S for r in absent):
+                break
+            time.sleep(_RECORD_POLL_S)
+            absent = missing()
+        if not absent:
+            return
+        ranks = f"{'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))}"
+        why = (f"{ranks} closed without writing {'its' if len(absent) == 1 else 'their'} record here"
+               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it")
+        raise CheckpointError(
+            f"the version of step {step} in {folder} has no commit record of {ranks} ({why}), so it is not complete "
+            f"and will not restore: with {self.world} ranks every rank must make its Checkpointer on one shared "
+            "directory (the same folder, on a file system every rank's host mounts; not one directory per rank) and "
+            "call save() at the same steps: a version is complete only with every rank's record in its folder")
 
     def _stop_writer(self) -> None:
         """Hand the writer thread its stop after the saves queued, and wait for it to end."""
@@ -2560,6 +2629,7 @@ class Checkpointer:
         self._hook("manifest-written")
         os.replace(tmp, folder / record_name)  # the commit
         self._newest = step  # save() refused any step not above it (NOTE [saves go forward])
+        self._committed_step = step
         self._hook("renamed")
         _fsync_dir(folder)  # the commit durable before wait() returns and retention deletes older versions
         self._hook("committed")
@@ -2944,17 +3014,24 @@ class Checkpointer:
             newest.update((name, master) for name in by_first.get(param, [param]))
         return newest
 
-    def close(self) -> None:
+    def close(self, *, check_ranks: bool = True) -> None:
         """Wait for the last save (raising its error), end the writer thread, remove the stage
         listener and free the kept copies aside; a later :meth:`save` raises (restoring still works).
-        Closing again does nothing."""
+        Closing again does nothing.
+
+        With several ranks, first wait up to ``timeout_s`` for the other ranks' records of the last
+        version this rank committed, and raise :class:`CheckpointError` naming the ranks whose
+        records never came (NOTE [every rank commits where this rank does]); ``check_ranks=False``
+        (closing after an error, when a rank may be gone) does not wait."""
         with self._save_lock:
             if not self._closed:
-                self._close()
+                self._close(check_ranks and not self._superseded)
 
-    def _close(self) -> None:
+    def _close(self, check_ranks: bool = False) -> None:
         try:
             self.wait()
+            if check_ranks:
+                self._check_every_rank_committed()
         finally:
             self._stop_writer()
             if self.lazy and self._listener in self.optimizer.stage_listeners:

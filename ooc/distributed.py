@@ -251,6 +251,29 @@ def ranks_not_arrived(name: str, timeout_s: float) -> list[int]:
     return []
 
 
+def announce(name: str) -> int | None:
+    """Count, on the default process group's store, that this rank has reached ``name`` once more
+    (e.g. a Checkpointer that saved is closing); return how often it has, or None if the store
+    cannot be reached (rank 0's process serves it and may have ended). Other ranks read it with
+    :func:`ranks_announced`: the n-th announcements meet, as the n-th calls of
+    :func:`ranks_not_arrived` do."""
+    try:
+        return dist.distributed_c10d._get_default_store().add(f"ooc/announced/{name}/{dist.get_rank()}", 1)
+    except (RuntimeError, OSError):  # DistStoreError ("Did the remote server shutdown") is a RuntimeError
+        return None
+
+
+def ranks_announced(name: str, ranks: Sequence[int], count: int) -> list[int] | None:
+    """Those of ``ranks`` that have announced ``name`` (:func:`announce`) at least ``count`` times;
+    None if the store cannot be read: rank 0's process serves it (env:// and torchrun), and it may
+    have ended already."""
+    store = dist.distributed_c10d._get_default_store()
+    try:
+        return [r for r in ranks if store.add(f"ooc/announced/{name}/{r}", 0) >= count]
+    except (RuntimeError, OSError):  # DistStoreError ("Did the remote server shutdown") is a RuntimeError
+        return None
+
+
 def assign_owners(params: Sequence[torch.Tensor], world: int) -> dict[int, int]:
     """Owner rank of each parameter (by ``id``): the largest first, each to the least-loaded rank,
     so every rank updates about ``1/world`` of the elements. Deterministic on every rank."""

@@ -306,7 +306,7 @@ def _close_after_error(model: GPT, opt: HostAdamW, saver: Checkpointer | None) -
     stop the optimizer's threads. An error here would hide the one that stopped the run: dropped."""
     if saver is not None:
         with contextlib.suppress(Exception):
-            saver.close()
+            saver.close(check_ranks=False)  # another rank may be gone: waiting for its record would only delay
     with contextlib.suppress(Exception):
         opt.close()
     with contextlib.suppress(Exception):
