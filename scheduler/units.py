@@ -29,8 +29,8 @@ def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size"
     """Return a byte count from a number or a string such as ``"20GiB"`` or ``"1.5 GB"``.
 
     Raises :class:`SizeError` (a ``ValueError``) naming ``what`` for a negative, infinite or NaN
-    size, a bool (``True`` would read as one byte) or a size between 0 and 1 byte (a fraction such as
-    ``0.5``, which would read as 0 bytes)."""
+    size, a bool (``True`` would read as one byte), a size between 0 and 1 byte (a fraction such as
+    ``0.5``, which would read as 0 bytes) or a string without a unit that is no whole number (``"1.5"``)."""
     if isinstance(value, bool):
         raise SizeError(f"{what} must be a number or a string like '20GiB', not a bool")
     if isinstance(value, Integral):
@@ -38,16 +38,22 @@ def parse_bytes(value: int | float | str, *, what: str = "a budget or byte size"
             raise SizeError(f"{what} must be a number of bytes >= 0, got {value!r}; {_EXAMPLES}")
         return int(value)
     if isinstance(value, Real):
-        number = float(value)
+        number, unit = float(value), None  # a float computed in code (0.5 * some bytes) rounds down
     else:
         match = _SIZE.match(str(value))
         if match is None or match.group(2).lower() not in _UNITS:
             raise SizeError(f"cannot read {value!r} as {what}; {_EXAMPLES}")
-        number = float(match.group(1)) * _UNITS[match.group(2).lower()]
+        unit = match.group(2).lower()
+        number = float(match.group(1)) * _UNITS[unit]
     if not math.isfinite(number) or number < 0:
         raise SizeError(f"{what} must be a finite number of bytes >= 0, got {value!r}; {_EXAMPLES}")
     if 0 < number < 1:  # "0.5" meant as half of something read as 0 bytes: a budget nothing fits, or none at all
         raise SizeError(f"{what} is a number of bytes, not a fraction: {value!r} is less than one byte; {_EXAMPLES}")
+    if unit in ("", "b") and not number.is_integer():
+        # "1.5" (--budget 1.5) read as 1 byte: a budget nothing fits, refused only at the first backward.
+        # With a unit ("1.5GB", "0.3KiB"), or a float computed in code, a part of a byte rounds down.
+        raise SizeError(f"{what} without a unit must be a whole number of bytes, got {value!r} (a unit was meant?); "
+                        f"{_EXAMPLES}")
     return int(number)
 
 

@@ -97,6 +97,15 @@ def test_a_fraction_is_not_read_as_zero_bytes(text) -> None:
         parse_bytes(text, what="the budget")
 
 
+@pytest.mark.parametrize("text", ["1.5", "2.5 B", "1000000000.5"])
+def test_a_size_without_a_unit_is_a_whole_number_of_bytes(text) -> None:
+    """``--budget 1.5`` read as 1 byte, which nothing fits, and only the first backward said so."""
+    with pytest.raises(ValueError, match="whole number of bytes"):
+        parse_bytes(text, what="the budget")
+    # A unit, or a float computed in code (half of some bytes), rounds down as before.
+    assert parse_bytes("1.5GB") == 1_500_000_000 and parse_bytes(1e9 + 0.5) == 1_000_000_000
+
+
 def test_format_bytes() -> None:
     assert format_bytes(100) == "100 B"
     assert format_bytes(1536) == "1.50 KiB"
