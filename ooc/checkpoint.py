@@ -979,7 +979,14 @@ class _OwnerRecord:
     def release(self) -> None:
         """Stop the heartbeat and delete the record, if it is still this one (again: nothing; in a
         forked child, only close it: the record is the parent's)."""
-        with _BEATING_LOCK:
+        if _LOCK_OWNER[0] == threading.get_ident():
+            # A finalizer (a dropped Checkpointer's lock) that the garbage collector ran on a thread
+            # holding the lock, inside the heartbeat's beats or _beat: waiting for it would wait for
+            # itself (NOTE [a release while the lock is held]).
+            _RELEASE_LATER.append(self)
+            _BEAT.set()
+            return
+        with _holding_beating_lock():
             _BEATING.discard(self)
             fd, self._fd = self._fd, None
         if fd is None:
@@ -1064,15 +1071,42 @@ def _written_elsewhere(folder: Path, *, flocked: bool) -> _Holder | None:
 _BEATING: set[_OwnerRecord] = set()
 """The owner records this process holds, whose heartbeat its thread refreshes."""
 _BEATING_LOCK = threading.Lock()
+_LOCK_OWNER: list[int | None] = [None]
+"""The thread holding ``_BEATING_LOCK`` (``_holding_beating_lock``), else None."""
+_RELEASE_LATER: deque[_OwnerRecord] = deque()
+"""Records released where the releasing thread held ``_BEATING_LOCK``: the heartbeat thread releases
+them after its beats (NOTE [a release while the lock is held])."""
 _BEAT = threading.Event()
 """Set to refresh at once (a record added; a test's shorter ``_HEARTBEAT_SECONDS``)."""
 _beating_thread: threading.Thread | None = None
 
 
+@contextlib.contextmanager
+def _holding_beating_lock() -> Iterator[None]:
+    """``_BEATING_LOCK``, with the holder's thread noted in ``_LOCK_OWNER``.
+
+    NOTE [a release while the lock is held]
+    A Checkpointer dropped without ``close`` lets go of its locks from a ``weakref.finalize``, which
+    the garbage collector runs on whatever thread allocates next: once, inside the heartbeat thread's
+    beats, which hold this lock, so that the record's ``release`` waited for the lock its own thread
+    held. The heartbeat thread hung, and with it every thread that next took the lock: the writer
+    committing a version, and ``wait()`` behind it (a test's whole worker, in CI). A plain lock cannot
+    be taken again by its holder, and a reentrant one would let the release close a file the beat is
+    touching, or change the set the beats iterate over. So a release on the thread that holds the
+    lock does nothing but hand the record to the heartbeat thread, which releases it after its beats,
+    at once (the event wakes it); a dropped holder's record lasts that much longer."""
+    with _BEATING_LOCK:
+        _LOCK_OWNER[0] = threading.get_ident()
+        try:
+            yield
+        finally:
+            _LOCK_OWNER[0] = None
+
+
 def _beat(record: _OwnerRecord) -> None:
     """Keep ``record``'s heartbeat until it is released, starting the heartbeat thread if need be."""
     global _beating_thread
-    with _BEATING_LOCK:
+    with _holding_beating_lock():
         _BEATING.add(record)
         if _beating_thread is None or not _beating_thread.is_alive():
             _beating_thread = threading.Thread(target=_heartbeats, name="ooc-checkpoint-heartbeat", daemon=True)
@@ -1085,9 +1119,11 @@ def _heartbeats() -> None:
     while True:
         _BEAT.wait(_HEARTBEAT_SECONDS)
         _BEAT.clear()
-        with _BEATING_LOCK:
+        with _holding_beating_lock():
             for record in _BEATING:
                 record.beat()
+        while _RELEASE_LATER:  # NOTE [a release while the lock is held]
+            _RELEASE_LATER.popleft().release()
 
 
 def _forget_heartbeats_in_child() -> None:
@@ -1095,7 +1131,9 @@ def _forget_heartbeats_in_child() -> None:
     lock may have been held by the parent's thread when it forked."""
     global _beating_thread, _BEATING_LOCK, _BEAT
     _BEATING.clear()
+    _RELEASE_LATER.clear()
     _BEATING_LOCK, _BEAT = threading.Lock(), threading.Event()
+    _LOCK_OWNER[0] = None
     _beating_thread = None
 
 

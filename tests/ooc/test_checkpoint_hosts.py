@@ -14,6 +14,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -257,3 +258,33 @@ def test_a_file_system_without_hard_links_still_saves_and_refuses_another_host(
     ckpt.close()
     assert [v.step for v in list_versions(tmp_path)] == [2]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000000002"]
+
+
+def test_a_record_released_by_a_finalizer_inside_the_heartbeat_does_not_hang_it(tmp_path: Path,
+                                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """NOTE [a release while the lock is held]: the garbage collector ran a dropped Checkpointer's
+    finalizer inside the heartbeat thread's beats, and its record's release waited for the lock that
+    thread held: the heartbeat hung, then the writer and ``wait()`` behind it (a CI worker, for good).
+    Here a beat releases another record as that finalizer did; both records go, and the heartbeat
+    goes on."""
+    monkeypatch.setattr(ckpt_mod, "_HEARTBEAT_SECONDS", 0.05)
+    first = ckpt_mod._OwnerRecord.make(tmp_path / "a.owner")
+    second = ckpt_mod._OwnerRecord.make(tmp_path / "b.owner")
+    released = threading.Event()
+    plain_beat = ckpt_mod._OwnerRecord.beat
+
+    def beat_then_collect(record: ckpt_mod._OwnerRecord) -> None:
+        plain_beat(record)
+        if record is first and not released.is_set():
+            released.set()
+            second.release()  # what the finalizer did, on the heartbeat thread, inside its beats
+
+    monkeypatch.setattr(ckpt_mod._OwnerRecord, "beat", beat_then_collect)
+    assert released.wait(5.0)
+    done = threading.Event()
+    threading.Thread(target=lambda: (first.release(), done.set()), daemon=True).start()
+    assert done.wait(5.0), "the heartbeat thread hangs holding its lock"
+    deadline = time.monotonic() + 5.0
+    while (tmp_path / "b.owner").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert not (tmp_path / "a.owner").exists() and not (tmp_path / "b.owner").exists()
