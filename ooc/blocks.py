@@ -285,7 +285,9 @@ def in_run_order(candidate: Candidate, ran: list[int]) -> Candidate:
     if ran == list(range(n)) or sorted(ran) != list(range(n)):
         return candidate
     chain = Chain(tuple(candidate.chain.modules[i] for i in ran), tuple(candidate.chain.names[i] for i in ran))
-    first_run = {c: min(k for k, name in enumerate(chain.names) if name.startswith(c + ".")) for c in candidate.containers}
+    # The model itself may be the container (a ModuleList whose forward runs its blocks): its name is "".
+    first_run = {c: min(k for k, name in enumerate(chain.names) if not c or name.startswith(c + "."))
+                 for c in candidate.containers}
     return Candidate(tuple(sorted(candidate.containers, key=first_run.__getitem__)), chain, candidate.param_bytes)
 
 
@@ -296,8 +298,8 @@ def with_stem(model: nn.Module, candidate: Candidate, sample: Any) -> Candidate:
     from ooc.profiler import ModelState, call_model
 
     parents = {c.rpartition(".")[0] for c in candidate.containers}
-    if len(parents) != 1:
-        return candidate
+    if len(parents) != 1 or "" in candidate.containers:
+        return candidate  # several parents; or the model itself holds the blocks, with no siblings before them
     parent_name = parents.pop()
     modules = dict(model.named_modules())
     siblings = [name for name, _ in modules[parent_name].named_children()]

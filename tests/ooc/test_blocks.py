@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn as nn
@@ -284,3 +286,40 @@ def test_describe_with_a_sample_refuses_a_wrapped_model() -> None:
     finally:
         ooc.unwrap(model)
     assert ooc.describe(model, sample).chosen.saved_share == pytest.approx(plain)
+
+
+class _RootBlock(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(self.lin(x))
+
+
+class _RootList(nn.ModuleList):
+    """The model is itself the container of its blocks (its name: ""); ``reverse`` runs them last first."""
+
+    def __init__(self, reverse: bool) -> None:
+        super().__init__([_RootBlock() for _ in range(4)])
+        self.reverse = reverse
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in reversed(self) if self.reverse else self:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["declared-order", "reversed"])
+def test_a_model_that_is_its_blocks_container_wraps_from_a_sample(reverse: bool) -> None:
+    """A ModuleList model holding its blocks itself: the stem's search looked for the container ("")
+    among its siblings, and the run-order one for block names under "." (ValueError both, from
+    ``wrap(budget=..., sample=...)``); it trains as plain PyTorch."""
+    torch.manual_seed(0)
+    model = _RootList(reverse)
+    plain = copy.deepcopy(model)
+    x = torch.randn(2, 8)
+    ooc.wrap(model, budget="1MiB", sample=x)
+    model(x).sum().backward()
+    plain(x).sum().backward()
+    assert all(torch.equal(a.grad, b.grad) for a, b in zip(model.parameters(), plain.parameters()))
