@@ -6,6 +6,8 @@ the backward costs twice the forward's FLOPs. Saved-activation bytes follow Kort
 (2022, "Reducing Activation Recomputation in Large Transformer Models", eq. 1): per layer
 ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and attention scores materialised, as ooc's
 reference GPT does. CNN blocks count the feature maps each layer saves, in fp32 as in KARMA's runs.
+Each block records that dtype (``BlockProfile.activation_dtype``: 2-byte activations as
+``bfloat16``), which a compressed swap is charged the codec's ratio on.
 
 NOTE [analytic ops]
 Each block also carries its forward op by op (``BlockProfile.ops``, NOTE [op-level profile] in
@@ -32,6 +34,10 @@ from ooc.scheduler.profile import BlockProfile, OpProfile, Profile
 MATMUL_EFFICIENCY = 0.6
 """Share of dense peak reached by large GEMMs (~60% MFU is typical of well-tuned training)."""
 MEMORY_EFFICIENCY = 0.8
+
+ACTIVATION_DTYPE = {2: "bfloat16", 4: "float32"}
+"""The dtype a transformer's ``bytes_per_value`` names (``BlockProfile.activation_dtype``); fp16
+would take the same bytes under every codec as bf16."""
 
 
 def _time(flops: float, nbytes: float, hw: Hardware) -> float:
@@ -118,7 +124,10 @@ def transformer(
     flash_attention: bool = False,
 ) -> Profile:
     """A decoder-only transformer with a 4x MLP; ``flash_attention``: fused attention that never
-    materialises the scores (the block's saved bytes drop the ``5*a*s^2*b`` term)."""
+    materialises the scores (the block's saved bytes drop the ``5*a*s^2*b`` term); ``bytes_per_value``:
+    2 (bf16/fp16) or 4 (fp32)."""
+    if bytes_per_value not in ACTIVATION_DTYPE:
+        raise ValueError(f"bytes_per_value must be one of {sorted(ACTIVATION_DTYPE)} (bf16/fp16 or fp32), got {bytes_per_value!r}")
     s, b, h, a = seq, batch, hidden, heads
     raw, reads = _transformer_ops(s, b, h, a, bytes_per_value, flash_attention)
     x = s * b * h * bytes_per_value
@@ -136,6 +145,7 @@ def transformer(
         name="layer", forward_s=fwd, backward_s=2 * fwd, saved_bytes=saved, swappable_bytes=saved,
         input_bytes=x, input_swappable_bytes=x, output_bytes=x, param_bytes=params * bytes_per_value,
         grad_bytes=params * bytes_per_value, swappable_storages=20, input_swappable_storages=1, ops=ops,
+        activation_dtype=ACTIVATION_DTYPE[bytes_per_value],
     )
     head_flops = 2 * b * s * h * vocab
     outside = _time(3 * head_flops, 3 * b * s * vocab * bytes_per_value, hardware)
@@ -180,7 +190,8 @@ def _conv_block(name: str, b: int, maps: list[tuple[int, int]], flops: float, pa
     fwd = _time(flops, 2 * saved + params * 4, hw)
     x = b * in_elems * 4
     return BlockProfile(name, fwd, 2 * fwd, saved, saved, x, x, x, params * 4, params * 4,
-                        swappable_storages=len(maps), input_swappable_storages=1, ops=_ops(raw, reads, fwd, hw))
+                        swappable_storages=len(maps), input_swappable_storages=1, ops=_ops(raw, reads, fwd, hw),
+                        activation_dtype="float32")
 
 
 def wide_resnet(*, depth: int = 28, width: int = 10, batch: int, hardware: Hardware) -> Profile:

@@ -1,6 +1,7 @@
 """The codecs a swapped storage may be compressed with: one table, read by the runtime (what it
 compresses, and into how many bytes), the profiler (the bytes it records per codec), the profile
-(nominal ratios where it recorded none) and the cost model (the options the planner considers).
+(nominal ratios on its activations' dtype where it recorded none) and the cost model (the options the
+planner considers).
 
 Adding a codec is one entry in ``CODECS`` (plus its ``Codec`` member and its kernel in
 ``ooc.kernels.quant``); the byte counts of the prediction and of the run then agree by construction.
@@ -72,11 +73,15 @@ class CodecSpec:
             return nbytes
         return self.encoded_nbytes(nbytes // FLOAT_ITEMSIZE[dtype_name(dtype)])
 
-    @property
-    def nominal_ratio(self) -> float:
-        """Encoded over raw bytes for whole groups of fp32 values: what a profile that recorded no
-        bytes for this codec is charged."""
-        return self.encoded_nbytes(SWAP_GROUP_SIZE) / (SWAP_GROUP_SIZE * FLOAT_ITEMSIZE["float32"])
+    def ratio(self, dtype: object) -> float:
+        """Encoded over raw bytes for whole groups of ``dtype`` values: the codes' bytes per value plus
+        one fp32 scale per group, over the dtype's bytes per value (int8 keeps 0.266 of fp32's bytes
+        and 0.531 of bf16's or fp16's: the codes shrink with the input, the scales do not); 1.0 for a
+        dtype it does not compress."""
+        name = dtype_name(dtype)
+        if name not in self.dtypes:
+            return 1.0
+        return self.encoded_nbytes(SWAP_GROUP_SIZE) / (SWAP_GROUP_SIZE * FLOAT_ITEMSIZE[name])
 
     def supported(self, cuda_capability: tuple[int, int] | None) -> bool:
         """Whether it runs on a GPU of this compute capability (``None``: not a CUDA device)."""
@@ -123,10 +128,15 @@ def swapped_nbytes(codec: Codec | str, nbytes: int, dtype: object) -> int:
     return nbytes if codec is Codec.NONE else CODECS[codec].storage_nbytes(nbytes, dtype)
 
 
-def nominal_ratio(codec: Codec | str) -> float:
-    """Encoded over raw bytes (1.0 for ``none``)."""
+def nominal_ratio(codec: Codec | str, dtype: object | None) -> float:
+    """Encoded over raw bytes of ``dtype`` values under ``codec`` (``CodecSpec.ratio``; 1.0 for
+    ``none``); ``dtype=None``: not known, the largest ratio among the dtypes the codec takes (that of
+    2-byte values), so that bytes predicted from it are never fewer than the run's."""
     codec = Codec(codec)
-    return 1.0 if codec is Codec.NONE else CODECS[codec].nominal_ratio
+    if codec is Codec.NONE:
+        return 1.0
+    spec = CODECS[codec]
+    return max(spec.ratio(d) for d in spec.dtypes) if dtype is None else spec.ratio(dtype)
 
 
 def unsupported(codecs: object, cuda_capability: tuple[int, int] | None) -> list[CodecSpec]:

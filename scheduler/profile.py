@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from ooc.scheduler import checks
-from ooc.scheduler.codecs import nominal_ratio
+from ooc.scheduler.codecs import FLOAT_ITEMSIZE, nominal_ratio
 from ooc.scheduler.errors import ProfileError
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, op_signature
 
@@ -171,7 +171,7 @@ class BlockProfile:
     compressed: tuple[tuple[str, int, int, int, int], ...] = ()
     """Per codec: (codec, bytes of the swappable saved storages once compressed, of the swappable
     inputs, the largest single saved storage's codes, the largest input's); a codec missing here is
-    counted at its nominal ratio."""
+    counted at its nominal ratio on :attr:`activation_dtype`."""
     codec_error: tuple[tuple[str, float], ...] = ()
     """Per codec: the relative L2 error of the block's gradients (of its inputs and parameters) when
     its saved tensors go through the codec, measured by the profiler (NOTE [codec error] in
@@ -189,6 +189,14 @@ class BlockProfile:
     """Seconds a plain re-run of the block took, measured (it stops at the block's last saved
     tensor: NOTE [a re-run stops at the last save]); ``None``: not measured (analytic and older
     profiles), and :attr:`replayed_s` estimates it from the ops."""
+    activation_dtype: str | None = None
+    """The dtype of the block's floating-point activations (``"float32"``, ``"float16"`` or
+    ``"bfloat16"``): a codec missing from :attr:`compressed` is charged its ratio on values of this
+    dtype (``ooc.scheduler.codecs.nominal_ratio``; int8 keeps 0.266 of fp32's bytes, 0.531 of
+    bf16's). ``None``: not recorded (a profile from before this field), charged the codec's largest
+    ratio, that of 2-byte values, so that a plan never moves or holds more compressed bytes than
+    predicted; an fp32 profile without the field is then over-charged (``ooc profile`` again, or add
+    ``"activation_dtype": "float32"`` to its blocks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
@@ -216,6 +224,10 @@ class BlockProfile:
             object.__setattr__(self, f.name, value)
         if self.rerun_s is not None:
             object.__setattr__(self, "rerun_s", checks.number(self.rerun_s, "rerun_s", ProfileError, where=where, hint=_FIX))
+        if self.activation_dtype is not None and checks.text(self.activation_dtype, "activation_dtype", ProfileError, where=where,
+                                                             hint=_FIX) not in FLOAT_ITEMSIZE:
+            raise ProfileError(f"{where}activation_dtype must be one of {sorted(FLOAT_ITEMSIZE)} or null (not recorded), "
+                               f"got {self.activation_dtype!r:.80}; {_FIX}")
         if self.swappable_bytes > self.saved_bytes:
             raise ProfileError(f"block {self.name!r}: swappable_bytes exceeds saved_bytes")
         if self.input_swappable_bytes > self.input_bytes:
@@ -279,7 +291,7 @@ class BlockProfile:
             if name == codec:
                 return (inp, inp_max) if inputs else (saved, saved_max)
         raw = self.input_swappable_bytes if inputs else self.swappable_bytes
-        return int(raw * nominal_ratio(codec)), 0
+        return int(raw * nominal_ratio(codec, self.activation_dtype)), 0
 
 
 def machine_header() -> dict[str, str]:
