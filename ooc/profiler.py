@@ -27,7 +27,7 @@ from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.rng import GeneratorStates, RngState, generators_in
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
-from ooc.scheduler.codecs import CODECS
+from ooc.scheduler.codecs import CODECS, FLOAT_ITEMSIZE, dtype_name
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedParameter, SharedStorage, machine_header
 from ooc.storage_sharing import SharingMeter, measure_shared_storages
@@ -386,6 +386,7 @@ def block_profiles_to_profile(
     n = len(chain)
     saved_bytes, swappable, swappable_count, saved_compressed = _sums(log, "recompute", n, min_swap_bytes)
     inputs, inputs_swappable, inputs_count, inputs_compressed = _sums(log, "save", n, min_swap_bytes)
+    activation_dtypes = _activation_dtypes(log, n, min_swap_bytes)
     block_profiles = []
     numbers: dict[int, int] = {}  # a shared parameter's id within the profile: the order it is first met
     for i, module in enumerate(chain.modules):
@@ -414,6 +415,7 @@ def block_profiles_to_profile(
                                     for p in params if id(p) in shared_params),
                 ops=() if ops is None else ops[i],
                 rerun_s=None if rerun_s is None else rerun_s[i],
+                activation_dtype=activation_dtypes[i],
             )
         )
     return Profile(
@@ -427,6 +429,19 @@ def block_profiles_to_profile(
         machine=machine,
         notes=notes,
     )
+
+
+def _activation_dtypes(log: list, n: int, min_swap_bytes: int) -> list[str | None]:
+    """Per block: the floating-point dtype (``FLOAT_ITEMSIZE``) of most of its swappable saved and
+    input bytes (``BlockProfile.activation_dtype``; the profile records each codec's bytes anyway,
+    so this only describes the block), ``None`` where none is floating-point."""
+    seen: list[dict[str, int]] = [{} for _ in range(n)]
+    for kind, block, nbytes, dtype in log:
+        if kind in ("recompute", "save") and nbytes >= min_swap_bytes and dtype is not None:
+            name = dtype_name(dtype)
+            if name in FLOAT_ITEMSIZE:
+                seen[block][name] = seen[block].get(name, 0) + nbytes
+    return [max(counts, key=counts.__getitem__) if counts else None for counts in seen]
 
 
 def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int], list[int], list[int], tuple[list[dict[str, int]], list[dict[str, int]]]]:
