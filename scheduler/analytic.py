@@ -7,7 +7,7 @@ the backward costs twice the forward's FLOPs. Saved-activation bytes follow Kort
 ``s*b*h*(34 + 5*a*s/h)`` bytes with 16-bit activations and attention scores materialised, as ooc's
 reference GPT does. CNN blocks count the feature maps each layer saves, in fp32 as in KARMA's runs.
 Each block records that dtype (``BlockProfile.activation_dtype``: 2-byte activations as
-``bfloat16``), which a compressed swap is charged the codec's ratio on.
+``bfloat16``) and what each codec makes of its storages (NOTE [analytic codec bytes]).
 
 NOTE [analytic ops]
 Each block also carries its forward op by op (``BlockProfile.ops``, NOTE [op-level profile] in
@@ -24,10 +24,23 @@ transformer block's last residual add, a CNN block's last convolution and add. D
 (and a flash attention that applies dropout inside) draw random numbers: not cacheable. Nor is the
 residual add that makes the block's output: that storage is the next block's input, so holding it
 as a cached output would count it in two blocks (and the re-run's output is discarded anyway).
+
+NOTE [analytic codec bytes]
+A compressed swap encodes each floating-point storage into codes plus one fp32 scale per 64 values
+and moves every other storage as it is (``ooc.scheduler.codecs``). Each op lists the storages it
+saves with their dtypes, and each block records, per codec, what the profiler would count of a run
+(``BlockProfile.compressed``: the swapped bytes and the largest storage's codes, decoded as the
+block's backward starts): a transformer's activations in its ``bytes_per_value`` dtype (int8 keeps
+0.531 of bf16's bytes, 0.266 of fp32's: the codes shrink with the input, the scales do not), its
+1-byte dropout masks as they are, flash attention's fp32 softmax statistics at fp32's ratio; a
+CNN's fp32 feature maps. On GPT-2 XL at s1024, int8 keeps 0.605 of a block's saved bytes (16% of
+them are masks). Charged fp32's nominal ratio on everything, as these profiles were before they
+recorded this, the planner counted under half the bytes a run moves.
 """
 
 from __future__ import annotations
 
+from ooc.scheduler.codecs import CODECS, swapped_sizes
 from ooc.scheduler.hardware import Hardware
 from ooc.scheduler.profile import BlockProfile, OpProfile, Profile
 
@@ -44,8 +57,10 @@ def _time(flops: float, nbytes: float, hw: Hardware) -> float:
     return max(flops / (hw.flops * MATMUL_EFFICIENCY), nbytes / (hw.memory_bytes_per_s * MEMORY_EFFICIENCY))
 
 
-_RawOp = tuple[str, float, float, int, int, bool]
-"""(name, flops, bytes read + written, output bytes, saved bytes, cacheable)."""
+_Storage = tuple[int, str]
+"""(bytes, dtype) of one storage an op saves."""
+_RawOp = tuple[str, float, float, int, tuple[_Storage, ...], bool]
+"""(name, flops, bytes read + written, output bytes, the storages of it autograd saves, cacheable)."""
 
 
 def _ops(raw: list[_RawOp], reads: list[tuple[int, ...]], forward_s: float, hw: Hardware) -> tuple[OpProfile, ...]:
@@ -57,8 +72,19 @@ def _ops(raw: list[_RawOp], reads: list[tuple[int, ...]], forward_s: float, hw: 
     # last op whose output is saved, or before the last op that saves its inputs (the matmuls and
     # convolutions: the ops with FLOPs), whichever comes later.
     last_save = max([k for k, op in enumerate(raw) if op[4]] + [k - 1 for k, op in enumerate(raw) if op[1]], default=-1)
-    return tuple(OpProfile(name, t * scale, out, saved, cacheable, reads=r, replayed=k <= last_save)
+    return tuple(OpProfile(name, t * scale, out, sum(n for n, _ in saved), cacheable, reads=r, replayed=k <= last_save)
                  for k, ((name, _, _, out, saved, cacheable), t, r) in enumerate(zip(raw, times, reads, strict=True)))
+
+
+def _compressed(saved: list[_Storage], inputs: list[_Storage]) -> tuple[tuple[str, int, int, int, int], ...]:
+    """``BlockProfile.compressed`` of a block that saves ``saved`` and takes ``inputs``: per codec,
+    what the profiler records of a run (NOTE [analytic codec bytes])."""
+    entries = []
+    for codec in CODECS:
+        saved_bytes, saved_max = swapped_sizes(codec, saved)
+        input_bytes, input_max = swapped_sizes(codec, inputs)
+        entries.append((codec.value, saved_bytes, input_bytes, saved_max, input_max))
+    return tuple(entries)
 
 
 def _chain_reads(count: int) -> list[tuple[int, ...]]:
@@ -72,33 +98,37 @@ def _transformer_ops(s: int, b: int, h: int, a: int, e: int, flash_attention: bo
     Saved per Korthikanti et al.: LN inputs, QKV input, Q/K/V, softmax output, its dropout mask and
     output, the projection's input and the dropout masks, the MLP's inputs (Korthikanti's 34*sbh + 5*as^2b).
     With ``flash_attention`` the scores are never materialised: one op saves its output and the
-    softmax statistics (fp32, ``a*s*b`` values). Returns the ops and what each reads (``OpProfile.reads``)."""
+    softmax statistics (fp32, ``a*s*b`` values). Each op lists the storages it saves with their dtypes
+    (NOTE [analytic codec bytes]). Returns the ops and what each reads (``OpProfile.reads``)."""
     n, S = s * b * h, a * s * s * b
+    act = ACTIVATION_DTYPE[e]
+    v = lambda nbytes: ((nbytes, act),)  # noqa: E731  one saved storage of activations
+    mask = lambda nbytes: ((nbytes, "bool"),)  # noqa: E731  a dropout's mask, which no codec takes
     mm = lambda name, k, m, out_saved: (name, 2 * s * b * k * m, e * (s * b * k + k * m + s * b * m), e * s * b * m, out_saved, True)  # noqa: E731
     ops: list[_RawOp] = [
-        ("layer_norm", 0.0, 2 * e * n, e * n, e * n, True),  # saved: the QKV matmul's input
-        mm("qkv", h, 3 * h, 3 * e * n),  # saved: Q and K (scores), V (scores x V)
+        ("layer_norm", 0.0, 2 * e * n, e * n, v(e * n), True),  # saved: the QKV matmul's input
+        mm("qkv", h, 3 * h, v(3 * e * n)),  # saved: Q and K (scores), V (scores x V)
     ]
     if flash_attention:
         lse = 4 * a * s * b
-        ops.append(("flash_attention", 4 * b * s * s * h, e * 4 * n + lse, e * n + lse, e * n + lse, False))
+        ops.append(("flash_attention", 4 * b * s * s * h, e * 4 * n + lse, e * n + lse, v(e * n) + ((lse, "float32"),), False))
     else:
         ops += [
-            ("scores", 2 * b * s * s * h, e * (2 * n + S), e * S, 0, True),
-            ("softmax", 0.0, 2 * e * S, e * S, e * S, True),  # saved by its own backward
-            ("attention_dropout", 0.0, (2 * e + 1) * S, (e + 1) * S, (e + 1) * S, False),  # mask; output saved by scores x V
-            ("scores_v", 2 * b * s * s * h, e * (S + 2 * n), e * n, e * n, True),  # saved: the projection's input
+            ("scores", 2 * b * s * s * h, e * (2 * n + S), e * S, (), True),
+            ("softmax", 0.0, 2 * e * S, e * S, v(e * S), True),  # saved by its own backward
+            ("attention_dropout", 0.0, (2 * e + 1) * S, (e + 1) * S, v(e * S) + mask(S), False),  # mask; output saved by scores x V
+            ("scores_v", 2 * b * s * s * h, e * (S + 2 * n), e * n, v(e * n), True),  # saved: the projection's input
         ]
     ops += [
-        mm("proj", h, h, 0),
-        ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, n, False),  # saved: the mask
-        ("add", 0.0, 3 * e * n, e * n, e * n, True),  # saved: the second layer norm's input
-        ("layer_norm", 0.0, 2 * e * n, e * n, e * n, True),  # saved: fc1's input
-        mm("fc1", h, 4 * h, 4 * e * n),  # saved: GELU's input
-        ("gelu", 0.0, 8 * e * n, 4 * e * n, 4 * e * n, True),  # saved: fc2's input
-        mm("fc2", 4 * h, h, 0),
-        ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, n, False),
-        ("add", 0.0, 3 * e * n, e * n, 0, False),  # the block's output (NOTE [analytic ops])
+        mm("proj", h, h, ()),
+        ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, mask(n), False),  # saved: the mask
+        ("add", 0.0, 3 * e * n, e * n, v(e * n), True),  # saved: the second layer norm's input
+        ("layer_norm", 0.0, 2 * e * n, e * n, v(e * n), True),  # saved: fc1's input
+        mm("fc1", h, 4 * h, v(4 * e * n)),  # saved: GELU's input
+        ("gelu", 0.0, 8 * e * n, 4 * e * n, v(4 * e * n), True),  # saved: fc2's input
+        mm("fc2", 4 * h, h, ()),
+        ("dropout", 0.0, (2 * e + 1) * n, (e + 1) * n, mask(n), False),
+        ("add", 0.0, 3 * e * n, e * n, (), False),  # the block's output (NOTE [analytic ops])
     ]
     # A chain, but for scores x V (the softmax's dropout and V from the QKV matmul) and the residual
     # adds (the first add's output is the second's residual; the block's input is no op).
@@ -131,8 +161,10 @@ def transformer(
     s, b, h, a = seq, batch, hidden, heads
     raw, reads = _transformer_ops(s, b, h, a, bytes_per_value, flash_attention)
     x = s * b * h * bytes_per_value
+    act = ACTIVATION_DTYPE[bytes_per_value]
+    storages = [(x, act)] + [storage for op in raw for storage in op[4]]  # the block's input, which its first op saves
     if flash_attention:
-        saved = x + sum(op[4] for op in raw)
+        saved = sum(nbytes for nbytes, _ in storages)
         matmul_flops = sum(op[1] for op in raw)
     else:
         saved = int(s * b * h * (34 + 5 * a * s / h))
@@ -144,8 +176,8 @@ def transformer(
     block = BlockProfile(
         name="layer", forward_s=fwd, backward_s=2 * fwd, saved_bytes=saved, swappable_bytes=saved,
         input_bytes=x, input_swappable_bytes=x, output_bytes=x, param_bytes=params * bytes_per_value,
-        grad_bytes=params * bytes_per_value, swappable_storages=20, input_swappable_storages=1, ops=ops,
-        activation_dtype=ACTIVATION_DTYPE[bytes_per_value],
+        grad_bytes=params * bytes_per_value, swappable_storages=20, input_swappable_storages=1,
+        compressed=_compressed(storages, [(x, act)]), ops=ops, activation_dtype=act,
     )
     head_flops = 2 * b * s * h * vocab
     outside = _time(3 * head_flops, 3 * b * s * vocab * bytes_per_value, hardware)
@@ -165,15 +197,15 @@ def transformer(
 def _conv(name: str, b: int, c_in: int, c_out: int, size_in: int, size_out: int, k: int, saved: bool) -> _RawOp:
     out = b * c_out * size_out * size_out * 4
     flops = 2 * b * size_out * size_out * k * k * c_in * c_out
-    return (name, flops, 4 * (b * c_in * size_in * size_in + k * k * c_in * c_out) + out, out, out if saved else 0, True)
+    return (name, flops, 4 * (b * c_in * size_in * size_in + k * k * c_in * c_out) + out, out, ((out, "float32"),) if saved else (), True)
 
 
 def _pointwise(name: str, b: int, c: int, size: int, saved: bool, *, inplace: bool = False, reads: int = 1) -> _RawOp:
     """BN, ReLU, add: reads ``reads`` maps and writes one; in place, it creates no storage."""
     nbytes = b * c * size * size * 4
     if inplace:
-        return (name, 0.0, 2 * nbytes, 0, 0, False)
-    return (name, 0.0, (reads + 1) * nbytes, nbytes, nbytes if saved else 0, True)
+        return (name, 0.0, 2 * nbytes, 0, (), False)
+    return (name, 0.0, (reads + 1) * nbytes, nbytes, ((nbytes, "float32"),) if saved else (), True)
 
 
 def _output_add(b: int, c: int, size: int) -> _RawOp:
@@ -186,12 +218,13 @@ def _conv_block(name: str, b: int, maps: list[tuple[int, int]], flops: float, pa
                 raw: list[_RawOp], reads: list[tuple[int, ...]]) -> BlockProfile:
     """``maps``: (channels, spatial size) of each saved fp32 feature map; ``raw``: the block's ops,
     ``reads``: what each reads (``OpProfile.reads``)."""
-    saved = sum(b * c * hw_ * hw_ * 4 for c, hw_ in maps)
+    storages = [(b * c * hw_ * hw_ * 4, "float32") for c, hw_ in maps]
+    saved = sum(nbytes for nbytes, _ in storages)
     fwd = _time(flops, 2 * saved + params * 4, hw)
     x = b * in_elems * 4
     return BlockProfile(name, fwd, 2 * fwd, saved, saved, x, x, x, params * 4, params * 4,
-                        swappable_storages=len(maps), input_swappable_storages=1, ops=_ops(raw, reads, fwd, hw),
-                        activation_dtype="float32")
+                        swappable_storages=len(maps), input_swappable_storages=1, compressed=_compressed(storages, [(x, "float32")]),
+                        ops=_ops(raw, reads, fwd, hw), activation_dtype="float32")
 
 
 def wide_resnet(*, depth: int = 28, width: int = 10, batch: int, hardware: Hardware) -> Profile:

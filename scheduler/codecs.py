@@ -11,6 +11,7 @@ accepted too, through its ``str``).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from ooc.scheduler.plan import Codec
@@ -126,6 +127,20 @@ def swapped_nbytes(codec: Codec | str, nbytes: int, dtype: object) -> int:
     """Bytes one swapped storage of ``nbytes`` viewed as ``dtype`` occupies under ``codec``."""
     codec = Codec(codec)
     return nbytes if codec is Codec.NONE else CODECS[codec].storage_nbytes(nbytes, dtype)
+
+
+def swapped_sizes(codec: Codec | str, storages: Iterable[tuple[int, object]]) -> tuple[int, int]:
+    """Bytes the storages (``(nbytes, dtype)`` each) occupy once swapped under ``codec``, and the
+    largest compressed one's (what decoding it adds as the block's backward starts; 0 where none
+    compresses): a profile's ``BlockProfile.compressed`` entry for them."""
+    spec = codec_spec(codec)
+    total = largest = 0
+    for nbytes, dtype in storages:
+        size = spec.storage_nbytes(nbytes, dtype)
+        total += size
+        if spec.compresses(nbytes, dtype):  # only compressed storages are decoded
+            largest = max(largest, size)
+    return total, largest
 
 
 def nominal_ratio(codec: Codec | str, dtype: object | None) -> float:
