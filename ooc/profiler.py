@@ -27,7 +27,7 @@ from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.rng import GeneratorStates, RngState, generators_in
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
-from ooc.scheduler.codecs import CODECS, FLOAT_ITEMSIZE, dtype_name
+from ooc.scheduler.codecs import CODECS, FLOAT_ITEMSIZE, dtype_name, swapped_sizes
 from ooc.scheduler.plan import DEFAULT_MIN_SWAP_BYTES, Plan, Policy
 from ooc.scheduler.profile import BlockProfile, OpProfile, Profile, SharedParameter, SharedStorage, machine_header
 from ooc.storage_sharing import SharingMeter, measure_shared_storages
@@ -448,17 +448,15 @@ def _sums(log: list, what: str, n: int, min_swap_bytes: int) -> tuple[list[int],
     """Per block: bytes the tracker saw allocated as ``what``; those in swappable storages; how many
     swappable storages; per codec, the swappable bytes once compressed and the largest storage's codes."""
     total, large, count = [0] * n, [0] * n, [0] * n
-    compressed: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
-    largest: list[dict[str, int]] = [dict.fromkeys((c.value for c in CODECS), 0) for _ in range(n)]
+    storages: list[list[tuple[int, Any]]] = [[] for _ in range(n)]
     for kind, block, nbytes, dtype in log:
         if kind == what:
             total[block] += nbytes
             if nbytes >= min_swap_bytes:
                 large[block] += nbytes
                 count[block] += 1
-                for codec, spec in CODECS.items():
-                    size = spec.storage_nbytes(nbytes, dtype)
-                    compressed[block][codec.value] += size
-                    if spec.compresses(nbytes, dtype):  # only compressed storages are decoded
-                        largest[block][codec.value] = max(largest[block][codec.value], size)
+                storages[block].append((nbytes, dtype))
+    sizes = [{codec.value: swapped_sizes(codec, held) for codec in CODECS} for held in storages]
+    compressed = [{codec: size[0] for codec, size in block.items()} for block in sizes]
+    largest = [{codec: size[1] for codec, size in block.items()} for block in sizes]
     return total, large, count, (compressed, largest)
