@@ -146,7 +146,7 @@ def swapped_sizes(codec: Codec | str, storages: Iterable[tuple[int, object]]) ->
 def nominal_ratio(codec: Codec | str, dtype: object | None) -> float:
     """Encoded over raw bytes of ``dtype`` values under ``codec`` (``CodecSpec.ratio``; 1.0 for
     ``none``); ``dtype=None``: not known, the largest ratio among the dtypes the codec takes (that of
-    2-byte values), so that bytes predicted from it are never fewer than the run's."""
+    2-byte values), which no floating-point storage's codes exceed."""
     codec = Codec(codec)
     if codec is Codec.NONE:
         return 1.0

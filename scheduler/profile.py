@@ -193,10 +193,11 @@ class BlockProfile:
     """The dtype of the block's floating-point activations (``"float32"``, ``"float16"`` or
     ``"bfloat16"``): a codec missing from :attr:`compressed` is charged its ratio on values of this
     dtype (``ooc.scheduler.codecs.nominal_ratio``; int8 keeps 0.266 of fp32's bytes, 0.531 of
-    bf16's). ``None``: not recorded (a profile from before this field), charged the codec's largest
-    ratio, that of 2-byte values, so that a plan never moves or holds more compressed bytes than
-    predicted; an fp32 profile without the field is then over-charged (``ooc profile`` again, or add
-    ``"activation_dtype": "float32"`` to its blocks)."""
+    bf16's). That charge is approximate: it takes every swappable byte for this dtype (a bool mask
+    as if it compressed) and counts no decoding at backward; ``compressed`` is exact. ``None``: not
+    recorded (a profile from before this field), charged the codec's largest ratio, that of 2-byte
+    values, which no floating-point activation's codes exceed; an fp32 profile without the field is
+    then over-charged (``ooc profile`` again, or add ``"activation_dtype": "float32"`` to its blocks)."""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "shared", tuple(self._nested(SharedStorage, e, "shared storage") for e in self.shared))
