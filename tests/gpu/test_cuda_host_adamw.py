@@ -153,11 +153,12 @@ def test_streamed_weights_with_host_adamw_on_cuda_equal_the_host_reference(delay
     assert _same(model, plain)
 
 
+@pytest.mark.parametrize("how", ["synchronize", "state_dict"])
 @pytest.mark.parametrize("delayed", [False, True], ids=["pipelined", "delayed"])
-def test_training_on_a_side_stream_waits_for_copies_in_a_default_stream_sync_waited_for(delayed: bool) -> None:
+def test_training_on_a_side_stream_waits_for_copies_in_a_default_stream_sync_waited_for(delayed: bool, how: str) -> None:
     """NOTE [a gate waits on every stream] in ooc.optim.pipeline: the loop trains under
-    ``with torch.cuda.stream(side)`` and calls ``opt.synchronize()`` outside it, on the default stream
-    (as ``ckpt.save()`` or ``model.state_dict()`` there do). The gate made the default stream wait for
+    ``with torch.cuda.stream(side)`` and calls ``opt.synchronize()`` or ``model.state_dict()`` outside
+    it, on the default stream (as ``ckpt.save()`` there does). The gate made the default stream wait for
     the last buckets' copies in and forgot them, so the next forward on ``side`` read the weights
     while the chaos copy stream was still writing them (its destination poisoned to NaN first)."""
     from ooc.backend.cuda import CudaBackend, CudaChaosConfig
@@ -169,7 +170,7 @@ def test_training_on_a_side_stream_waits_for_copies_in_a_default_stream_sync_wai
     backend = CudaBackend(chaos=CudaChaosConfig(seed=5, max_sleep_cycles=20_000_000))
     opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, model=model, delayed_update=delayed)
     side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())  # the models and batches were made on the default stream
+    side.wait_stream(torch.cuda.current_stream())  # the model was made on the default stream
     losses = []
     try:
         for step in range(STEPS):
@@ -177,7 +178,10 @@ def test_training_on_a_side_stream_waits_for_copies_in_a_default_stream_sync_wai
                 losses.append(_backward(model, step, 0))
                 opt.step()
                 opt.zero_grad()
-            opt.synchronize()  # on the default stream
+            if how == "synchronize":  # on the default stream, as ckpt.save() there calls it
+                opt.synchronize()
+            else:
+                model.state_dict()
         with torch.cuda.stream(side):
             opt.synchronize()
         torch.cuda.current_stream().wait_stream(side)
