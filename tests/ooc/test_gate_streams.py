@@ -20,7 +20,7 @@ from ooc.models import GPT
 from ooc.optim import HostAdamW
 from tests.helpers import gpt_batch
 
-STEPS = 3
+STEPS = 2
 
 
 def _model() -> GPT:
