@@ -127,7 +127,9 @@ copies, and the version held some weights from before the last update under vali
 a device tensor outside the buckets, a persistent buffer, was copied: its event in ``pending``,
 recorded after the gate, ordered the writer by chance). So ``save`` records a compute event after
 the gate and the writer waits for it on the host before it reads anything (with the copies of
-``pending``); the training thread waits for nothing. Later stream-ins are another matter: weight
+``pending``); the training thread waits for nothing. (A ``save`` outside that ``with`` block gates on
+the default stream; the next forward's gate on ``s`` waits for the same copies again: NOTE [a gate
+waits on every stream] in ooc.optim.pipeline.) Later stream-ins are another matter: weight
 streaming points a streamed parameter's ``.data`` at a fresh device copy for each forward of its
 block, ordered after its H2D copy on the training's stream only; the writer read the Parameter
 object, so it could read such a copy. So a slot holds the parameter's tensor as it is at ``save``

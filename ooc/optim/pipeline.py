@@ -140,7 +140,8 @@ class _BucketState:
     """Launch at the end of the backward (a parameter's gradient arrives in parts), not in a hook."""
     done: threading.Event = field(default_factory=threading.Event)
     gate: list[Event] = field(default_factory=list)
-    """H2D copies the bucket's next forward waits for."""
+    """The H2D copies of the bucket's last copy in, which every gate waits for until the next copy in
+    replaces them (NOTE [a gate waits on every stream])."""
     pending_h2d: bool = False
     """delayed_update: the staging buffer holds weights not yet copied to the parameters."""
     backed_up: bool = False
@@ -770,16 +771,29 @@ class UpdatePipeline:
             self.status[index].pending_h2d = True
 
     def gate(self, indices: Sequence[int]) -> None:
-        """Before a forward: the weights of these buckets must be the updated ones."""
+        """Before a forward: the weights of these buckets must be the updated ones.
+
+        NOTE [a gate waits on every stream]
+        The wait for a bucket's copies in is a GPU-side wait of the caller's current stream
+        (``wait_compute``), not of the host: it orders only the work queued on that stream later.
+        The gate used to forget the copies' events once one caller had waited for them, so a
+        ``synchronize()`` made on one stream left the forward on another unordered after them:
+        training under ``with torch.cuda.stream(s)`` with ``ckpt.save()``, ``opt.synchronize()`` or
+        ``model.state_dict()`` outside that block (on the default stream), or from another thread.
+        The next forward's gate then found nothing to wait for and read weights the H2D copies were
+        still writing (some of the last update's, some of the one before). So the events stay until
+        the bucket's next copy in replaces them, and every gate waits for them on its own stream;
+        a wait for a copy that is done costs the host a few microseconds per parameter and the
+        stream nothing."""
         for i in indices:
             if self._held_for_step(i):
                 self.status[i].read_while_held = True
             else:
                 self._wait_done(i)
             for event in self.status[i].gate:
-                # The forward reads these parameters: compute must not pass their H2D copies.
+                # The caller's stream reads these parameters next: it must not pass their H2D copies,
+                # whichever stream waited for them before (NOTE [a gate waits on every stream]).
                 self.stages.backend.wait_compute(event)
-            self.status[i].gate = []
 
     def _held_for_step(self, index: int) -> bool:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls

@@ -153,6 +153,44 @@ def test_streamed_weights_with_host_adamw_on_cuda_equal_the_host_reference(delay
     assert _same(model, plain)
 
 
+@pytest.mark.parametrize("how", ["synchronize", "state_dict"])
+@pytest.mark.parametrize("delayed", [False, True], ids=["pipelined", "delayed"])
+def test_training_on_a_side_stream_waits_for_copies_in_a_default_stream_sync_waited_for(delayed: bool, how: str) -> None:
+    """NOTE [a gate waits on every stream] in ooc.optim.pipeline: the loop trains under
+    ``with torch.cuda.stream(side)`` and calls ``opt.synchronize()`` or ``model.state_dict()`` outside
+    it, on the default stream (as ``ckpt.save()`` there does). The gate made the default stream wait for
+    the last buckets' copies in and forgot them, so the next forward on ``side`` read the weights
+    while the chaos copy stream was still writing them (its destination poisoned to NaN first)."""
+    from ooc.backend.cuda import CudaBackend, CudaChaosConfig
+    from ooc.optim import HostAdamW
+
+    plain = _model()
+    model = copy.deepcopy(plain)
+    # Up to ~12 ms per spin, twice per copy: the copies in are in flight when synchronize() returns.
+    backend = CudaBackend(chaos=CudaChaosConfig(seed=5, max_sleep_cycles=20_000_000))
+    opt = HostAdamW(model.parameters(), lr=LR, weight_decay=WD, backend=backend, model=model, delayed_update=delayed)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())  # the model was made on the default stream
+    losses = []
+    try:
+        for step in range(STEPS):
+            with torch.cuda.stream(side):
+                losses.append(_backward(model, step, 0))
+                opt.step()
+                opt.zero_grad()
+            if how == "synchronize":  # on the default stream, as ckpt.save() there calls it
+                opt.synchronize()
+            else:
+                model.state_dict()
+        with torch.cuda.stream(side):
+            opt.synchronize()
+        torch.cuda.current_stream().wait_stream(side)
+    finally:
+        opt.close()
+    assert losses == _reference(plain, delayed=delayed)
+    assert _same(model, plain)
+
+
 @pytest.mark.parametrize("delayed", [False, True], ids=["pipelined", "delayed"])
 def test_a_clip_after_the_backward_waits_for_the_gradient_copies(delayed: bool) -> None:
     """NOTE [gradients written after the backward]: ``clip_grad_norm_`` right after the backward ran on
