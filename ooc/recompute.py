@@ -44,7 +44,7 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
 - Parameters and buffers replaced between the forward and the backward (``torch.func.functional_call``
   swaps them in for the call only) are put back for the re-run; training flags and
   generator objects (``torch.Generator``, ``random.Random``, numpy's; arguments, or attributes of the
-  block's modules, also in a list, tuple, dict or dataclass attribute: ``ooc.rng.generators_in``) too.
+  block's modules, also inside a container, a helper object or a closure: ``ooc.rng.generators_in``) too.
 - A tensor the forward saved that is still alive (a parameter, a tensor held by the caller, the
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an

@@ -8,12 +8,15 @@ CUDA generator, Python's ``random`` and numpy's global generator (``np.random.ra
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
-and their subclasses) in a block's arguments and in its modules' attributes, also inside a list,
-tuple or dict attribute (a namedtuple, an OrderedDict) or a dataclass attribute or argument (one level
-down); the re-run starts each from the state it had before the forward, and each is put back after it,
-so the next forward draws where plain PyTorch's would. A generator held anywhere else (a global, an
-attribute of a helper object that is no dataclass, deeper inside a container), or one the forward
-seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
+and their subclasses) in a block's arguments and in its modules' attributes, and inside them down to
+``_DEPTH`` levels: the items of a list, tuple, dict or set (a namedtuple, an OrderedDict, a list of
+lists), the attributes of an object (a dataclass, a helper object, a ``SimpleNamespace``: ``module.cfg.gen``),
+what a function captured (a lambda's closure cells, default arguments, a ``functools.partial``'s
+arguments, a bound method's object); the re-run starts each from the state it had before the forward,
+and each is put back after it, so the next forward draws where plain PyTorch's would. Not looked into:
+modules (a registered one is looked at itself), tensors, HF configs; at most ``_BUDGET`` objects per
+block and call (a module that holds a trainer). A generator held anywhere else (a global, a module's
+hook, deeper than ``_DEPTH``), or one the forward seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
 state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
 catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
 thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
@@ -52,12 +55,13 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
+import enum
 import functools
 import importlib
 import random
 import sys
 import tempfile
+import types
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -233,29 +237,60 @@ def _numpy_random(*, load: bool = False) -> Any:
     return None if np_random is None or getattr(spec, "_initializing", False) else np_random
 
 
-_OTHER, _GENERATOR, _ITEMS, _FIELDS = range(4)
+_OTHER, _GENERATOR, _ITEMS, _FIELDS, _CALLABLE = range(5)
 """What ``generators_in`` does with a value of a type: nothing; take it; look at its items (a list,
-tuple or dict, their subclasses too: a namedtuple, an OrderedDict); look at its fields (a dataclass)."""
+tuple, dict or set, their subclasses too: a namedtuple, an OrderedDict); look at its attributes (a
+dataclass, a helper object, a ``SimpleNamespace``: its ``__dict__`` and slots); look at what it captured
+(a function's closure cells and default arguments, a ``functools.partial``'s function and arguments, a
+bound method's object and function, a C method's object)."""
+
+_DEPTH = 4
+"""How many levels of containers, objects and callables ``generators_in`` looks through from a module's
+attribute or an argument (the attribute itself is the first): ``module.cfg.gen``, ``[[gen]]``, a lambda's
+cell, a helper's bound method's helper's generator are all within it."""
+
+_BUDGET = 4096
+"""How many items (of containers, objects and callables) ``generators_in`` looks at per call, at most: a
+module holding a large object graph (a trainer, a tokenizer, a dict of a model's weights) costs bounded
+time at every forward (about 0.3 ms at most)."""
+
+
+class Opaque:
+    """Base of ooc's own objects that a module holds (the runtime's stand-in for a block's ``forward``,
+    which holds the runtime): ``generators_in`` never looks into them."""
+
+    __slots__ = ()
 
 _KINDS: dict[type, int] = {}
 """Type -> what ``generators_in`` does with a value of it, found once per type (``_kind``)."""
 
 _PLAIN: set[type] = set()
-"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings)."""
-
-_CONTAINERS: set[type] = set()
-"""The types of ``_KINDS`` that are ``_ITEMS`` or ``_FIELDS`` (nn.Module's own dicts among them). With
-``_PLAIN``: set lookups per attribute at every recomputed forward, as the exact-type sets these
-replaced took."""
+"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings): a set
+lookup per attribute at every recomputed forward."""
 
 _SLOTS: dict[type, tuple[str, ...]] = {}
-"""Dataclass without ``__dict__`` (``slots=True``) -> its fields."""
+"""``_FIELDS`` type -> the names of its slots (``__slots__`` along its MRO; a ``dataclass(slots=True)``)."""
+
+_HAS_DICT: set[type] = set()
+"""The ``_FIELDS`` types whose objects have a ``__dict__``."""
+
+_MODULE_OWN = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+                         "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                         "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+                         "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+                         "_compiled_call_impl"))
+"""``nn.Module``'s own attributes (its parameters, buffers, submodules, hooks; ``torch.compile``'s
+function): never looked into. Submodules are looked at on their own (``modules``)."""
+
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinMethodType, functools.partial)
 
 
 def _kind(kind: type) -> int:
     """What ``generators_in`` does with a value of type ``kind`` (``_KINDS``), found from the type alone
     (``issubclass``), never ``isinstance``: the latter reads ``__class__`` through HF configs' Python
-    ``__getattribute__``. ``random.SystemRandom`` has no state to replay."""
+    ``__getattribute__``. ``random.SystemRandom`` has no state to replay. Not looked into: modules (a
+    registered one is looked at on its own; an unregistered one is no part of the block), tensors,
+    classes, Python modules, enums, weak references, HF configs (40 fields, never a generator)."""
     found = _KINDS.get(kind)
     if found is not None:
         return found
@@ -265,70 +300,135 @@ def _kind(kind: type) -> int:
         generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator, np_random.SeedSequence)
     if issubclass(kind, generators) and not issubclass(kind, random.SystemRandom):
         found = _GENERATOR
-    elif issubclass(kind, (list, tuple, dict)):
+    elif issubclass(kind, (list, tuple, dict, set, frozenset)):
         found = _ITEMS
-    elif dataclasses.is_dataclass(kind) and not is_config_class(kind):  # an HF config: 40 fields, every forward
-        found = _FIELDS
-        if "__dict__" not in dir(kind):  # dataclass(slots=True)
-            _SLOTS[kind] = tuple(f.name for f in dataclasses.fields(kind))
-    else:
+    elif issubclass(kind, _CALLABLES):
+        found = _CALLABLE
+    elif issubclass(kind, (torch.nn.Module, torch.Tensor, type, types.ModuleType, enum.Enum, weakref.ref,
+                           BaseException, Opaque)) or is_config_class(kind):
         found = _OTHER
+    else:
+        slots = tuple(name for k in kind.__mro__ for name in _slot_names(k) if name not in ("__dict__", "__weakref__"))
+        has_dict = kind.__dictoffset__ != 0
+        found = _FIELDS if slots or has_dict else _OTHER
+        if slots:
+            _SLOTS[kind] = slots
+        if has_dict:
+            _HAS_DICT.add(kind)
     if np_random is not None or not kind.__module__.startswith("numpy"):  # numpy's types are known once imported
         if len(_KINDS) > 4096:  # classes made at run time: the cache stays bounded
             _KINDS.clear()
             _PLAIN.clear()
-            _CONTAINERS.clear()
+            _SLOTS.clear()
+            _HAS_DICT.clear()
+            if found != _OTHER:  # its slots and dict, just cleared
+                return _kind(kind)
         _KINDS[kind] = found
         if found == _OTHER:
             _PLAIN.add(kind)
-        elif found != _GENERATOR:
-            _CONTAINERS.add(kind)
     return found
 
 
-def _generators_inside(value: Any, kind: int, found: list[Any]) -> None:
-    """Append the generators among the items of a container, or the fields of a dataclass (read from
-    its ``__dict__``, not through a Python ``__getattribute__``: HF configs are dataclasses), to
-    ``found``. One level: nothing inside an item is looked at."""
+def _slot_names(kind: type) -> tuple[str, ...]:
+    """The slots ``kind`` itself declares (``__slots__``: a string or an iterable of names)."""
+    slots = kind.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _contents(value: Any, kind: int) -> Iterable[Any]:
+    """What ``value`` of kind ``kind`` holds: a container's items, an object's attributes (read from its
+    ``__dict__`` and slots, not through a Python ``__getattribute__``: HF configs, proxies), what a
+    callable captured."""
     if kind == _ITEMS:
-        items = value.values() if issubclass(type(value), dict) else value
-    elif type(value) in _SLOTS:
-        items = [getattr(value, name, None) for name in _SLOTS[type(value)]]
-    else:
-        items = object.__getattribute__(value, "__dict__").values()
-    plain = _PLAIN
-    found += [g for g in items if type(g) not in plain and _kind(type(g)) == _GENERATOR]
+        return value.values() if issubclass(type(value), dict) else value
+    if kind == _CALLABLE:
+        if issubclass(type(value), functools.partial):
+            return (value.func, *value.args, *value.keywords.values())
+        if issubclass(type(value), types.MethodType):
+            return (value.__self__, value.__func__)
+        if issubclass(type(value), types.BuiltinMethodType):
+            return (value.__self__,)  # ``rng.random`` of a ``random.Random``; a function's Python module
+        return (*_cell_contents(value.__closure__), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+    items: list[Any] = []
+    if type(value) in _HAS_DICT:
+        items += object.__getattribute__(value, "__dict__").values()
+    for name in _SLOTS.get(type(value), ()):
+        try:
+            items.append(object.__getattribute__(value, name))
+        except AttributeError:  # a slot not set
+            pass
+    return items
 
 
-def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list[Any]:
+def _cell_contents(cells: tuple[Any, ...] | None) -> list[Any]:
+    """The values in a function's closure cells (an empty cell, a name not bound yet, is left out)."""
+    values = []
+    for cell in cells or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            pass
+    return values
+
+
+class _Search:
+    """One ``generators_in`` call: the generators found, the ids of what was looked into (each once),
+    how many more items may be looked at (``_BUDGET``)."""
+
+    __slots__ = ("found", "seen", "left")
+
+    def __init__(self) -> None:
+        self.found: list[Any] = []
+        self.seen: set[int] = set()
+        self.left = _BUDGET
+
+    def inside(self, value: Any, kind: int, depth: int = _DEPTH) -> None:
+        """Note the generators that ``value`` (of kind ``kind``: not ``_OTHER`` nor ``_GENERATOR``) holds,
+        down to ``depth`` levels (``_DEPTH``)."""
+        if id(value) in self.seen or self.left <= 0:
+            return
+        self.seen.add(id(value))
+        plain = _PLAIN
+        for item in _contents(value, kind):
+            self.left -= 1
+            if self.left < 0:
+                return
+            if type(item) in plain:
+                continue
+            item_kind = _kind(type(item))
+            if item_kind == _GENERATOR:
+                self.found.append(item)
+            elif item_kind != _OTHER and depth > 1:
+                self.inside(item, item_kind, depth - 1)
+
+
+def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules``, each once: the attribute itself, an item of a list, tuple or dict attribute, or a
-    field of a dataclass attribute (of a dataclass argument too: ``tree_flatten`` leaves it whole).
-    A generator of a subclass counts (a namedtuple, a ``random.Random`` subclass)."""
+    ``modules``, each once: the attribute or argument itself, or anything it holds down to ``_DEPTH``
+    levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass or a helper
+    object, a closure cell, default argument or bound object of a function, a ``functools.partial``'s
+    arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
     plain = _PLAIN
-    found: list[Any] = []
+    search = _Search()
+    found = search.found
     for g in leaves:
         if type(g) in plain:
             continue
         kind = _kind(type(g))
         if kind == _GENERATOR:
             found.append(g)
-        elif kind == _FIELDS:
-            _generators_inside(g, kind, found)
-    containers = _CONTAINERS
+        elif kind != _OTHER:
+            search.inside(g, kind)
+    own = _MODULE_OWN
     for m in modules:
         for name, value in vars(m).items():
-            if (kind := type(value)) in plain:
+            if type(value) in plain or name in own:
                 continue
-            if kind in containers:
-                if name[0] != "_":  # not one of nn.Module's own dicts
-                    _generators_inside(value, _kind(kind), found)
-                continue
-            kind = _kind(kind)  # a generator, or a type not seen yet
+            kind = _kind(type(value))
             if kind == _GENERATOR:
                 found.append(value)
-            elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
-                _generators_inside(value, kind, found)
+            elif kind != _OTHER:
+                search.inside(value, kind)
     return list({id(g): g for g in found}.values())  # by identity: a class with __eq__ alone is unhashable
 
 

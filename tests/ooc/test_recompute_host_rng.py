@@ -276,36 +276,6 @@ def test_host_randomness_is_replayed(code: str, block: type[_Block]) -> None:
     assert_same_as_plain(build, code, _two_steps)
 
 
-class _Noise:
-    """A helper object holding a generator: ooc does not look inside it."""
-
-    def __init__(self) -> None:
-        self.generator = torch.Generator().manual_seed(5)
-
-
-class GeneratorOnAHelper(_Block):
-    def __init__(self) -> None:
-        super().__init__()
-        self.helper = _Noise()
-
-    def noise(self, shape: torch.Size) -> torch.Tensor:
-        return torch.rand(shape, generator=self.helper.generator)
-
-
-def test_a_generator_ooc_cannot_find_is_caught_by_check_recompute() -> None:
-    """The documented limit (NOTE [generators a re-run replays] in ``ooc.rng``): the re-run draws other
-    numbers, and ``check_recompute=True`` says so, naming where to read why."""
-    model = Chain([GeneratorOnAHelper() for _ in range(2)])
-    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
-             backend="cpu", check_recompute=True)
-    try:
-        out = model(inputs())
-        with pytest.raises(RecomputeError, match=r"has other values when recomputed.*generators a re-run replays"):
-            out.pow(2).sum().backward()
-    finally:
-        ooc.unwrap(model)
-
-
 @pytest.mark.parametrize("block", [NumpyGlobal, PythonGlobal], ids=lambda b: b.__name__)
 def test_profiling_leaves_the_host_generators_where_they_were(block: type[_Block]) -> None:
     """``ooc.profile`` (and ``wrap(sample=...)``) runs the forward several times and puts torch's generator
