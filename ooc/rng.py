@@ -40,10 +40,9 @@ other numbers), and it is recorded as drawing from then on. Its re-runs read the
 that reseeds numpy (``np.random.seed(0)`` then draws) can find it, at its first forward, in the state
 it leaves it in (a second such block does), so it is recorded as not drawing; its re-run then reseeds a
 generator that has moved since (the loss drew from it), and cannot put it back: that raises, and the
-block is recorded as drawing. Not seen at all: a forward that draws and then puts numpy's state back
-itself (``st = np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``, without a seed
-in between) leaves neither a changed state nor a moved mark, and its re-run draws from wherever the
-generator is then; ``check_recompute=True`` catches that. A global generator other than MT19937
+block is recorded as drawing. A forward that draws and then puts numpy's state back itself leaves
+neither a changed state nor a moved mark: its first forward is watched for that (NOTE [a forward that
+puts numpy's state back]). A global generator other than MT19937
 (``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
 is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not
@@ -61,6 +60,7 @@ import importlib
 import random
 import sys
 import tempfile
+import threading
 import types
 import weakref
 from collections.abc import Iterable, Iterator
@@ -507,6 +507,94 @@ _SEED = random.Random.seed.__code__
 _SYSTEM_RANDOM = frozenset((random.SystemRandom.getrandbits.__code__, random.SystemRandom.random.__code__,
                             random.SystemRandom.randbytes.__code__))
 _TEMPFILE = tempfile.__file__
+
+
+class NumpyReadWatch:
+    """Notes whether a recomputed block's first forward reads or sets numpy's global generator's state
+    (``read``, after the ``with`` block), where ``watch`` (the forward whose numpy draws are recorded).
+
+    NOTE [a forward that puts numpy's state back]
+    A forward that draws from numpy's global generator and puts its state back itself (``st =
+    np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``; a ``temp_seed`` helper; the
+    same through ``np.random.get_bit_generator().state``) leaves the state as it found it, so its first
+    forward looked like one that does not draw (NOTE [numpy's state where it is drawn]): its later
+    forwards took no numpy state, and its re-runs drew from wherever the generator was then (the loss or
+    the next batch's augmentation had drawn from it since): other numbers, other gradients, silently.
+    numpy's functions are Cython's, which a profile function does not see called (``EntropyWatch``), so
+    during that first forward ``numpy.random``'s ``get_state``, ``set_state`` and ``get_bit_generator``
+    (the same objects in ``numpy.random.mtrand``) are replaced by wrappers that note the call, and put
+    back after it; a block that called one is recorded as drawing: its numpy state is taken at every
+    forward and re-run (50 us each), and its re-runs draw what its forwards drew. Not seen: a call through
+    a reference taken before the forward (``from numpy.random import get_state`` at import,
+    ``np.random.mtrand._rand``), a block that starts doing this after its first forward
+    (``check_recompute=True`` catches those). While the wrappers are in, another thread's call, or ooc's
+    own (a backward inside the forward re-runs a block), marks the block as drawing too: time, never a
+    wrong gradient."""
+
+    __slots__ = ("watch", "read")
+
+    def __init__(self, watch: bool) -> None:
+        self.watch = watch
+        self.read = False
+
+    def __enter__(self) -> NumpyReadWatch:
+        if self.watch:
+            with _READ_LOCK:
+                if not _READ_WATCHES:
+                    _wrap_numpy_reads()
+                _READ_WATCHES.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.watch:
+            with _READ_LOCK:
+                _READ_WATCHES.remove(self)
+                if not _READ_WATCHES:
+                    _unwrap_numpy_reads()
+
+
+_READ_LOCK = threading.Lock()
+_READ_WATCHES: list[NumpyReadWatch] = []
+"""The ``NumpyReadWatch`` objects in force (blocks' first forwards in several threads): numpy's functions are
+wrapped once, while there is any, and a call is noted in each."""
+
+_NUMPY_READS = ("get_state", "set_state", "get_bit_generator")
+
+_WRAPPED: list[tuple[Any, str, Any, Any]] = []
+"""(module, name, original, wrapper) per numpy function wrapped while ``_READ_WATCHES`` is not empty."""
+
+
+def _wrap_numpy_reads() -> None:
+    """Wrap ``numpy.random``'s functions that read or set its global state (NOTE [a forward that puts
+    numpy's state back]) in ``numpy.random`` and ``numpy.random.mtrand``; nothing if it is not imported."""
+    np_random = _numpy_random()
+    if np_random is None:
+        return
+    for module in (np_random, getattr(np_random, "mtrand", None)):
+        for name in _NUMPY_READS:
+            original = getattr(module, name, None)
+            if original is not None:
+                wrapper = _noting(original)
+                setattr(module, name, wrapper)
+                _WRAPPED.append((module, name, original, wrapper))
+
+
+def _unwrap_numpy_reads() -> None:
+    for module, name, original, wrapper in reversed(_WRAPPED):
+        if getattr(module, name, None) is wrapper:  # else the forward replaced it (a test's mock): left alone
+            setattr(module, name, original)
+    _WRAPPED.clear()
+
+
+def _noting(original: Any) -> Any:
+    """``original``, noting in each ``NumpyReadWatch`` in force that it was called."""
+    @functools.wraps(original)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        for watch in list(_READ_WATCHES):
+            watch.read = True
+        return original(*args, **kwargs)
+
+    return noted
 
 
 class GeneratorStates:

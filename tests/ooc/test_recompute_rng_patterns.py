@@ -84,6 +84,76 @@ def _assert_same_as_plain(build: Callable[[], nn.Module], code: str,
         assert torch.equal(a, b)
 
 
+# -- numpy's global generator, its state put back by the forward ---------------------------------------
+
+
+class PeeksAtNumpy(_Block):
+    """Draws from numpy's global generator and puts its state back: no draw is seen from outside."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        noise = np.random.rand(*shape).astype(np.float32)
+        np.random.set_state(state)
+        return torch.from_numpy(noise)
+
+
+class PeeksAtNumpysBitGenerator(_Block):
+    """The same through the global bit generator's ``state``."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        bits = np.random.get_bit_generator()
+        state = bits.state
+        noise = np.random.rand(*shape).astype(np.float32)
+        bits.state = state
+        return torch.from_numpy(noise)
+
+
+class SeedsNumpyTemporarily(_Block):
+    """A ``temp_seed`` helper as users write it: seed, draw, put the previous state back."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        np.random.seed(7)
+        try:
+            return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+        finally:
+            np.random.set_state(state)
+
+
+@pytest.mark.parametrize("block", [PeeksAtNumpy, PeeksAtNumpysBitGenerator, SeedsNumpyTemporarily],
+                         ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_forward_that_puts_numpys_state_back_itself_is_replayed(code: str, block: type[_Block]) -> None:
+    """The block looked like one that does not draw (numpy's state after its forward is the one before),
+    so its later forwards took no numpy state and its re-run drew from wherever the generator was then
+    (here: after the loss drew), silently other gradients (``check_recompute=True`` alone caught it).
+    Its first forward now sees it read numpy's global state, and it is replayed as a block that draws."""
+    _assert_same_as_plain(lambda: Chain([block() for _ in range(3)]), code)
+
+
+def test_numpys_functions_are_themselves_again_after_a_first_forward() -> None:
+    """The first forward's watch (NOTE [a forward that puts numpy's state back] in ``ooc.rng``) wraps
+    numpy's state functions for that forward alone, also one that fails."""
+    names = ("get_state", "set_state", "get_bit_generator")
+    before = [getattr(module, name) for module in (np.random, np.random.mtrand) for name in names]
+
+    class Fails(PeeksAtNumpy):
+        def noise(self, shape: torch.Size) -> torch.Tensor:
+            assert np.random.get_state is not before[0]  # wrapped during the forward
+            raise ValueError("a bug in the forward")
+
+    model = Chain([PeeksAtNumpy(), Fails()])
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu")
+    try:
+        with pytest.raises(ValueError, match="a bug in the forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+    after = [getattr(module, name) for module in (np.random, np.random.mtrand) for name in names]
+    assert all(a is b for a, b in zip(after, before, strict=True))
+
+
 # -- generators deeper in a module ---------------------------------------------------------------------
 
 
