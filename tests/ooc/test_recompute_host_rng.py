@@ -1,7 +1,8 @@
 """RECOMPUTE of blocks that draw random numbers outside torch's default generator: Python's ``random``
 and numpy's global generator (also one a forward swaps in), ``random.Random`` / numpy ``Generator`` /
 ``RandomState`` / bit generator objects (of subclasses too) on the block's modules, and
-``torch.Generator`` objects held in a list, tuple, namedtuple, dict or dataclass attribute. The re-run
+``torch.Generator`` objects held in a list, tuple, namedtuple, dict or dataclass attribute (deeper
+ones: ``tests/ooc/test_recompute_rng_patterns.py``). The re-run
 draws what the forward drew, so gradients equal plain PyTorch bit for bit over two steps, and the
 generators are left where plain PyTorch leaves them (NOTE [the re-run sees the forward's state] in
 ``ooc.recompute``). Each failed before: the re-run drew other numbers, and the gradients differed
