@@ -8,7 +8,8 @@ CUDA generator, Python's ``random`` and numpy's global generator (``np.random.ra
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
-and their subclasses) in a block's arguments and in its modules' attributes, and inside them down to
+and their subclasses) in a block's arguments and in its modules' attributes (their classes' too: a
+generator the class's objects share), and inside them down to
 ``_DEPTH`` levels: the items of a list, tuple, dict or set (a namedtuple, an OrderedDict, a list of
 lists), the attributes of an object (a dataclass, a helper object, a ``SimpleNamespace``: ``module.cfg.gen``),
 what a function captured (a lambda's closure cells, default arguments, a ``functools.partial``'s
@@ -382,6 +383,14 @@ class _Search:
         self.seen: set[int] = set()
         self.left = _BUDGET
 
+    def value(self, value: Any) -> None:
+        """Note ``value`` if it is a generator, else the generators it holds."""
+        kind = _kind(type(value))
+        if kind == _GENERATOR:
+            self.found.append(value)
+        elif kind != _OTHER:
+            self.inside(value, kind)
+
     def inside(self, value: Any, kind: int, depth: int = _DEPTH) -> None:
         """Note the generators that ``value`` (of kind ``kind``: not ``_OTHER`` nor ``_GENERATOR``) holds,
         down to ``depth`` levels (``_DEPTH``)."""
@@ -404,32 +413,52 @@ class _Search:
 
 def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules``, each once: the attribute or argument itself, or anything it holds down to ``_DEPTH``
+    ``modules`` (their classes' too: ``_class_attributes``), each once: the attribute or argument itself, or anything it holds down to ``_DEPTH``
     levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass or a helper
     object, a closure cell, default argument or bound object of a function, a ``functools.partial``'s
     arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
     plain = _PLAIN
     search = _Search()
-    found = search.found
     for g in leaves:
-        if type(g) in plain:
-            continue
-        kind = _kind(type(g))
-        if kind == _GENERATOR:
-            found.append(g)
-        elif kind != _OTHER:
-            search.inside(g, kind)
+        if type(g) not in plain:
+            search.value(g)
     own = _MODULE_OWN
     for m in modules:
         for name, value in vars(m).items():
-            if type(value) in plain or name in own:
-                continue
-            kind = _kind(type(value))
-            if kind == _GENERATOR:
-                found.append(value)
-            elif kind != _OTHER:
-                search.inside(value, kind)
-    return list({id(g): g for g in found}.values())  # by identity: a class with __eq__ alone is unhashable
+            if type(value) not in plain and name not in own:
+                search.value(value)
+        for holder, name in _class_attributes(type(m)):
+            if type(value := holder.get(name)) not in plain:
+                search.value(value)
+    return list({id(g): g for g in search.found}.values())  # by identity: a class with __eq__ alone is unhashable
+
+
+_CLASS_ATTRIBUTES: dict[type, tuple[tuple[Any, str], ...]] = {}
+"""Module class -> its class attributes ``generators_in`` looks at (``_class_attributes``)."""
+
+_NOT_DATA = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType)
+
+
+def _class_attributes(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(the class's ``__dict__``, name) per class attribute of a module class ``kind`` or its bases that may
+    hold a generator (``class Block(nn.Module): gen = torch.Generator()``, shared by its objects): not a
+    method, property or class, nor a dunder, nor a class of torch's own (``nn.Linear``). Found once per
+    class: an attribute a class gets later, or one that held no generator, container or object then (a
+    ``None`` set to a generator later), is not looked at."""
+    found = _CLASS_ATTRIBUTES.get(kind)
+    if found is None:
+        names: dict[str, Any] = {}  # name -> the class whose attribute the module class reads (first in its MRO)
+        for k in kind.__mro__:
+            for name in k.__dict__:
+                names.setdefault(name, k)
+        found = tuple((k.__dict__, name) for name, k in names.items()
+                      if not k.__module__.startswith("torch.") and k is not object
+                      and not (name.startswith("__") and name.endswith("__"))
+                      and not isinstance(value := k.__dict__[name], _NOT_DATA) and _kind(type(value)) != _OTHER)
+        if len(_CLASS_ATTRIBUTES) > 4096:  # classes made at run time: the cache stays bounded
+            _CLASS_ATTRIBUTES.clear()
+        _CLASS_ATTRIBUTES[kind] = found
+    return found
 
 
 _WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

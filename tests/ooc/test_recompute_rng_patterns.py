@@ -314,6 +314,34 @@ def test_a_generator_deeper_in_a_module_is_replayed(code: str, block: type[_Bloc
     _assert_same_as_plain(lambda: Chain([block() for _ in range(3)]), code)
 
 
+class OnTheClass(_Block):
+    """A generator shared by the class's objects (a class attribute)."""
+
+    generator = torch.Generator()
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator)
+
+
+class OnABaseClassInADict(OnTheClass):
+    generators = {"mask": OnTheClass.generator}
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generators["mask"])
+
+
+@pytest.mark.parametrize("block", [OnTheClass, OnABaseClassInADict], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_on_the_modules_class_is_replayed(code: str, block: type[_Block]) -> None:
+    """A class attribute is no attribute of the module object: it was not replayed (the re-run drew the
+    next numbers, and the gradients differed, silently)."""
+    def build() -> Chain:
+        OnTheClass.generator.manual_seed(5)  # the plain and the wrapped model share it
+        return Chain([block() for _ in range(3)])
+
+    _assert_same_as_plain(build, code)
+
+
 def test_the_search_does_not_look_into_the_runtime_a_wrapped_block_holds() -> None:
     """A wrapped block's ``forward`` is the runtime's stand-in, which holds the runtime: looking into it
     walked ooc's own objects at every recomputed forward, and found the chaos backend's
