@@ -8,16 +8,18 @@ CUDA generator, Python's ``random`` and numpy's global generator (``np.random.ra
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
-and their subclasses) in a block's arguments and in its modules' attributes (their classes' too: a
-generator the class's objects share), and inside them down to
-``_DEPTH`` levels: the items of a list, tuple, dict or set (a namedtuple, an OrderedDict, a list of
-lists), the attributes of an object (a dataclass, a helper object, a ``SimpleNamespace``: ``module.cfg.gen``),
-what a function captured (a lambda's closure cells, default arguments, a ``functools.partial``'s
-arguments, a bound method's object); the re-run starts each from the state it had before the forward,
-and each is put back after it, so the next forward draws where plain PyTorch's would. Not looked into:
-modules (a registered one is looked at itself), tensors, HF configs; at most ``_BUDGET`` objects per
-block and call (a module that holds a trainer). A generator held anywhere else (a global, a module's
-hook, deeper than ``_DEPTH``), or one the forward seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
+and their subclasses) in a block's arguments and in its modules' attributes (their classes' too, and
+the module-level globals holding a generator that their forwards read by name: ``_shared_places``),
+and inside them down to ``_DEPTH`` levels: the items of a list, tuple, dict or set (a namedtuple, an
+OrderedDict, a list of lists), the attributes of an object (a dataclass, a helper object, a
+``SimpleNamespace``: ``module.cfg.gen``), what a function captured (a lambda's closure cells, default
+arguments, a ``functools.partial``'s arguments, a bound method's object); the re-run starts each from
+the state it had before the forward, and each is put back after it, so the next forward draws where
+plain PyTorch's would. Not looked into: modules (a registered one is looked at itself), tensors, HF
+configs, ooc's own objects (``Opaque``); at most ``_BUDGET`` items per block and call (a module that
+holds a trainer). A generator held anywhere else (inside a global object or container, a global reached
+through another Python module's attribute, a module's hook, deeper than ``_DEPTH``), or one the forward
+seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
 state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
 catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
 thread that draws from one while a re-run runs (in the backward) draws from the replayed state, as
@@ -58,6 +60,7 @@ import ctypes
 import enum
 import functools
 import importlib
+import inspect
 import random
 import sys
 import tempfile
@@ -413,8 +416,8 @@ class _Search:
 
 def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules`` (their classes' too: ``_class_attributes``), each once: the attribute or argument itself, or anything it holds down to ``_DEPTH``
-    levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass or a helper
+    ``modules`` (and the class attributes and module-level globals their forwards share: ``_shared_places``),
+    each once: the attribute or argument itself, or anything it holds down to ``_DEPTH`` levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass or a helper
     object, a closure cell, default argument or bound object of a function, a ``functools.partial``'s
     arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
     plain = _PLAIN
@@ -427,38 +430,98 @@ def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list
         for name, value in vars(m).items():
             if type(value) not in plain and name not in own:
                 search.value(value)
-        for holder, name in _class_attributes(type(m)):
+        for holder, name in _shared_places(type(m)):
             if type(value := holder.get(name)) not in plain:
                 search.value(value)
     return list({id(g): g for g in search.found}.values())  # by identity: a class with __eq__ alone is unhashable
 
 
-_CLASS_ATTRIBUTES: dict[type, tuple[tuple[Any, str], ...]] = {}
-"""Module class -> its class attributes ``generators_in`` looks at (``_class_attributes``)."""
+_SHARED: dict[type, tuple[tuple[Any, str], ...]] = {}
+"""Module class -> the places outside its objects that ``generators_in`` looks at (``_shared_places``)."""
 
 _NOT_DATA = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType)
+
+
+def _shared_places(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(mapping, name) per place outside a module object of class ``kind`` where its forward may find a
+    generator that other objects share: the class attributes of ``kind`` and its bases
+    (``_class_attributes``), and the module-level globals its forward reads (``_global_generators``).
+    Found once per class (bounded cache); each forward reads the places again."""
+    found = _SHARED.get(kind)
+    if found is None:
+        found = _class_attributes(kind) + _global_generators(kind)
+        if len(_SHARED) > 4096:  # classes made at run time: the cache stays bounded
+            _SHARED.clear()
+        _SHARED[kind] = found
+    return found
 
 
 def _class_attributes(kind: type) -> tuple[tuple[Any, str], ...]:
     """(the class's ``__dict__``, name) per class attribute of a module class ``kind`` or its bases that may
     hold a generator (``class Block(nn.Module): gen = torch.Generator()``, shared by its objects): not a
-    method, property or class, nor a dunder, nor a class of torch's own (``nn.Linear``). Found once per
-    class: an attribute a class gets later, or one that held no generator, container or object then (a
-    ``None`` set to a generator later), is not looked at."""
-    found = _CLASS_ATTRIBUTES.get(kind)
-    if found is None:
-        names: dict[str, Any] = {}  # name -> the class whose attribute the module class reads (first in its MRO)
-        for k in kind.__mro__:
-            for name in k.__dict__:
-                names.setdefault(name, k)
-        found = tuple((k.__dict__, name) for name, k in names.items()
-                      if not k.__module__.startswith("torch.") and k is not object
-                      and not (name.startswith("__") and name.endswith("__"))
-                      and not isinstance(value := k.__dict__[name], _NOT_DATA) and _kind(type(value)) != _OTHER)
-        if len(_CLASS_ATTRIBUTES) > 4096:  # classes made at run time: the cache stays bounded
-            _CLASS_ATTRIBUTES.clear()
-        _CLASS_ATTRIBUTES[kind] = found
-    return found
+    method, property or class, nor a dunder, nor a class of torch's own (``nn.Linear``). An attribute a
+    class gets later, or one that held no generator, container or object then (a ``None`` set to a
+    generator later), is not looked at."""
+    names: dict[str, Any] = {}  # name -> the class whose attribute the module class reads (first in its MRO)
+    for k in kind.__mro__:
+        for name in k.__dict__:
+            names.setdefault(name, k)
+    return tuple((k.__dict__, name) for name, k in names.items()
+                 if not _is_torchs(k.__module__) and k is not object
+                 and not (name.startswith("__") and name.endswith("__"))
+                 and not isinstance(value := k.__dict__[name], _NOT_DATA) and _kind(type(value)) != _OTHER)
+
+
+_FOLLOWED = 64
+"""How many functions ``_global_generators`` reads the code of, at most, per class."""
+
+
+def _global_generators(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(a module's globals, name) per module-level global that holds a generator (``_GEN =
+    torch.Generator().manual_seed(0)``, ``rng = np.random.default_rng(0)``) and that the ``forward`` of
+    module class ``kind`` reads, or a function it calls by name: a method of the class (``self.noise``) or
+    a module-level function (``add_noise(x)``), and so on (``_FOLLOWED`` functions at most), read from
+    their code (``co_names``). Not torch's own functions. Not found: a global that held no generator
+    then (``_GEN = None``, made at the first call), a generator inside a global object or container, a
+    function reached otherwise (through an attribute of an imported module: ``helpers.add_noise(x)``)."""
+    found: dict[tuple[int, str], tuple[Any, str]] = {}
+    todo = [_function(inspect.getattr_static(kind, "forward", None))]
+    seen: set[Any] = set()
+    while todo and len(seen) < _FOLLOWED:
+        function = todo.pop()
+        if function is None or function.__code__ in seen or _is_torchs(function.__module__ or ""):
+            continue
+        seen.add(function.__code__)
+        names = function.__globals__
+        for name in _code_names(function.__code__):
+            todo.append(_function(inspect.getattr_static(kind, name, None)))
+            value = names.get(name)
+            if type(value) is types.FunctionType:
+                todo.append(value)
+            elif value is not None and _kind(type(value)) == _GENERATOR:
+                found[(id(names), name)] = (names, name)
+    return tuple(found.values())
+
+
+def _is_torchs(module: str) -> bool:
+    """``module`` (a Python module's name) is torch or one of its submodules."""
+    return module == "torch" or module.startswith("torch.")
+
+
+def _function(value: Any) -> types.FunctionType | None:
+    """The Python function of a class attribute (a method, static or class method), else None."""
+    value = getattr(value, "__func__", value)
+    return value if type(value) is types.FunctionType else None
+
+
+def _code_names(code: types.CodeType) -> list[str]:
+    """The global and attribute names that ``code`` and the code nested in it (a lambda, a comprehension,
+    an inner function) read."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if type(const) is types.CodeType:
+            names += _code_names(const)
+    return names
 
 
 _WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()

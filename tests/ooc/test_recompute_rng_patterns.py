@@ -358,20 +358,68 @@ def test_the_search_does_not_look_into_the_runtime_a_wrapped_block_holds() -> No
     assert [id(g) for g in found] == [id(model.blocks[0].helper.generator)]
 
 
-_GLOBAL = torch.Generator().manual_seed(5)
+_GLOBAL = torch.Generator()
+_NUMPY_GLOBAL = np.random.default_rng(5)
+
+
+def _add_noise(x: torch.Tensor) -> torch.Tensor:
+    """A module-level helper that draws from a module-level generator."""
+    return x * torch.rand(x.shape, generator=_GLOBAL)
 
 
 class FromAGlobal(_Block):
-    """Draws from a module-level generator: nothing on the module reaches it."""
-
     def noise(self, shape: torch.Size) -> torch.Tensor:
         return torch.rand(shape, generator=_GLOBAL)
 
 
+class FromANumpyGlobal(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(_NUMPY_GLOBAL.random(shape, dtype=np.float32))
+
+
+class ThroughAHelperFunction(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return _add_noise(torch.ones(shape))
+
+
+class ThroughAStaticMethod(_Block):
+    @staticmethod
+    def draw(shape: torch.Size) -> torch.Tensor:
+        return (lambda: torch.rand(shape, generator=_GLOBAL))()  # in nested code too
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+@pytest.mark.parametrize("block", [FromAGlobal, FromANumpyGlobal, ThroughAHelperFunction, ThroughAStaticMethod],
+                         ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_module_level_generator_the_forward_reads_is_replayed(code: str, block: type[_Block]) -> None:
+    """A module-level generator the forward reads, itself or through a method or a module-level function
+    it calls, was not replayed: its re-run drew the numbers after the forward's, silently other gradients."""
+    def build() -> Chain:
+        global _NUMPY_GLOBAL
+        _GLOBAL.manual_seed(5)  # the plain and the wrapped model share them
+        _NUMPY_GLOBAL = np.random.default_rng(5)
+        return Chain([block() for _ in range(3)])
+
+    _assert_same_as_plain(build, code)
+
+
+_IN_A_GLOBAL_LIST = [torch.Generator().manual_seed(5)]
+
+
+class FromAGlobalList(_Block):
+    """Draws from a generator in a module-level list: no global that holds a generator itself."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=_IN_A_GLOBAL_LIST[0])
+
+
 def test_a_generator_ooc_cannot_find_is_caught_by_check_recompute() -> None:
-    """The documented limit (NOTE [generators a re-run replays] in ``ooc.rng``): a global generator is not
-    replayed; the re-run draws other numbers, and ``check_recompute=True`` says so."""
-    model = Chain([FromAGlobal() for _ in range(2)])
+    """The documented limit (NOTE [generators a re-run replays] in ``ooc.rng``): a generator inside a
+    global container is not replayed; the re-run draws other numbers, and ``check_recompute=True`` says so."""
+    model = Chain([FromAGlobalList() for _ in range(2)])
     ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
              backend="cpu", check_recompute=True)
     try:
