@@ -60,7 +60,6 @@ import ctypes
 import enum
 import functools
 import importlib
-import inspect
 import random
 import sys
 import tempfile
@@ -467,7 +466,7 @@ def _class_attributes(kind: type) -> tuple[tuple[Any, str], ...]:
         for name in k.__dict__:
             names.setdefault(name, k)
     return tuple((k.__dict__, name) for name, k in names.items()
-                 if not _is_torchs(k.__module__) and k is not object
+                 if not _is_torchs(k.__module__ or "") and k is not object
                  and not (name.startswith("__") and name.endswith("__"))
                  and not isinstance(value := k.__dict__[name], _NOT_DATA) and _kind(type(value)) != _OTHER)
 
@@ -479,22 +478,27 @@ _FOLLOWED = 64
 def _global_generators(kind: type) -> tuple[tuple[Any, str], ...]:
     """(a module's globals, name) per module-level global that holds a generator (``_GEN =
     torch.Generator().manual_seed(0)``, ``rng = np.random.default_rng(0)``) and that the ``forward`` of
-    module class ``kind`` reads, or a function it calls by name: a method of the class (``self.noise``) or
-    a module-level function (``add_noise(x)``), and so on (``_FOLLOWED`` functions at most), read from
+    module class ``kind`` (or of a base: ``super().forward``; under a decorator that sets ``__wrapped__``)
+    reads, or a function it calls by name: a method of the class or its bases (``self.noise``) or a
+    module-level function (``add_noise(x)``), and so on (``_FOLLOWED`` functions at most), read from
     their code (``co_names``). Not torch's own functions. Not found: a global that held no generator
     then (``_GEN = None``, made at the first call), a generator inside a global object or container, a
     function reached otherwise (through an attribute of an imported module: ``helpers.add_noise(x)``)."""
     found: dict[tuple[int, str], tuple[Any, str]] = {}
-    todo = [_function(inspect.getattr_static(kind, "forward", None))]
+    classes = [k for k in kind.__mro__ if not _is_torchs(k.__module__ or "")]
+    todo = [_function(k.__dict__.get("forward")) for k in classes]  # ``super().forward(x)`` too
     seen: set[Any] = set()
     while todo and len(seen) < _FOLLOWED:
         function = todo.pop()
-        if function is None or function.__code__ in seen or _is_torchs(function.__module__ or ""):
+        if function is None or function.__code__ in seen:
             continue
         seen.add(function.__code__)
+        todo.append(_function(getattr(function, "__wrapped__", None)))  # under a decorator (torch.autocast's)
+        if _is_torchs(function.__module__ or ""):
+            continue
         names = function.__globals__
         for name in _code_names(function.__code__):
-            todo.append(_function(inspect.getattr_static(kind, name, None)))
+            todo += [_function(k.__dict__.get(name)) for k in classes]  # the class's or a base's (``super()``)
             value = names.get(name)
             if type(value) is types.FunctionType:
                 todo.append(value)

@@ -391,7 +391,16 @@ class ThroughAStaticMethod(_Block):
         return self.draw(shape)
 
 
-@pytest.mark.parametrize("block", [FromAGlobal, FromANumpyGlobal, ThroughAHelperFunction, ThroughAStaticMethod],
+class UnderADecorator(FromAGlobal):
+    """Its forward under a decorator (``functools.wraps``): the function the class holds is the decorator's."""
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("block", [FromAGlobal, FromANumpyGlobal, ThroughAHelperFunction, ThroughAStaticMethod,
+                                   UnderADecorator],
                          ids=lambda b: b.__name__)
 @pytest.mark.parametrize("code", CODES)
 def test_a_module_level_generator_the_forward_reads_is_replayed(code: str, block: type[_Block]) -> None:
