@@ -10,6 +10,7 @@ NOTE [generators a re-run replays] in ``ooc.rng``."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import random
@@ -340,6 +341,28 @@ def test_a_generator_on_the_modules_class_is_replayed(code: str, block: type[_Bl
         return Chain([block() for _ in range(3)])
 
     _assert_same_as_plain(build, code)
+
+
+@pytest.mark.parametrize("block", [OnAHelper, InADictInADict], ids=lambda b: b.__name__)
+def test_wrap_with_a_sample_leaves_a_deeper_generator_where_it_was(block: type[_Block]) -> None:
+    """``wrap(budget=..., sample=...)`` profiles the model on the sample and puts the generators it finds
+    back; a deeper one was left advanced, so the first training forward drew other numbers than the plain
+    model's."""
+    def one_step(model: nn.Module) -> list[torch.Tensor]:
+        x = inputs()
+        out = model(x)
+        out.pow(2).sum().backward()
+        return [out, x.grad]
+
+    torch.manual_seed(0)
+    plain = Chain([block() for _ in range(3)])
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, budget="1GiB", sample=inputs(), backend="cpu")
+    try:
+        results = [one_step(model) + [p.grad for p in model.parameters()] for model in (plain, wrapped)]
+    finally:
+        ooc.unwrap(wrapped)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
 
 
 def test_the_search_does_not_look_into_the_runtime_a_wrapped_block_holds() -> None:
