@@ -264,6 +264,7 @@ class Opaque:
 
     __slots__ = ()
 
+
 _KINDS: dict[type, int] = {}
 """Type -> what ``generators_in`` does with a value of it, found once per type (``_kind``)."""
 
@@ -415,10 +416,11 @@ class _Search:
 
 def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
     """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules`` (and the class attributes and module-level globals their forwards share: ``_shared_places``),
-    each once: the attribute or argument itself, or anything it holds down to ``_DEPTH`` levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass or a helper
-    object, a closure cell, default argument or bound object of a function, a ``functools.partial``'s
-    arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
+    ``modules`` (and the class attributes and module-level globals their forwards share:
+    ``_shared_places``), each once: the attribute or argument itself, or anything it holds down to
+    ``_DEPTH`` levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass
+    or a helper object, a closure cell, default argument or bound object of a function, a
+    ``functools.partial``'s arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
     plain = _PLAIN
     search = _Search()
     for g in leaves:
