@@ -44,7 +44,7 @@ backward time. So the frame keeps what the block's forward saw (``BlockState``) 
 - Parameters and buffers replaced between the forward and the backward (``torch.func.functional_call``
   swaps them in for the call only) are put back for the re-run; training flags and
   generator objects (``torch.Generator``, ``random.Random``, numpy's; arguments, or attributes of the
-  block's modules, also in a list, tuple, dict or dataclass attribute: ``ooc.rng.generators_in``) too.
+  block's modules, also inside a container, a helper object or a closure: ``ooc.rng.generators_in``) too.
 - A tensor the forward saved that is still alive (a parameter, a tensor held by the caller, the
   block's output) and modified in place before the re-run, or a re-saved tensor modified after the
   re-run saved it, raises :class:`RecomputeError` where plain PyTorch raises its "modified by an
@@ -77,6 +77,7 @@ from ooc.op_profile import ForwardCache, OpCounter, Replay
 from ooc.rng import (
     EntropyWatch,
     GeneratorStates,
+    NumpyReadWatch,
     RngState,
     generators_in,
     note_numpy_draws,
@@ -682,13 +683,14 @@ class RecomputeFrame:
             "attribute), or plan this block as keep or swap"
         )
 
-    def note_numpy_draws(self) -> None:
+    def note_numpy_draws(self, read: bool) -> None:
         """After the forward: record whether a block seen for the first time drew from numpy's global
-        generator, and refuse a block that starts drawing from it now (NOTE [numpy's state where it is
+        generator (or ``read``: read or set its state, NOTE [a forward that puts numpy's state back] in
+        ooc.rng), and refuse a block that starts drawing from it now (NOTE [numpy's state where it is
         drawn] in ooc.rng: its re-run would draw other numbers)."""
         if self.numpy_known is None:
             if self.rng.numpy is not None:  # else numpy.random was not imported yet: the next forward looks
-                note_numpy_draws(self.module, self.rng.numpy_changed())
+                note_numpy_draws(self.module, read or self.rng.numpy_changed())
         elif self.numpy_known is False and numpy_mark() != self.numpy_before:
             note_numpy_draws(self.module, True)
             raise RecomputeError(
@@ -811,6 +813,8 @@ def run_recomputed(
         saved_tensors_hooks(pack_forward, frame.unpack),
         timer("forward"),
         EntropyWatch(module) as entropy,  # its first forward only (NOTE [generators seeded from the OS] in ooc.rng)
+        # The forward whose numpy draws are recorded (NOTE [a forward that puts numpy's state back] in ooc.rng).
+        NumpyReadWatch(frame.numpy_known is None) as numpy_reads,
         contextlib.nullcontext() if frame.cache is None else frame.cache,  # innermost: counts the block's ops alone
     ):
         out = forward(*args, **kwargs)
@@ -821,7 +825,7 @@ def run_recomputed(
             "ooc.rng). Seed it from a number, or from a generator ooc replays (torch.randint(2**31, ()).item()), "
             "or make it once and hold it on the module; or plan this block as keep or swap"
         )
-    frame.note_numpy_draws()
+    frame.note_numpy_draws(numpy_reads.read)
     if frame.cache is not None:
         frame.cache.finish(out)
     frame.forward_done = True

@@ -8,11 +8,17 @@ CUDA generator, Python's ``random`` and numpy's global generator (``np.random.ra
 program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
 that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
-and their subclasses) in a block's arguments and in its modules' attributes, also inside a list,
-tuple or dict attribute (a namedtuple, an OrderedDict) or a dataclass attribute or argument (one level
-down); the re-run starts each from the state it had before the forward, and each is put back after it,
-so the next forward draws where plain PyTorch's would. A generator held anywhere else (a global, an
-attribute of a helper object that is no dataclass, deeper inside a container), or one the forward
+and their subclasses) in a block's arguments and in its modules' attributes (their classes' too, and
+the module-level globals holding a generator that their forwards read by name: ``_shared_places``),
+and inside them down to ``_DEPTH`` levels: the items of a list, tuple, dict or set (a namedtuple, an
+OrderedDict, a list of lists), the attributes of an object (a dataclass, a helper object, a
+``SimpleNamespace``: ``module.cfg.gen``), what a function captured (a lambda's closure cells, default
+arguments, a ``functools.partial``'s arguments, a bound method's object); the re-run starts each from
+the state it had before the forward, and each is put back after it, so the next forward draws where
+plain PyTorch's would. Not looked into: modules (a registered one is looked at itself), tensors, HF
+configs, ooc's own objects (``Opaque``); at most ``_BUDGET`` items per block and call (a module that
+holds a trainer). A generator held anywhere else (inside a global object or container, a global reached
+through another Python module's attribute, a module's hook, deeper than ``_DEPTH``), or one the forward
 seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
 state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
 catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
@@ -37,10 +43,9 @@ other numbers), and it is recorded as drawing from then on. Its re-runs read the
 that reseeds numpy (``np.random.seed(0)`` then draws) can find it, at its first forward, in the state
 it leaves it in (a second such block does), so it is recorded as not drawing; its re-run then reseeds a
 generator that has moved since (the loss drew from it), and cannot put it back: that raises, and the
-block is recorded as drawing. Not seen at all: a forward that draws and then puts numpy's state back
-itself (``st = np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``, without a seed
-in between) leaves neither a changed state nor a moved mark, and its re-run draws from wherever the
-generator is then; ``check_recompute=True`` catches that. A global generator other than MT19937
+block is recorded as drawing. A forward that draws and then puts numpy's state back itself leaves
+neither a changed state nor a moved mark: its first forward is watched for that (NOTE [a forward that
+puts numpy's state back]). A global generator other than MT19937
 (``np.random.set_bit_generator``; the state holds the bit generator object, so a forward that swaps it
 is re-run from the one it started from) is taken at every forward of every block. The mark is the process's:
 another thread that draws from numpy's global generator during a forward of a block that does not
@@ -52,12 +57,14 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import dataclasses
+import enum
 import functools
 import importlib
 import random
 import sys
 import tempfile
+import threading
+import types
 import weakref
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -233,29 +240,61 @@ def _numpy_random(*, load: bool = False) -> Any:
     return None if np_random is None or getattr(spec, "_initializing", False) else np_random
 
 
-_OTHER, _GENERATOR, _ITEMS, _FIELDS = range(4)
+_OTHER, _GENERATOR, _ITEMS, _FIELDS, _CALLABLE = range(5)
 """What ``generators_in`` does with a value of a type: nothing; take it; look at its items (a list,
-tuple or dict, their subclasses too: a namedtuple, an OrderedDict); look at its fields (a dataclass)."""
+tuple, dict or set, their subclasses too: a namedtuple, an OrderedDict); look at its attributes (a
+dataclass, a helper object, a ``SimpleNamespace``: its ``__dict__`` and slots); look at what it captured
+(a function's closure cells and default arguments, a ``functools.partial``'s function and arguments, a
+bound method's object and function, a C method's object)."""
+
+_DEPTH = 4
+"""How many levels of containers, objects and callables ``generators_in`` looks through from a module's
+attribute or an argument (the attribute itself is the first): ``module.cfg.gen``, ``[[gen]]``, a lambda's
+cell, a helper's bound method's helper's generator are all within it."""
+
+_BUDGET = 4096
+"""How many items (of containers, objects and callables) ``generators_in`` looks at per call, at most: a
+module holding a large object graph (a trainer, a tokenizer, a dict of a model's weights) costs bounded
+time at every forward (about 0.3 ms at most)."""
+
+
+class Opaque:
+    """Base of ooc's own objects that a module holds (the runtime's stand-in for a block's ``forward``,
+    which holds the runtime): ``generators_in`` never looks into them."""
+
+    __slots__ = ()
+
 
 _KINDS: dict[type, int] = {}
 """Type -> what ``generators_in`` does with a value of it, found once per type (``_kind``)."""
 
 _PLAIN: set[type] = set()
-"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings)."""
-
-_CONTAINERS: set[type] = set()
-"""The types of ``_KINDS`` that are ``_ITEMS`` or ``_FIELDS`` (nn.Module's own dicts among them). With
-``_PLAIN``: set lookups per attribute at every recomputed forward, as the exact-type sets these
-replaced took."""
+"""The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings): a set
+lookup per attribute at every recomputed forward."""
 
 _SLOTS: dict[type, tuple[str, ...]] = {}
-"""Dataclass without ``__dict__`` (``slots=True``) -> its fields."""
+"""``_FIELDS`` type -> the names of its slots (``__slots__`` along its MRO; a ``dataclass(slots=True)``)."""
+
+_HAS_DICT: set[type] = set()
+"""The ``_FIELDS`` types whose objects have a ``__dict__``."""
+
+_MODULE_OWN = frozenset(("_parameters", "_buffers", "_modules", "_non_persistent_buffers_set", "_backward_pre_hooks",
+                         "_backward_hooks", "_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                         "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_state_dict_hooks",
+                         "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks",
+                         "_compiled_call_impl"))
+"""``nn.Module``'s own attributes (its parameters, buffers, submodules, hooks; ``torch.compile``'s
+function): never looked into. Submodules are looked at on their own (``modules``)."""
+
+_CALLABLES = (types.FunctionType, types.MethodType, types.BuiltinMethodType, functools.partial)
 
 
 def _kind(kind: type) -> int:
     """What ``generators_in`` does with a value of type ``kind`` (``_KINDS``), found from the type alone
     (``issubclass``), never ``isinstance``: the latter reads ``__class__`` through HF configs' Python
-    ``__getattribute__``. ``random.SystemRandom`` has no state to replay."""
+    ``__getattribute__``. ``random.SystemRandom`` has no state to replay. Not looked into: modules (a
+    registered one is looked at on its own; an unregistered one is no part of the block), tensors,
+    classes, Python modules, enums, weak references, HF configs (40 fields, never a generator)."""
     found = _KINDS.get(kind)
     if found is not None:
         return found
@@ -265,71 +304,230 @@ def _kind(kind: type) -> int:
         generators += (np_random.Generator, np_random.RandomState, np_random.BitGenerator, np_random.SeedSequence)
     if issubclass(kind, generators) and not issubclass(kind, random.SystemRandom):
         found = _GENERATOR
-    elif issubclass(kind, (list, tuple, dict)):
+    elif issubclass(kind, (list, tuple, dict, set, frozenset)):
         found = _ITEMS
-    elif dataclasses.is_dataclass(kind) and not is_config_class(kind):  # an HF config: 40 fields, every forward
-        found = _FIELDS
-        if "__dict__" not in dir(kind):  # dataclass(slots=True)
-            _SLOTS[kind] = tuple(f.name for f in dataclasses.fields(kind))
-    else:
+    elif issubclass(kind, _CALLABLES):
+        found = _CALLABLE
+    elif issubclass(kind, (torch.nn.Module, torch.Tensor, type, types.ModuleType, enum.Enum, weakref.ref,
+                           BaseException, Opaque)) or is_config_class(kind):
         found = _OTHER
+    else:
+        slots = tuple(name for k in kind.__mro__ for name in _slot_names(k) if name not in ("__dict__", "__weakref__"))
+        has_dict = kind.__dictoffset__ != 0
+        found = _FIELDS if slots or has_dict else _OTHER
+        if slots:
+            _SLOTS[kind] = slots
+        if has_dict:
+            _HAS_DICT.add(kind)
     if np_random is not None or not kind.__module__.startswith("numpy"):  # numpy's types are known once imported
         if len(_KINDS) > 4096:  # classes made at run time: the cache stays bounded
             _KINDS.clear()
             _PLAIN.clear()
-            _CONTAINERS.clear()
+            _SLOTS.clear()
+            _HAS_DICT.clear()
+            if found != _OTHER:  # its slots and dict, just cleared
+                return _kind(kind)
         _KINDS[kind] = found
         if found == _OTHER:
             _PLAIN.add(kind)
-        elif found != _GENERATOR:
-            _CONTAINERS.add(kind)
     return found
 
 
-def _generators_inside(value: Any, kind: int, found: list[Any]) -> None:
-    """Append the generators among the items of a container, or the fields of a dataclass (read from
-    its ``__dict__``, not through a Python ``__getattribute__``: HF configs are dataclasses), to
-    ``found``. One level: nothing inside an item is looked at."""
+def _slot_names(kind: type) -> tuple[str, ...]:
+    """The slots ``kind`` itself declares (``__slots__``: a string or an iterable of names)."""
+    slots = kind.__dict__.get("__slots__", ())
+    return (slots,) if isinstance(slots, str) else tuple(slots)
+
+
+def _contents(value: Any, kind: int) -> Iterable[Any]:
+    """What ``value`` of kind ``kind`` holds: a container's items, an object's attributes (read from its
+    ``__dict__`` and slots, not through a Python ``__getattribute__``: HF configs, proxies), what a
+    callable captured."""
     if kind == _ITEMS:
-        items = value.values() if issubclass(type(value), dict) else value
-    elif type(value) in _SLOTS:
-        items = [getattr(value, name, None) for name in _SLOTS[type(value)]]
-    else:
-        items = object.__getattribute__(value, "__dict__").values()
-    plain = _PLAIN
-    found += [g for g in items if type(g) not in plain and _kind(type(g)) == _GENERATOR]
+        return value.values() if issubclass(type(value), dict) else value
+    if kind == _CALLABLE:
+        if issubclass(type(value), functools.partial):
+            return (value.func, *value.args, *value.keywords.values())
+        if issubclass(type(value), types.MethodType):
+            return (value.__self__, value.__func__)
+        if issubclass(type(value), types.BuiltinMethodType):
+            return (value.__self__,)  # ``rng.random`` of a ``random.Random``; a function's Python module
+        return (*_cell_contents(value.__closure__), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+    items: list[Any] = []
+    if type(value) in _HAS_DICT:
+        items += object.__getattribute__(value, "__dict__").values()
+    for name in _SLOTS.get(type(value), ()):
+        try:
+            items.append(object.__getattribute__(value, name))
+        except AttributeError:  # a slot not set
+            pass
+    return items
 
 
-def generators_in(leaves: list[Any], modules: Iterator[torch.nn.Module]) -> list[Any]:
-    """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
-    ``modules``, each once: the attribute itself, an item of a list, tuple or dict attribute, or a
-    field of a dataclass attribute (of a dataclass argument too: ``tree_flatten`` leaves it whole).
-    A generator of a subclass counts (a namedtuple, a ``random.Random`` subclass)."""
-    plain = _PLAIN
-    found: list[Any] = []
-    for g in leaves:
-        if type(g) in plain:
-            continue
-        kind = _kind(type(g))
+def _cell_contents(cells: tuple[Any, ...] | None) -> list[Any]:
+    """The values in a function's closure cells (an empty cell, a name not bound yet, is left out)."""
+    values = []
+    for cell in cells or ():
+        try:
+            values.append(cell.cell_contents)
+        except ValueError:
+            pass
+    return values
+
+
+class _Search:
+    """One ``generators_in`` call: the generators found, the ids of what was looked into (each once),
+    how many more items may be looked at (``_BUDGET``)."""
+
+    __slots__ = ("found", "seen", "left")
+
+    def __init__(self) -> None:
+        self.found: list[Any] = []
+        self.seen: set[int] = set()
+        self.left = _BUDGET
+
+    def value(self, value: Any) -> None:
+        """Note ``value`` if it is a generator, else the generators it holds."""
+        kind = _kind(type(value))
         if kind == _GENERATOR:
-            found.append(g)
-        elif kind == _FIELDS:
-            _generators_inside(g, kind, found)
-    containers = _CONTAINERS
+            self.found.append(value)
+        elif kind != _OTHER:
+            self.inside(value, kind)
+
+    def inside(self, value: Any, kind: int, depth: int = _DEPTH) -> None:
+        """Note the generators that ``value`` (of kind ``kind``: not ``_OTHER`` nor ``_GENERATOR``) holds,
+        down to ``depth`` levels (``_DEPTH``)."""
+        if id(value) in self.seen or self.left <= 0:
+            return
+        self.seen.add(id(value))
+        plain = _PLAIN
+        for item in _contents(value, kind):
+            self.left -= 1
+            if self.left < 0:
+                return
+            if type(item) in plain:
+                continue
+            item_kind = _kind(type(item))
+            if item_kind == _GENERATOR:
+                self.found.append(item)
+            elif item_kind != _OTHER and depth > 1:
+                self.inside(item, item_kind, depth - 1)
+
+
+def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
+    """The generator objects among ``leaves`` (a call's flattened arguments) and the attributes of
+    ``modules`` (and the class attributes and module-level globals their forwards share:
+    ``_shared_places``), each once: the attribute or argument itself, or anything it holds down to
+    ``_DEPTH`` levels (``_contents``: an item of a list, tuple, dict or set, an attribute of a dataclass
+    or a helper object, a closure cell, default argument or bound object of a function, a
+    ``functools.partial``'s arguments). A generator of a subclass counts (a ``random.Random`` subclass)."""
+    plain = _PLAIN
+    search = _Search()
+    for g in leaves:
+        if type(g) not in plain:
+            search.value(g)
+    own = _MODULE_OWN
     for m in modules:
         for name, value in vars(m).items():
-            if (kind := type(value)) in plain:
-                continue
-            if kind in containers:
-                if name[0] != "_":  # not one of nn.Module's own dicts
-                    _generators_inside(value, _kind(kind), found)
-                continue
-            kind = _kind(kind)  # a generator, or a type not seen yet
-            if kind == _GENERATOR:
-                found.append(value)
-            elif kind != _OTHER and name[0] != "_":  # a container or a dataclass, not one of nn.Module's own dicts
-                _generators_inside(value, kind, found)
-    return list({id(g): g for g in found}.values())  # by identity: a class with __eq__ alone is unhashable
+            if type(value) not in plain and name not in own:
+                search.value(value)
+        for holder, name in _shared_places(type(m)):
+            if type(value := holder.get(name)) not in plain:
+                search.value(value)
+    return list({id(g): g for g in search.found}.values())  # by identity: a class with __eq__ alone is unhashable
+
+
+_SHARED: dict[type, tuple[tuple[Any, str], ...]] = {}
+"""Module class -> the places outside its objects that ``generators_in`` looks at (``_shared_places``)."""
+
+_NOT_DATA = (types.FunctionType, staticmethod, classmethod, property, type, types.ModuleType)
+
+
+def _shared_places(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(mapping, name) per place outside a module object of class ``kind`` where its forward may find a
+    generator that other objects share: the class attributes of ``kind`` and its bases
+    (``_class_attributes``), and the module-level globals its forward reads (``_global_generators``).
+    Found once per class (bounded cache); each forward reads the places again."""
+    found = _SHARED.get(kind)
+    if found is None:
+        found = _class_attributes(kind) + _global_generators(kind)
+        if len(_SHARED) > 4096:  # classes made at run time: the cache stays bounded
+            _SHARED.clear()
+        _SHARED[kind] = found
+    return found
+
+
+def _class_attributes(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(the class's ``__dict__``, name) per class attribute of a module class ``kind`` or its bases that may
+    hold a generator (``class Block(nn.Module): gen = torch.Generator()``, shared by its objects): not a
+    method, property or class, nor a dunder, nor a class of torch's own (``nn.Linear``). An attribute a
+    class gets later, or one that held no generator, container or object then (a ``None`` set to a
+    generator later), is not looked at."""
+    names: dict[str, Any] = {}  # name -> the class whose attribute the module class reads (first in its MRO)
+    for k in kind.__mro__:
+        for name in k.__dict__:
+            names.setdefault(name, k)
+    return tuple((k.__dict__, name) for name, k in names.items()
+                 if not _is_torchs(k.__module__ or "") and k is not object
+                 and not (name.startswith("__") and name.endswith("__"))
+                 and not isinstance(value := k.__dict__[name], _NOT_DATA) and _kind(type(value)) != _OTHER)
+
+
+_FOLLOWED = 64
+"""How many functions ``_global_generators`` reads the code of, at most, per class."""
+
+
+def _global_generators(kind: type) -> tuple[tuple[Any, str], ...]:
+    """(a module's globals, name) per module-level global that holds a generator (``_GEN =
+    torch.Generator().manual_seed(0)``, ``rng = np.random.default_rng(0)``) and that the ``forward`` of
+    module class ``kind`` (or of a base: ``super().forward``; under a decorator that sets ``__wrapped__``)
+    reads, or a function it calls by name: a method of the class or its bases (``self.noise``) or a
+    module-level function (``add_noise(x)``), and so on (``_FOLLOWED`` functions at most), read from
+    their code (``co_names``). Not torch's own functions. Not found: a global that held no generator
+    then (``_GEN = None``, made at the first call), a generator inside a global object or container, a
+    function reached otherwise (through an attribute of an imported module: ``helpers.add_noise(x)``)."""
+    found: dict[tuple[int, str], tuple[Any, str]] = {}
+    classes = [k for k in kind.__mro__ if not _is_torchs(k.__module__ or "")]
+    todo = [_function(k.__dict__.get("forward")) for k in classes]  # ``super().forward(x)`` too
+    seen: set[Any] = set()
+    while todo and len(seen) < _FOLLOWED:
+        function = todo.pop()
+        if function is None or function.__code__ in seen:
+            continue
+        seen.add(function.__code__)
+        todo.append(_function(getattr(function, "__wrapped__", None)))  # under a decorator (torch.autocast's)
+        if _is_torchs(function.__module__ or ""):
+            continue
+        names = function.__globals__
+        for name in _code_names(function.__code__):
+            todo += [_function(k.__dict__.get(name)) for k in classes]  # the class's or a base's (``super()``)
+            value = names.get(name)
+            if type(value) is types.FunctionType:
+                todo.append(value)
+            elif value is not None and _kind(type(value)) == _GENERATOR:
+                found[(id(names), name)] = (names, name)
+    return tuple(found.values())
+
+
+def _is_torchs(module: str) -> bool:
+    """``module`` (a Python module's name) is torch or one of its submodules."""
+    return module == "torch" or module.startswith("torch.")
+
+
+def _function(value: Any) -> types.FunctionType | None:
+    """The Python function of a class attribute (a method, static or class method), else None."""
+    value = getattr(value, "__func__", value)
+    return value if type(value) is types.FunctionType else None
+
+
+def _code_names(code: types.CodeType) -> list[str]:
+    """The global and attribute names that ``code`` and the code nested in it (a lambda, a comprehension,
+    an inner function) read."""
+    names = list(code.co_names)
+    for const in code.co_consts:
+        if type(const) is types.CodeType:
+            names += _code_names(const)
+    return names
 
 
 _WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
@@ -407,6 +605,94 @@ _SEED = random.Random.seed.__code__
 _SYSTEM_RANDOM = frozenset((random.SystemRandom.getrandbits.__code__, random.SystemRandom.random.__code__,
                             random.SystemRandom.randbytes.__code__))
 _TEMPFILE = tempfile.__file__
+
+
+class NumpyReadWatch:
+    """Notes whether a recomputed block's first forward reads or sets numpy's global generator's state
+    (``read``, after the ``with`` block), where ``watch`` (the forward whose numpy draws are recorded).
+
+    NOTE [a forward that puts numpy's state back]
+    A forward that draws from numpy's global generator and puts its state back itself (``st =
+    np.random.get_state(); x = np.random.rand(); np.random.set_state(st)``; a ``temp_seed`` helper; the
+    same through ``np.random.get_bit_generator().state``) leaves the state as it found it, so its first
+    forward looked like one that does not draw (NOTE [numpy's state where it is drawn]): its later
+    forwards took no numpy state, and its re-runs drew from wherever the generator was then (the loss or
+    the next batch's augmentation had drawn from it since): other numbers, other gradients, silently.
+    numpy's functions are Cython's, which a profile function does not see called (``EntropyWatch``), so
+    during that first forward ``numpy.random``'s ``get_state``, ``set_state`` and ``get_bit_generator``
+    (the same objects in ``numpy.random.mtrand``) are replaced by wrappers that note the call, and put
+    back after it; a block that called one is recorded as drawing: its numpy state is taken at every
+    forward and re-run (50 us each), and its re-runs draw what its forwards drew. Not seen: a call through
+    a reference taken before the forward (``from numpy.random import get_state`` at import,
+    ``np.random.mtrand._rand``), a block that starts doing this after its first forward
+    (``check_recompute=True`` catches those). While the wrappers are in, another thread's call, or ooc's
+    own (a backward inside the forward re-runs a block), marks the block as drawing too: time, never a
+    wrong gradient."""
+
+    __slots__ = ("watch", "read")
+
+    def __init__(self, watch: bool) -> None:
+        self.watch = watch
+        self.read = False
+
+    def __enter__(self) -> NumpyReadWatch:
+        if self.watch:
+            with _READ_LOCK:
+                if not _READ_WATCHES:
+                    _wrap_numpy_reads()
+                _READ_WATCHES.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.watch:
+            with _READ_LOCK:
+                _READ_WATCHES.remove(self)
+                if not _READ_WATCHES:
+                    _unwrap_numpy_reads()
+
+
+_READ_LOCK = threading.Lock()
+_READ_WATCHES: list[NumpyReadWatch] = []
+"""The ``NumpyReadWatch`` objects in force (blocks' first forwards in several threads): numpy's functions are
+wrapped once, while there is any, and a call is noted in each."""
+
+_NUMPY_READS = ("get_state", "set_state", "get_bit_generator")
+
+_WRAPPED: list[tuple[Any, str, Any, Any]] = []
+"""(module, name, original, wrapper) per numpy function wrapped while ``_READ_WATCHES`` is not empty."""
+
+
+def _wrap_numpy_reads() -> None:
+    """Wrap ``numpy.random``'s functions that read or set its global state (NOTE [a forward that puts
+    numpy's state back]) in ``numpy.random`` and ``numpy.random.mtrand``; nothing if it is not imported."""
+    np_random = _numpy_random()
+    if np_random is None:
+        return
+    for module in (np_random, getattr(np_random, "mtrand", None)):
+        for name in _NUMPY_READS:
+            original = getattr(module, name, None)
+            if original is not None:
+                wrapper = _noting(original)
+                setattr(module, name, wrapper)
+                _WRAPPED.append((module, name, original, wrapper))
+
+
+def _unwrap_numpy_reads() -> None:
+    for module, name, original, wrapper in reversed(_WRAPPED):
+        if getattr(module, name, None) is wrapper:  # else the forward replaced it (a test's mock): left alone
+            setattr(module, name, original)
+    _WRAPPED.clear()
+
+
+def _noting(original: Any) -> Any:
+    """``original``, noting in each ``NumpyReadWatch`` in force that it was called."""
+    @functools.wraps(original)
+    def noted(*args: Any, **kwargs: Any) -> Any:
+        for watch in list(_READ_WATCHES):
+            watch.read = True
+        return original(*args, **kwargs)
+
+    return noted
 
 
 class GeneratorStates:

@@ -37,6 +37,7 @@ from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disa
 from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
+from ooc.rng import Opaque
 from ooc.saved import CompressedStorage, DeviceLedger, SwapContext, SwappedStorage, SwappedView, make_pack_hook, unpack
 from ooc.scheduler.codecs import CODECS, unsupported
 from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
@@ -528,8 +529,9 @@ def _refuse_dual_tensors(name: str, args: tuple, kwargs: dict) -> None:
         )
 
 
-class _BlockForward:
-    """Stands in for ``block.forward`` while the model is wrapped."""
+class _BlockForward(Opaque):
+    """Stands in for ``block.forward`` while the model is wrapped (``Opaque``: the search for a block's
+    generators does not look into the runtime it holds)."""
 
     __reduce_ex__ = _refuse_copy
 

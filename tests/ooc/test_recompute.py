@@ -211,19 +211,20 @@ def test_argument_modified_after_the_forward_is_refused() -> None:
         out.sum().backward()
 
 
-_GLOBAL_GENERATOR = torch.Generator().manual_seed(0)
+_GLOBAL_GENERATORS = [torch.Generator().manual_seed(0)]
 
 
 class _HostRandom(nn.Module):
-    """Draws from a global ``torch.Generator``, which the re-run cannot find to replay (Python's and numpy's
-    global generators it replays: NOTE [generators a re-run replays] in ``ooc.rng``)."""
+    """Draws from a ``torch.Generator`` in a global list, which the re-run cannot find to replay (Python's and
+    numpy's global generators, and a global generator the forward reads by name, it replays: NOTE
+    [generators a re-run replays] in ``ooc.rng``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc = nn.Linear(4, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (self.fc(x) * torch.rand((), generator=_GLOBAL_GENERATOR)).sin()
+        return (self.fc(x) * torch.rand((), generator=_GLOBAL_GENERATORS[0])).sin()
 
 
 @pytest.mark.parametrize("check", [False, True])

@@ -1,0 +1,571 @@
+"""RECOMPUTE of blocks that draw random numbers the way users write it, beyond the attribute and
+container one level down that ``tests/ooc/test_recompute_host_rng.py`` covers: a forward that draws
+from numpy's global generator and puts its state back itself, generators held deeper in a module (an
+attribute of a helper object, a list inside a list, a closure or ``functools.partial`` on the module),
+and other patterns (a generator passed as a keyword argument, ``torch.bernoulli``, dropout whose
+training flag is toggled, a forward that reseeds torch, ``torch.random.fork_rng``). Each is compared
+with plain PyTorch bit for bit over two steps, with a draw from numpy's global generator (the loss's)
+between each forward and its backward. What ooc cannot replay is refused or caught, with what to do.
+NOTE [generators a re-run replays] in ``ooc.rng``."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import random
+import types
+from collections.abc import Callable
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import ooc
+import ooc.rng
+from ooc.backend.cpu import ChaosConfig, CpuBackend
+from ooc.recompute import RecomputeError
+from tests.ooc.test_recompute_adversarial import CODES, LETTERS, Chain, inputs
+
+
+class _Block(nn.Module):
+    """``tanh(fc(x)) * noise(shape)``: (5, 6) -> (5, 6), the noise drawn by ``noise``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        raise NotImplementedError
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return torch.tanh(h) * self.noise(h.shape)
+
+
+def _steps(model: nn.Module, steps: int = 2) -> list[torch.Tensor]:
+    """``steps`` steps from seeded generators; between each forward and its backward the loss draws from
+    numpy's global and torch's generators (a re-run that draws from where they are then draws other
+    numbers); then a draw from each, which must be where plain PyTorch leaves them."""
+    random.seed(1)
+    np.random.seed(1)
+    torch.manual_seed(1)
+    tensors = []
+    for _ in range(steps):
+        x = inputs()
+        out = model(x)
+        loss = out.pow(2).sum() * float(1 + np.random.rand()) + torch.rand(()) * 0
+        loss.backward()
+        tensors += [out, x.grad]
+    return tensors + [torch.tensor(random.random()), torch.from_numpy(np.random.rand(1)), torch.rand(1)]
+
+
+def _assert_same_as_plain(build: Callable[[], nn.Module], code: str,
+                          step: Callable[[nn.Module], list[torch.Tensor]] = _steps) -> None:
+    """``step`` on a plain model and on a wrapped one built alike (not a deep copy: a closure's
+    generator would be shared by both): outputs, gradients and the generators after, bit for bit."""
+    results = []
+    for wrap in (False, True):
+        torch.manual_seed(0)
+        np.random.seed(0)
+        model = build()
+        if wrap:
+            ooc.wrap(model, ooc.Plan(blocks=tuple(LETTERS[c] for c in code), min_swap_bytes=0),
+                     blocks=list(model.blocks), backend="cpu")
+        try:
+            results.append(step(model) + [p.grad for p in model.parameters()])
+        finally:
+            if wrap:
+                ooc.unwrap(model)
+    plain, wrapped = results
+    assert len(plain) == len(wrapped)
+    for a, b in zip(plain, wrapped):
+        assert torch.equal(a, b)
+
+
+# -- numpy's global generator, its state put back by the forward ---------------------------------------
+
+
+class PeeksAtNumpy(_Block):
+    """Draws from numpy's global generator and puts its state back: no draw is seen from outside."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        noise = np.random.rand(*shape).astype(np.float32)
+        np.random.set_state(state)
+        return torch.from_numpy(noise)
+
+
+class PeeksAtNumpysBitGenerator(_Block):
+    """The same through the global bit generator's ``state``."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        bits = np.random.get_bit_generator()
+        state = bits.state
+        noise = np.random.rand(*shape).astype(np.float32)
+        bits.state = state
+        return torch.from_numpy(noise)
+
+
+class SeedsNumpyTemporarily(_Block):
+    """A ``temp_seed`` helper as users write it: seed, draw, put the previous state back."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = np.random.get_state()
+        np.random.seed(7)
+        try:
+            return torch.from_numpy(np.random.rand(*shape).astype(np.float32))
+        finally:
+            np.random.set_state(state)
+
+
+@pytest.mark.parametrize("block", [PeeksAtNumpy, PeeksAtNumpysBitGenerator, SeedsNumpyTemporarily],
+                         ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_forward_that_puts_numpys_state_back_itself_is_replayed(code: str, block: type[_Block]) -> None:
+    """The block looked like one that does not draw (numpy's state after its forward is the one before),
+    so its later forwards took no numpy state and its re-run drew from wherever the generator was then
+    (here: after the loss drew), silently other gradients (``check_recompute=True`` alone caught it).
+    Its first forward now sees it read numpy's global state, and it is replayed as a block that draws."""
+    _assert_same_as_plain(lambda: Chain([block() for _ in range(3)]), code)
+
+
+def test_numpys_functions_are_themselves_again_after_a_first_forward() -> None:
+    """The first forward's watch (NOTE [a forward that puts numpy's state back] in ``ooc.rng``) wraps
+    numpy's state functions for that forward alone, also one that fails."""
+    names = ("get_state", "set_state", "get_bit_generator")
+    before = [getattr(module, name) for module in (np.random, np.random.mtrand) for name in names]
+
+    class Fails(PeeksAtNumpy):
+        def noise(self, shape: torch.Size) -> torch.Tensor:
+            assert np.random.get_state is not before[0]  # wrapped during the forward
+            raise ValueError("a bug in the forward")
+
+    model = Chain([PeeksAtNumpy(), Fails()])
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu")
+    try:
+        with pytest.raises(ValueError, match="a bug in the forward"):
+            model(inputs())
+    finally:
+        ooc.unwrap(model)
+    after = [getattr(module, name) for module in (np.random, np.random.mtrand) for name in names]
+    assert all(a is b for a, b in zip(after, before, strict=True))
+
+
+# -- generators deeper in a module ---------------------------------------------------------------------
+
+
+class _Helper:
+    """A helper object holding a generator (``module.helper.generator``)."""
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+    def draw(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator)
+
+
+class _SlottedHelper:
+    __slots__ = ("generator",)
+
+    def __init__(self, seed: int) -> None:
+        self.generator = torch.Generator().manual_seed(seed)
+
+
+@dataclasses.dataclass
+class _Inner:
+    generator: torch.Generator
+
+
+@dataclasses.dataclass
+class _Outer:
+    inner: _Inner
+
+
+class OnAHelper(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = _Helper(5)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.helper.draw(shape)
+
+
+class OnASlottedHelper(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = _SlottedHelper(5)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.helper.generator)
+
+
+class OnANamespace(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = types.SimpleNamespace(scale=0.5, gen=torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.cfg.scale * torch.rand(shape, generator=self.cfg.gen)
+
+
+class InADataclassInADataclass(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.cfg = _Outer(_Inner(torch.Generator().manual_seed(5)))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.cfg.inner.generator)
+
+
+class InAListInAList(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = [[torch.Generator().manual_seed(5)]]
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generators[0][0])
+
+
+class InADictInADict(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.generators = {"noise": {"mask": torch.Generator().manual_seed(5)}}
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generators["noise"]["mask"])
+
+
+class OnAHelperInAList(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.helpers = [_Helper(5)]
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.helpers[0].draw(shape)
+
+
+class InALambda(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        generator = torch.Generator().manual_seed(5)
+        self.draw = lambda shape: torch.rand(shape, generator=generator)
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+class InAPartial(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+        self.draw = functools.partial(torch.rand, generator=torch.Generator().manual_seed(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+class InABoundMethod(_Block):
+    """Holds a helper's bound method, not the helper."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.draw = _Helper(5).draw
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+class InADefaultArgument(_Block):
+    def __init__(self) -> None:
+        super().__init__()
+
+        def draw(shape: torch.Size, generator: torch.Generator = torch.Generator().manual_seed(5)) -> torch.Tensor:
+            return torch.rand(shape, generator=generator)
+
+        self.draw = draw
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+class NumpyOnAHelper(_Block):
+    """A numpy ``Generator`` on a helper object."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.helper = types.SimpleNamespace(rng=np.random.default_rng(5))
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(self.helper.rng.random(shape, dtype=np.float32))
+
+
+DEEP = [OnAHelper, OnASlottedHelper, OnANamespace, InADataclassInADataclass, InAListInAList, InADictInADict,
+        OnAHelperInAList, InALambda, InAPartial, InABoundMethod, InADefaultArgument, NumpyOnAHelper]
+
+
+@pytest.mark.parametrize("block", DEEP, ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_deeper_in_a_module_is_replayed(code: str, block: type[_Block]) -> None:
+    """``generators_in`` looked one level into an attribute (a list, tuple, dict or dataclass): a generator
+    on a helper object, in a list inside a list, or captured by a lambda or ``functools.partial`` on the
+    module was not replayed; the re-run drew the next numbers and the gradients differed, silently."""
+    _assert_same_as_plain(lambda: Chain([block() for _ in range(3)]), code)
+
+
+class OnTheClass(_Block):
+    """A generator shared by the class's objects (a class attribute)."""
+
+    generator = torch.Generator()
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generator)
+
+
+class OnABaseClassInADict(OnTheClass):
+    generators = {"mask": OnTheClass.generator}
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=self.generators["mask"])
+
+
+@pytest.mark.parametrize("block", [OnTheClass, OnABaseClassInADict], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_generator_on_the_modules_class_is_replayed(code: str, block: type[_Block]) -> None:
+    """A class attribute is no attribute of the module object: it was not replayed (the re-run drew the
+    next numbers, and the gradients differed, silently)."""
+    def build() -> Chain:
+        OnTheClass.generator.manual_seed(5)  # the plain and the wrapped model share it
+        return Chain([block() for _ in range(3)])
+
+    _assert_same_as_plain(build, code)
+
+
+@pytest.mark.parametrize("block", [OnAHelper, InADictInADict], ids=lambda b: b.__name__)
+def test_wrap_with_a_sample_leaves_a_deeper_generator_where_it_was(block: type[_Block]) -> None:
+    """``wrap(budget=..., sample=...)`` profiles the model on the sample and puts the generators it finds
+    back; a deeper one was left advanced, so the first training forward drew other numbers than the plain
+    model's."""
+    def one_step(model: nn.Module) -> list[torch.Tensor]:
+        x = inputs()
+        out = model(x)
+        out.pow(2).sum().backward()
+        return [out, x.grad]
+
+    torch.manual_seed(0)
+    plain = Chain([block() for _ in range(3)])
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, budget="1GiB", sample=inputs(), backend="cpu")
+    try:
+        results = [one_step(model) + [p.grad for p in model.parameters()] for model in (plain, wrapped)]
+    finally:
+        ooc.unwrap(wrapped)
+    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+def test_the_search_does_not_look_into_the_runtime_a_wrapped_block_holds() -> None:
+    """A wrapped block's ``forward`` is the runtime's stand-in, which holds the runtime: looking into it
+    walked ooc's own objects at every recomputed forward, and found the chaos backend's
+    ``random.Random``, whose state each re-run then put back."""
+    model = Chain([OnAHelper() for _ in range(2)])
+    backend = CpuBackend(chaos=ChaosConfig())
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend=backend)
+    try:
+        found = ooc.rng.generators_in([], model.blocks[0].modules())
+    finally:
+        ooc.unwrap(model)
+        backend.close()
+    assert [id(g) for g in found] == [id(model.blocks[0].helper.generator)]
+
+
+_GLOBAL = torch.Generator()
+_NUMPY_GLOBAL = np.random.default_rng(5)
+
+
+def _add_noise(x: torch.Tensor) -> torch.Tensor:
+    """A module-level helper that draws from a module-level generator."""
+    return x * torch.rand(x.shape, generator=_GLOBAL)
+
+
+class FromAGlobal(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=_GLOBAL)
+
+
+class FromANumpyGlobal(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.from_numpy(_NUMPY_GLOBAL.random(shape, dtype=np.float32))
+
+
+class ThroughAHelperFunction(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return _add_noise(torch.ones(shape))
+
+
+class ThroughAStaticMethod(_Block):
+    @staticmethod
+    def draw(shape: torch.Size) -> torch.Tensor:
+        return (lambda: torch.rand(shape, generator=_GLOBAL))()  # in nested code too
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return self.draw(shape)
+
+
+class UnderADecorator(FromAGlobal):
+    """Its forward under a decorator (``functools.wraps``): the function the class holds is the decorator's."""
+
+    @torch.autocast("cpu", enabled=False)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x)
+
+
+@pytest.mark.parametrize("block", [FromAGlobal, FromANumpyGlobal, ThroughAHelperFunction, ThroughAStaticMethod,
+                                   UnderADecorator],
+                         ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_a_module_level_generator_the_forward_reads_is_replayed(code: str, block: type[_Block]) -> None:
+    """A module-level generator the forward reads, itself or through a method or a module-level function
+    it calls, was not replayed: its re-run drew the numbers after the forward's, silently other gradients."""
+    def build() -> Chain:
+        global _NUMPY_GLOBAL
+        _GLOBAL.manual_seed(5)  # the plain and the wrapped model share them
+        _NUMPY_GLOBAL = np.random.default_rng(5)
+        return Chain([block() for _ in range(3)])
+
+    _assert_same_as_plain(build, code)
+
+
+_IN_A_GLOBAL_LIST = [torch.Generator().manual_seed(5)]
+
+
+class FromAGlobalList(_Block):
+    """Draws from a generator in a module-level list: no global that holds a generator itself."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.rand(shape, generator=_IN_A_GLOBAL_LIST[0])
+
+
+def test_a_generator_ooc_cannot_find_is_caught_by_check_recompute() -> None:
+    """The documented limit (NOTE [generators a re-run replays] in ``ooc.rng``): a generator inside a
+    global container is not replayed; the re-run draws other numbers, and ``check_recompute=True`` says so."""
+    model = Chain([FromAGlobalList() for _ in range(2)])
+    ooc.wrap(model, ooc.Plan.of(["recompute", "recompute"], min_swap_bytes=0), blocks=list(model.blocks),
+             backend="cpu", check_recompute=True)
+    try:
+        out = model(inputs())
+        with pytest.raises(RecomputeError, match=r"has other values when recomputed.*generators a re-run replays"):
+            out.pow(2).sum().backward()
+    finally:
+        ooc.unwrap(model)
+
+
+# -- other patterns users write ------------------------------------------------------------------------
+
+
+class KeywordChain(nn.Module):
+    """Passes keyword arguments on to each block."""
+
+    def __init__(self, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(blocks)
+
+    def forward(self, x: torch.Tensor, **kwargs: object) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x, **kwargs)
+        return x
+
+
+class RandnFromAKeyword(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, *, generator: torch.Generator) -> torch.Tensor:
+        return torch.tanh(self.fc(x)) + torch.randn(x.shape, generator=generator)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_randn_from_a_generator_passed_as_a_keyword_is_replayed(code: str) -> None:
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        generator = torch.Generator().manual_seed(11)
+        tensors = []
+        for _ in range(2):
+            x = inputs()
+            out = model(x, generator=generator)
+            torch.randn(1, generator=generator)  # the loss draws from it before the backward
+            out.pow(2).sum().backward()
+            tensors += [out, x.grad]
+        return tensors + [torch.randn(1, generator=generator)]
+
+    _assert_same_as_plain(lambda: KeywordChain([RandnFromAKeyword() for _ in range(3)]), code, step)
+
+
+class Bernoulli(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        return torch.bernoulli(torch.full(shape, 0.3))
+
+
+class DropoutFollowsTraining(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.dropout(torch.tanh(self.fc(x)), p=0.4, training=self.training)
+
+
+class ReseedsTorchInTheForward(_Block):
+    """Reseeds torch's global generator from a number, then draws."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        torch.manual_seed(3)
+        return torch.rand(shape) + torch.randn(shape)
+
+
+class ForksTorchsGenerator(_Block):
+    """Draws inside ``torch.random.fork_rng``: torch's generator is put back after."""
+
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        with torch.random.fork_rng():
+            return torch.rand(shape)
+
+
+class PeeksAtPython(_Block):
+    def noise(self, shape: torch.Size) -> torch.Tensor:
+        state = random.getstate()
+        value = random.random()
+        random.setstate(state)
+        return torch.full(shape, value)
+
+
+@pytest.mark.parametrize("block", [Bernoulli, DropoutFollowsTraining, ReseedsTorchInTheForward, ForksTorchsGenerator,
+                                   PeeksAtPython], ids=lambda b: b.__name__)
+@pytest.mark.parametrize("code", CODES)
+def test_other_random_patterns_are_replayed(code: str, block: Callable[[], nn.Module]) -> None:
+    _assert_same_as_plain(lambda: Chain([block() for _ in range(3)]), code)
+
+
+@pytest.mark.parametrize("code", CODES)
+def test_dropout_toggled_between_the_forward_and_the_backward_is_replayed(code: str) -> None:
+    """Steps in train mode, one in eval mode, and one whose model is put in eval mode between its forward
+    and its backward (a validation batch run before the training loss is backwarded): the re-run uses
+    the training flags of the forward."""
+    def step(model: nn.Module) -> list[torch.Tensor]:
+        torch.manual_seed(1)
+        tensors = []
+        for train, eval_before_backward in ((True, False), (False, False), (True, True), (True, False)):
+            model.train(train)
+            x = inputs()
+            out = model(x)
+            if eval_before_backward:
+                model.eval()
+                with torch.no_grad():
+                    model(inputs())
+            out.pow(2).sum().backward()
+            tensors += [out, x.grad]
+        return tensors
+
+    _assert_same_as_plain(lambda: Chain([DropoutFollowsTraining() for _ in range(3)]), code, step)
