@@ -329,7 +329,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--preset", default="tiny", help="GPT preset (nano, tiny, ...)")
     tr.add_argument("--steps", type=int, default=50, help="steps this run adds, after a resumed version's (default %(default)s)")
     tr.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-    tr.add_argument("--seq", type=int, default=64, help="characters per sequence, at most the preset's (default %(default)s)")
+    tr.add_argument("--seq", type=int, help="characters per sequence, at most the preset's block_size "
+                    "(default: 64, or the preset's block_size where that is shorter)")
     tr.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default %(default)s)")
     tr.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (default %(default)s)")
     tr.add_argument("--seed", type=int, default=0, help="seed of the weights, batches and dropout (default %(default)s)")
