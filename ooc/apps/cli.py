@@ -197,12 +197,18 @@ def _plan(args: argparse.Namespace) -> int:
 
 def _simulate(args: argparse.Namespace) -> int:
     if args.check:
-        from ooc.apps.check import calibration_check, format_check
+        from ooc.apps.check import calibration_check, check_failures, format_check
 
         hardware = _hardware(args.hardware) if args.hardware else None
         rows = calibration_check(reps=args.reps, hardware=hardware, show=lambda line: print(line, file=sys.stderr, flush=True))
         print(format_check(rows))
-        return 0 if all(r.peak_ok for r in rows) else 1
+        missed = check_failures(rows)  # step times were reported, and a miss exited 0
+        for line in missed:
+            print(f"ooc simulate --check: {line}", file=sys.stderr)
+        if missed:
+            print("ooc simulate --check: the performance model missed. Step times vary on a busy machine: run again "
+                  "with more --reps, and pass --hardware the JSON `ooc calibrate --out` measured here", file=sys.stderr)
+        return 1 if missed else 0
     from ooc.scheduler.plan import Plan
     from ooc.scheduler.profile import Profile
     from ooc.scheduler.schedule import build_schedule
@@ -317,7 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--hardware", help=_hardware_help())
     sim.add_argument("--timeline", type=_output_file, help="write a PNG Gantt chart with the memory curve")
     sim.add_argument("--trace", type=_output_file, help="write a Chrome/Perfetto trace JSON")
-    sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed)")
+    sim.add_argument("--check", action="store_true", help="predicted vs measured on the demo GPT (keep/swap/recompute/mixed); "
+                     "exits 1 where a peak misses by more than 1%% + 1 MiB or a step time by more than 20%%")
     sim.add_argument("--reps", type=int, default=10, help="--check: measured steps per plan (default %(default)s)")
     sim.set_defaults(run=_simulate)
 
