@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import ooc
 from ooc.api import hardware_for
-from ooc.apps.cli import INTERRUPTED
+from ooc.apps.cli import DEFAULT_SEQ, INTERRUPTED
 from ooc.apps.demo import CharData, load_text, plan_for_fraction
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
@@ -46,10 +46,6 @@ from ooc.scheduler.units import format_bytes
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """float16 is loss-scaled by the optimizer (``HostAdamW(loss_scale=LossScale())``; NOTE [loss scaling in the
 optimizer] in ooc.optim.loss_scale)."""
-
-
-DEFAULT_SEQ = 64
-"""Characters per sequence without ``--seq`` (fewer for a preset whose ``block_size`` is shorter: nano's 32)."""
 
 
 def _longer_presets(seq: int) -> str:

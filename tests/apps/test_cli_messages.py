@@ -142,3 +142,23 @@ def test_simulate_check_names_a_missed_peak(monkeypatch, capsys) -> None:
     assert capsys.readouterr().err.splitlines()[0] == (
         "ooc simulate --check: plan recompute-all: peak measured 3.00 MiB, predicted 1.00 MiB: off by 2.00 MiB "
         "(200.00%), more than 1% + 1 MiB")
+
+
+def test_profile_and_partition_refuse_a_seq_above_the_gpts_block_size(capsys) -> None:
+    """`ooc profile --model gpt:nano --seq 64` profiled sequences of 32 tokens: only the input shape on
+    stderr showed it (`ooc partition --graph gpt:nano` took the same path)."""
+    from ooc.apps.cli import main
+
+    assert main(["profile", "--model", "gpt:nano", "--seq", "64"]) == 2
+    assert capsys.readouterr().err == ("ooc profile: error: --seq 64 is longer than gpt:nano's sequences of at most 32 "
+                                       "tokens (its block_size); pass --seq 32 or less\n")
+    assert main(["partition", "--graph", "gpt:nano", "--seq", "33"]) == 2
+    assert "pass --seq 32 or less" in capsys.readouterr().err
+
+
+def test_reference_gpt_without_seq_takes_64_or_its_block_size() -> None:
+    from ooc.apps.cli import reference_model
+
+    assert reference_model("gpt:nano", 2)[1][0].shape == (2, 32)
+    assert reference_model("gpt:tiny", 2)[1][0].shape == (2, 64)
+    assert reference_model("gpt:tiny", 2, 16)[1][0].shape == (2, 16)
