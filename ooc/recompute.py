@@ -251,7 +251,8 @@ class _Holder:
 
 
 _outside_backward = itertools.count(-2, -1)
-"""Keys of the re-runs that reads outside a backward trigger (NOTE [a saved tensor read outside a backward])."""
+"""Keys of the re-runs that reads outside a backward trigger (NOTE [a saved tensor read outside a backward]);
+negative, where a backward's graph task id is not."""
 
 
 def _uncounted(tensor: torch.Tensor) -> None:
@@ -500,7 +501,7 @@ class RecomputeFrame:
             return self._take(holder, gid)
         gid = next(_outside_backward)
         try:
-            return self._take(holder, gid, counted=False)
+            return self._take(holder, gid)
         finally:
             self._forget(gid)
 
@@ -513,9 +514,9 @@ class RecomputeFrame:
         self.counts.pop(gid, None)
         self.done.discard(gid)
 
-    def _take(self, holder: _Holder, gid: int, *, counted: bool = True) -> torch.Tensor:
+    def _take(self, holder: _Holder, gid: int) -> torch.Tensor:
         if gid not in self.done:
-            self.recompute(gid, counted=counted)
+            self.recompute(gid)
         if gid not in holder.tensors:
             raise RecomputeError(f"block {self.name}: a saved tensor was not recomputed (was it saved after the "
                                  "backward that unpacked it started?)")
@@ -646,9 +647,10 @@ class RecomputeFrame:
         # The re-run's own graph may be backwarded (a backward inside the block's forward).
         return tensor
 
-    def recompute(self, gid: int, *, counted: bool = True) -> None:
-        """Re-run the block for graph task ``gid``, filling the holders; ``counted``: the tracker counts
-        what the re-run saves (not for a read outside a backward: NOTE [a saved tensor read outside a backward])."""
+    def recompute(self, gid: int) -> None:
+        """Re-run the block for graph task ``gid``, filling the holders. The tracker counts what the re-run
+        saves, except for a read outside a backward (``gid`` from ``_outside_backward``: NOTE [a saved
+        tensor read outside a backward])."""
         args, kwargs, made = self._arguments()
         self._check_saved_versions()
         self.state.check_unchanged(self.name)
@@ -670,7 +672,7 @@ class RecomputeFrame:
             # them and count other ops than the forward, which cast each weight anew (a step enters
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
-        pack, close = self.pack_recomputed(gid, self.recompute_pack() if counted else _uncounted, replay)
+        pack, close = self.pack_recomputed(gid, self.recompute_pack() if gid >= 0 else _uncounted, replay)
         # No numpy state taken for this re-run: its mark says whether the re-run moved the generator anyway.
         numpy_before = numpy_mark() if self.rng.numpy is None else None
         with nvtx.range(self.range_name), self.timer("recompute"):
