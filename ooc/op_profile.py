@@ -93,7 +93,6 @@ from typing import Any
 
 import torch
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_unflatten
 
@@ -102,6 +101,7 @@ from ooc.errors import ProfileError
 from ooc.scheduler.oplevel import dead_ops
 from ooc.scheduler.plan import op_signature
 from ooc.scheduler.profile import OpProfile
+from ooc.storage_ref import StorageRef
 
 _UNINITIALISED = frozenset({"aten::empty", "aten::empty_like", "aten::empty_strided", "aten::empty_permuted",
                             "aten::new_empty", "aten::new_empty_strided"})
@@ -357,7 +357,7 @@ class _UnseenWrites:
         self.blank: dict[int, torch.Tensor | None] = {}
         """Storages an ``empty`` op made that seen ops have not wholly written yet, by address: None
         while no op wrote any of it, else a uint8 mask with one element per byte (1: written)."""
-        self._refs: dict[int, StorageWeakRef] = {}
+        self._refs: dict[int, StorageRef] = {}
         """The storages that have a mask: a mask whose storage died is dropped (``_mask``)."""
         self.reason: str | None = None
 
@@ -424,7 +424,7 @@ class _UnseenWrites:
             for dead in [p for p, ref in self._refs.items() if ref.expired()]:
                 self._forget(dead)
             mask = self.blank[ptr] = torch.zeros(storage.nbytes(), dtype=torch.uint8, device="cpu")
-            self._refs[ptr] = StorageWeakRef(storage)
+            self._refs[ptr] = StorageRef(storage)
         return mask
 
     def _forget(self, ptr: int) -> None:
@@ -497,7 +497,7 @@ class OpRecorder(OpCounter):
         self.outlive: set[int] = set()
         """The ops a storage of which is alive after the forward, neither returned nor saved
         (``note_returned``; ``OpProfile.outlives_forward``)."""
-        self._refs: list[list[StorageWeakRef]] = []
+        self._refs: list[list[StorageRef]] = []
         self._creator: dict[int, int] = {}
         """Storage address -> the latest op that created a storage there: while a storage lives, no
         other op can create one at its address, so this names the creator of every live storage."""
@@ -522,14 +522,14 @@ class OpRecorder(OpCounter):
         view = _only_views(func, read, out)
         self.reads.append(() if view else tuple(sorted({op for p in read if (op := self._creator.get(p)) is not None})))
         created: dict[int, int] = {}
-        refs: list[StorageWeakRef] = []
+        refs: list[StorageRef] = []
         for t in _tensors(out):
             storage = _storage(t)
             if storage is None or t.device != self.device or not storage.nbytes() or storage.data_ptr() in read:
                 continue
             created[storage.data_ptr()] = storage.nbytes()
             self._creator[storage.data_ptr()] = index
-            refs.append(StorageWeakRef(storage))
+            refs.append(StorageRef(storage))
         self.unseen.op(index, func, args, kwargs, read, created, view)
         self.created.append(created)
         self._refs.append(refs)
@@ -745,7 +745,7 @@ class ForwardCache(OpCounter):
         once nothing can be left out)."""
         self.left_out: dict[int, _Layout] = {}
         """The ops the re-run leaves out, after the forward, and what each returned."""
-        self._candidates: dict[int, tuple[_Layout, list[StorageWeakRef]]] = {}
+        self._candidates: dict[int, tuple[_Layout, list[StorageRef]]] = {}
         """Uncached, cacheable ops that create storages and may yet be left out (NOTE [the re-run leaves
         ops out]): their outputs' layout, their new storages."""
         self._creator: dict[int, int] = {}
@@ -838,7 +838,7 @@ class ForwardCache(OpCounter):
         # Only an op some cached op reads, directly or through left-out ones, is left out: none after the last.
         elif (created and index < self.last and not cached
                 and _why_not_cacheable(func, args, kwargs, read, outputs) is None):
-            self._candidates[index] = (_Layout(out), [StorageWeakRef(s) for s in created.values()])
+            self._candidates[index] = (_Layout(out), [StorageRef(s) for s in created.values()])
         elif not view and not cached:
             for k in reads:  # this op computes in the re-run too, from what it read here
                 self._candidates.pop(k, None)
@@ -983,7 +983,7 @@ class Replay(OpCounter):
         self.load = load
         self.ptrs: set[int] = set()
         """Storages of the cached outputs handed out: already counted, never counted again."""
-        self.fakes: dict[int, tuple[int, StorageWeakRef]] = {}
+        self.fakes: dict[int, tuple[int, StorageRef]] = {}
         """Storage address -> (the left-out op, the uninitialised storage handed out for it)."""
 
     def op(self, index: int, func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> Any:
@@ -1004,7 +1004,7 @@ class Replay(OpCounter):
             )
         if (layout := cache.left_out.get(index)) is not None:
             out, storages = layout.allocate()
-            self.fakes.update((s.data_ptr(), (index, StorageWeakRef(s))) for s in storages if s.nbytes())
+            self.fakes.update((s.data_ptr(), (index, StorageRef(s))) for s in storages if s.nbytes())
             return out
         if index not in cache.outputs:
             return self._run(index, func, args, kwargs)

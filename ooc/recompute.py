@@ -252,11 +252,12 @@ class _Holder:
 
 
 _outside_backward = itertools.count(-2, -1)
+"""Keys of the re-runs that reads outside a backward trigger (NOTE [a saved tensor read outside a backward]);
+negative, where a backward's graph task id is not."""
 
 
-def _graph_task_id() -> int:
-    gid = torch._C._current_graph_task_id()  # what torch's own checkpoint keys its re-runs by
-    return gid if gid != -1 else next(_outside_backward)  # an unpack outside backward re-runs alone
+def _uncounted(tensor: torch.Tensor) -> None:
+    """The accounting of a re-run outside a backward: none (NOTE [a saved tensor read outside a backward])."""
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
@@ -482,7 +483,39 @@ class RecomputeFrame:
         self.saved = [(reach, version if (t := reach()) is None else t._version) for reach, version in self.saved]
 
     def unpack(self, holder: _Holder) -> torch.Tensor:
-        gid = _graph_task_id()
+        """The recomputed tensor ``holder`` stands for, re-running the block if this backward has not yet.
+
+        NOTE [a saved tensor read outside a backward]
+        Reading a saved tensor through its node (``loss.grad_fn.next_functions[0][0]._saved_self``, a
+        graph visualiser, a debugger) unpacks it outside any backward (graph task id -1). The block is
+        re-run for it, from the forward's RNG, autocast and buffer state, and the generators are put
+        back after, as for a backward, so nothing a later step or this step's backward computes
+        changes. But each such read kept the re-run's other saved tensors in their holders, under a
+        key no backward asks for, until the graph died: reading every saved tensor of a block held a
+        copy of its activations per read, N reads N copies, where plain PyTorch holds none; and the
+        tracker counted each copy as the block's recomputed bytes until its backward ended (a peak
+        above the plan's). The read now takes its one tensor,
+        drops the rest of its re-run and counts none of it (the caller holds what it took, as any
+        tensor of its own): each read costs a re-run of the block, in time, and nothing after it."""
+        gid = torch._C._current_graph_task_id()  # what torch's own checkpoint keys its re-runs by
+        if gid != -1:
+            return self._take(holder, gid)
+        gid = next(_outside_backward)
+        try:
+            return self._take(holder, gid)
+        finally:
+            self._forget(gid)
+
+    def _forget(self, gid: int) -> None:
+        """Drop what the re-run for ``gid`` left in the holders (NOTE [a saved tensor read outside a backward])."""
+        for ref in self.holders:
+            if (holder := ref()) is not None:
+                holder.tensors.pop(gid, None)
+                holder.versions.pop(gid, None)
+        self.counts.pop(gid, None)
+        self.done.discard(gid)
+
+    def _take(self, holder: _Holder, gid: int) -> torch.Tensor:
         if gid not in self.done:
             self.recompute(gid)
         if gid not in holder.tensors:
@@ -616,6 +649,9 @@ class RecomputeFrame:
         return tensor
 
     def recompute(self, gid: int) -> None:
+        """Re-run the block for graph task ``gid``, filling the holders. The tracker counts what the re-run
+        saves, except for a read outside a backward (``gid`` from ``_outside_backward``: NOTE [a saved
+        tensor read outside a backward])."""
         args, kwargs, made = self._arguments()
         self._check_saved_versions()
         self.state.check_unchanged(self.name)
@@ -637,7 +673,7 @@ class RecomputeFrame:
             # them and count other ops than the forward, which cast each weight anew (a step enters
             # autocast afresh). Start the re-run from an empty cache, as a step's forward does.
             torch.clear_autocast_cache()
-        pack, close = self.pack_recomputed(gid, self.recompute_pack(), replay)
+        pack, close = self.pack_recomputed(gid, self.recompute_pack() if gid >= 0 else _uncounted, replay)
         # No numpy state taken for this re-run: its mark says whether the re-run moved the generator anyway.
         numpy_before = numpy_mark() if self.rng.numpy is None else None
         with nvtx.range(self.range_name), self.timer("recompute"):

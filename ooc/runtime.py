@@ -44,6 +44,8 @@ from ooc.scheduler.plan import Codec, Plan, PlanError, Policy
 from ooc.scheduler.schedule import Schedule, build_schedule
 from ooc.scheduler.units import format_bytes
 from ooc.streaming import ParamStreamer, StreamedView
+from ooc.timm_models import check_not_checkpointed as check_timm_not_checkpointed
+from ooc.timm_models import flag_holders as timm_flag_holders
 from ooc.tracker import MemoryReport, MemoryTracker
 
 _RUNTIMES: "weakref.WeakKeyDictionary[nn.Module, Runtime]" = weakref.WeakKeyDictionary()
@@ -543,6 +545,8 @@ class _BlockForward(Opaque):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
         check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
+        if rt.timm_flags and rt.chain.modules[i].training:
+            check_timm_not_checkpointed(rt.timm_flags)  # turned on after wrap
         if rt.first_calls is not None:
             rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
         if torch.is_grad_enabled() and forward_ad._current_level >= 0:
@@ -661,6 +665,8 @@ class Runtime:
         self._state_key: tuple[int, ...] = ()
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
+        self.timm_flags = timm_flag_holders(model)
+        """The modules with timm's ``grad_checkpointing`` flag (NOTE [timm's gradient checkpointing] in ooc.timm_models)."""
         self.on_uninstall: list[Callable[[], None]] = []
         """Undo what was changed on the model at install (HF caches: NOTE [caches and recompute] in ooc.hf)."""
         self.first_calls: list[tuple[int, bool]] | None = None
@@ -870,6 +876,7 @@ def check_trainable(model: nn.Module) -> None:
         raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
     check_not_wrapped(model)
     check_no_hf_checkpointing(model)
+    check_timm_not_checkpointed(timm_flag_holders(model))
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "

@@ -21,12 +21,12 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
-from torch.multiprocessing.reductions import StorageWeakRef
 
 from ooc import nvtx
 from ooc.errors import OocError
 from ooc.scheduler.codecs import SWAP_GROUP_SIZE, codec_spec
 from ooc.scheduler.plan import Codec
+from ooc.storage_ref import StorageRef
 
 if TYPE_CHECKING:
     from ooc.backend.base import Backend, Event
@@ -343,7 +343,7 @@ class DeviceLedger:
     """
 
     def __init__(self) -> None:
-        self._held: dict[int, tuple[int, StorageWeakRef]] = {}
+        self._held: dict[int, tuple[int, StorageRef]] = {}
 
     def counted_before(self, ptr: int, block: int) -> bool:
         """Whether a keep of this pass counts the live storage at ``ptr`` already: an earlier block's
@@ -359,7 +359,7 @@ class DeviceLedger:
 
     def count(self, ptr: int, block: int, alias: torch.Tensor) -> None:
         """``block`` counts the storage at ``ptr`` (``alias``'s)."""
-        self._held[ptr] = (block, StorageWeakRef(alias.untyped_storage()))
+        self._held[ptr] = (block, StorageRef(alias.untyped_storage()))
 
 
 def _kept(tensor: torch.Tensor) -> torch.Tensor:

@@ -12,11 +12,11 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.autograd.graph import saved_tensors_hooks
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._pytree import tree_leaves
 
 from ooc.scheduler.codecs import dtype_name
 from ooc.scheduler.profile import SharedStorage
+from ooc.storage_ref import StorageRef
 
 
 @dataclass
@@ -35,7 +35,7 @@ class StorageIdentities:
     """Storages by identity: an address names a storage only while that storage lives (a weak
     reference to it tells), so a storage freed and another made at its address get two identities."""
 
-    weak: dict[int, tuple[int, StorageWeakRef]] = field(default_factory=dict)
+    weak: dict[int, tuple[int, StorageRef]] = field(default_factory=dict)
     """Address -> (identity, weak reference to the storage first seen there)."""
     count: int = 0
 
@@ -45,7 +45,7 @@ class StorageIdentities:
         if entry is not None and not entry[1].expired():
             return entry[0]
         self.count += 1
-        self.weak[ptr] = (self.count, StorageWeakRef(storage))
+        self.weak[ptr] = (self.count, StorageRef(storage))
         return self.count
 
 

@@ -34,13 +34,14 @@ class PartitionConfig:
     bandwidth_GBps: float = 50.0
     latency_us: float = 10.0
     batch: int = 8
-    seq: int = 64
+    seq: int | None = None
+    """A captured GPT's sequence length; None: ``reference_model``'s default."""
     export_pardnn: str | None = None
     gantt: str | None = None
     placement: str | None = None
 
 
-def load_graph(spec: str, *, batch: int = 8, seq: int = 64) -> OpGraph:
+def load_graph(spec: str, *, batch: int = 8, seq: int | None = None) -> OpGraph:
     """``lstm:N`` / ``transformer:N`` / ``cnn3d:N`` (an analytic graph of about N nodes), ``gpt:<preset>``,
     ``cnn`` or ``mlp`` (a reference model's step, captured and timed here), an ooc profile (``.json``:
     its chain op by op, e.g. an analytic preset) or a folder in ParDNN's format."""

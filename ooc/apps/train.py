@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 import ooc
 from ooc.api import hardware_for
-from ooc.apps.cli import INTERRUPTED
+from ooc.apps.cli import DEFAULT_SEQ, INTERRUPTED
 from ooc.apps.demo import CharData, load_text, plan_for_fraction
 from ooc.backend import resolve_backend
 from ooc.checkpoint import (
@@ -48,6 +48,12 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 optimizer] in ooc.optim.loss_scale)."""
 
 
+def _longer_presets(seq: int) -> str:
+    """Advice to take a GPT preset whose sequences hold ``seq`` characters, if one does."""
+    names = [f"{name}: {cfg.block_size}" for name, cfg in GPT_PRESETS.items() if cfg.block_size >= seq]
+    return f", or a preset whose sequences hold {seq} ({', '.join(names)})" if names else ""
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Options of ``ooc train`` (see ``ooc train --help``)."""
@@ -56,7 +62,9 @@ class TrainConfig:
     steps: int = 50
     batch_size: int = 8
     """Sequences per micro-batch, per rank."""
-    seq: int = 64
+    seq: int | None = None
+    """Characters per sequence, at most the preset's ``block_size``; None: ``DEFAULT_SEQ``, or the
+    preset's ``block_size`` where that is shorter."""
     lr: float = 3e-3
     weight_decay: float = 0.1
     seed: int = 0
@@ -94,8 +102,13 @@ class TrainConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         for name in ("steps", "batch_size", "seq", "accumulate"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        longest = GPT_PRESETS[self.preset].block_size
+        if self.seq is not None and self.seq > longest:
+            # It was cut to the preset's length silently (the header line's "x 32" alone showed it).
+            raise ValueError(f"--seq {self.seq} is longer than GPT preset {self.preset}'s sequences of at most {longest} "
+                             f"characters (its block_size); pass --seq {longest} or less{_longer_presets(self.seq)}")
         if self.save_every < 0 or self.keep < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
         if self.resume == "auto" and not self.save:
@@ -213,7 +226,7 @@ def train(cfg: TrainConfig, show=print) -> TrainResult:  # noqa: ANN001
     if cfg.dropout is not None:
         gpt_cfg = replace(gpt_cfg, dropout=cfg.dropout)
     model = GPT(gpt_cfg).to(device=device, dtype=DTYPES[cfg.dtype])
-    seq = min(cfg.seq, gpt_cfg.block_size)
+    seq = cfg.seq if cfg.seq is not None else min(DEFAULT_SEQ, gpt_cfg.block_size)
 
     def batch(step: int, index: int, micro_batches: int) -> tuple[torch.Tensor, torch.Tensor]:
         x, y = _micro_batch(data, cfg, step, index, micro_batches, seq)

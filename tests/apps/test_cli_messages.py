@@ -111,3 +111,54 @@ def test_an_output_file_in_a_missing_folder_is_refused_before_the_work(tmp_path,
     assert f"{tmp_path} is a directory; give a file name in it" in capsys.readouterr().err
     assert main(["plan", "--profile", profile, "--budget", "20GiB", "--out", str(tmp_path / "q.json")]) == 0
     assert (tmp_path / "q.json").is_file()
+
+
+def test_simulate_check_fails_when_a_step_time_misses(monkeypatch, capsys) -> None:
+    """`ooc simulate --check` printed "step times within 20%: NO" and exited 0: only the peaks decided its status."""
+    from ooc.apps import check
+    from ooc.apps.cli import main
+
+    rows = [check.CheckRow("keep-all", 1000, 1000, 0.010, 0.0101),
+            check.CheckRow("swap-all", 1000, 1000, 0.010, 0.020)]
+    monkeypatch.setattr(check, "calibration_check", lambda **_: rows)
+    assert main(["simulate", "--check", "--hardware", "cpu"]) == 1
+    out, err = capsys.readouterr()
+    assert "step times within 20%: NO" in out
+    assert err.splitlines()[0] == ("ooc simulate --check: plan swap-all: step measured 20.0 ms, predicted 10.0 ms: off by "
+                                   "50.0% of the measured step, more than 20%")
+    assert "run again with more --reps" in err
+    monkeypatch.setattr(check, "calibration_check", lambda **_: rows[:1])
+    assert main(["simulate", "--check", "--hardware", "cpu"]) == 0
+    assert capsys.readouterr().err == ""
+
+
+def test_simulate_check_names_a_missed_peak(monkeypatch, capsys) -> None:
+    from ooc.apps import check
+    from ooc.apps.cli import main
+
+    rows = [check.CheckRow("recompute-all", 2**20, 3 * 2**20, 0.010, 0.010)]
+    monkeypatch.setattr(check, "calibration_check", lambda **_: rows)
+    assert main(["simulate", "--check", "--hardware", "cpu"]) == 1
+    assert capsys.readouterr().err.splitlines()[0] == (
+        "ooc simulate --check: plan recompute-all: peak measured 3.00 MiB, predicted 1.00 MiB: off by 2.00 MiB "
+        "(200.00%), more than 1% + 1 MiB")
+
+
+def test_profile_and_partition_refuse_a_seq_above_the_gpts_block_size(capsys) -> None:
+    """`ooc profile --model gpt:nano --seq 64` profiled sequences of 32 tokens: only the input shape on
+    stderr showed it (`ooc partition --graph gpt:nano` took the same path)."""
+    from ooc.apps.cli import main
+
+    assert main(["profile", "--model", "gpt:nano", "--seq", "64"]) == 2
+    assert capsys.readouterr().err == ("ooc profile: error: --seq 64 is longer than gpt:nano's sequences of at most 32 "
+                                       "tokens (its block_size); pass --seq 32 or less\n")
+    assert main(["partition", "--graph", "gpt:nano", "--seq", "33"]) == 2
+    assert "pass --seq 32 or less" in capsys.readouterr().err
+
+
+def test_reference_gpt_without_seq_takes_64_or_its_block_size() -> None:
+    from ooc.apps.cli import reference_model
+
+    assert reference_model("gpt:nano", 2)[1][0].shape == (2, 32)
+    assert reference_model("gpt:tiny", 2)[1][0].shape == (2, 64)
+    assert reference_model("gpt:tiny", 2, 16)[1][0].shape == (2, 16)

@@ -61,3 +61,21 @@ def test_a_demo_budget_fraction_nothing_fits_says_which_fraction_does(capsys) ->
     found = re.search(r"\(--budget-fraction <fraction> takes a fraction of the keep-all peak, [0-9.]+ MiB: the smallest "
                       r"that fits here is --budget-fraction ([0-9.]+)\)$", err.strip())
     assert found and 0.01 < float(found.group(1)) <= 1, err
+
+
+def test_a_seq_above_the_presets_block_size_is_refused_naming_the_maximum(capsys) -> None:
+    """`--preset nano --seq 64` trained on sequences of 32 characters; only the header line's "x 32" showed it."""
+    args = ["train", "--preset", "nano", "--steps", "1", "--batch-size", "2", "--no-progress"]
+    assert main([*args, "--seq", "64"]) == 2
+    assert capsys.readouterr().err == (
+        "ooc train: error: --seq 64 is longer than GPT preset nano's sequences of at most 32 characters (its block_size); "
+        "pass --seq 32 or less, or a preset whose sequences hold 64 (tiny: 64, gpt2: 1024, gpt2-medium: 1024, "
+        "gpt2-large: 1024, gpt2-xl: 1024)\n")
+    assert main([*args, "--preset", "tiny", "--seq", "2000"]) == 2
+    assert capsys.readouterr().err.endswith("pass --seq 64 or less\n")
+
+
+def test_without_seq_a_run_takes_64_or_the_presets_block_size(capsys) -> None:
+    """The default stays what it was: 64 characters, nano's 32 where its sequences are shorter."""
+    assert main(["train", "--preset", "nano", "--steps", "1", "--batch-size", "2", "--no-progress", "--plan", "keep"]) == 0
+    assert "global batch 2 x 32," in capsys.readouterr().out

@@ -145,3 +145,90 @@ def test_hf_checkpointing_turned_on_after_wrap_is_refused():
         model(input_ids=ids, labels=ids).loss.backward()
     finally:
         ooc.unwrap(model)
+
+
+def test_hf_activation_checkpointing_turned_on_after_wrap_is_refused():
+    """transformers 5.23's new name, ``activation_checkpointing_enable()``, sets the same flag: refused too."""
+    tf = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    model = tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=32)).train()
+    if not hasattr(model, "activation_checkpointing_enable"):
+        pytest.skip("transformers before 5.23 has only gradient_checkpointing_enable")
+    model.config.use_cache = False
+    ids = torch.randint(1, 64, (2, 8))
+    ooc.wrap(model, ooc.Plan.of(["recompute", "keep"]), backend="chaos")
+    try:
+        model.activation_checkpointing_enable()
+        with pytest.raises(ooc.WrapError, match="gradient checkpointing is on"):
+            model(input_ids=ids, labels=ids).loss.backward()
+    finally:
+        ooc.unwrap(model)
+
+
+class TimmStyle(nn.Module):
+    """A model that checkpoints its blocks as timm's do after ``set_grad_checkpointing(True)``
+    (``timm.models._manipulate.checkpoint``: ``torch.utils.checkpoint``, non-reentrant by default)."""
+
+    def __init__(self, reentrant: bool = False) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Tanh() for _ in range(3))
+        self.grad_checkpointing = False
+        self.reentrant = reentrant
+
+    def set_grad_checkpointing(self, enable: bool = True) -> None:
+        self.grad_checkpointing = enable
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=self.reentrant) if self.grad_checkpointing else block(x)
+        return x
+
+
+def test_timm_grad_checkpointing_is_refused_at_wrap():
+    model = TimmStyle()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ooc.WrapError, match=r"timm's gradient checkpointing is on \(TimmStyle.grad_checkpointing\).*"
+                                            r"model.set_grad_checkpointing\(False\) before ooc.wrap"):
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    assert not ooc.is_wrapped(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_timm_grad_checkpointing_turned_on_after_wrap_is_refused(reentrant: bool):
+    """``set_grad_checkpointing(True)`` on a wrapped model was not refused: non-reentrant, ooc's hooks sat
+    inside torch's checkpoint and it trained bit for bit; reentrant, each recomputed block ran three
+    times and a kept one ran without grad, outside the plan (NOTE [timm's gradient checkpointing] in
+    ooc.timm_models)."""
+    torch.manual_seed(0)
+    model = TimmStyle(reentrant)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    ooc.wrap(model, ooc.Plan.of(["recompute", "keep", "recompute"]), backend="chaos")
+    try:
+        model.set_grad_checkpointing(True)
+        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+            model(x).sum().backward()
+        with torch.no_grad():
+            model.eval()(x)  # an evaluation saves nothing: no plan to bypass
+        model.train().set_grad_checkpointing(False)
+        model(x).sum().backward()
+    finally:
+        ooc.unwrap(model)
+
+
+def test_a_real_timm_model_with_grad_checkpointing_is_refused():
+    timm = pytest.importorskip("timm")
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
+                              depth=2, num_heads=2, num_classes=10).train()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+        ooc.wrap(model, backend="cpu")
+    model.set_grad_checkpointing(False)
+    ooc.wrap(model, backend="cpu")
+    try:
+        model.set_grad_checkpointing(True)
+        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+            model(torch.randn(2, 3, 32, 32)).sum().backward()
+    finally:
+        ooc.unwrap(model)
