@@ -134,3 +134,23 @@ def test_clip_whose_towers_run_in_another_order_than_declared_trains_from_a_samp
                 assert torch.equal(p.grad, q.grad), name
     finally:
         ooc.unwrap(model)
+
+
+def test_a_real_timm_model_with_grad_checkpointing_is_refused() -> None:
+    """A real timm ViT: its own grad checkpointing under ooc's recompute is refused, at wrap and after it
+    (tests/ooc/test_adversarial_drop_in.py has the timm-style stand-ins)."""
+    import timm  # the zoo installs the torchvision stub timm imports (tests/zoo/conftest.py)
+
+    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=8, embed_dim=32,
+                              depth=2, num_heads=2, num_classes=10).train()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+        ooc.wrap(model, backend="cpu")
+    model.set_grad_checkpointing(False)
+    ooc.wrap(model, backend="cpu")
+    try:
+        model.set_grad_checkpointing(True)
+        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+            model(torch.randn(2, 3, 32, 32)).sum().backward()
+    finally:
+        ooc.unwrap(model)
