@@ -223,7 +223,7 @@ def test_a_blocking_copy_into_a_host_buffer_is_done_when_it_returns(backend: Cpu
     worker.start()
     worker.join()
     assert not failures, failures
-    del grad  # the job lets go of the gradient once the gather returned
+    grad = None  # the job lets go of the gradient once the gather returned
     if non_blocking:
         with pytest.raises(StreamOrderError, match=r"use after free: the next .* aten::copy_ on compute\[exchange\]"):
             allocate("the next")
