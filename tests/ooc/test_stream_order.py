@@ -517,8 +517,10 @@ def test_the_reduced_gradient_leaves_the_device_after_the_collective(tmp_path) -
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("plan", [None, "swap"], ids=["unwrapped", "wrapped"])
-def test_data_parallel_own_master_gradients_are_gathered_with_no_use_after_free(tmp_path, plan: str | None) -> None:  # noqa: ANN001
+@pytest.mark.parametrize(("plan", "reduce_on"), [(None, "host"), ("swap", "host"), ("swap", "device")],
+                         ids=["unwrapped", "wrapped", "wrapped-device-sum"])
+def test_data_parallel_own_master_gradients_are_gathered_with_no_use_after_free(tmp_path, plan: str | None,  # noqa: ANN001
+                                                                                 reduce_on: str) -> None:
     """The checker's false positive that kept it off in the data-parallel tests: on the plain CPU
     backend fp32 parameters are their own masters, and the exchange thread gathers their gradients
     into a host buffer for the collective (``aten::copy_`` on its compute stream). The training
@@ -539,8 +541,17 @@ def test_data_parallel_own_master_gradients_are_gathered_with_no_use_after_free(
     opt = None
     try:
         opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend,
-                        data_parallel=DataParallel(check=False))
+                        data_parallel=DataParallel(reduce_on=reduce_on, check=False))
         _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
+        opt.close()
+        opt = None
+        # The optimizer's buffers are free now (``device_flat`` with a device sum): plain PyTorch's
+        # allocations may be handed their memory.
+        plain = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(*gpt_batch())[1].backward()
+            plain.step()
+            plain.zero_grad()
     finally:
         if opt is not None:
             opt.close()
