@@ -12,7 +12,7 @@ from ooc.blocks import find_blocks
 from ooc.errors import BudgetError, WrapError
 from ooc.profiler import FirstStepRecorder
 from ooc.profiler import profile as measure_profile
-from ooc.runtime import check_trainable, install
+from ooc.runtime import BudgetExceededWarning, check_trainable, install
 from ooc.scheduler import checks
 from ooc.scheduler.costmodel import build_options
 from ooc.scheduler.errors import PlanError
@@ -23,7 +23,7 @@ from ooc.scheduler.plan import Plan, Policy
 from ooc.scheduler.planners import PLANNERS, InfeasibleBudget, annotate
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import peak_bytes
-from ooc.scheduler.units import parse_bytes
+from ooc.scheduler.units import format_bytes, parse_bytes
 
 DEFAULT_PLANNER = "optimal"
 ASSUMED_GPU = "h100-sxm"
@@ -159,6 +159,36 @@ def _plan_hint(plan: object) -> str:
     return ""
 
 
+def _warn_if_predicted_over(plan: Plan, budget: int, include_params: bool) -> None:
+    """NOTE [a given plan predicted over the budget]
+    ``wrap(model, plan, budget=...)``: the plan wins, and nothing checked the budget, at wrap or after
+    a step. A plan that ``ooc.plan`` or ``ooc plan`` chose from a profile carries its predicted peak
+    (``predicted_peak_bytes``, and ``predicted_param_peak_bytes`` with streamed blocks): a plan made
+    for a larger budget (another GPU, a JSON file kept from an earlier run) is known to go over this
+    one before any step runs, and on a GPU its first step runs out of memory before a warning after
+    the step (``Runtime.check_budget``) could say why. So it warns here, at the caller's line. A plan
+    without predictions (``Plan.uniform``, ``Plan.of``) says nothing to compare: still silent.
+    ``include_params``: the parameters count too (streamed blocks' peak where the plan has one)."""
+    meta = dict(plan.meta)
+    peak = meta.get("predicted_peak_bytes")
+    if not isinstance(peak, int):
+        return
+    what = "saved activations"
+    params = meta.get("predicted_param_peak_bytes")
+    if include_params and isinstance(params, int):
+        peak += params
+        what = "parameters and saved activations"
+    if peak <= budget:
+        return
+    warnings.warn(
+        f"this plan ({plan.name!r}) predicts a peak of {format_bytes(peak)} of {what} on the device, over "
+        f"budget={format_bytes(budget)}: plan= wins over budget=, so the steps will go over it (on a GPU with only "
+        "the budget free, the first step runs out of memory). To plan for this budget, leave plan= out: "
+        "ooc.wrap(model, budget=..., sample=<a batch>) (NOTE [a given plan predicted over the budget] in ooc.api).",
+        BudgetExceededWarning, stacklevel=3,  # the caller of ooc.wrap
+    )
+
+
 def wrap(
     model: nn.Module,
     plan: Plan | None = None,
@@ -242,6 +272,8 @@ def wrap(
             plan = Plan.uniform(Policy.KEEP, len(chain), prefetch=prefetch)
     elif not isinstance(plan, Plan):
         raise WrapError(f"plan must be an ooc.scheduler.Plan, got {type(plan).__name__}{_plan_hint(plan)}")
+    elif budget is not None:
+        _warn_if_predicted_over(plan, parse_bytes(budget), include_params)
     planned_for = parse_bytes(budget) if budget is not None and plan is not given_plan else None
     runtime = install(model, chain, plan, backend_obj, owns_backend=not isinstance(backend, Backend),
                       check_recompute=check_recompute)

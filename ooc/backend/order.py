@@ -29,7 +29,9 @@ The model:
   allocation. Accesses to host buffers (``Backend.host_buffer``) are stamped on ``host`` instead, so
   a host read of a D2H destination before its event is synchronized fails (rule 3), and so does a
   copy into a pooled host buffer whose last copy is not known to be done (rule 4). ``.item()``
-  (``_local_scalar_dense``) waits for the thread's compute stream, as on CUDA. A backend copy
+  (``_local_scalar_dense``) waits for the thread's compute stream, as on CUDA, and so does a torch
+  ``copy_`` between a host buffer and a device one without ``non_blocking`` (NOTE [a blocking torch
+  copy waits for compute]). A backend copy
   between two host buffers (staging into a streamed parameter's host copy) is stamped on ``host``
   too, ordered by what the host knows, not by its ``after``: CUDA runs it on the calling thread at
   once, on no stream.
@@ -100,6 +102,12 @@ class _Buf:
 
 _UNTRACKED_OPS = frozenset({"aten::set_", "aten::detach", "aten::alias", "aten::lift_fresh"})
 _HOST_SYNC_OPS = frozenset({"aten::_local_scalar_dense", "aten::equal"})
+_COPY_OP = "aten::copy_"
+
+
+def _non_blocking(args: tuple, kwargs: dict) -> bool:
+    """``aten::copy_(self, src, non_blocking=False)``'s flag."""
+    return bool(kwargs.get("non_blocking", args[2] if len(args) > 2 else False))
 
 
 class _OpInfo:
@@ -499,10 +507,26 @@ class OrderChecker:
                     self._allocated(key, self.host, _Access(self.host, self._clock[self.host], info.name), "device")
                 else:
                     self._allocated(key, compute, _Access(compute, self._clock[compute], info.name), "device")
-            if info.host_sync and compute is not None:
-                # The host waits for the value: it knows everything this compute stream did.
+            if compute is not None and (info.host_sync or (
+                    info.name == _COPY_OP and not _non_blocking(args, kwargs) and self._crosses(reads, writes))):
+                # The host waits for the value (a blocking copy: NOTE [a blocking torch copy waits for
+                # compute]): it knows everything this compute stream did.
                 self._issued_by_host(compute)
                 self._join(self._knows[self.host], self._snapshot(compute))
+
+    def _crosses(self, reads: list[_Key], writes: list[_Key]) -> bool:
+        """NOTE [a blocking torch copy waits for compute]
+        ``dst.copy_(src)`` between host and device memory without ``non_blocking`` returns on CUDA only
+        once the copy is done: torch synchronizes the issuing thread's current stream after it. So the
+        host then knows that stream's work, the copy's read of a device buffer included, and may free
+        the buffer (on the CPU backend the copy ran before the op returned, as everything there does).
+        The case: the exchange thread of a data-parallel HostAdamW on the plain CPU backend gathers the
+        gradients of own-master parameters (compute-allocated) into a host arena buffer, on its own
+        compute stream (its collectives gave it one); the job that held the gradients lets go after
+        that, and the training thread's next allocation at one of their addresses was taken for a use
+        after free of that read, which no event ordered."""
+        kinds = {self._buf(key).kind for key in (*reads, *writes)}
+        return kinds == {"host", "device"}
 
     def _collect(self, arg: object, into: list[_Key]) -> None:
         if isinstance(arg, torch.Tensor):

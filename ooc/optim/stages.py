@@ -198,6 +198,11 @@ class Stages:
                     reduced = self.backend.record_compute()
                     self.backend.copy_d2h(seg.host_grad, flat, (reduced,)).synchronize()
                     flat = seg.host_grad
+                else:
+                    # Own masters (the plain CPU backend) take the reduced gradients where they are:
+                    # the host waits for the collective before the update thread reads them, and
+                    # before the buffer may be freed (no copy's event says it is done here).
+                    self.backend.record_compute().synchronize()
             elif seg.host_grad is None:
                 # Own-master gradients are separate tensors: side by side for one collective.
                 _gather(seg, seg.flat, job.grads)

@@ -82,7 +82,7 @@ def _on_device(model) -> set[str]:  # noqa: ANN001
 
 def _rank(rank: int, world: int, rendezvous: str, root: str, shard: bool, dtype: torch.dtype, resume: bool) -> None:
     """One rank: a run from scratch saving at step SAVED (``resume=False``), or a run resumed from it."""
-    os.environ["OOC_CHECK_ORDER"] = "0"  # as in test_distributed (the checker's false use after free there)
+    os.environ["OOC_CHECK_ORDER"] = "1"  # as test_distributed's ranks: stream order is checked
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
@@ -202,7 +202,7 @@ def test_one_rank_restores_on_two_sharded(tmp_path: Path) -> None:
 def _save_or_fall_back(rank: int, world: int, rendezvous: str, root: str, phase: str) -> None:
     """One sharded rank: save versions 1 and 2 (``phase="save"``), or restore with ``fallback=True``,
     write the step it restored and save the step after it."""
-    os.environ["OOC_CHECK_ORDER"] = "0"
+    os.environ["OOC_CHECK_ORDER"] = "1"
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:

@@ -46,14 +46,13 @@ def _free_port() -> int:
 
 
 def _env(rank: int | None, world: int, port: int) -> dict[str, str]:
-    # The stream-order checker is off in these processes: it does not model the hand-off of a host
-    # gradient from the training thread to the exchange thread (the job holds the tensor until the
-    # gather that reads it is done), so the exchange thread's gather, which exists only for host fp32
-    # parameters on the plain CPU backend, shows as a use after free when the address is reused later.
+    # The ranks check stream order (the exchange thread's gather of own-master gradients is a blocking
+    # copy: NOTE [a blocking torch copy waits for compute] in ooc.backend.order); the one-process
+    # references, which exchange nothing, do not: the checker's Python call per op costs them time only.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "OOC_CHECK_ORDER": "0"}
     if rank is not None:
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world), RANK=str(rank),
-                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
+                   LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), OOC_CHECK_ORDER="1")
     return env
 
 
@@ -282,7 +281,7 @@ def test_torchrun_launches_it(tmp_path: Path, launch: list[str]) -> None:
     done = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", *launch, "-m", "ooc", "train",
          "--preset", "nano", "--steps", "3", "--no-progress"],
-        cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**os.environ, "OOC_CHECK_ORDER": "0"},  # as _env
+        cwd=tmp_path, capture_output=True, text=True, timeout=240, env={**os.environ, "OOC_CHECK_ORDER": "1"},  # as _env's ranks
     )
     assert done.returncode == 0, done.stderr
     assert "on 2 rank(s)" in done.stdout and "step     2" in done.stdout

@@ -175,9 +175,9 @@ def _unused_in_bf16(rank: int) -> dict[str, list[str]]:
 
 def _worker(rank: int, world: int, port: int, case: Callable[[int], Any], out: Any) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-                      # As in test_distributed.py: the order checker does not model the exchange
-                      # thread's hand-off of a host gradient (NOTE in its _env).
-                      OOC_CHECK_ORDER="0")
+                      # The ranks check stream order, as test_distributed.py's (NOTE [a blocking torch
+                      # copy waits for compute] in ooc.backend.order: the exchange thread's gather).
+                      OOC_CHECK_ORDER="1")
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:

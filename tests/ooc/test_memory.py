@@ -206,6 +206,31 @@ def test_a_given_plan_has_no_budget_to_go_over() -> None:
         ooc.unwrap(model)
 
 
+def test_a_given_plan_predicted_over_the_budget_says_so_at_wrap() -> None:
+    """NOTE [a given plan predicted over the budget] in ooc.api: a plan chosen from a profile for a larger
+    budget carries its predicted peak, and ``wrap(model, plan, budget=...)`` said nothing, at wrap or after
+    a step (on a GPU the first step runs out of memory first). It warns at wrap, at the caller's line,
+    before any step; a plan within the budget stays quiet."""
+    import warnings
+
+    from ooc.runtime import BudgetExceededWarning
+
+    torch.manual_seed(0)
+    model = GPT(NANO)
+    batch = gpt_batch(batch=2, seq=16)
+    plan = ooc.plan(model, batch, budget="1GiB")
+    predicted = dict(plan.meta)["predicted_peak_bytes"]
+    assert predicted > 0
+    with pytest.warns(BudgetExceededWarning, match=r"predicts a peak of .* over budget=.*leave plan= out") as caught:
+        ooc.wrap(model, plan, budget=predicted // 2)
+    assert [w.filename for w in caught] == [__file__]
+    ooc.unwrap(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", BudgetExceededWarning)
+        ooc.wrap(model, plan, budget=predicted)
+    ooc.unwrap(model)
+
+
 def test_a_model_profiled_in_eval_mode_is_warned_of_before_it_trains_over_the_budget() -> None:
     """Hugging Face's ``from_pretrained`` returns a model in eval mode and ``Trainer`` trains it in train mode:
     ``wrap(budget=..., sample=...)`` profiled the eval forward, which saves no dropout masks, and the

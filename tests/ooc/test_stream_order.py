@@ -189,6 +189,48 @@ def test_a_block_freed_and_reallocated_on_another_thread_is_no_use_after_free(ba
         worker.join()
 
 
+@pytest.mark.parametrize("non_blocking", [False, True], ids=["blocking", "non-blocking"])
+def test_a_blocking_copy_into_a_host_buffer_is_done_when_it_returns(backend: CpuBackend, non_blocking: bool) -> None:
+    """NOTE [a blocking torch copy waits for compute]: ``host.copy_(device)`` returns on CUDA only after
+    the copy, so the device tensor may be freed then, whichever thread issued the copy on its own
+    stream (the exchange thread's gather of own-master gradients in a data-parallel HostAdamW on the
+    plain CPU backend: the checker took the next allocation at their address for a use after free).
+    A ``non_blocking`` copy is still queued on that stream when it returns: a use after free.
+    (Storages over one bytearray stand for the reused block, as above.)"""
+    block = bytearray(256)
+
+    def allocate(what: str) -> torch.Tensor:
+        tensor = torch.frombuffer(block, dtype=torch.float32)
+        backend._checker.allocated(tensor, what, host=False)
+        return tensor
+
+    backend.record_compute()  # the training thread issues device work: the checker watches it
+    grad = allocate("the gradient")
+    grad.fill_(1)
+    written = backend.record_compute()
+    host = backend.host_buffer(256).view(torch.float32)
+    failures: list[BaseException] = []
+
+    def gather() -> None:  # the exchange thread: its collectives give it a compute stream
+        try:
+            backend.record_compute()
+            written.synchronize()  # the job's event: the gradient is written
+            host.copy_(grad, non_blocking=non_blocking)
+        except BaseException as exc:  # noqa: BLE001 - raised on the test's thread below
+            failures.append(exc)
+
+    worker = threading.Thread(target=gather, name="exchange")
+    worker.start()
+    worker.join()
+    assert not failures, failures
+    grad = None  # the job lets go of the gradient once the gather returned
+    if non_blocking:
+        with pytest.raises(StreamOrderError, match=r"use after free: the next .* aten::copy_ on compute\[exchange\]"):
+            allocate("the next")
+    else:
+        assert allocate("the next").sum().item() == 64
+
+
 @pytest.mark.parametrize("op", ["mul", "zero", "copy"])
 def test_a_foreach_write_on_a_watched_thread_bumps_the_version_counter(backend: CpuBackend, op: str) -> None:
     """NOTE [foreach writes under the checker]: under a dispatch mode torch's in-place foreach ops left
@@ -471,6 +513,50 @@ def test_the_reduced_gradient_leaves_the_device_after_the_collective(tmp_path) -
         if opt is not None:
             opt.close()
         ooc.unwrap(model)
+        backend.close()
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize(("plan", "reduce_on"), [(None, "host"), ("swap", "host"), ("swap", "device")],
+                         ids=["unwrapped", "wrapped", "wrapped-device-sum"])
+def test_data_parallel_own_master_gradients_are_gathered_with_no_use_after_free(tmp_path, plan: str | None,  # noqa: ANN001
+                                                                                 reduce_on: str) -> None:
+    """The checker's false positive that kept it off in the data-parallel tests: on the plain CPU
+    backend fp32 parameters are their own masters, and the exchange thread gathers their gradients
+    into a host buffer for the collective (``aten::copy_`` on its compute stream). The training
+    thread's next allocation at a freed gradient's address was reported as a use after free of that
+    read, though the copy had returned, as a blocking copy on CUDA does only when it is done (NOTE [a
+    blocking torch copy waits for compute]). One gloo rank in this process drives it."""
+    import torch.distributed as dist
+
+    from ooc.distributed import DataParallel
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    torch.manual_seed(0)
+    model = GPT("nano")
+    backend = CpuBackend(check_order=True)
+    assert not backend.separate_memory  # own masters: the exchange thread gathers the gradients
+    if plan is not None:
+        ooc.wrap(model, Plan.uniform(plan, 4), backend=backend)
+    opt = None
+    try:
+        opt = HostAdamW(model.parameters(), lr=1e-2, model=model, backend=backend,
+                        data_parallel=DataParallel(reduce_on=reduce_on, check=False))
+        _run_and_unwrap_cause(lambda: _pipelined_steps(model, opt, gpt_batch()))
+        opt.close()
+        opt = None
+        # The optimizer's buffers are free now (``device_flat`` with a device sum): plain PyTorch's
+        # allocations may be handed their memory.
+        plain = torch.optim.AdamW(model.parameters())
+        for _ in range(2):
+            model(*gpt_batch())[1].backward()
+            plain.step()
+            plain.zero_grad()
+    finally:
+        if opt is not None:
+            opt.close()
+        if plan is not None:
+            ooc.unwrap(model)
         backend.close()
         dist.destroy_process_group()
 

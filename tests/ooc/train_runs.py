@@ -47,9 +47,9 @@ def start_ranks(args: list[str], cwd: Path, world: int) -> list[subprocess.Popen
     port = free_port()
     procs = []
     for rank in range(world):
-        # The stream-order checker is off as in test_distributed (its false use after free there).
+        # The ranks check stream order, as test_distributed's.
         env = dict(os.environ) if world == 1 else {
-            **os.environ, "OMP_NUM_THREADS": "1", "OOC_CHECK_ORDER": "0", "MASTER_ADDR": "127.0.0.1",
+            **os.environ, "OMP_NUM_THREADS": "1", "OOC_CHECK_ORDER": "1", "MASTER_ADDR": "127.0.0.1",
             "MASTER_PORT": str(port), "WORLD_SIZE": str(world), "RANK": str(rank), "LOCAL_RANK": str(rank)}
         procs.append(subprocess.Popen(args, cwd=cwd, env=env, text=True, stdout=subprocess.PIPE if rank == 0 else subprocess.DEVNULL,
                                       stderr=subprocess.PIPE))
