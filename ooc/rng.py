@@ -272,8 +272,11 @@ _PLAIN: set[type] = set()
 """The types of ``_KINDS`` that are ``_OTHER`` (most attributes: tensors, numbers, strings): a set
 lookup per attribute at every recomputed forward."""
 
-_SLOTS: dict[type, tuple[str, ...]] = {}
-"""``_FIELDS`` type -> the names of its slots (``__slots__`` along its MRO; a ``dataclass(slots=True)``)."""
+_SLOTS: dict[type, tuple[Any, ...]] = {}
+"""``_FIELDS`` type -> the member descriptors of its slots (``__slots__`` along its MRO; a
+``dataclass(slots=True)``), taken from the classes that declare them: read through them, a slot is read
+even where a subclass's property shadows its name (which reading it by name would run), and a private
+slot (``__x``, stored as ``_Cls__x``) is found."""
 
 _HAS_DICT: set[type] = set()
 """The ``_FIELDS`` types whose objects have a ``__dict__``."""
@@ -312,7 +315,7 @@ def _kind(kind: type) -> int:
                            BaseException, Opaque)) or is_config_class(kind):
         found = _OTHER
     else:
-        slots = tuple(name for k in kind.__mro__ for name in _slot_names(k) if name not in ("__dict__", "__weakref__"))
+        slots = tuple(member for k in kind.__mro__ for member in _slot_members(k))
         has_dict = kind.__dictoffset__ != 0
         found = _FIELDS if slots or has_dict else _OTHER
         if slots:
@@ -333,10 +336,24 @@ def _kind(kind: type) -> int:
     return found
 
 
-def _slot_names(kind: type) -> tuple[str, ...]:
-    """The slots ``kind`` itself declares (``__slots__``: a string or an iterable of names)."""
+def _slot_members(kind: type) -> tuple[Any, ...]:
+    """The member descriptors of the slots ``kind`` itself declares (``__slots__``: a string or an
+    iterable of names; a private name is stored mangled, ``__x`` as ``_Kind__x``)."""
     slots = kind.__dict__.get("__slots__", ())
-    return (slots,) if isinstance(slots, str) else tuple(slots)
+    members = []
+    for name in (slots,) if isinstance(slots, str) else slots:
+        if name.startswith("__") and not name.endswith("__"):
+            name = f"_{kind.__name__.lstrip('_')}{name}"
+        member = kind.__dict__.get(name)
+        if type(member) is types.MemberDescriptorType:  # not ``__dict__``/``__weakref__``
+            members.append(member)
+    return tuple(members)
+
+
+_ITERATE = ((dict, dict.values), (list, list.__iter__), (tuple, tuple.__iter__), (set, set.__iter__),
+            (frozenset, frozenset.__iter__))
+"""Per container base: how ``_contents`` reads its items from its storage (a subclass's own ``values``
+or ``__iter__``, a lazy mapping's imports, is never called)."""
 
 
 def _contents(value: Any, kind: int) -> Iterable[Any]:
@@ -344,7 +361,9 @@ def _contents(value: Any, kind: int) -> Iterable[Any]:
     ``__dict__`` and slots, not through a Python ``__getattribute__``: HF configs, proxies), what a
     callable captured."""
     if kind == _ITEMS:
-        return value.values() if issubclass(type(value), dict) else value
+        for base, items in _ITERATE:
+            if issubclass(type(value), base):
+                return items(value)
     if kind == _CALLABLE:
         if issubclass(type(value), functools.partial):
             return (value.func, *value.args, *value.keywords.values())
@@ -356,9 +375,9 @@ def _contents(value: Any, kind: int) -> Iterable[Any]:
     items: list[Any] = []
     if type(value) in _HAS_DICT:
         items += object.__getattribute__(value, "__dict__").values()
-    for name in _SLOTS.get(type(value), ()):
+    for member in _SLOTS.get(type(value), ()):
         try:
-            items.append(object.__getattribute__(value, name))
+            items.append(member.__get__(value))
         except AttributeError:  # a slot not set
             pass
     return items

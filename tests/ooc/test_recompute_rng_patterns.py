@@ -569,3 +569,69 @@ def test_dropout_toggled_between_the_forward_and_the_backward_is_replayed(code: 
         return tensors
 
     _assert_same_as_plain(lambda: Chain([DropoutFollowsTraining() for _ in range(3)]), code, step)
+
+
+class _CountingDict(dict):
+    """A dict subclass whose own ``values``/``__iter__`` are user code (a lazy mapping imports on them)."""
+
+    calls: list[str] = []
+
+    def values(self):  # type: ignore[override]
+        self.calls.append("dict.values")
+        return super().values()
+
+    def __iter__(self):  # type: ignore[override]
+        self.calls.append("dict.__iter__")
+        return super().__iter__()
+
+
+class _CountingList(list):
+    def __iter__(self):  # type: ignore[override]
+        _CountingDict.calls.append("list.__iter__")
+        return super().__iter__()
+
+
+class _SlotBase:
+    __slots__ = ("value",)
+
+
+class _SlotShadowed(_SlotBase):
+    """A subclass whose property shadows its base's slot: reading ``value`` by name runs the property."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> int:  # type: ignore[override]
+        _CountingDict.calls.append("property")
+        return 0
+
+
+class _PrivateSlot:
+    """A private slot: its member is stored under the mangled name ``_PrivateSlot__generator``."""
+
+    __slots__ = ("__generator",)
+
+    def __init__(self) -> None:
+        self.__generator = torch.Generator().manual_seed(5)
+
+
+def test_the_search_runs_no_code_of_what_it_looks_into_and_reads_every_slot() -> None:
+    """The search runs at every recomputed forward, a few levels into a block's helper objects: it called a
+    dict or list subclass's own ``values``/``__iter__`` and read slots by name (a subclass's property
+    ran), user code per forward (a lazy mapping's imports; a property's side effects), and missed a
+    private slot (``__slots__ = ("__generator",)``, stored under its mangled name), whose generator was
+    then not replayed. It reads the containers' and slots' storage itself."""
+    _CountingDict.calls.clear()
+    shadowed = _SlotShadowed()
+    _SlotBase.value.__set__(shadowed, torch.Generator())
+    private = _PrivateSlot()
+    module = nn.Module()
+    module.mapping = _CountingDict(gen=torch.Generator())
+    module.items = _CountingList([torch.Generator()])
+    module.helper = types.SimpleNamespace(mapping=_CountingDict(gen=torch.Generator()), shadowed=shadowed)
+    module.private = private
+    expected = [module.mapping["gen"], module.items[0], module.helper.mapping["gen"], _SlotBase.value.__get__(shadowed),
+                private._PrivateSlot__generator]
+    found = ooc.rng.generators_in([], [module])
+    assert _CountingDict.calls == []
+    assert sorted(map(id, found)) == sorted(map(id, expected))
