@@ -60,6 +60,7 @@ import ctypes
 import enum
 import functools
 import importlib
+import itertools
 import random
 import sys
 import tempfile
@@ -356,14 +357,17 @@ _ITERATE = ((dict, dict.values), (list, list.__iter__), (tuple, tuple.__iter__),
 or ``__iter__``, a lazy mapping's imports, is never called)."""
 
 
-def _contents(value: Any, kind: int) -> Iterable[Any]:
-    """What ``value`` of kind ``kind`` holds: a container's items, an object's attributes (read from its
-    ``__dict__`` and slots, not through a Python ``__getattribute__``: HF configs, proxies), what a
-    callable captured."""
+def _contents(value: Any, kind: int, limit: int) -> list[Any] | tuple[Any, ...]:
+    """What ``value`` of kind ``kind`` holds (of a container or an object, the first ``limit`` items): a
+    container's items, an object's attributes (read from its ``__dict__`` and slots, not through a Python
+    ``__getattribute__``: HF configs, proxies), what a callable captured. A container's and a
+    ``__dict__``'s items are taken in one C call (``list(islice(...))``), which no other thread can
+    interleave under the GIL: iterated in Python, a dict another thread writes (a shared metrics dict a
+    helper holds) raised "dictionary changed size during iteration" out of the forward."""
     if kind == _ITEMS:
         for base, items in _ITERATE:
             if issubclass(type(value), base):
-                return items(value)
+                return list(itertools.islice(items(value), limit))
     if kind == _CALLABLE:
         if issubclass(type(value), functools.partial):
             return (value.func, *value.args, *value.keywords.values())
@@ -374,7 +378,7 @@ def _contents(value: Any, kind: int) -> Iterable[Any]:
         return (*_cell_contents(value.__closure__), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
     items: list[Any] = []
     if type(value) in _HAS_DICT:
-        items += object.__getattribute__(value, "__dict__").values()
+        items = list(itertools.islice(dict.values(object.__getattribute__(value, "__dict__")), limit))
     for member in _SLOTS.get(type(value), ()):
         try:
             items.append(member.__get__(value))
@@ -420,7 +424,7 @@ class _Search:
             return
         self.seen.add(id(value))
         plain = _PLAIN
-        for item in _contents(value, kind):
+        for item in _contents(value, kind, self.left):
             self.left -= 1
             if self.left < 0:
                 return

@@ -14,6 +14,9 @@ import copy
 import dataclasses
 import functools
 import random
+import sys
+import threading
+import time
 import types
 from collections.abc import Callable
 
@@ -635,3 +638,34 @@ def test_the_search_runs_no_code_of_what_it_looks_into_and_reads_every_slot() ->
     found = ooc.rng.generators_in([], [module])
     assert _CountingDict.calls == []
     assert sorted(map(id, found)) == sorted(map(id, expected))
+
+
+def test_the_search_survives_another_thread_changing_what_it_looks_into() -> None:
+    """The search iterated a container the block holds item by item, in Python: a dict another thread
+    writes (a shared metrics or cache dict a helper holds) raised "dictionary changed size during
+    iteration" out of a recomputed forward, now and then. It takes each container's items in one C
+    call (atomic under the GIL), at most as many as it may still look at."""
+    shared = {i: float(i) for i in range(2000)}
+    module = nn.Module()
+    module.helper = types.SimpleNamespace(stats=shared, gen=torch.Generator())
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():  # the GIL is let go between the writes (I/O, a lock), as a real writer does
+            shared[-1] = 0.0
+            time.sleep(0)
+            del shared[-1]
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a loaded machine does
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(200):
+            found = ooc.rng.generators_in([], [module])
+            assert [id(g) for g in found] == [id(module.helper.gen)]
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(interval)
