@@ -16,9 +16,10 @@ OrderedDict, a list of lists), the attributes of an object (a dataclass, a helpe
 arguments, a ``functools.partial``'s arguments, a bound method's object); the re-run starts each from
 the state it had before the forward, and each is put back after it, so the next forward draws where
 plain PyTorch's would. Not looked into: modules (a registered one is looked at itself), tensors, HF
-configs, ooc's own objects (``Opaque``); at most ``_BUDGET`` items per block and call (a module that
-holds a trainer). A generator held anywhere else (inside a global object or container, a global reached
-through another Python module's attribute, a module's hook, deeper than ``_DEPTH``), or one the forward
+configs, loggers, ooc's own objects (``Opaque``); at most ``_BUDGET`` items per block and call (a module
+that holds a trainer), level by level (what is nearer the module first). A generator held anywhere else
+(inside a global object or container, a global reached through another Python module's attribute, a
+module's hook, deeper than ``_DEPTH`` or past the budget), or one the forward
 seeds from the OS (``np.random.default_rng()``, ``random.seed()``, ``torch.seed()``, whose numbers no
 state taken before the forward can replay), is not replayed: ``ooc.wrap(..., check_recompute=True)``
 catches what it changes, and such blocks are planned as keep or swap. The process-wide states are the whole process's: another
@@ -298,7 +299,8 @@ def _kind(kind: type) -> int:
     (``issubclass``), never ``isinstance``: the latter reads ``__class__`` through HF configs' Python
     ``__getattribute__``. ``random.SystemRandom`` has no state to replay. Not looked into: modules (a
     registered one is looked at on its own; an unregistered one is no part of the block), tensors,
-    classes, Python modules, enums, weak references, HF configs (40 fields, never a generator)."""
+    classes, Python modules, enums, weak references, HF configs (40 fields, never a generator), the
+    ``logging`` module's objects (a logger's manager holds every logger of the process)."""
     found = _KINDS.get(kind)
     if found is not None:
         return found
@@ -312,8 +314,9 @@ def _kind(kind: type) -> int:
         found = _ITEMS
     elif issubclass(kind, _CALLABLES):
         found = _CALLABLE
-    elif issubclass(kind, (torch.nn.Module, torch.Tensor, type, types.ModuleType, enum.Enum, weakref.ref,
-                           BaseException, Opaque)) or is_config_class(kind):
+    elif (issubclass(kind, (torch.nn.Module, torch.Tensor, type, types.ModuleType, enum.Enum, weakref.ref,
+                            BaseException, Opaque)) or is_config_class(kind)
+          or (getattr(kind, "__module__", None) or "").partition(".")[0] == "logging"):
         found = _OTHER
     else:
         slots = tuple(member for k in kind.__mro__ for member in _slot_members(k))
@@ -400,41 +403,48 @@ def _cell_contents(cells: tuple[Any, ...] | None) -> list[Any]:
 
 class _Search:
     """One ``generators_in`` call: the generators found, the ids of what was looked into (each once),
-    how many more items may be looked at (``_BUDGET``)."""
+    how many more items may be looked at (``_BUDGET``), and what to look into next. It goes level by
+    level (breadth first), over every argument and attribute together: where a large object spends the
+    budget, it spends it after everything nearer the module (a generator one level down in the next
+    attribute), not before."""
 
-    __slots__ = ("found", "seen", "left")
+    __slots__ = ("found", "seen", "left", "level")
 
     def __init__(self) -> None:
         self.found: list[Any] = []
         self.seen: set[int] = set()
         self.left = _BUDGET
+        self.level: list[tuple[Any, int]] = []
+        """(value, kind) to look into at the next level."""
 
     def value(self, value: Any) -> None:
-        """Note ``value`` if it is a generator, else the generators it holds."""
+        """Note ``value`` if it is a generator, else look into it at the first level (``run``)."""
         kind = _kind(type(value))
         if kind == _GENERATOR:
             self.found.append(value)
         elif kind != _OTHER:
-            self.inside(value, kind)
+            self.level.append((value, kind))
 
-    def inside(self, value: Any, kind: int, depth: int = _DEPTH) -> None:
-        """Note the generators that ``value`` (of kind ``kind``: not ``_OTHER`` nor ``_GENERATOR``) holds,
-        down to ``depth`` levels (``_DEPTH``)."""
-        if id(value) in self.seen or self.left <= 0:
-            return
-        self.seen.add(id(value))
+    def run(self) -> None:
+        """Note the generators that the values of the first level hold, down to ``_DEPTH`` levels."""
         plain = _PLAIN
-        for item in _contents(value, kind, self.left):
-            self.left -= 1
-            if self.left < 0:
-                return
-            if type(item) in plain:
-                continue
-            item_kind = _kind(type(item))
-            if item_kind == _GENERATOR:
-                self.found.append(item)
-            elif item_kind != _OTHER and depth > 1:
-                self.inside(item, item_kind, depth - 1)
+        for depth in range(_DEPTH, 0, -1):
+            level, self.level = self.level, []
+            for value, kind in level:
+                if id(value) in self.seen:
+                    continue
+                self.seen.add(id(value))
+                for item in _contents(value, kind, self.left):
+                    self.left -= 1
+                    if self.left < 0:
+                        return
+                    if type(item) in plain:
+                        continue
+                    item_kind = _kind(type(item))
+                    if item_kind == _GENERATOR:
+                        self.found.append(item)
+                    elif item_kind != _OTHER and depth > 1:
+                        self.level.append((item, item_kind))
 
 
 def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list[Any]:
@@ -457,6 +467,7 @@ def generators_in(leaves: list[Any], modules: Iterable[torch.nn.Module]) -> list
         for holder, name in _shared_places(type(m)):
             if type(value := holder.get(name)) not in plain:
                 search.value(value)
+    search.run()
     return list({id(g): g for g in search.found}.values())  # by identity: a class with __eq__ alone is unhashable
 
 

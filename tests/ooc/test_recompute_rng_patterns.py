@@ -13,12 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import random
 import sys
 import threading
 import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -669,3 +671,30 @@ def test_the_search_survives_another_thread_changing_what_it_looks_into() -> Non
         stop.set()
         writer.join()
         sys.setswitchinterval(interval)
+
+
+def test_a_large_object_the_block_holds_leaves_the_budget_for_a_shallower_generator() -> None:
+    """The search went depth first within ``_BUDGET`` items: a large helper met first (a list of a
+    cache's keys, a logger's manager) spent the whole budget, and a generator one level down in the
+    next attribute was not found, so not replayed: other gradients, silently. It goes level by level
+    now: what is nearer the module is looked at first."""
+    module = nn.Module()
+    module.big = types.SimpleNamespace(keys=[types.SimpleNamespace(k=i) for i in range(ooc.rng._BUDGET)])
+    module.cfg = types.SimpleNamespace(gen=torch.Generator())
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
+
+
+def test_a_logger_on_a_module_is_not_looked_into(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``self.logger = logging.getLogger(...)``: its manager holds every logger of the process, which
+    the search looked through at every recomputed forward to the end of its budget (about a
+    millisecond per block per forward on a loaded CPU), for no generator."""
+    for i in range(64):
+        logging.getLogger(f"ooc.tests.many.{i}")
+    module = nn.Module()
+    module.logger = logging.getLogger("ooc.tests")
+    module.cfg = types.SimpleNamespace(gen=torch.Generator())
+    looked: list[Any] = []
+    contents = ooc.rng._contents
+    monkeypatch.setattr(ooc.rng, "_contents", lambda value, kind, limit: looked.append(value) or contents(value, kind, limit))
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
+    assert looked == [module.cfg]
