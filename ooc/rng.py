@@ -257,7 +257,8 @@ cell, a helper's bound method's helper's generator are all within it."""
 _BUDGET = 4096
 """How many items (of containers, objects and callables) ``generators_in`` looks at per call, at most: a
 module holding a large object graph (a trainer, a tokenizer, a dict of a model's weights) costs bounded
-time at every forward (about 0.3 ms at most)."""
+time at every forward (about 0.3 ms at most; 0.9 ms on a loaded 2-core CPU, measured on a module holding
+a logger before loggers were left out)."""
 
 
 class Opaque:
