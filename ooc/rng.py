@@ -380,6 +380,8 @@ def _contents(value: Any, kind: int, limit: int) -> list[Any] | tuple[Any, ...]:
         if issubclass(type(value), types.BuiltinMethodType):
             return (value.__self__,)  # ``rng.random`` of a ``random.Random``; a function's Python module
         return (*_cell_contents(value.__closure__), *(value.__defaults__ or ()), *(value.__kwdefaults__ or {}).values())
+    if type(value) not in _KINDS:  # the cache was cleared (``_kind``) since its kind was found: its slots and dict too
+        _kind(type(value))
     items: list[Any] = []
     if type(value) in _HAS_DICT:
         items = list(itertools.islice(dict.values(object.__getattribute__(value, "__dict__")), limit))

@@ -698,3 +698,20 @@ def test_a_logger_on_a_module_is_not_looked_into(monkeypatch: pytest.MonkeyPatch
     monkeypatch.setattr(ooc.rng, "_contents", lambda value, kind, limit: looked.append(value) or contents(value, kind, limit))
     assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
     assert looked == [module.cfg]
+
+
+def test_a_generator_is_found_when_the_type_cache_is_cleared_during_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache of what the search does per type is cleared when it grows past 4096 types (classes made
+    at run time). Cleared during a search, after a helper's type was found to be looked into but before
+    it was, the helper's ``__dict__`` was forgotten with the cache, and its generator was not found."""
+    monkeypatch.setattr(ooc.rng, "_KINDS", dict(ooc.rng._KINDS))
+    monkeypatch.setattr(ooc.rng, "_PLAIN", set(ooc.rng._PLAIN))
+    monkeypatch.setattr(ooc.rng, "_HAS_DICT", set(ooc.rng._HAS_DICT))
+    monkeypatch.setattr(ooc.rng, "_SLOTS", dict(ooc.rng._SLOTS))
+    module = nn.Module()
+    module.helper = _Helper(5)
+    ooc.rng.generators_in([], [module])  # every type the module holds is in the cache
+    for k in range(4097 - len(ooc.rng._KINDS)):
+        ooc.rng._KINDS[type(f"Filler{k}", (), {})] = ooc.rng._OTHER
+    module.other = type("MadeAtRunTime", (), {})()  # the type that overflows the cache, after the helper
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.helper.generator)]
