@@ -545,8 +545,9 @@ class _BlockForward(Opaque):
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
         check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
-        if rt.timm_flags and rt.chain.modules[i].training:
-            check_timm_not_checkpointed(rt.timm_flags)  # turned on after wrap
+        if rt.timm_flags and (rt.chain.modules[i].training or torch.is_grad_enabled()):
+            # Turned on after wrap. timm checkpoints in eval mode too (a fine-tune with frozen batch norm).
+            check_timm_not_checkpointed(rt.timm_flags)
         if rt.first_calls is not None:
             rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
         if torch.is_grad_enabled() and forward_ad._current_level >= 0:

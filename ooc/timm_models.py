@@ -10,8 +10,9 @@ more, so a run trained bit for bit; with reentrant checkpointing (``timm.layers.
 older timm) a block's forward runs without grad and is run again in the backward, outside the plan:
 three forwards per recomputed block and none of a kept block's activations where the plan counts
 them. ooc refuses it whichever way, as it refuses Hugging Face's gradient checkpointing (NOTE
-[caches and recompute] in ``ooc.hf``): at ``wrap``, and at a block's training forward when it was
-turned on after ``wrap``. timm is never imported here: the flag is the attribute timm sets.
+[caches and recompute] in ``ooc.hf``): at ``wrap``, and at a block's forward in training mode or
+with grad enabled when it was turned on after ``wrap`` (timm, unlike Hugging Face, checkpoints in eval
+mode too: a fine-tune with frozen batch norm). timm is never imported here: the flag is the attribute timm sets.
 """
 
 from __future__ import annotations

@@ -163,11 +163,12 @@ def transformer(
     x = s * b * h * bytes_per_value
     act = ACTIVATION_DTYPE[bytes_per_value]
     storages = [(x, act)] + [storage for op in raw for storage in op[4]]  # the block's input, which its first op saves
+    # Korthikanti's 34*sbh + 5*as^2b with 2-byte activations (scores materialised); the same storages
+    # in the activations' dtype otherwise (fp32's: about twice, the 1-byte masks as they are).
+    saved = sum(nbytes for nbytes, _ in storages)
     if flash_attention:
-        saved = sum(nbytes for nbytes, _ in storages)
         matmul_flops = sum(op[1] for op in raw)
     else:
-        saved = int(s * b * h * (34 + 5 * a * s / h))
         matmul_flops = 24 * b * s * h * h + 4 * b * s * s * h
     params = 12 * h * h + 13 * h
     traffic = 2 * saved + params * bytes_per_value

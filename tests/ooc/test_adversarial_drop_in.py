@@ -215,3 +215,20 @@ def test_timm_grad_checkpointing_turned_on_after_wrap_is_refused(reentrant: bool
         model(x).sum().backward()
     finally:
         ooc.unwrap(model)
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_timm_grad_checkpointing_turned_on_after_wrap_is_refused_in_eval_mode_with_grad(reentrant: bool):
+    """timm checkpoints whenever the flag is on, in eval mode too (unlike HF, which checks ``training``):
+    a fine-tune in eval mode (frozen dropout and batch norm) with grad on ran the blocks under torch's
+    checkpoint, outside the plan, because the check after wrap looked at ``training`` alone."""
+    torch.manual_seed(0)
+    model = TimmStyle(reentrant)
+    x = torch.randn(4, WIDTH, requires_grad=True)
+    ooc.wrap(model, ooc.Plan.of(["recompute", "keep", "recompute"]), backend="chaos")
+    try:
+        model.eval().set_grad_checkpointing(True)
+        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+            model(x).sum().backward()
+    finally:
+        ooc.unwrap(model)

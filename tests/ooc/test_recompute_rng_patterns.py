@@ -13,9 +13,14 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import logging
 import random
+import sys
+import threading
+import time
 import types
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import pytest
@@ -569,3 +574,144 @@ def test_dropout_toggled_between_the_forward_and_the_backward_is_replayed(code: 
         return tensors
 
     _assert_same_as_plain(lambda: Chain([DropoutFollowsTraining() for _ in range(3)]), code, step)
+
+
+class _CountingDict(dict):
+    """A dict subclass whose own ``values``/``__iter__`` are user code (a lazy mapping imports on them)."""
+
+    calls: list[str] = []
+
+    def values(self):  # type: ignore[override]
+        self.calls.append("dict.values")
+        return super().values()
+
+    def __iter__(self):  # type: ignore[override]
+        self.calls.append("dict.__iter__")
+        return super().__iter__()
+
+
+class _CountingList(list):
+    def __iter__(self):  # type: ignore[override]
+        _CountingDict.calls.append("list.__iter__")
+        return super().__iter__()
+
+
+class _SlotBase:
+    __slots__ = ("value",)
+
+
+class _SlotShadowed(_SlotBase):
+    """A subclass whose property shadows its base's slot: reading ``value`` by name runs the property."""
+
+    __slots__ = ()
+
+    @property
+    def value(self) -> int:  # type: ignore[override]
+        _CountingDict.calls.append("property")
+        return 0
+
+
+class _PrivateSlot:
+    """A private slot: its member is stored under the mangled name ``_PrivateSlot__generator``."""
+
+    __slots__ = ("__generator",)
+
+    def __init__(self) -> None:
+        self.__generator = torch.Generator().manual_seed(5)
+
+
+def test_the_search_runs_no_code_of_what_it_looks_into_and_reads_every_slot() -> None:
+    """The search runs at every recomputed forward, a few levels into a block's helper objects: it called a
+    dict or list subclass's own ``values``/``__iter__`` and read slots by name (a subclass's property
+    ran), user code per forward (a lazy mapping's imports; a property's side effects), and missed a
+    private slot (``__slots__ = ("__generator",)``, stored under its mangled name), whose generator was
+    then not replayed. It reads the containers' and slots' storage itself."""
+    _CountingDict.calls.clear()
+    shadowed = _SlotShadowed()
+    _SlotBase.value.__set__(shadowed, torch.Generator())
+    private = _PrivateSlot()
+    module = nn.Module()
+    module.mapping = _CountingDict(gen=torch.Generator())
+    module.items = _CountingList([torch.Generator()])
+    module.helper = types.SimpleNamespace(mapping=_CountingDict(gen=torch.Generator()), shadowed=shadowed)
+    module.private = private
+    expected = [module.mapping["gen"], module.items[0], module.helper.mapping["gen"], _SlotBase.value.__get__(shadowed),
+                private._PrivateSlot__generator]
+    found = ooc.rng.generators_in([], [module])
+    assert _CountingDict.calls == []
+    assert sorted(map(id, found)) == sorted(map(id, expected))
+
+
+def test_the_search_survives_another_thread_changing_what_it_looks_into() -> None:
+    """The search iterated a container the block holds item by item, in Python: a dict another thread
+    writes (a shared metrics or cache dict a helper holds) raised "dictionary changed size during
+    iteration" out of a recomputed forward, now and then. It takes each container's items in one C
+    call (atomic under the GIL), at most as many as it may still look at."""
+    shared = {i: float(i) for i in range(2000)}
+    module = nn.Module()
+    module.helper = types.SimpleNamespace(stats=shared, gen=torch.Generator())
+    stop = threading.Event()
+
+    def write() -> None:
+        while not stop.is_set():  # the GIL is let go between the writes (I/O, a lock), as a real writer does
+            shared[-1] = 0.0
+            time.sleep(0)
+            del shared[-1]
+            time.sleep(0)
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # switch threads often, as a loaded machine does
+    writer = threading.Thread(target=write)
+    writer.start()
+    try:
+        for _ in range(200):
+            found = ooc.rng.generators_in([], [module])
+            assert [id(g) for g in found] == [id(module.helper.gen)]
+    finally:
+        stop.set()
+        writer.join()
+        sys.setswitchinterval(interval)
+
+
+def test_a_large_object_the_block_holds_leaves_the_budget_for_a_shallower_generator() -> None:
+    """The search went depth first within ``_BUDGET`` items: a large helper met first (a list of a
+    cache's keys, a logger's manager) spent the whole budget, and a generator one level down in the
+    next attribute was not found, so not replayed: other gradients, silently. It goes level by level
+    now: what is nearer the module is looked at first."""
+    module = nn.Module()
+    module.big = types.SimpleNamespace(keys=[types.SimpleNamespace(k=i) for i in range(ooc.rng._BUDGET)])
+    module.cfg = types.SimpleNamespace(gen=torch.Generator())
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
+
+
+def test_a_logger_on_a_module_is_not_looked_into(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``self.logger = logging.getLogger(...)``: its manager holds every logger of the process, which
+    the search looked through at every recomputed forward to the end of its budget (about a
+    millisecond per block per forward on a loaded CPU), for no generator."""
+    for i in range(64):
+        logging.getLogger(f"ooc.tests.many.{i}")
+    module = nn.Module()
+    module.logger = logging.getLogger("ooc.tests")
+    module.cfg = types.SimpleNamespace(gen=torch.Generator())
+    looked: list[Any] = []
+    contents = ooc.rng._contents
+    monkeypatch.setattr(ooc.rng, "_contents", lambda value, kind, limit: looked.append(value) or contents(value, kind, limit))
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
+    assert looked == [module.cfg]
+
+
+def test_a_generator_is_found_when_the_type_cache_is_cleared_during_the_search(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The cache of what the search does per type is cleared when it grows past 4096 types (classes made
+    at run time). Cleared during a search, after a helper's type was found to be looked into but before
+    it was, the helper's ``__dict__`` was forgotten with the cache, and its generator was not found."""
+    monkeypatch.setattr(ooc.rng, "_KINDS", dict(ooc.rng._KINDS))
+    monkeypatch.setattr(ooc.rng, "_PLAIN", set(ooc.rng._PLAIN))
+    monkeypatch.setattr(ooc.rng, "_HAS_DICT", set(ooc.rng._HAS_DICT))
+    monkeypatch.setattr(ooc.rng, "_SLOTS", dict(ooc.rng._SLOTS))
+    module = nn.Module()
+    module.helper = _Helper(5)
+    ooc.rng.generators_in([], [module])  # every type the module holds is in the cache
+    for k in range(4097 - len(ooc.rng._KINDS)):
+        ooc.rng._KINDS[type(f"Filler{k}", (), {})] = ooc.rng._OTHER
+    module.other = type("MadeAtRunTime", (), {})()  # the type that overflows the cache, after the helper
+    assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.helper.generator)]

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from ooc.scheduler import BlockPlan, Plan, build_schedule, preset
-from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, wide_resnet
+from ooc.scheduler.analytic import decoder_7b, gpt2_xl, preact_resnet_bottleneck, transformer, wide_resnet
 from ooc.scheduler.profile import Profile
 from ooc.scheduler.schedule import OpKind
 
@@ -36,6 +36,21 @@ def test_ops_add_up_to_the_block(model, hw):
         assert all(not op.cacheable for op in block.ops if "dropout" in op.name)
         assert block.ops[-1].name == "add" and not block.ops[-1].cacheable  # the block's output
         assert any(op.cacheable and op.output_bytes for op in block.ops)
+
+
+@pytest.mark.parametrize("flash", [False, True], ids=["scores", "flash"])
+def test_an_fp32_transformer_block_saves_what_its_ops_save(flash):
+    """With 4-byte activations the block's saved bytes were Korthikanti's 16-bit count (34sbh + 5as^2b)
+    where attention scores are materialised: half of what its ops save (and of what its codecs' bytes
+    were counted from), so an fp32 model's keeps and swaps were charged half their bytes and its
+    compressed swaps looked to keep 0.57 of them at int8. It is its storages' sum, as with flash
+    attention; with 2-byte activations that sum is Korthikanti's count itself."""
+    block = transformer(name="t", layers=2, hidden=64, heads=2, seq=32, batch=2, vocab=100, hardware=preset("h100-sxm"),
+                        bytes_per_value=4, flash_attention=flash).blocks[0]
+    assert block.activation_dtype == "float32"
+    assert sum(op.saved_bytes for op in block.ops) + block.input_bytes == block.saved_bytes == block.swappable_bytes
+    int8 = dict((c[0], c[1]) for c in block.compressed)["int8"]
+    assert int8 < 0.3 * block.saved_bytes  # 0.266 of the fp32 values' bytes, the 1-byte masks as they are
 
 
 def test_transformer_ops_follow_korthikanti():
