@@ -115,7 +115,8 @@ class BlockState:
     copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
     are, and a forward that modifies one in place is refused (``check_constants``)."""
 
-    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs", "names", "versions")
+    __slots__ = ("tensors", "buffers", "constants", "training", "attributes", "generators", "ptrs", "copy_ptrs", "names",
+                 "versions")
 
     def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
         self.tensors: list[tuple[dict, str, torch.Tensor]] = []
@@ -129,10 +130,13 @@ class BlockState:
         self.constants: list[tuple[torch.Tensor, int]] = []
         """Non-persistent buffers and their versions before the forward."""
         self.training: list[tuple[torch.nn.Module, bool]] = []
+        self.attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        """Per module: its own attributes before the forward (NOTE [attributes a forward sets])."""
         named = list(module.named_modules())
         modules = [m for _, m in named]
         for prefix, m in named:
             self.training.append((m, m.training))
+            self.attributes.append((m, _own_attributes(m)))
             for name, t in m._parameters.items():
                 if t is not None:
                     self.tensors.append((m._parameters, name, t))
@@ -203,15 +207,56 @@ class BlockState:
             self.copy_ptrs = frozenset(copies)
             for m, _, training in flags:
                 m.training = training
+            attributes = [(m, _own_attributes(m)) for m, _ in self.attributes]
+            for m, before in self.attributes:
+                _set_attributes(m, before)
             self.generators.restore()
             yield
         finally:
             self.copy_ptrs = frozenset()
             for d, name, tensor in current:
                 d[name] = tensor
+            for m, now in attributes:
+                _set_attributes(m, now)
             for m, training, _ in flags:
                 m.training = training
             generators.restore()
+
+
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) | {"forward"}
+"""``nn.Module``'s own entries of an instance's ``__dict__`` (parameters, buffers, submodules, hooks, the
+training flag: ``BlockState`` handles those apart), and the ``forward`` ooc installs on a block."""
+
+
+def _own_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """The attributes a module's code keeps on it: a step counter, a state, a tensor kept for display.
+
+    NOTE [attributes a forward sets]
+    A forward may set attributes of its modules: a counter (``self.step += 1``) that an annealed
+    temperature reads, a state carried to the next call (``self.memory = out.detach()``), a tensor kept
+    for display (an attention map, a mixture of experts' ``self.aux_loss``, ``retain_grad()`` on it).
+    A re-run runs the forward again: it read the values the forward had set (the counter one step
+    on, the next call's state: other saved tensors, wrong gradients, silently), set them again (the
+    counter counted each step twice) and left its own tensors on the modules (their ``.grad`` None
+    after the backward, where ``retain_grad()`` fills the forward's). So the re-run starts from the
+    attributes as they were before the forward and, once it ends, they are put back as it found them.
+    Only the modules' own attributes (an entry of their ``__dict__``, replaced or added): a change
+    inside an object they hold (a list appended to, a config's field) is the re-run's again. A value
+    the forward replaces stays alive until the block's backward (the re-run reads it)."""
+    return {k: v for k, v in module.__dict__.items() if k not in _MODULE_KEYS}
+
+
+def _set_attributes(module: torch.nn.Module, attributes: dict[str, Any]) -> None:
+    """Make ``module``'s own attributes ``attributes``: those that differ set back, those added since removed."""
+    own = module.__dict__
+    for name in [k for k in own if k not in _MODULE_KEYS and k not in attributes]:
+        del own[name]
+    for name, value in attributes.items():
+        if own.get(name, _MISSING) is not value:
+            own[name] = value
+
+
+_MISSING = object()
 
 
 class PlanMismatchWarning(UserWarning):

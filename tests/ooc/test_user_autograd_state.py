@@ -1,0 +1,95 @@
+"""Blocks whose forward sets attributes of their modules (a step counter, a state for the next call, a
+tensor kept with ``retain_grad()``), recomputed: equal to plain PyTorch bit for bit (NOTE [attributes a
+forward sets] in ``ooc.recompute``)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import ooc
+from ooc.runtime import runtime_of
+
+PLANS = {
+    "recompute": ooc.Plan.uniform("recompute", 4, min_swap_bytes=0),
+    # No swaps: a process's first swap imports the codec kernels (seconds on a loaded CPU).
+    "mixed": ooc.Plan.of(["keep", "recompute", "keep", "recompute"], min_swap_bytes=0),
+    "streamed": ooc.Plan.uniform("recompute", 4, min_swap_bytes=0).streaming(range(4)),
+}
+
+
+class Annealed(nn.Module):
+    """``h (8, 16) -> h + tanh(linear(h)) / t``, ``t`` the calls so far (a Python counter on the module)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.calls = 0
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return h + torch.tanh(self.linear(h)) / self.calls
+
+
+class Carried(nn.Module):
+    """``h (8, 16) -> h + tanh(linear(h + memory))``, then ``memory`` the output, detached (a state
+    carried to the next call on the module, as truncated backpropagation through time does)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.memory: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        memory = torch.zeros_like(h) if self.memory is None else self.memory
+        out = h + torch.tanh(self.linear(h + memory))
+        self.memory = out.detach()
+        return out
+
+
+class Inspected(nn.Module):
+    """``h (8, 16) -> h + fc2(tanh(fc1(h)))``, keeping ``fc1``'s output on itself with ``retain_grad()``
+    (its gradient read after the backward, as a saliency map is)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(16, 32), nn.Linear(32, 16)
+        self.pre: torch.Tensor | None = None
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.pre = self.fc1(h)
+        self.pre.retain_grad()
+        return h + self.fc2(torch.tanh(self.pre))
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+@pytest.mark.parametrize("block", [Annealed, Carried, Inspected], ids=lambda b: b.__name__)
+def test_attributes_a_forward_sets_are_the_forwards(block: type[nn.Module], plan: str) -> None:
+    # The re-run read the attributes as the forward had left them (the counter one call on, the next
+    # call's memory: other gradients, silently), set them again (the counter counted each step twice)
+    # and left its own tensors on the module (``pre.grad`` None after the backward).
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[block() for _ in range(4)])
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], blocks=list(wrapped), backend="cpu")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    try:
+        for step in range(3):
+            for model in (plain, wrapped):
+                model.zero_grad(set_to_none=True)
+                model(x).square().mean().backward()
+            for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+                assert torch.equal(a.grad, b.grad), (step, name)
+            for i, (a, b) in enumerate(zip(plain, wrapped)):
+                if block is Annealed:
+                    assert a.calls == b.calls == step + 1, i
+                elif block is Carried:
+                    assert torch.equal(a.memory, b.memory), (step, i)
+                else:
+                    assert b.pre.grad is not None and torch.equal(a.pre.grad, b.pre.grad), (step, i)
+        assert runtime_of(wrapped).tracker.current == 0
+    finally:
+        ooc.unwrap(wrapped)
