@@ -916,6 +916,15 @@ def check_trainable(model: nn.Module) -> None:
             "the model has no parameters that require grad, so there is no backward to plan for; "
             "ooc is for training (use torch.no_grad() for inference)"
         )
+    # A lazy module's parameters take their shapes in its first forward: ooc sizes and places every
+    # parameter at wrap (torch's "Attempted to use an uninitialized parameter" came from its bookkeeping).
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise WrapError(
+            f"parameter {lazy[0]} of the model is not initialized yet (a lazy module: nn.LazyLinear, nn.LazyConv2d, "
+            f"...; {len(lazy)} such parameters), and ooc sizes and places every parameter when it wraps. Run one "
+            "forward on a batch first (model(batch) under torch.no_grad()), then ooc.wrap(model, ...)"
+        )
 
 
 def check_codecs(plan: Plan, cuda_capability: tuple[int, int] | None) -> None:

@@ -1,6 +1,7 @@
 """Blocks whose forward sets attributes of their modules (a step counter, a state for the next call, a
 tensor kept with ``retain_grad()``), recomputed: equal to plain PyTorch bit for bit (NOTE [attributes a
-forward sets] in ``ooc.recompute``)."""
+forward sets] in ``ooc.recompute``). Lazy modules, whose first forward sets their parameters: refused
+until it has run."""
 
 from __future__ import annotations
 
@@ -93,3 +94,31 @@ def test_attributes_a_forward_sets_are_the_forwards(block: type[nn.Module], plan
         assert runtime_of(wrapped).tracker.current == 0
     finally:
         ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("how", ["plan", "budget"])
+def test_lazy_modules_are_refused_until_a_forward_initialized_them(how: str) -> None:
+    # Wrapping raised torch's "Attempted to use an uninitialized parameter in numel" from ooc's bookkeeping.
+    def make() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(*[nn.Sequential(nn.LazyLinear(16), nn.Tanh()) for _ in range(4)])
+
+    kwargs = {"plan": dict(plan=PLANS["recompute"]), "budget": dict(budget="1MiB")}[how]
+    model = make()
+    with pytest.raises(ooc.WrapError, match=r"parameter 0\.0\.weight .* not initialized yet .*Run one forward"):
+        ooc.wrap(model, blocks=list(model), backend="cpu", **kwargs)
+    assert not ooc.is_wrapped(model)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    plain = make()
+    for m in (plain, model):
+        torch.manual_seed(1)  # the lazy parameters are drawn in this forward
+        with torch.no_grad():
+            m(x)  # what the error says: the parameters take their shapes
+    ooc.wrap(model, blocks=list(model), backend="cpu", **kwargs)
+    try:
+        for m in (plain, model):
+            m(x).square().mean().backward()
+        for (name, a), b in zip(plain.named_parameters(), model.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    finally:
+        ooc.unwrap(model)
