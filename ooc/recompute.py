@@ -194,6 +194,7 @@ class BlockState:
         current: list[tuple[dict, str, torch.Tensor | None]] = []
         flags = [(m, m.training, training) for m, training in self.training if m.training != training]
         generators = self.generators.now()
+        attributes = [(m, _own_attributes(m)) for m, _ in self.attributes]  # as the re-run finds them
         try:
             for d, name, tensor in self.tensors:
                 if (now := d.get(name)) is not tensor:
@@ -207,7 +208,6 @@ class BlockState:
             self.copy_ptrs = frozenset(copies)
             for m, _, training in flags:
                 m.training = training
-            attributes = [(m, _own_attributes(m)) for m, _ in self.attributes]
             for m, before in self.attributes:
                 _set_attributes(m, before)
             self.generators.restore()
