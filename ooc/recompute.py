@@ -136,7 +136,7 @@ class BlockState:
         modules = [m for _, m in named]
         for prefix, m in named:
             self.training.append((m, m.training))
-            self.attributes.append((m, _own_attributes(m)))
+            self.attributes.append((m, own_attributes(m)))
             for name, t in m._parameters.items():
                 if t is not None:
                     self.tensors.append((m._parameters, name, t))
@@ -194,7 +194,7 @@ class BlockState:
         current: list[tuple[dict, str, torch.Tensor | None]] = []
         flags = [(m, m.training, training) for m, training in self.training if m.training != training]
         generators = self.generators.now()
-        attributes = [(m, _own_attributes(m)) for m, _ in self.attributes]  # as the re-run finds them
+        attributes = [(m, own_attributes(m)) for m, _ in self.attributes]  # as the re-run finds them
         try:
             for d, name, tensor in self.tensors:
                 if (now := d.get(name)) is not tensor:
@@ -209,7 +209,7 @@ class BlockState:
             for m, _, training in flags:
                 m.training = training
             for m, before in self.attributes:
-                _set_attributes(m, before)
+                set_attributes(m, before)
             self.generators.restore()
             yield
         finally:
@@ -217,18 +217,19 @@ class BlockState:
             for d, name, tensor in current:
                 d[name] = tensor
             for m, now in attributes:
-                _set_attributes(m, now)
+                set_attributes(m, now)
             for m, training, _ in flags:
                 m.training = training
             generators.restore()
 
 
-_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) | {"forward"}
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) | {"forward", "__deepcopy__"}
 """``nn.Module``'s own entries of an instance's ``__dict__`` (parameters, buffers, submodules, hooks, the
-training flag: ``BlockState`` handles those apart), and the ``forward`` ooc installs on a block."""
+training flag: ``BlockState`` handles those apart), the ``forward`` ooc installs on a block and the
+``__deepcopy__`` it installs on a wrapped model (``ooc.plain_copy``)."""
 
 
-def _own_attributes(module: torch.nn.Module) -> dict[str, Any]:
+def own_attributes(module: torch.nn.Module) -> dict[str, Any]:
     """The attributes a module's code keeps on it: a step counter, a state, a tensor kept for display.
 
     NOTE [attributes a forward sets]
@@ -246,7 +247,7 @@ def _own_attributes(module: torch.nn.Module) -> dict[str, Any]:
     return {k: v for k, v in module.__dict__.items() if k not in _MODULE_KEYS}
 
 
-def _set_attributes(module: torch.nn.Module, attributes: dict[str, Any]) -> None:
+def set_attributes(module: torch.nn.Module, attributes: dict[str, Any]) -> None:
     """Make ``module``'s own attributes ``attributes``: those that differ set back, those added since removed."""
     own = module.__dict__
     for name in [k for k in own if k not in _MODULE_KEYS and k not in attributes]:

@@ -122,3 +122,25 @@ def test_lazy_modules_are_refused_until_a_forward_initialized_them(how: str) -> 
             assert torch.equal(a.grad, b.grad), name
     finally:
         ooc.unwrap(model)
+
+
+@pytest.mark.parametrize("block", [Annealed, Carried], ids=lambda b: b.__name__)
+def test_profiling_on_a_sample_leaves_the_attributes_as_it_found_them(block: type[nn.Module]) -> None:
+    # ooc.profile (wrap(sample=...)) put gradients, buffers and generators back, not the modules'
+    # attributes: its 15 forwards left each counter 15 calls on, each memory set, and training parted
+    # from plain PyTorch at its first step.
+    torch.manual_seed(0)
+    plain = nn.Sequential(*[block() for _ in range(4)])
+    wrapped = copy.deepcopy(plain)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    ooc.wrap(wrapped, budget="1MiB", sample=(x,), blocks=list(wrapped), backend="cpu")
+    try:
+        assert all(a.__dict__.keys() == b.__dict__.keys() - {"forward"} for a, b in zip(plain, wrapped))
+        assert [getattr(b, "calls", 0) for b in wrapped] == [0] * 4
+        assert all(getattr(b, "memory", None) is None for b in wrapped)
+        for model in (plain, wrapped):
+            model(x).square().mean().backward()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    finally:
+        ooc.unwrap(wrapped)
