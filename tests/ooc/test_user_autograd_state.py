@@ -12,6 +12,7 @@ import torch
 import torch.nn as nn
 
 import ooc
+from ooc.recompute import RecomputeError
 from ooc.runtime import runtime_of
 
 PLANS = {
@@ -144,3 +145,43 @@ def test_profiling_on_a_sample_leaves_the_attributes_as_it_found_them(block: typ
             assert torch.equal(a.grad, b.grad), name
     finally:
         ooc.unwrap(wrapped)
+
+
+class Shifted(nn.Module):
+    """``h (8, 16) -> h + tanh(linear(h) + shift)``, ``shift`` a plain tensor attribute (no buffer), which
+    ``counted`` also adds one to in place in the forward."""
+
+    def __init__(self, counted: bool) -> None:
+        super().__init__()
+        self.linear = nn.Linear(16, 16)
+        self.shift = torch.zeros(16)
+        self.counted = counted
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        out = h + torch.tanh(self.linear(h) + self.shift)
+        if self.counted:
+            self.shift += 1
+        return out
+
+
+@pytest.mark.parametrize("when", ["in-the-forward", "before-the-backward"])
+def test_a_tensor_attribute_changed_in_place_is_refused(when: str) -> None:
+    # The re-run read the changed values (tanh's saved output from another shift: other gradients,
+    # silently), where plain PyTorch's backward uses what the forward computed; put back by the
+    # attributes' restore only when replaced, not when changed in place.
+    model = nn.Sequential(*[Shifted(counted=when == "in-the-forward") for _ in range(2)])
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0),
+             blocks=list(model), backend="cpu")
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    try:
+        if when == "in-the-forward":
+            with pytest.raises(RecomputeError, match=r"block 0 modifies its tensor attribute shift \(16,\) in place"):
+                model(x)
+        else:
+            loss = model(x).square().mean()
+            with torch.no_grad():
+                model[1].shift.add_(1.0)
+            with pytest.raises(RecomputeError, match=r"block 1: its tensor attribute shift \(16,\) was modified"):
+                loss.backward()
+    finally:
+        ooc.unwrap(model)
