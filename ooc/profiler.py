@@ -25,6 +25,7 @@ from ooc.codec_error import measure_codec_errors
 from ooc.errors import OocError, WrapError
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
+from ooc.recompute import own_attributes, set_attributes
 from ooc.rng import GeneratorStates, RngState, generators_in
 from ooc.runtime import check_trainable, install, is_wrapped, unwrap
 from ooc.scheduler.codecs import CODECS, FLOAT_ITEMSIZE, dtype_name, swapped_sizes
@@ -80,13 +81,19 @@ def _how_called(model: nn.Module, sample: Any) -> str:
 
 
 class ModelState:
-    """Gradients, buffers and RNG state (every generator ``RngState`` holds, and the generator objects
-    the model's modules hold: ``ooc.rng.generators_in``), so profiling leaves the model, and the numbers
-    the next forward draws, as it found them."""
+    """Gradients, buffers, the modules' own attributes and RNG state (every generator ``RngState`` holds,
+    and the generator objects the model's modules hold: ``ooc.rng.generators_in``), so profiling leaves
+    the model, and the numbers the next forward draws, as it found them.
+
+    The attributes as a recomputed block's re-run sees them (NOTE [attributes a forward sets] in
+    ``ooc.recompute``): a forward that counts its calls (an annealed temperature) or carries a state
+    to the next call (``self.memory = out.detach()``) was left by a profile's steps (15 forwards for
+    ``wrap(sample=...)``) that many calls on, and trained apart from plain PyTorch from its first step."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
         self.buffers = [(b, b.clone()) for b in model.buffers()]
+        self.attributes = [(m, own_attributes(m)) for m in model.modules()]
         self.rng = RngState(device)
         self.generators = GeneratorStates(generators_in([], model.modules()))
 
@@ -101,6 +108,8 @@ class ModelState:
                     # A forward that resized it (a quantization-aware observer's min/max start empty
                     # and take the channels' shape): its own storage again, as it was.
                     b.set_(saved)
+        for m, attributes in self.attributes:
+            set_attributes(m, attributes)
         self.rng.restore()
         self.generators.restore()
 
@@ -277,7 +286,7 @@ def profile(
     ``ops``: also measure each block's forward op by op (``BlockProfile.ops``, NOTE [op-level
     profile] in ``ooc.scheduler.profile``; ``reps`` more forwards, each op timed by stamps around its
     kernels), what the op-level planner needs for selective recompute.
-    The model's gradients, buffers and RNG state are restored afterwards.
+    The model's gradients, buffers, modules' own attributes and RNG state are restored afterwards.
     """
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")

@@ -116,7 +116,8 @@ class BlockState:
     copied; non-persistent ones (constants such as causal masks, possibly large) are held as they
     are, and a forward that modifies one in place is refused (``check_constants``)."""
 
-    __slots__ = ("tensors", "buffers", "constants", "training", "generators", "ptrs", "copy_ptrs", "names", "versions")
+    __slots__ = ("tensors", "buffers", "constants", "training", "attributes", "held", "held_versions", "generators", "ptrs",
+                 "copy_ptrs", "names", "versions")
 
     def __init__(self, module: torch.nn.Module, leaves: list[Any]) -> None:
         self.tensors: list[tuple[dict, str, torch.Tensor]] = []
@@ -130,10 +131,21 @@ class BlockState:
         self.constants: list[tuple[torch.Tensor, int]] = []
         """Non-persistent buffers and their versions before the forward."""
         self.training: list[tuple[torch.nn.Module, bool]] = []
+        self.attributes: list[tuple[torch.nn.Module, dict[str, Any]]] = []
+        """Per module: its own attributes before the forward (NOTE [attributes a forward sets])."""
+        self.held: list[tuple[str, torch.Tensor, int]] = []
+        """The tensors among ``attributes`` (the re-run reads them): qualified name, tensor, version before the forward."""
+        self.held_versions: list[int] = []
+        """Per entry of ``held``: its version after the forward (``mark_versions``)."""
         named = list(module.named_modules())
         modules = [m for _, m in named]
         for prefix, m in named:
             self.training.append((m, m.training))
+            attributes = own_attributes(m)
+            self.attributes.append((m, attributes))
+            # An inference tensor (made under torch.inference_mode) has no version, and nothing changes it in place.
+            self.held += [(f"{prefix}.{k}" if prefix else k, v, v._version) for k, v in attributes.items()
+                          if isinstance(v, torch.Tensor) and not v.is_inference()]
             for name, t in m._parameters.items():
                 if t is not None:
                     self.tensors.append((m._parameters, name, t))
@@ -164,12 +176,21 @@ class BlockState:
                     "a re-run would read another value; register it as a persistent buffer (ooc then copies it "
                     "before the forward), or plan this block as keep or swap"
                 )
+        for label, tensor, version in self.held:
+            if tensor._version != version:
+                raise RecomputeError(
+                    f"block {name} modifies its tensor attribute {label} {tuple(tensor.shape)} in place in its forward, "
+                    "so a re-run would read another value and change it again (NOTE [attributes a forward sets]); "
+                    "register it as a persistent buffer (ooc then copies it before the forward), assign a new tensor "
+                    "instead of changing it in place, or plan this block as keep or swap"
+                )
 
     def mark_versions(self) -> None:
         """After the forward, and after each re-run (what a re-run changes in place, an embedding's
         ``max_norm`` renormalising its rows, is the forward's doing again): the versions
         ``check_unchanged`` compares."""
         self.versions = [t._version for _, _, t in self.tensors]
+        self.held_versions = [t._version for _, t, _ in self.held]
 
     def check_unchanged(self, name: str) -> None:
         """Before a re-run: refuse one that would read a parameter or non-persistent buffer changed in
@@ -184,6 +205,14 @@ class BlockState:
                     "would read the new value where plain PyTorch's backward uses the forward's; run the backward before "
                     "changing it, or plan this block as keep or swap"
                 )
+        for (label, tensor, _), version in zip(self.held, self.held_versions):
+            if tensor._version != version:
+                raise RecomputeError(
+                    f"block {name}: its tensor attribute {label} {tuple(tensor.shape)} was modified in place after the "
+                    "block's forward, so the block's re-run would read the new value where plain PyTorch's backward uses "
+                    "what the forward computed from the old one; run the backward before changing it, or plan this block "
+                    "as keep or swap"
+                )
 
     @contextlib.contextmanager
     def restored(self) -> Iterator[None]:
@@ -191,6 +220,7 @@ class BlockState:
         current: list[tuple[dict, str, torch.Tensor | None]] = []
         flags = [(m, m.training, training) for m, training in self.training if m.training != training]
         generators = self.generators.now()
+        attributes = [(m, own_attributes(m)) for m, _ in self.attributes]  # as the re-run finds them
         try:
             for d, name, tensor in self.tensors:
                 if (now := d.get(name)) is not tensor:
@@ -204,15 +234,58 @@ class BlockState:
             self.copy_ptrs = frozenset(copies)
             for m, _, training in flags:
                 m.training = training
+            for m, before in self.attributes:
+                set_attributes(m, before)
             self.generators.restore()
             yield
         finally:
             self.copy_ptrs = frozenset()
             for d, name, tensor in current:
                 d[name] = tensor
+            for m, now in attributes:
+                set_attributes(m, now)
             for m, training, _ in flags:
                 m.training = training
             generators.restore()
+
+
+_MODULE_KEYS = frozenset(torch.nn.Module().__dict__) | {"forward", "__deepcopy__"}
+"""``nn.Module``'s own entries of an instance's ``__dict__`` (parameters, buffers, submodules, hooks, the
+training flag: ``BlockState`` handles those apart), the ``forward`` ooc installs on a block and the
+``__deepcopy__`` it installs on a wrapped model (``ooc.plain_copy``)."""
+
+
+def own_attributes(module: torch.nn.Module) -> dict[str, Any]:
+    """The attributes a module's code keeps on it: a step counter, a state, a tensor kept for display.
+
+    NOTE [attributes a forward sets]
+    A forward may set attributes of its modules: a counter (``self.step += 1``) that an annealed
+    temperature reads, a state carried to the next call (``self.memory = out.detach()``), a tensor kept
+    for display (an attention map, a mixture of experts' ``self.aux_loss``, ``retain_grad()`` on it).
+    A re-run runs the forward again: it read the values the forward had set (the counter one step
+    on, the next call's state: other saved tensors, wrong gradients, silently), set them again (the
+    counter counted each step twice) and left its own tensors on the modules (their ``.grad`` None
+    after the backward, where ``retain_grad()`` fills the forward's). So the re-run starts from the
+    attributes as they were before the forward and, once it ends, they are put back as it found them.
+    Only the modules' own attributes (an entry of their ``__dict__``, replaced or added): a change
+    inside an object they hold (a list appended to, a config's field) is the re-run's again. A value
+    the forward replaces stays alive until the block's backward (the re-run reads it). A tensor among
+    them changed in place, by the forward or between it and the re-run, cannot be put back: that is
+    refused (``BlockState.check_constants``, ``check_unchanged``), as for a non-persistent buffer."""
+    return {k: v for k, v in module.__dict__.items() if k not in _MODULE_KEYS}
+
+
+def set_attributes(module: torch.nn.Module, attributes: dict[str, Any]) -> None:
+    """Make ``module``'s own attributes ``attributes``: those that differ set back, those added since removed."""
+    own = module.__dict__
+    for name in [k for k in own if k not in _MODULE_KEYS and k not in attributes]:
+        del own[name]
+    for name, value in attributes.items():
+        if own.get(name, _MISSING) is not value:
+            own[name] = value
+
+
+_MISSING = object()
 
 
 class PlanMismatchWarning(UserWarning):

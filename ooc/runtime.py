@@ -158,6 +158,9 @@ class _Pass:
         self.started: set[int] = set()
         """The blocks whose backward started in backward ``backward_id`` (NOTE [a backward that enters a
         block elsewhere])."""
+        self.differentiable: set[int] = set()
+        """The blocks whose forward in this pass returned an output with a ``grad_fn``: those a backward
+        from the loss reaches (NOTE [a measured step's backward reaches every block])."""
         self.running = -1
         """The block whose forward is running, else -1: a backward inside it starts nothing."""
         self.bwd_range: nvtx.Range | None = None
@@ -455,7 +458,11 @@ class _Pass:
             self.bwd_range = None
         self.rt.steps += 1
         if self.rt.deferred is not None:
-            self.rt.finish_deferred()  # this step ran the measuring plan, not one chosen for the budget
+            # This step ran the measuring plan, not one chosen for the budget.
+            if unreached := sorted(self.differentiable - self.started):
+                self.rt.measure_again(unreached)
+            elif not self.rt.measured_in_part:  # a backward of this pass before left blocks out
+                self.rt.finish_deferred()
         else:
             self.rt.check_budget()
 
@@ -623,6 +630,8 @@ class _BlockForward(Opaque):
             outputs = [out] if out.grad_fn is not None else []
         else:
             outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        if outputs:
+            step.differentiable.add(i)
         if len(outputs) == 1:
             outputs[0].register_hook(lambda _grad: step.on_backward_start(i))  # half the cost of a multi-hook
         elif outputs:
@@ -661,6 +670,10 @@ class Runtime:
         """``(bytes, include_params)`` of the budget the plan was chosen for by ``wrap``, else None;
         checked after each backward (``check_budget``) until one step goes over it."""
         self.deferred: Callable[[], Plan] | None = None
+        self.measured_in_part = False
+        """The deferred plan's measured step ended with a backward that left blocks out: the next step
+        measures again (NOTE [a measured step's backward reaches every block])."""
+        self.said_measured_in_part = False
         self._current: weakref.ref[_Pass] | None = None
         """The pass of the latest forward, held by its graph alone (NOTE [one step, as the runtime sees it])."""
         self._state_key: tuple[int, ...] = ()
@@ -718,6 +731,9 @@ class Runtime:
             # is part of the step, and stays.
             self.timer.discard()
         if current is None or block <= current.last_forward:
+            if self.measured_in_part and self.deferred is not None:
+                self.timer.discard()  # NOTE [a measured step's backward reaches every block]
+            self.measured_in_part = False
             current = _Pass(self)
             self._current = weakref.ref(current)
             self.tracker.start_step()
@@ -797,6 +813,33 @@ class Runtime:
         ends, switch to ``choose(recorder.finish())``: ``wrap(model, budget=...)`` without a sample."""
         self.deferred = lambda: choose(recorder.finish())
         self.record(recorder)
+
+    def measure_again(self, unreached: list[int]) -> None:
+        """NOTE [a measured step's backward reaches every block]
+        ``wrap(model, budget=...)`` without a sample plans from the first training step, every block
+        recomputed, and a recomputed block's saved bytes are measured by its re-run, in the backward. A
+        backward that leaves blocks out (``backward(inputs=...)`` or ``torch.autograd.grad`` with respect
+        to a later block's parameters: autograd runs no node of the blocks before) re-runs none of them,
+        and the plan was chosen from a profile where they saved nothing: it kept them all, and the next
+        step went over the budget (by 2.7x on the nano GPT). So such a backward chooses no plan: the
+        blocks stay recomputed, and the next step is measured afresh (its forward discards these
+        records), until a step's backward reaches every block whose forward returned an output with a
+        ``grad_fn``. A second backward through the same graph (``retain_graph=True``) that reaches every
+        block chooses none either: its blocks' re-runs would be counted beside the first's (a plan for
+        twice their bytes, or a ``BudgetError``). Said once per wrap."""
+        self.measured_in_part = True
+        if self.said_measured_in_part:
+            return
+        self.said_measured_in_part = True
+        names = ", ".join(self.chain.names[i] for i in unreached)
+        warnings.warn(
+            f"the step ooc measures to choose a plan for the budget ended with a backward that did not reach block(s) "
+            f"{names} (backward(inputs=...) or torch.autograd.grad with respect to a subset of the parameters), so it "
+            "measured no saved bytes for them: every block stays recomputed, and the next step whose backward reaches "
+            "every block is measured instead. To plan now, pass wrap(..., sample=<a batch>) (NOTE [a measured step's "
+            "backward reaches every block] in ooc.runtime). Said once per wrap.",
+            UserWarning, stacklevel=2,
+        )
 
     def finish_deferred(self) -> None:
         choose, self.deferred = self.deferred, None
@@ -882,6 +925,15 @@ def check_trainable(model: nn.Module) -> None:
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "
             "ooc is for training (use torch.no_grad() for inference)"
+        )
+    # A lazy module's parameters take their shapes in its first forward: ooc sizes and places every
+    # parameter at wrap (torch's "Attempted to use an uninitialized parameter" came from its bookkeeping).
+    lazy = [name for name, p in model.named_parameters() if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise WrapError(
+            f"parameter {lazy[0]} of the model is not initialized yet (a lazy module: nn.LazyLinear, nn.LazyConv2d, "
+            f"...; {len(lazy)} such parameters), and ooc sizes and places every parameter when it wraps. Run one "
+            "forward on a batch first (model(batch) under torch.no_grad()), then ooc.wrap(model, ...)"
         )
 
 

@@ -310,6 +310,14 @@ class ParamStreamer:
 
     def _grad_to_host(self, grad: torch.Tensor) -> torch.Tensor:
         """A device gradient's host copy (pinned on CUDA), complete when this returns."""
+        if grad.layout != torch.strided:
+            # NOTE [sparse gradients of streamed weights]
+            # An ``nn.Embedding(sparse=True)``'s gradient has no span of bytes for the copy engines (``_flat``
+            # raised "Could not run 'aten::as_strided' with arguments from the 'SparseCPU' backend" when the
+            # block released its weights). torch copies its indices and values instead, on compute (the
+            # stream that produced them), and returns once the copy is done, as the dense path waits for
+            # its copy (the host reads .grad next); ``_grad_to_device`` likewise, before the accumulation.
+            return grad.to("cpu", copy=True)
         src = _dense(grad)  # before the event below: the copy reads what compute wrote up to it
         host = _laid_out_like(self.backend.host_buffer(src.numel() * src.element_size()), src)
         # The copy waits for compute to have produced the gradient (its backward may still be queued).
@@ -321,6 +329,8 @@ class ParamStreamer:
 
     def _grad_to_device(self, grad: torch.Tensor) -> torch.Tensor:
         """A host gradient's device copy, which compute may read once this returns."""
+        if grad.layout != torch.strided:
+            return grad.to(self.backend.device, copy=True)  # NOTE [sparse gradients of streamed weights]: on compute
         src = _dense(grad)
         device = _laid_out_like(self.backend.device_buffer(src.numel() * src.element_size()), src)
         # The destination was allocated in compute order: the copy waits for compute to reach that point.

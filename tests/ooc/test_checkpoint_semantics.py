@@ -107,10 +107,12 @@ def _chunks(model: nn.Sequential, n: int) -> list[nn.Module]:
 class _Counted(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.counter = 0
+        # In a list: a re-run puts the module's own attributes back as it found them (NOTE [attributes
+        # a forward sets] in ooc.recompute), a count kept as an int among them too.
+        self.counter = [0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.counter += 1
+        self.counter[0] += 1
         return x * torch.tensor(2.0)
 
 
@@ -122,10 +124,10 @@ def test_checkpoint_trigger(mode: str) -> None:
         x = torch.randn(3, 4, requires_grad=True)
         for f in fns:
             x = f(x)
-        assert [b.counter for b in blocks] == [1] * 4
+        assert [b.counter[0] for b in blocks] == [1] * 4
         x.sum().backward()
     expected = [2] * 4 if mode == "torch" else [2 if c in "Rr" else 1 for c in mode]
-    assert [b.counter for b in blocks] == expected
+    assert [b.counter[0] for b in blocks] == expected
 
 
 @pytest.mark.parametrize("mode", ["torch", "RR", "rr", "Rr", "KR", "SR", "rS"])
@@ -447,11 +449,11 @@ class _Flaky(nn.Module):
         super().__init__()
         self.change = change
         self.flaky = True
-        self.runs = 0
+        self.runs = [0]  # a list: NOTE [attributes a forward sets] in ooc.recompute (see _Counted)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
-        rerun = self.flaky and self.runs % 2 == 0
+        self.runs[0] += 1
+        rerun = self.flaky and self.runs[0] % 2 == 0
         if self.change == "fewer":
             return (x * 1.0 if rerun else x.sin()).exp()
         if self.change == "shape":
@@ -594,13 +596,13 @@ class _CountsTail(nn.Module):
     def __init__(self, saves: bool) -> None:
         super().__init__()
         self.saves = saves
-        self.runs = 0
-        self.tail = 0
+        self.runs = [0]  # lists: NOTE [attributes a forward sets] in ooc.recompute (see _Counted)
+        self.tail = [0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.runs += 1
+        self.runs[0] += 1
         y = x.sin() if self.saves else x + 1  # sin saves x; add saves nothing
-        self.tail += 1
+        self.tail[0] += 1
         return y + 1
 
 
@@ -615,5 +617,5 @@ def test_nested_checkpoint_early_stop(mode: str) -> None:
         f(x).sum().backward()
     with under(mode, [silent]) as (f,):
         f(x).sum().backward()
-    assert (saving.runs, saving.tail) == (2, 1)
-    assert (silent.runs, silent.tail) == (1, 1)
+    assert (saving.runs[0], saving.tail[0]) == (2, 1)
+    assert (silent.runs[0], silent.tail[0]) == (1, 1)

@@ -161,10 +161,11 @@ class Stashing(nn.Module):
 
 @pytest.mark.parametrize("swap_input", [False, True], ids=["recompute", "recompute+swap_input"])
 def test_a_tensor_a_recomputed_block_keeps_on_itself_does_not_hold_its_frame(swap_input: bool) -> None:
-    """After the backward ``block.probs`` is the re-run's tensor, whose graph autograd keeps with the
+    """A tensor the re-run makes that outlives it (kept by a forward hook for display, as ``block.probs``
+    was before NOTE [attributes a forward sets]) holds the re-run's graph, which autograd keeps with the
     pack hook each of its saved tensors went through. That hook held the recompute frame, and the
     frame the block's input (on the device again: a swapped one was copied back for the re-run) and
-    its cached outputs: until the next forward replaced ``probs``, a step's worth of inputs stayed
+    its cached outputs: until the next forward replaced it, a step's worth of inputs stayed
     alive (counted by the tracker when swapped), where plain PyTorch frees them."""
     torch.manual_seed(0)
     plain = nn.Sequential(*[Stashing() for _ in range(3)])
@@ -173,11 +174,14 @@ def test_a_tensor_a_recomputed_block_keeps_on_itself_does_not_hold_its_frame(swa
     ooc.wrap(wrapped, ooc.Plan.of([ooc.BlockPlan("recompute", swap_input=swap_input)] * 3, min_swap_bytes=0),
              blocks=list(wrapped), backend="cpu")
     x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+    shown: dict[nn.Module, dict[int, torch.Tensor]] = {plain: {}, wrapped: {}}
     try:
         for model in (plain, wrapped):
             inputs: list[StorageWeakRef] = []
             handles = [b.register_forward_pre_hook(
                 lambda _m, args, inputs=inputs: inputs.append(StorageWeakRef(args[0].untyped_storage()))) for b in model]
+            handles += [b.fc1.register_forward_hook(lambda _m, _a, out, i=i, d=shown[model]: d.__setitem__(i, out))
+                        for i, b in enumerate(model)]
             for _ in range(2):
                 model(x).square().mean().backward()
             for handle in handles:
@@ -187,11 +191,17 @@ def test_a_tensor_a_recomputed_block_keeps_on_itself_does_not_hold_its_frame(swa
             assert [ref.expired() for ref in inputs[-2:]] == [True, True], "wrapped" if model is wrapped else "plain"
         assert ooc.memory_report(wrapped).current_bytes == 0
         assert all(torch.equal(a.grad, b.grad) for a, b in zip(plain.parameters(), wrapped.parameters()))
-        # Its values are the forward's; a backward through it raises, as plain PyTorch's, whose backward freed that graph.
-        assert torch.equal(plain[1].probs, wrapped[1].probs)
+        # The hook's tensor is the re-run's, with the forward's values; a backward through it raises, as plain
+        # PyTorch's, whose backward freed that graph.
+        assert torch.equal(shown[plain][1], shown[wrapped][1])
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
-            plain[1].probs.sum().backward()
+            shown[plain][1].sum().backward()
         with pytest.raises(RecomputeError, match=r"graph of block 1's re-run"):
-            wrapped[1].probs.sum().backward()
+            shown[wrapped][1].sum().backward()
+        # The block's own attribute is the forward's again: a backward through it raises as plain PyTorch's.
+        assert torch.equal(plain[1].probs, wrapped[1].probs)
+        for model in (plain, wrapped):
+            with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+                model[1].probs.sum().backward()
     finally:
         ooc.unwrap(wrapped)
