@@ -53,7 +53,8 @@ if os.environ.get("TRITON_INTERPRET") == "1":
 # two gloo ranks on the CPU. On a GPU host Triton compiles for the device instead and `ooc train`
 # picks NCCL, so there they run in a subprocess with CUDA hidden (tests/gpu/test_cpu_lanes_on_gpu.py).
 CPU_LANES = ("tests/kernels/test_quant.py", "tests/kernels/test_lowbit_linear.py", "tests/kernels/test_pack.py",
-             "tests/ooc/test_distributed.py")
+             "tests/ooc/test_distributed.py", "tests/ooc/test_distributed_variants_a.py",
+             "tests/ooc/test_distributed_variants_b.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
