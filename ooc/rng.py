@@ -68,7 +68,7 @@ import tempfile
 import threading
 import types
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -361,17 +361,40 @@ _ITERATE = ((dict, dict.values), (list, list.__iter__), (tuple, tuple.__iter__),
 or ``__iter__``, a lazy mapping's imports, is never called)."""
 
 
+_COPY_TRIES = 16
+"""Tries of ``_first_items`` at a container other threads keep changing, before it is left out."""
+
+
+def _first_items(items: Callable[[Any], Iterator[Any]], container: Any, limit: int) -> list[Any]:
+    """The first ``limit`` of ``items(container)``, in C (``list(islice(...))``: no Python code runs
+    while the items are read), from a container another thread may be writing.
+
+    NOTE [containers other threads write]
+    Iterated in Python, a dict another thread writes (a shared metrics or cache dict a helper holds)
+    raised "dictionary changed size during iteration" out of a recomputed forward, now and then. Read
+    in one C call the items cannot change under the read, but the GIL may still pass to the writer
+    between the iterator's creation (in ``islice``) and its first item (in ``list``): once in about
+    two hundred searches under a writer that never stops (tests/ooc/test_recompute_rng_patterns.py).
+    So a read that finds its container changed is taken again, and a container changed under every
+    one of ``_COPY_TRIES`` reads is left out of the search (a generator in it is not replayed:
+    ``check_recompute=True`` catches that, as for the generators the search does not reach)."""
+    for _ in range(_COPY_TRIES):
+        try:
+            return list(itertools.islice(items(container), limit))
+        except RuntimeError:  # "changed size during iteration": read it again
+            continue
+    return []
+
+
 def _contents(value: Any, kind: int, limit: int) -> list[Any] | tuple[Any, ...]:
     """What ``value`` of kind ``kind`` holds (of a container or an object, the first ``limit`` items): a
     container's items, an object's attributes (read from its ``__dict__`` and slots, not through a Python
     ``__getattribute__``: HF configs, proxies), what a callable captured. A container's and a
-    ``__dict__``'s items are taken in one C call (``list(islice(...))``), which no other thread can
-    interleave under the GIL: iterated in Python, a dict another thread writes (a shared metrics dict a
-    helper holds) raised "dictionary changed size during iteration" out of the forward."""
+    ``__dict__``'s items are taken by ``_first_items``."""
     if kind == _ITEMS:
         for base, items in _ITERATE:
             if issubclass(type(value), base):
-                return list(itertools.islice(items(value), limit))
+                return _first_items(items, value, limit)
     if kind == _CALLABLE:
         if issubclass(type(value), functools.partial):
             return (value.func, *value.args, *value.keywords.values())
@@ -384,7 +407,7 @@ def _contents(value: Any, kind: int, limit: int) -> list[Any] | tuple[Any, ...]:
         _kind(type(value))
     items: list[Any] = []
     if type(value) in _HAS_DICT:
-        items = list(itertools.islice(dict.values(object.__getattribute__(value, "__dict__")), limit))
+        items = _first_items(dict.values, object.__getattribute__(value, "__dict__"), limit)
     for member in _SLOTS.get(type(value), ()):
         try:
             items.append(member.__get__(value))

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import types
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -715,3 +715,22 @@ def test_a_generator_is_found_when_the_type_cache_is_cleared_during_the_search(m
         ooc.rng._KINDS[type(f"Filler{k}", (), {})] = ooc.rng._OTHER
     module.other = type("MadeAtRunTime", (), {})()  # the type that overflows the cache, after the helper
     assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.helper.generator)]
+
+
+def test_a_container_read_while_another_thread_changes_it_is_read_again() -> None:
+    """NOTE [containers other threads write]: the GIL may pass to a writer between the iterator's
+    creation and its first item (the test above hit it once in CI in 200 searches); such a read is
+    taken again, and a container changed under every try is left out rather than raising."""
+    changes = iter([True, True, False])
+
+    def items(container: dict) -> Iterator[float]:
+        if next(changes):
+            raise RuntimeError("dictionary changed size during iteration")
+        return iter(container.values())
+
+    assert ooc.rng._first_items(items, {1: 1.0, 2: 2.0}, 5) == [1.0, 2.0]
+
+    def always_changing(container: dict) -> Iterator[float]:
+        raise RuntimeError("dictionary changed size during iteration")
+
+    assert ooc.rng._first_items(always_changing, {1: 1.0}, 5) == []
