@@ -110,3 +110,21 @@ def variant_runs(root: Path, names: list[str]) -> None:
         run_ranks(both([*extra, "--out", f"{name}.json", "--save", name]), root)
         run_ranks(both([*extra, "--shard", "--out", f"{name}-sharded.json", "--save", f"{name}-sharded"]), root)
         single(COMMON + [*extra, "--accumulate", str(micro), "--out", f"{name}-one.json", "--save", f"{name}-one"], root)
+
+
+def assert_variant_equals_one_process(runs: Path, variant: str) -> None:
+    """Two ranks and two sharded ranks under ``variant``'s options equal one process accumulating their
+    micro-batches, bit for bit; and the option changed the run where it should (``variant_runs``)."""
+    reference = losses_of(runs / f"{variant}-one.json")
+    assert losses_of(runs / f"{variant}.json") == reference
+    assert losses_of(runs / f"{variant}-sharded.json") == reference
+    one = weights_of(runs / f"{variant}-one")
+    for name in (variant, f"{variant}-sharded"):
+        two = weights_of(runs / name)
+        assert all(torch.equal(two[k], one[k]) for k in one)
+    if variant == "device-sum":  # where the sum happens changes nothing in the numbers
+        assert reference == losses_of(runs / "one.json")
+    elif variant in ("small-on-device", "in-step"):  # nor which optimizer or when (the same fused kernel)
+        assert reference == losses_of(runs / "one.json")
+    else:  # the option really changed the run
+        assert reference != losses_of(runs / "one.json")

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ooc.dp_runs import losses_of, variant_runs, weights_of
+from tests.ooc.dp_runs import assert_variant_equals_one_process, losses_of, variant_runs, weights_of
 
 pytestmark = pytest.mark.slow
 
@@ -24,22 +24,9 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.mark.parametrize("variant", [v for v in NAMES if v != "accumulate"])
 def test_options_keep_two_ranks_sharded_or_not_equal_to_one_process(runs: Path, variant: str) -> None:
-    """Clipping (the sharded norm is summed across owners), bf16 parameters (fp32 masters, staging
-    buffers, broadcasts in bf16), summing before the host copy, one-step-delayed updates, small
-    parameters on a device optimizer, and the whole update in step() (one bucket, no pipeline)."""
-    reference = losses_of(runs / f"{variant}-one.json")
-    assert losses_of(runs / f"{variant}.json") == reference
-    assert losses_of(runs / f"{variant}-sharded.json") == reference
-    one = weights_of(runs / f"{variant}-one")
-    for name in (variant, f"{variant}-sharded"):
-        two = weights_of(runs / name)
-        assert all(torch.equal(two[k], one[k]) for k in one)
-    if variant == "device-sum":  # where the sum happens changes nothing in the numbers
-        assert reference == losses_of(runs / "one.json")
-    elif variant in ("small-on-device", "in-step"):  # nor which optimizer or when (the same fused kernel)
-        assert reference == losses_of(runs / "one.json")
-    else:  # the option really changed the run
-        assert reference != losses_of(runs / "one.json")
+    """Small parameters on a device optimizer (alone, and clipped: their norms count), and the whole
+    update in step() (one bucket, no pipeline)."""
+    assert_variant_equals_one_process(runs, variant)
 
 
 def test_accumulation_on_each_rank(runs: Path) -> None:
