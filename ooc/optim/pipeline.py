@@ -782,18 +782,19 @@ class UpdatePipeline:
         ``model.state_dict()`` outside that block (on the default stream), or from another thread.
         The next forward's gate then found nothing to wait for and read weights the H2D copies were
         still writing (some of the last update's, some of the one before). So the events stay until
-        the bucket's next copy in replaces them, and every gate waits for them on its own stream;
-        a wait for a copy that is done costs the host a few microseconds per parameter and the
-        stream nothing."""
+        the bucket's next copy in replaces them, and every gate waits for the last of them on its own
+        stream (one wait per bucket and forward: a wait for a copy that is done costs the host a few
+        microseconds and the stream nothing)."""
         for i in indices:
             if self._held_for_step(i):
                 self.status[i].read_while_held = True
             else:
                 self._wait_done(i)
-            for event in self.status[i].gate:
+            if self.status[i].gate:
                 # The caller's stream reads these parameters next: it must not pass their H2D copies,
-                # whichever stream waited for them before (NOTE [a gate waits on every stream]).
-                self.stages.backend.wait_compute(event)
+                # whichever stream waited for them before (NOTE [a gate waits on every stream]). The
+                # copies went in order on the backend's one H2D stream: the last one's event covers all.
+                self.stages.backend.wait_compute(self.status[i].gate[-1])
 
     def _held_for_step(self, index: int) -> bool:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
