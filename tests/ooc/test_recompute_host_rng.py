@@ -290,12 +290,9 @@ def test_profiling_leaves_the_host_generators_where_they_were(block: type[_Block
     assert after == (random.random(), np.random.rand())
 
 
-@pytest.mark.parametrize("block", [lambda: RandomMask(own=True), NumpyGeneratorAttribute, TorchGeneratorInAList,
-                                   PythonRandomAttribute], ids=["torch", "numpy", "torch-in-a-list", "python"])
-def test_wrap_with_a_sample_leaves_the_generators_of_the_modules_where_they_were(block: Callable[[], nn.Module]) -> None:
-    """``wrap(budget=..., sample=...)`` profiles the model on the sample; the generators its blocks own
-    were left advanced by the profiling forwards, so the first training forward drew other numbers
-    than the plain model's: other outputs, other gradients."""
+def assert_first_step_after_a_wrap_with_a_sample_equals_plain(block: Callable[[], nn.Module]) -> None:
+    """A chain of three ``block()``: its first training step after ``wrap(budget=..., sample=...)``
+    (outputs, input gradient, parameter gradients) equals the plain chain's, bit for bit."""
     def one_step(model: Chain) -> list[torch.Tensor]:
         x = inputs()
         out = model(x)
@@ -311,6 +308,15 @@ def test_wrap_with_a_sample_leaves_the_generators_of_the_modules_where_they_were
     finally:
         ooc.unwrap(wrapped)
     assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+
+
+@pytest.mark.parametrize("block", [lambda: RandomMask(own=True), NumpyGeneratorAttribute, TorchGeneratorInAList,
+                                   PythonRandomAttribute], ids=["torch", "numpy", "torch-in-a-list", "python"])
+def test_wrap_with_a_sample_leaves_the_generators_of_the_modules_where_they_were(block: Callable[[], nn.Module]) -> None:
+    """``wrap(budget=..., sample=...)`` profiles the model on the sample; the generators its blocks own
+    were left advanced by the profiling forwards, so the first training forward drew other numbers
+    than the plain model's: other outputs, other gradients."""
+    assert_first_step_after_a_wrap_with_a_sample_equals_plain(block)
 
 
 class _Scaled(_Block):

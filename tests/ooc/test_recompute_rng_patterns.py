@@ -10,7 +10,6 @@ NOTE [generators a re-run replays] in ``ooc.rng``."""
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import functools
 import logging
@@ -33,6 +32,7 @@ import ooc.rng
 from ooc.backend.cpu import ChaosConfig, CpuBackend
 from ooc.recompute import RecomputeError
 from tests.ooc.test_recompute_adversarial import CODES, LETTERS, Chain, inputs
+from tests.ooc.test_recompute_host_rng import assert_first_step_after_a_wrap_with_a_sample_equals_plain
 
 
 class _Block(nn.Module):
@@ -353,21 +353,7 @@ def test_wrap_with_a_sample_leaves_a_deeper_generator_where_it_was(block: type[_
     """``wrap(budget=..., sample=...)`` profiles the model on the sample and puts the generators it finds
     back; a deeper one was left advanced, so the first training forward drew other numbers than the plain
     model's."""
-    def one_step(model: nn.Module) -> list[torch.Tensor]:
-        x = inputs()
-        out = model(x)
-        out.pow(2).sum().backward()
-        return [out, x.grad]
-
-    torch.manual_seed(0)
-    plain = Chain([block() for _ in range(3)])
-    wrapped = copy.deepcopy(plain)
-    ooc.wrap(wrapped, budget="1GiB", sample=inputs(), backend="cpu")
-    try:
-        results = [one_step(model) + [p.grad for p in model.parameters()] for model in (plain, wrapped)]
-    finally:
-        ooc.unwrap(wrapped)
-    assert all(torch.equal(a, b) for a, b in zip(*results, strict=True))
+    assert_first_step_after_a_wrap_with_a_sample_equals_plain(block)
 
 
 def test_the_search_does_not_look_into_the_runtime_a_wrapped_block_holds() -> None:
