@@ -175,13 +175,17 @@ def test_a_copy_after_a_failed_copy_of_the_other_engine_fails_instead_of_hanging
     raises when it waits for that event, and so does whoever waits for the D2H copy, on either
     engine's path (the thread that runs the D2H job: its engine's, or the waiter's)."""
     backend = CpuBackend(check_order=False)
-    release = threading.Event()
+    release, started = threading.Event(), threading.Event()
     try:
         def fails() -> None:
+            started.set()
             release.wait(10)
             raise OSError("the H2D copy failed")
 
         backend._h2d.submit(fails)
+        # On the H2D engine's thread: a waiter that found it still queued (a loaded machine) ran it
+        # itself and raised the OSError as it is, on another path than the one this test is about.
+        assert started.wait(10)
         h2d_done = CpuEvent(engine=backend._h2d)  # the failed job's event, never set
         if starve_d2h:
             backend._d2h.submit(lambda: release.wait(10))  # the D2H thread is busy: a waiter runs the copy
