@@ -8,6 +8,9 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - mean step time with a save every 10 steps and every step vs no checkpoints, in interleaved blocks of
   10 steps, each including the wait for its last write (goals: <= 3.5%, the CheckFreq figure, and
   <= 10%);
+- with ``--pairs N``, N more pairs of 10-step blocks (no saves, a save every 10 steps; ABBA): the
+  every-10 figure's mean over the pairs and its 95% bootstrap interval, which says whether the goal
+  is met where two rounds' medians cannot;
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
 - the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
@@ -36,7 +39,7 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 ``--profile`` also prints where the writer thread spends its time over the timed lazy saves
 (cProfile, by own time: checksums, writes, fsyncs, serialization).
 
-Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--dir DIR] [--profile]``. The step
+Run: ``python benchmarks/bench_checkpoint.py [--quick] [--rounds 2] [--pairs 20] [--dir DIR] [--profile]``. The step
 figures vary by several points from run to run with 2 rounds; the README quotes ``--rounds 6``. With
 ``OMP_NUM_THREADS=1`` the training runs on one core and the writer has the other (as on a GPU host,
 whose cores the training mostly leaves idle); the header line says how many threads torch used.
@@ -49,6 +52,7 @@ import cProfile
 import io
 import os
 import pstats
+import random
 import resource
 import shutil
 import statistics
@@ -145,6 +149,14 @@ def writer_cpu_per_version(directory: Path, repeats: int) -> list[list[str]]:
     return rows
 
 
+def mean_interval(samples: list[float], resamples: int = 10_000) -> tuple[float, float, float]:
+    """The mean of ``samples`` and its 95% bootstrap interval (percentiles of the means of
+    ``resamples`` draws with replacement, seeded: the same samples give the same interval)."""
+    draw = random.Random(0)
+    means = sorted(statistics.fmean(draw.choices(samples, k=len(samples))) for _ in range(resamples))
+    return statistics.fmean(samples), means[int(0.025 * resamples)], means[int(0.975 * resamples) - 1]
+
+
 def rss() -> int:
     """This process's resident bytes."""
     with open("/proc/self/statm") as f:
@@ -194,6 +206,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=None,
                         help="rounds of four 10-step blocks (no saves, every 10, every step, every step skipping) "
                              "for the step times (default 2, quick 8)")
+    parser.add_argument("--pairs", type=int, default=0,
+                        help="then this many pairs of 10-step blocks, no saves and a save every 10 steps, in turns "
+                             "(ABBA), for that figure's mean and 95%% interval over the pairs")
     parser.add_argument("--saves", type=int, default=3, help="saves timed for the blocking figure")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
@@ -386,6 +401,26 @@ def main() -> None:
                 if saver is None:
                     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
                     step_cpu.append((cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime) / 10)
+        # Pairs of 10-step blocks, no saves and a save every 10 steps, ABBA so that a drift of the
+        # machine adds as much to each: the per-pair ratio's mean and interval say whether the
+        # every-10 figure is within its goal, which two rounds' medians cannot (their spread is a
+        # few points).
+        paired: list[float] = []
+        for pair in range(args.pairs):
+            seconds: dict[int, float] = {}
+            for mode in ((0, 10) if pair % 2 == 0 else (10, 0)):
+                current_mode[0] = mode
+                started = time.perf_counter()
+                for i in range(10):
+                    step()
+                    done += 1
+                    if mode and i == 0:
+                        savers[10].save(done)
+                if mode:
+                    savers[10].wait()
+                opt.synchronize()
+                seconds[mode] = (time.perf_counter() - started) / 10
+            paired.append(seconds[10] / seconds[0] - 1)
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         most_aside = {mode: max([b for s, b in aside.items() if aside_mode[s] == mode], default=0) for mode in savers}
@@ -435,6 +470,14 @@ def main() -> None:
         ["extra host memory, torch.save", format_bytes(max(extra["torch.save"])), f"state {format_bytes(state_bytes)}",
          f"{max(extra['torch.save']) / state_bytes:.2f}x", ""],
     ]))
+    if paired:
+        mean, low, high = mean_interval(paired)
+        print(table([
+            ["figure", "ooc", "baseline", "ratio", "goal"],
+            [f"mean step, a save every 10 steps, over {len(paired)} pairs of 10-step blocks (ABBA): mean, 95% interval "
+             f"({copied[10]} buckets copied in all)", f"{mean * 100:+.1f}%", "the pair's block with no saves",
+             f"[{low * 100:+.1f}%, {high * 100:+.1f}%]", "<= 3.5%"],
+        ]))
     print(table(cpu_rows))
     print(f"\nversion {format_bytes(version_bytes)} on disk, torch.save file {format_bytes(sync_bytes)}; step times: "
           f"median over {rounds} rounds of 10-step blocks; {args.saves} timed saves (median)")
