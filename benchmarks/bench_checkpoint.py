@@ -8,9 +8,10 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
 - mean step time with a save every 10 steps and every step vs no checkpoints, in interleaved blocks of
   10 steps, each including the wait for its last write (goals: <= 3.5%, the CheckFreq figure, and
   <= 10%);
-- with ``--pairs N``, N more pairs of 10-step blocks (no saves, a save every 10 steps; ABBA): the
+- with ``--pairs N``, N more pairs of 10-step blocks (no saves, a save every 10 steps; each first in turn): the
   every-10 figure's mean over the pairs and its 95% bootstrap interval, which says whether the goal
-  is met where two rounds' medians cannot;
+  is met where two rounds' medians cannot; ``--compare-priority`` adds a third block to each, the
+  writer at the training's priority (``writer_nice=None``; NOTE [the writer runs below the training]);
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
 - the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
@@ -207,8 +208,11 @@ def main() -> None:
                         help="rounds of four 10-step blocks (no saves, every 10, every step, every step skipping) "
                              "for the step times (default 2, quick 8)")
     parser.add_argument("--pairs", type=int, default=0,
-                        help="then this many pairs of 10-step blocks, no saves and a save every 10 steps, in turns "
-                             "(ABBA), for that figure's mean and 95%% interval over the pairs")
+                        help="then this many pairs of 10-step blocks, no saves and a save every 10 steps, each first in "
+                             "turn, for that figure's mean and 95%% interval over the pairs")
+    parser.add_argument("--compare-priority", action="store_true",
+                        help="with --pairs: a third block each round, a save every 10 steps with the writer at the "
+                             "training's priority (writer_nice=None)")
     parser.add_argument("--saves", type=int, default=3, help="saves timed for the blocking figure")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
@@ -401,26 +405,37 @@ def main() -> None:
                 if saver is None:
                     cpu_after = resource.getrusage(resource.RUSAGE_SELF)
                     step_cpu.append((cpu_after.ru_utime + cpu_after.ru_stime - cpu_before.ru_utime - cpu_before.ru_stime) / 10)
-        # Pairs of 10-step blocks, no saves and a save every 10 steps, ABBA so that a drift of the
-        # machine adds as much to each: the per-pair ratio's mean and interval say whether the
+        # Pairs of 10-step blocks, no saves and a save every 10 steps, each first in turn, so that a
+        # drift of the machine adds as much to each: the per-pair ratio's mean and interval say whether the
         # every-10 figure is within its goal, which two rounds' medians cannot (their spread is a
         # few points).
-        paired: list[float] = []
+        # --compare-priority: a third block, the writer at the training's priority (writer_nice=None).
+        paired_savers: dict[str, Checkpointer | None] = {"none": None, "every 10 steps": savers[10]}
+        if args.compare_priority:
+            paired_savers["every 10 steps, the writer at the training's priority"] = Checkpointer(
+                root / "every10-same-priority", model, opt, keep=2, writer_nice=None)
+        paired: dict[str, list[float]] = {name: [] for name in paired_savers if name != "none"}
         for pair in range(args.pairs):
-            seconds: dict[int, float] = {}
-            for mode in ((0, 10) if pair % 2 == 0 else (10, 0)):
-                current_mode[0] = mode
+            seconds: dict[str, float] = {}
+            names = list(paired_savers)
+            for name in names[pair % len(names):] + names[:pair % len(names)]:  # each block first in turn
+                saver = paired_savers[name]
+                current_mode[0] = 10 if saver is savers[10] else 0
                 started = time.perf_counter()
                 for i in range(10):
                     step()
                     done += 1
-                    if mode and i == 0:
-                        savers[10].save(done)
-                if mode:
-                    savers[10].wait()
+                    if saver is not None and i == 0:
+                        saver.save(done)
+                if saver is not None:
+                    saver.wait()
                 opt.synchronize()
-                seconds[mode] = (time.perf_counter() - started) / 10
-            paired.append(seconds[10] / seconds[0] - 1)
+                seconds[name] = (time.perf_counter() - started) / 10
+            for name in paired:
+                paired[name].append(seconds[name] / seconds["none"] - 1)
+        for saver in paired_savers.values():
+            if saver is not None and saver is not savers[10]:
+                saver.close()
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         most_aside = {mode: max([b for s, b in aside.items() if aside_mode[s] == mode], default=0) for mode in savers}
@@ -470,14 +485,14 @@ def main() -> None:
         ["extra host memory, torch.save", format_bytes(max(extra["torch.save"])), f"state {format_bytes(state_bytes)}",
          f"{max(extra['torch.save']) / state_bytes:.2f}x", ""],
     ]))
-    if paired:
-        mean, low, high = mean_interval(paired)
-        print(table([
-            ["figure", "ooc", "baseline", "ratio", "goal"],
-            [f"mean step, a save every 10 steps, over {len(paired)} pairs of 10-step blocks (ABBA): mean, 95% interval "
-             f"({copied[10]} buckets copied in all)", f"{mean * 100:+.1f}%", "the pair's block with no saves",
-             f"[{low * 100:+.1f}%, {high * 100:+.1f}%]", "<= 3.5%"],
-        ]))
+    if args.pairs:
+        rows = [["figure", "ooc", "baseline", "ratio", "goal"]]
+        for name, ratios in paired.items():
+            mean, low, high = mean_interval(ratios)
+            rows.append([f"mean step, a save {name}, over {len(ratios)} rounds of 10-step blocks in turns: mean, "
+                         "95% interval", f"{mean * 100:+.1f}%", "the round's block with no saves",
+                         f"[{low * 100:+.1f}%, {high * 100:+.1f}%]", "<= 3.5%" if name == "every 10 steps" else ""])
+        print(table(rows))
     print(table(cpu_rows))
     print(f"\nversion {format_bytes(version_bytes)} on disk, torch.save file {format_bytes(sync_bytes)}; step times: "
           f"median over {rounds} rounds of 10-step blocks; {args.saves} timed saves (median)")
