@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
-from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
+from ooc.errors import BlockError, SavedTensorModifiedError, WrapError, check_saved_tensors_hooks_enabled
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
 from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
@@ -566,6 +566,7 @@ class _BlockForward(Opaque):
             finally:
                 rt.streamer.release(i)
         _refuse_functorch_transform()
+        check_saved_tensors_hooks_enabled(f"block {rt.chain.names[i]!r} of a wrapped model ran with grad enabled")
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
