@@ -47,8 +47,8 @@ def check_saved_tensors_hooks_enabled(what: str) -> None:
     Every block of a wrapped model saves through ooc's saved-tensor hooks whatever its plan: a swapped
     block's are copied out, a recomputed one's dropped and made again by a re-run (whose own hooks
     catch what it saves), and a kept block's counted against the budget, which is why a plan that keeps
-    everything does not run without them either (it would run, but the tracker, the budget check and
-    the in-place check on saved tensors would see nothing). Inside ``disable_saved_tensors_hooks(msg)``,
+    everything does not run without them either (it would run, but the tracker and the budget check
+    would see none of its bytes). Inside ``disable_saved_tensors_hooks(msg)``,
     pushing them raised torch's RuntimeError with ``msg``, the caller's words, which name neither ooc
     nor the way out; so ooc refuses with its own error, quoting ``msg``."""
     if torch._C._autograd._saved_tensors_hooks_is_enabled():
