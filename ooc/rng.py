@@ -4,9 +4,10 @@ NOTE [generators a re-run replays]
 A recomputed block runs its forward again in the backward, and must draw the numbers its first run
 drew, or its gradients differ from plain PyTorch's without a word (dropout masks, noise, a random
 scale). ``RngState`` holds the process-wide generators: torch's CPU generator, the block device's
-CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
-program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
-that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
+CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``: ``numpy`` is
+imported by then, torch and ``ooc.scheduler`` import it, and ooc imports its ``random`` before a
+recomputed forward that could be the first to use it, ``_numpy_random``; a forward that runs ``import
+numpy`` itself finds it imported). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
 and their subclasses) in a block's arguments and in its modules' attributes (their classes' too, and
 the module-level globals holding a generator that their forwards read by name: ``_shared_places``),
@@ -230,7 +231,8 @@ def _numpy_random(*, load: bool = False) -> Any:
     "partially initialized module 'numpy.random' has no attribute 'get_bit_generator'"); nothing draws
     from it until its import ends, so a half-imported one counts as not imported.
 
-    ``load``: import it if ``numpy`` is imported (torch imports it) and its ``random`` is not yet.
+    ``load``: import it if ``numpy`` is imported (torch and ``ooc.scheduler`` import it) and its ``random``
+    is not yet.
     numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
     draw was in a recomputed forward had no state taken before that draw, and the re-run drew another
     number (a silently wrong gradient). The import (16 ms, once) seeds the global generator as the
