@@ -551,7 +551,7 @@ class _BlockForward(Opaque):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
-        check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
+        check_block_not_checkpointed(rt.model, rt.chain.modules[i], rt.chain.names[i])
         if rt.timm_flags and (rt.chain.modules[i].training or torch.is_grad_enabled()):
             # Turned on after wrap. timm checkpoints in eval mode too (a fine-tune with frozen batch norm).
             check_timm_not_checkpointed(rt.model, rt.timm_flags)

@@ -243,6 +243,66 @@ def test_grad_checkpointing_flag_outside_timm_names_what_it_found():
         ooc.unwrap(model)
 
 
+class _DiffusersStyleBlock(Tanh):
+    """A diffusers block: ``gradient_checkpointing`` on the block, which its forward would read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient_checkpointing = False
+
+
+class _DiffusersStyle(nn.Module):
+    """A diffusers model: ``enable_gradient_checkpointing()``/``disable_gradient_checkpointing()`` set the
+    blocks' flags (diffusers' ``ModelMixin``), no transformers method of that name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DiffusersStyleBlock() for _ in range(3))
+
+    def _set(self, on: bool) -> None:
+        for block in self.blocks:
+            block.gradient_checkpointing = on
+
+    def enable_gradient_checkpointing(self) -> None:
+        self._set(True)
+
+    def disable_gradient_checkpointing(self) -> None:
+        self._set(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_gradient_checkpointing_flag_outside_transformers_names_what_it_found():
+    """A diffusers model's (or a user's) ``gradient_checkpointing = True`` was refused as "Hugging Face
+    gradient checkpointing", with transformers' ``gradient_checkpointing_disable()`` as the fix, which a
+    diffusers model does not have: the refusal names the module, its class and the flag, and the
+    model's own switch."""
+    model = _DiffusersStyle()
+    model.enable_gradient_checkpointing()
+    with pytest.raises(ooc.WrapError) as info:
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    message = str(info.value)
+    assert message.startswith("gradient checkpointing is on (blocks.0 (_DiffusersStyleBlock).gradient_checkpointing "
+                              f"is True, in {__name__}._DiffusersStyleBlock)")
+    assert "Before ooc.wrap, call model.disable_gradient_checkpointing()" in message
+    model.disable_gradient_checkpointing()
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    try:
+        model.enable_gradient_checkpointing()
+        with pytest.raises(ooc.WrapError, match=r"^gradient checkpointing is on \(blocks.0 \(_DiffusersStyleBlock\)"
+                                                r".*call model.disable_gradient_checkpointing\(\)"):
+            model(torch.randn(4, WIDTH)).sum().backward()
+    finally:
+        ooc.unwrap(model)
+    plain = nn.Sequential(_DiffusersStyleBlock())
+    plain[0].gradient_checkpointing = True
+    with pytest.raises(ooc.WrapError, match=r"set model.get_submodule\('0'\).gradient_checkpointing = False"):
+        ooc.wrap(plain, ooc.Plan.uniform("recompute", 1), blocks=list(plain), backend="cpu")
+
+
 def test_grad_checkpointing_flag_in_a_timm_class_names_timm():
     """A class defined in timm keeps timm's wording and fix (tests/zoo has a real timm model)."""
     timm_class = type("VisionTransformer", (TimmStyle,), {"__module__": "timm.models.vision_transformer"})
