@@ -22,7 +22,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks, shared_parameter_ids
 from ooc.clock import Clock
 from ooc.codec_error import measure_codec_errors
-from ooc.errors import OocError, WrapError
+from ooc.errors import OocError, WrapError, check_saved_tensors_hooks_enabled
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.recompute import own_attributes, set_attributes
@@ -319,6 +319,8 @@ def profile(
     """
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
+    check_saved_tensors_hooks_enabled("ooc profiled the model on a sample (ooc.profile, ooc.plan, or ooc.wrap with "
+                                      "a sample)", measuring=True)
     check_trainable(model)
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)

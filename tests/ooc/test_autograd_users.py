@@ -312,6 +312,23 @@ def test_disabled_saved_tensor_hooks_are_refused_with_what_to_do(plan: str) -> N
         ooc.unwrap(wrapped)
 
 
+@pytest.mark.parametrize("call", ["describe", "wrap-sample", "wrap-sample-blocks"])
+def test_measuring_a_sample_with_saved_tensor_hooks_disabled_is_refused(call: str) -> None:
+    # describe(model, sample) and wrap(..., sample=...) measure through saved-tensor hooks: inside
+    # disable_saved_tensors_hooks they raised torch's RuntimeError with the caller's message alone.
+    model = GPT(NANO)
+    idx, targets = gpt_batch(batch=2, seq=16)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in my library"):
+        with pytest.raises(ooc.WrapError, match=r"inside torch.autograd.graph.disable_saved_tensors_hooks \(disabled "
+                                                r"with: 'no hooks in my library'\).*Call it outside that context"):
+            if call == "describe":
+                ooc.describe(model, (idx, targets))
+            else:
+                ooc.wrap(model, budget="1MiB", sample=(idx, targets), backend="cpu",
+                         blocks=list(model.blocks) if call == "wrap-sample-blocks" else None)
+    assert not ooc.is_wrapped(model)
+
+
 def _qat_chain() -> nn.Module:
     """Four linear+ReLU+linear blocks prepared for quantization-aware training: per-channel weight
     observers whose buffers start empty and take the channels' shape in the first forward."""
