@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ooc.errors import BlockError
+from ooc.errors import BlockError, check_saved_tensors_hooks_enabled
 
 _COVERAGE_TIE = 0.9
 """Chains holding at least this fraction of the best chain's parameters count as equal."""
@@ -199,6 +199,8 @@ def saved_shares(model: nn.Module, sample: Any, found: list[Candidate]) -> tuple
     from ooc.profiler import ModelState, call_model
     from ooc.storage_sharing import StorageIdentities, never_unpacked
 
+    check_saved_tensors_hooks_enabled("ooc measured the bytes a forward of the sample saves (ooc.describe, or "
+                                      "ooc.wrap with a sample)", measuring=True)
     state_ptrs = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()]}
     running: dict[int, int] = {}  # candidate -> depth of its blocks on the stack
     storages = StorageIdentities()

@@ -73,8 +73,10 @@ def describe(model: nn.Module, sample: Any = None, *, blocks: object = None) -> 
     the chosen chain includes the stem that runs before it (NOTE [the stem joins the chain]), as
     ``ooc.wrap(model, budget=..., sample=sample)`` uses it.
 
-    The model's gradients are untouched (no backward runs); buffers such as BatchNorm running
-    statistics are updated by the forward as by any training forward.
+    With a sample, the model is left as it was (``ooc.profiler.ModelState``): no backward runs, and the
+    trial forwards' changes to buffers (BatchNorm's running statistics), to the modules' own attributes
+    (a step counter, a running state: NOTE [attributes a forward sets] in ``ooc.recompute``) and to RNG
+    state are undone.
     """
     if sample is not None:
         # A wrapped block saves through ooc's own hooks, which the measurement's hooks do not see (its

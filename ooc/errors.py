@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from ooc.scheduler.errors import OocError, PlanError, ProfileError
 from ooc.scheduler.units import format_bytes
 
@@ -35,6 +37,38 @@ class SavedTensorModifiedError(OocError, RuntimeError):
     """A tensor a block saved for its backward was modified in place before the backward used it
     (plain PyTorch raises "modified by an inplace operation" here; ooc's saved-tensor hooks switch
     autograd's own check off, so the runtime makes it)."""
+
+
+def check_saved_tensors_hooks_enabled(what: str, *, measuring: bool = False) -> None:
+    """Raise :class:`WrapError` if saved-tensor hooks are disabled here (inside
+    ``torch.autograd.graph.disable_saved_tensors_hooks``); ``what`` names what needs them, ``measuring``:
+    a measurement before wrapping (``ooc.describe``, ``ooc.profile``, ``ooc.wrap`` with a sample).
+
+    NOTE [disabled saved-tensor hooks]
+    Every block of a wrapped model saves through ooc's saved-tensor hooks whatever its plan: a swapped
+    block's are copied out, a recomputed one's dropped and made again by a re-run (whose own hooks
+    catch what it saves), and a kept block's counted against the budget, which is why a plan that keeps
+    everything does not run without them either (it would run, but the tracker and the budget check
+    would see none of its bytes). Measuring what a forward saves takes them too. Inside
+    ``disable_saved_tensors_hooks(msg)``, pushing them raised torch's RuntimeError with ``msg``, the
+    caller's words, which name neither ooc nor the way out; so ooc refuses with its own error, quoting
+    ``msg``."""
+    if torch._C._autograd._saved_tensors_hooks_is_enabled():
+        return
+    message = torch._C._autograd._saved_tensors_hooks_get_disabled_error_message()
+    if measuring:
+        needs = "ooc measures what the model's forward saves for backward through saved-tensor hooks"
+        fix = "Call it outside that context"
+    else:
+        needs = ("ooc keeps, swaps or recomputes each block's saved activations through saved-tensor hooks, whatever "
+                 "the plan (a kept block's are counted against the budget through them)")
+        fix = ("Run the wrapped model's forward, and its backward, outside that context; under it, call "
+               "ooc.unwrap(model) first, or run a forward that needs no backward under torch.no_grad(), where ooc "
+               "sets no hooks")
+    raise WrapError(
+        f"{what} inside torch.autograd.graph.disable_saved_tensors_hooks (disabled with: {message!r}): {needs} "
+        f"(NOTE [disabled saved-tensor hooks] in ooc.errors). {fix}"
+    )
 
 
 __all__ = ["BlockError", "BudgetError", "OocError", "PlanError", "ProfileError", "SavedTensorModifiedError", "WrapError"]

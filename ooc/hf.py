@@ -52,25 +52,52 @@ def layerdrop(model: nn.Module) -> str | None:
 def check_no_hf_checkpointing(model: nn.Module) -> None:
     """Raise :class:`WrapError` if HF's gradient checkpointing is on: ooc would then see only the
     layers' inputs, and a recompute plan would run each layer three times."""
-    on = [name or type(m).__name__ for name, m in model.named_modules()
-          if getattr(m, "gradient_checkpointing", False) is True or _checkpointing_flag(m) is True]
-    if on:
-        raise hf_checkpointing_error(on[0])
+    for name, m in model.named_modules():
+        if getattr(m, "gradient_checkpointing", False) is True or _checkpointing_flag(m) is True:
+            raise hf_checkpointing_error(model, name or type(m).__name__, m)
 
 
-def check_block_not_checkpointed(block: nn.Module, name: str) -> None:
+def check_block_not_checkpointed(model: nn.Module, block: nn.Module, name: str) -> None:
     """Raise :class:`WrapError` if HF's gradient checkpointing was turned on for a block of a wrapped
-    model (``Trainer`` with ``gradient_checkpointing=True`` does so after ``ooc.wrap``): the block
+    ``model`` (``Trainer`` with ``gradient_checkpointing=True`` does so after ``ooc.wrap``): the block
     would run under torch's checkpoint, outside ooc's plan, and be run once more in the backward."""
     if block.training and getattr(block, "gradient_checkpointing", False) is True:
-        raise hf_checkpointing_error(name)
+        raise hf_checkpointing_error(model, name, block)
 
 
-def hf_checkpointing_error(where: str) -> WrapError:
+_DISABLE = ("activation_checkpointing_disable", "gradient_checkpointing_disable", "disable_gradient_checkpointing")
+"""The methods that turn a model's gradient checkpointing off: transformers' (>= 5.23, then older), diffusers'."""
+
+
+def hf_checkpointing_error(model: nn.Module, name: str, module: nn.Module) -> WrapError:
+    """The refusal for ``module`` (``name`` in ``model``) with gradient checkpointing on: what was found
+    (the module's class and the flag) and how to turn it off; Hugging Face is named only for a class
+    defined in transformers (diffusers' models and users' own use the same attribute)."""
+    cls = type(module)
+    flag = "gradient_checkpointing" if getattr(module, "gradient_checkpointing", False) is True else (
+        "is_activation_checkpointing" if hasattr(cls, "is_activation_checkpointing") else "is_gradient_checkpointing")
+    found = f"{name}.{flag} is True" if module is model else f"{name} ({cls.__name__}).{flag} is True"
+    if cls.__module__.split(".")[0] == "transformers":
+        return WrapError(
+            f"Hugging Face gradient checkpointing is on ({found}); ooc's plan replaces it. Call "
+            "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer transformers) "
+            "before ooc.wrap, and leave gradient_checkpointing=False in TrainingArguments"
+        )
+    disable = next((m for m in _DISABLE if callable(getattr(model, m, None))), None)
+    if disable is not None:
+        off = f"call model.{disable}()"
+    elif flag != "gradient_checkpointing":
+        off = f"turn it off where {cls.__name__} sets {flag}"
+    elif module is model:
+        off = "set model.gradient_checkpointing = False"
+    else:
+        off = f"set model.get_submodule({name!r}).gradient_checkpointing = False"
     return WrapError(
-        f"Hugging Face gradient checkpointing is on ({where}); ooc's plan replaces it. Call "
-        "model.gradient_checkpointing_disable() (activation_checkpointing_disable() in newer transformers) "
-        "before ooc.wrap, and leave gradient_checkpointing=False in TrainingArguments"
+        f"gradient checkpointing is on ({found}, in {cls.__module__}.{cls.__qualname__}): ooc reads it as the "
+        "switch that runs layers under torch.utils.checkpoint (the convention of Hugging Face transformers, "
+        "diffusers and others), and ooc's plan replaces it (a second checkpoint under it runs layers again, "
+        f"outside the plan). Before ooc.wrap, {off}, and leave it off while the model is wrapped; if {flag} "
+        "means something else in this class, rename it"
     )
 
 

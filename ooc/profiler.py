@@ -22,7 +22,7 @@ from ooc.backend import Backend, resolve_backend
 from ooc.blocks import find_blocks, shared_parameter_ids
 from ooc.clock import Clock
 from ooc.codec_error import measure_codec_errors
-from ooc.errors import OocError, WrapError
+from ooc.errors import OocError, WrapError, check_saved_tensors_hooks_enabled
 from ooc.hf import disable_caches
 from ooc.op_profile import measure_ops
 from ooc.recompute import own_attributes, set_attributes
@@ -88,12 +88,17 @@ class ModelState:
     The attributes as a recomputed block's re-run sees them (NOTE [attributes a forward sets] in
     ``ooc.recompute``): a forward that counts its calls (an annealed temperature) or carries a state
     to the next call (``self.memory = out.detach()``) was left by a profile's steps (15 forwards for
-    ``wrap(sample=...)``) that many calls on, and trained apart from plain PyTorch from its first step."""
+    ``wrap(sample=...)``) that many calls on, and trained apart from plain PyTorch from its first step.
+    A tensor among them that a forward changes in place (``self.ema.mul_(0.9).add_(...)``, a counter
+    ``self.n += 1`` on a tensor: not a buffer) is copied, as the buffers are, and its value put back:
+    putting back the attribute alone left ``ooc.describe(model, sample)`` two calls on. Tensors that
+    share a parameter's or buffer's storage are not copied (the buffers are, a parameter is model state)."""
 
     def __init__(self, model: nn.Module, device: torch.device) -> None:
         self.grads = [(p, None if p.grad is None else p.grad.clone()) for p in model.parameters()]
         self.buffers = [(b, b.clone()) for b in model.buffers()]
         self.attributes = [(m, own_attributes(m)) for m in model.modules()]
+        self.held = _held_tensors(model, self.attributes)
         self.rng = RngState(device)
         self.generators = GeneratorStates(generators_in([], model.modules()))
 
@@ -102,16 +107,40 @@ class ModelState:
             for p, grad in self.grads:
                 p.grad = grad
             for b, saved in self.buffers:
-                if b.shape == saved.shape:
-                    b.copy_(saved)
-                else:
-                    # A forward that resized it (a quantization-aware observer's min/max start empty
-                    # and take the channels' shape): its own storage again, as it was.
-                    b.set_(saved)
+                _put_back(b, saved)
         for m, attributes in self.attributes:
             set_attributes(m, attributes)
+        with torch.no_grad():
+            for t, version, saved in self.held:
+                if t._version != version:
+                    _put_back(t, saved)
         self.rng.restore()
         self.generators.restore()
+
+
+def _held_tensors(model: nn.Module, attributes: list[tuple[nn.Module, dict[str, Any]]]
+                  ) -> list[tuple[torch.Tensor, int, torch.Tensor]]:
+    """The tensors among the modules' own ``attributes`` (``ModelState``), each once, with its version and
+    a copy of its value; not those sharing a parameter's or buffer's storage, nor inference tensors
+    (no version, and nothing outside ``torch.inference_mode`` changes them in place)."""
+    state = {t.untyped_storage().data_ptr() for t in [*model.parameters(), *model.buffers()] if t.layout == torch.strided}
+    held: dict[int, tuple[torch.Tensor, int, torch.Tensor]] = {}
+    for _, own in attributes:
+        for value in own.values():
+            if (isinstance(value, torch.Tensor) and id(value) not in held and value.layout == torch.strided
+                    and not value.is_inference() and value.untyped_storage().data_ptr() not in state):
+                held[id(value)] = (value, value._version, value.detach().clone())
+    return list(held.values())
+
+
+def _put_back(tensor: torch.Tensor, saved: torch.Tensor) -> None:
+    """``tensor``'s value made ``saved`` again (under no_grad), in place: the same object, as the module holds it."""
+    if tensor.shape == saved.shape:
+        tensor.copy_(saved)
+    else:
+        # A forward that resized it (a quantization-aware observer's min/max buffers start empty and
+        # take the channels' shape): its own storage again, as it was.
+        tensor.set_(saved)
 
 
 def _bytes(tensors: Any) -> int:
@@ -290,6 +319,8 @@ def profile(
     """
     if reps < 1:
         raise ValueError(f"reps must be >= 1, got {reps}")
+    check_saved_tensors_hooks_enabled("ooc profiled the model on a sample (ooc.profile, ooc.plan, or ooc.wrap with "
+                                      "a sample)", measuring=True)
     check_trainable(model)
     chain = find_blocks(model, blocks)
     backend_obj = resolve_backend(backend, model)

@@ -71,7 +71,7 @@ from torch.autograd.graph import saved_tensors_hooks
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from ooc import nvtx
-from ooc.errors import OocError
+from ooc.errors import OocError, check_saved_tensors_hooks_enabled
 from ooc.hf import cache_argument
 from ooc.op_profile import ForwardCache, OpCounter, Replay
 from ooc.rng import (
@@ -725,6 +725,7 @@ class RecomputeFrame:
         """Re-run the block for graph task ``gid``, filling the holders. The tracker counts what the re-run
         saves, except for a read outside a backward (``gid`` from ``_outside_backward``: NOTE [a saved
         tensor read outside a backward])."""
+        check_saved_tensors_hooks_enabled(f"the backward that re-runs recomputed block {self.name} ran")
         args, kwargs, made = self._arguments()
         self._check_saved_versions()
         self.state.check_unchanged(self.name)

@@ -4,9 +4,10 @@ NOTE [generators a re-run replays]
 A recomputed block runs its forward again in the backward, and must draw the numbers its first run
 drew, or its gradients differ from plain PyTorch's without a word (dropout masks, noise, a random
 scale). ``RngState`` holds the process-wide generators: torch's CPU generator, the block device's
-CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``; only if the
-program imported ``numpy``: ooc imports no numpy, and imports its ``random`` before a recomputed forward
-that could be the first to use it, ``_numpy_random``). ``generators_in`` finds generator objects
+CUDA generator, Python's ``random`` and numpy's global generator (``np.random.rand``: ``numpy`` is
+imported by then, torch and ``ooc.scheduler`` import it, and ooc imports its ``random`` before a
+recomputed forward that could be the first to use it, ``_numpy_random``; a forward that runs ``import
+numpy`` itself finds it imported). ``generators_in`` finds generator objects
 (``torch.Generator``, ``random.Random``, numpy's ``Generator``, ``RandomState`` and bit generators,
 and their subclasses) in a block's arguments and in its modules' attributes (their classes' too, and
 the module-level globals holding a generator that their forwards read by name: ``_shared_places``),
@@ -16,7 +17,8 @@ OrderedDict, a list of lists), the attributes of an object (a dataclass, a helpe
 arguments, a ``functools.partial``'s arguments, a bound method's object); the re-run starts each from
 the state it had before the forward, and each is put back after it, so the next forward draws where
 plain PyTorch's would. Not looked into: modules (a registered one is looked at itself), tensors, HF
-configs, loggers, ooc's own objects (``Opaque``); at most ``_BUDGET`` items per block and call (a module
+configs, loggers, ooc's own objects (``Opaque``), what another live thread was started with (NOTE
+[generators other threads were started with]); at most ``_BUDGET`` items per block and call (a module
 that holds a trainer), level by level (what is nearer the module first). A generator held anywhere else
 (inside a global object or container, a global reached through another Python module's attribute, a
 module's hook, deeper than ``_DEPTH`` or past the budget), or one the forward
@@ -230,7 +232,8 @@ def _numpy_random(*, load: bool = False) -> Any:
     "partially initialized module 'numpy.random' has no attribute 'get_bit_generator'"); nothing draws
     from it until its import ends, so a half-imported one counts as not imported.
 
-    ``load``: import it if ``numpy`` is imported (torch imports it) and its ``random`` is not yet.
+    ``load``: import it if ``numpy`` is imported (torch and ``ooc.scheduler`` import it) and its ``random``
+    is not yet.
     numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
     draw was in a recomputed forward had no state taken before that draw, and the re-run drew another
     number (a silently wrong gradient). The import (16 ms, once) seeds the global generator as the
@@ -427,14 +430,52 @@ def _cell_contents(cells: tuple[Any, ...] | None) -> list[Any]:
     return values
 
 
+def _other_threads_own() -> set[int]:
+    """The ids of what the other live threads were started with: each ``threading.Thread`` object, its
+    target and arguments, and what a target or argument that is a function captured (a bound method's
+    object, a ``functools.partial``'s arguments, closure cells, default arguments).
+
+    NOTE [generators other threads were started with]
+    The search reached a generator another thread draws from through what a block holds: a bound method
+    of a prefetcher thread (``self.request = prefetcher.request``, the prefetcher holding its own
+    generator), the prefetcher itself, or an object passed to a thread's target. A re-run then set that
+    generator back to its state before the forward and, after the re-run, to its state before the
+    re-run: the thread drew the numbers it had drawn already, again (its augmentations repeated,
+    silently), and lost the draws it made during the re-run. So the search does not look into what
+    another live thread was started with (``_other_threads_own``), nor takes a generator among it: those
+    belong to that thread, whose draws ooc leaves alone. A block whose forward draws from such a
+    generator itself is not replayed either (its re-run draws other numbers: ``check_recompute=True``
+    catches that); give the block its own generator, or plan it as keep or swap. A generator another
+    thread reaches some other way (a task submitted to a thread pool, a global) is not seen as
+    another thread's, and is replayed as before; the process-wide generators are the whole process's
+    (NOTE [generators a re-run replays]). The current thread (the one running the forward, which may
+    be a thread the training loop was started in) is never another's."""
+    me = threading.current_thread()
+    own: set[int] = set()
+    for thread in threading.enumerate():
+        if thread is me:
+            continue
+        # Thread's own fields (CPython's threading.py; deleted once its run() returns; a subclass may
+        # use the names for something else).
+        args, kwargs = getattr(thread, "_args", ()), getattr(thread, "_kwargs", None)
+        started_with = [thread, getattr(thread, "_target", None), *(args if isinstance(args, (tuple, list)) else ()),
+                        *(kwargs.values() if isinstance(kwargs, dict) else ())]
+        for value in started_with:
+            own.add(id(value))
+            if _kind(type(value)) == _CALLABLE:
+                own.update(id(captured) for captured in _contents(value, _CALLABLE, _BUDGET))
+    return own
+
+
 class _Search:
     """One ``generators_in`` call: the generators found, the ids of what was looked into (each once),
     how many more items may be looked at (``_BUDGET``), and what to look into next. It goes level by
     level (breadth first), over every argument and attribute together: where a large object spends the
     budget, it spends it after everything nearer the module (a generator one level down in the next
-    attribute), not before."""
+    attribute), not before. What other live threads were started with is neither looked into nor taken
+    (NOTE [generators other threads were started with]), found at the first value that is not plain."""
 
-    __slots__ = ("found", "seen", "left", "level")
+    __slots__ = ("found", "seen", "left", "level", "others")
 
     def __init__(self) -> None:
         self.found: list[Any] = []
@@ -442,13 +483,22 @@ class _Search:
         self.left = _BUDGET
         self.level: list[tuple[Any, int]] = []
         """(value, kind) to look into at the next level."""
+        self.others: set[int] | None = None
+        """``_other_threads_own()``, taken when a value first needs it (most blocks hold none that does)."""
+
+    def _others(self) -> set[int]:
+        if self.others is None:
+            self.others = _other_threads_own()
+        return self.others
 
     def value(self, value: Any) -> None:
         """Note ``value`` if it is a generator, else look into it at the first level (``run``)."""
         kind = _kind(type(value))
+        if kind == _OTHER or id(value) in self._others():
+            return
         if kind == _GENERATOR:
             self.found.append(value)
-        elif kind != _OTHER:
+        else:
             self.level.append((value, kind))
 
     def run(self) -> None:
@@ -467,9 +517,11 @@ class _Search:
                     if type(item) in plain:
                         continue
                     item_kind = _kind(type(item))
+                    if item_kind == _OTHER or id(item) in self._others():
+                        continue
                     if item_kind == _GENERATOR:
                         self.found.append(item)
-                    elif item_kind != _OTHER and depth > 1:
+                    elif depth > 1:
                         self.level.append((item, item_kind))
 
 

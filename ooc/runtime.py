@@ -32,7 +32,7 @@ from torch.utils._pytree import tree_leaves
 from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
-from ooc.errors import BlockError, SavedTensorModifiedError, WrapError
+from ooc.errors import BlockError, SavedTensorModifiedError, WrapError, check_saved_tensors_hooks_enabled
 from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
 from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
@@ -551,10 +551,10 @@ class _BlockForward(Opaque):
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         rt, i = self.rt, self.index
-        check_block_not_checkpointed(rt.chain.modules[i], rt.chain.names[i])
+        check_block_not_checkpointed(rt.model, rt.chain.modules[i], rt.chain.names[i])
         if rt.timm_flags and (rt.chain.modules[i].training or torch.is_grad_enabled()):
             # Turned on after wrap. timm checkpoints in eval mode too (a fine-tune with frozen batch norm).
-            check_timm_not_checkpointed(rt.timm_flags)
+            check_timm_not_checkpointed(rt.model, rt.timm_flags)
         if rt.first_calls is not None:
             rt.first_calls.append((i, torch.is_grad_enabled()))  # NOTE [blocks run without grad]
         if torch.is_grad_enabled() and forward_ad._current_level >= 0:
@@ -566,6 +566,7 @@ class _BlockForward(Opaque):
             finally:
                 rt.streamer.release(i)
         _refuse_functorch_transform()
+        check_saved_tensors_hooks_enabled(f"block {rt.chain.names[i]!r} of a wrapped model ran with grad enabled")
         step = rt.pass_for(i)
         decision = rt.plan.blocks[i]
         fwd = nvtx.start(f"ooc/fwd/{rt.chain.names[i]}")
@@ -680,7 +681,8 @@ class Runtime:
         self._state_ptrs: frozenset[int] = frozenset()
         self._installed: list[tuple[nn.Module, Any]] = []
         self.timm_flags = timm_flag_holders(model)
-        """The modules with timm's ``grad_checkpointing`` flag (NOTE [timm's gradient checkpointing] in ooc.timm_models)."""
+        """The modules with a boolean ``grad_checkpointing`` flag, timm's and others' (NOTE [timm's gradient
+        checkpointing] in ooc.timm_models)."""
         self.on_uninstall: list[Callable[[], None]] = []
         """Undo what was changed on the model at install (HF caches: NOTE [caches and recompute] in ooc.hf)."""
         self.first_calls: list[tuple[int, bool]] | None = None
@@ -920,7 +922,7 @@ def check_trainable(model: nn.Module) -> None:
         raise WrapError(f"ooc.wrap takes an nn.Module, got {type(model).__name__}")
     check_not_wrapped(model)
     check_no_hf_checkpointing(model)
-    check_timm_not_checkpointed(timm_flag_holders(model))
+    check_timm_not_checkpointed(model, timm_flag_holders(model))
     if not any(p.requires_grad for p in model.parameters()):
         raise WrapError(
             "the model has no parameters that require grad, so there is no backward to plan for; "

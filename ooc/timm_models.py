@@ -13,6 +13,9 @@ them. ooc refuses it whichever way, as it refuses Hugging Face's gradient checkp
 [caches and recompute] in ``ooc.hf``): at ``wrap``, and at a block's forward in training mode or
 with grad enabled when it was turned on after ``wrap`` (timm, unlike Hugging Face, checkpoints in eval
 mode too: a fine-tune with frozen batch norm). timm is never imported here: the flag is the attribute timm sets.
+Other libraries (open_clip) and users' own models use the same name for the same switch, so any module
+with ``grad_checkpointing is True`` is refused, and the message names that module's class and says how
+to turn it off; it names timm only for a module defined in timm.
 """
 
 from __future__ import annotations
@@ -28,17 +31,40 @@ FLAG = "grad_checkpointing"
 
 
 def flag_holders(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """The modules of ``model`` with a boolean ``grad_checkpointing`` (timm's models and stages), by name."""
+    """The modules of ``model`` with a boolean ``grad_checkpointing`` (timm's models and stages), by name
+    (the model itself named by its class)."""
     return [(name or type(m).__name__, m) for name, m in model.named_modules() if isinstance(getattr(m, FLAG, None), bool)]
 
 
-def check_not_checkpointed(holders: Sequence[tuple[str, nn.Module]]) -> None:
-    """Raise :class:`WrapError` if timm's gradient checkpointing is on in any of ``holders``
-    (``flag_holders``: NOTE [timm's gradient checkpointing])."""
+def check_not_checkpointed(model: nn.Module, holders: Sequence[tuple[str, nn.Module]]) -> None:
+    """Raise :class:`WrapError` if gradient checkpointing is on in any of ``holders``
+    (``flag_holders(model)``: NOTE [timm's gradient checkpointing])."""
     for name, module in holders:
         if getattr(module, FLAG, False) is True:
-            raise WrapError(
-                f"timm's gradient checkpointing is on ({name}.{FLAG}); ooc's plan replaces it, recomputing the "
-                "blocks it chooses (a second checkpoint under it runs blocks again, outside the plan). Call "
-                "model.set_grad_checkpointing(False) before ooc.wrap, and leave it off while the model is wrapped"
-            )
+            raise checkpointing_error(model, name, module)
+
+
+def checkpointing_error(model: nn.Module, name: str, module: nn.Module) -> WrapError:
+    """The refusal for ``module`` (``name`` in ``model``) with ``grad_checkpointing = True``: what was found
+    (the module's class and the attribute) and how to turn it off; timm is named only for timm's classes."""
+    cls = type(module)
+    found = f"{name}.{FLAG} is True" if module is model else f"{name} ({cls.__name__}).{FLAG} is True"
+    if cls.__module__.split(".")[0] == "timm":
+        return WrapError(
+            f"timm's gradient checkpointing is on ({found}); ooc's plan replaces it, recomputing the blocks it "
+            "chooses (a second checkpoint under it runs blocks again, outside the plan). Call "
+            "model.set_grad_checkpointing(False) before ooc.wrap, and leave it off while the model is wrapped"
+        )
+    if callable(getattr(model, "set_grad_checkpointing", None)):
+        off = "call model.set_grad_checkpointing(False)"
+    elif module is model:
+        off = f"set model.{FLAG} = False"
+    else:
+        off = f"set model.get_submodule({name!r}).{FLAG} = False"
+    return WrapError(
+        f"gradient checkpointing is on ({found}, in {cls.__module__}.{cls.__qualname__}): ooc reads a boolean "
+        f"{FLAG} as the switch that runs blocks under torch.utils.checkpoint (the convention of timm, open_clip "
+        "and others), and ooc's plan replaces it (a second checkpoint under it runs blocks again, outside the plan). "
+        f"Before ooc.wrap, {off}, and leave it off while the model is wrapped; if {FLAG} means something else "
+        "in this class, rename the attribute"
+    )

@@ -189,10 +189,128 @@ class TimmStyle(nn.Module):
 def test_timm_grad_checkpointing_is_refused_at_wrap():
     model = TimmStyle()
     model.set_grad_checkpointing(True)
-    with pytest.raises(ooc.WrapError, match=r"timm's gradient checkpointing is on \(TimmStyle.grad_checkpointing\).*"
-                                            r"model.set_grad_checkpointing\(False\) before ooc.wrap"):
+    with pytest.raises(ooc.WrapError, match=r"gradient checkpointing is on \(TimmStyle.grad_checkpointing is True.*"
+                                            r"Before ooc.wrap, call model.set_grad_checkpointing\(False\)") as info:
         ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    assert str(info.value).startswith("gradient checkpointing is on")  # TimmStyle is defined here, not in timm
     assert not ooc.is_wrapped(model)
+
+
+class _OpenClipStyleTransformer(nn.Module):
+    """open_clip's ``Transformer``: a ``grad_checkpointing`` flag and no setter of its own (its CLIP
+    model's ``set_grad_checkpointing`` sets it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.resblocks = nn.ModuleList(Tanh() for _ in range(3))
+        self.grad_checkpointing = True
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.resblocks:
+            x = block(x)
+        return x
+
+
+class _OpenClipStyle(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer = _OpenClipStyleTransformer()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.transformer(x)
+
+
+def test_grad_checkpointing_flag_outside_timm_names_what_it_found():
+    """Any module with ``grad_checkpointing = True`` (open_clip's, a user's) was refused as "timm's
+    gradient checkpointing" with timm's ``model.set_grad_checkpointing(False)`` as the fix, which this
+    model does not have: the refusal names the module, its class and the attribute, and how to turn it off."""
+    model = _OpenClipStyle()
+    with pytest.raises(ooc.WrapError) as info:
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    message = str(info.value)
+    assert message.startswith("gradient checkpointing is on (transformer")
+    assert "(transformer (_OpenClipStyleTransformer).grad_checkpointing is True, in " in message
+    assert f"{__name__}._OpenClipStyleTransformer" in message
+    assert "set model.get_submodule('transformer').grad_checkpointing = False" in message
+    assert not ooc.is_wrapped(model)
+    model.transformer.grad_checkpointing = False
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    try:
+        model.transformer.grad_checkpointing = True
+        with pytest.raises(ooc.WrapError, match=r"\(transformer \(_OpenClipStyleTransformer\).grad_checkpointing"):
+            model(torch.randn(4, WIDTH)).sum().backward()
+    finally:
+        ooc.unwrap(model)
+
+
+class _DiffusersStyleBlock(Tanh):
+    """A diffusers block: ``gradient_checkpointing`` on the block, which its forward would read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gradient_checkpointing = False
+
+
+class _DiffusersStyle(nn.Module):
+    """A diffusers model: ``enable_gradient_checkpointing()``/``disable_gradient_checkpointing()`` set the
+    blocks' flags (diffusers' ``ModelMixin``), no transformers method of that name."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(_DiffusersStyleBlock() for _ in range(3))
+
+    def _set(self, on: bool) -> None:
+        for block in self.blocks:
+            block.gradient_checkpointing = on
+
+    def enable_gradient_checkpointing(self) -> None:
+        self._set(True)
+
+    def disable_gradient_checkpointing(self) -> None:
+        self._set(False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_gradient_checkpointing_flag_outside_transformers_names_what_it_found():
+    """A diffusers model's (or a user's) ``gradient_checkpointing = True`` was refused as "Hugging Face
+    gradient checkpointing", with transformers' ``gradient_checkpointing_disable()`` as the fix, which a
+    diffusers model does not have: the refusal names the module, its class and the flag, and the
+    model's own switch."""
+    model = _DiffusersStyle()
+    model.enable_gradient_checkpointing()
+    with pytest.raises(ooc.WrapError) as info:
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    message = str(info.value)
+    assert message.startswith("gradient checkpointing is on (blocks.0 (_DiffusersStyleBlock).gradient_checkpointing "
+                              f"is True, in {__name__}._DiffusersStyleBlock)")
+    assert "Before ooc.wrap, call model.disable_gradient_checkpointing()" in message
+    model.disable_gradient_checkpointing()
+    ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
+    try:
+        model.enable_gradient_checkpointing()
+        with pytest.raises(ooc.WrapError, match=r"^gradient checkpointing is on \(blocks.0 \(_DiffusersStyleBlock\)"
+                                                r".*call model.disable_gradient_checkpointing\(\)"):
+            model(torch.randn(4, WIDTH)).sum().backward()
+    finally:
+        ooc.unwrap(model)
+    plain = nn.Sequential(_DiffusersStyleBlock())
+    plain[0].gradient_checkpointing = True
+    with pytest.raises(ooc.WrapError, match=r"set model.get_submodule\('0'\).gradient_checkpointing = False"):
+        ooc.wrap(plain, ooc.Plan.uniform("recompute", 1), blocks=list(plain), backend="cpu")
+
+
+def test_grad_checkpointing_flag_in_a_timm_class_names_timm():
+    """A class defined in timm keeps timm's wording and fix (tests/zoo has a real timm model)."""
+    timm_class = type("VisionTransformer", (TimmStyle,), {"__module__": "timm.models.vision_transformer"})
+    model = timm_class()
+    model.set_grad_checkpointing(True)
+    with pytest.raises(ooc.WrapError, match=r"^timm's gradient checkpointing is on \(VisionTransformer.grad_checkpointing "
+                                            r"is True\).*model.set_grad_checkpointing\(False\) before ooc.wrap"):
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 3), backend="cpu")
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
@@ -207,7 +325,7 @@ def test_timm_grad_checkpointing_turned_on_after_wrap_is_refused(reentrant: bool
     ooc.wrap(model, ooc.Plan.of(["recompute", "keep", "recompute"]), backend="chaos")
     try:
         model.set_grad_checkpointing(True)
-        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+        with pytest.raises(ooc.WrapError, match=r"gradient checkpointing is on \(TimmStyle.grad_checkpointing is True"):
             model(x).sum().backward()
         with torch.no_grad():
             model.eval()(x)  # an evaluation saves nothing: no plan to bypass
@@ -228,7 +346,7 @@ def test_timm_grad_checkpointing_turned_on_after_wrap_is_refused_in_eval_mode_wi
     ooc.wrap(model, ooc.Plan.of(["recompute", "keep", "recompute"]), backend="chaos")
     try:
         model.eval().set_grad_checkpointing(True)
-        with pytest.raises(ooc.WrapError, match="timm's gradient checkpointing is on"):
+        with pytest.raises(ooc.WrapError, match=r"gradient checkpointing is on \(TimmStyle.grad_checkpointing is True"):
             model(x).sum().backward()
     finally:
         ooc.unwrap(model)

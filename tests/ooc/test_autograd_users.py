@@ -3,6 +3,7 @@ bit (loss and every gradient), or raises a clear error (an adversarial pass by a
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import warnings
@@ -266,6 +267,66 @@ def test_forward_mode_ad_is_refused_with_grad_and_exact_without(plan: str) -> No
                 assert torch.equal(a, b)
     finally:
         ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("plan", ["keep", "swap", "recompute", "streamed-keep"])
+def test_disabled_saved_tensor_hooks_are_refused_with_what_to_do(plan: str) -> None:
+    # Under torch.autograd.graph.disable_saved_tensors_hooks(msg), a wrapped forward raised torch's
+    # RuntimeError with msg, the caller's words, naming neither ooc nor the way out; a plan keeping
+    # everything needs the hooks too (NOTE [disabled saved-tensor hooks] in ooc.errors).
+    torch.manual_seed(0)
+    plain = GPT(NANO)
+    wrapped = copy.deepcopy(plain)
+    ooc.wrap(wrapped, PLANS[plan], backend="cpu")
+    idx, targets = gpt_batch(batch=2, seq=16)
+
+    def disabled() -> contextlib.AbstractContextManager:
+        return torch.autograd.graph.disable_saved_tensors_hooks("no hooks in my library")
+
+    try:
+        with pytest.raises(ooc.WrapError, match=r"^block 'blocks.0' of a wrapped model ran with grad enabled inside "
+                                                r"torch.autograd.graph.disable_saved_tensors_hooks \(disabled with: "
+                                                r"'no hooks in my library'\).*outside that context.*ooc.unwrap\(model\)"):
+            with disabled():
+                wrapped(idx, targets)
+        with disabled(), torch.no_grad():  # what the error proposes for a forward without a backward
+            outs = []
+            for model in (plain, wrapped):
+                torch.manual_seed(1)  # the same dropout masks
+                outs.append(model(idx, targets)[0])
+            assert torch.equal(*outs)
+        if plan == "recompute":
+            loss = wrapped(idx, targets)[1]
+            with pytest.raises(ooc.WrapError, match=r"^the backward that re-runs recomputed block blocks.3 ran inside "
+                                                    r"torch.autograd.graph.disable_saved_tensors_hooks"):
+                with disabled():
+                    loss.backward()
+            del loss
+            wrapped.zero_grad(set_to_none=True)
+        for model in (plain, wrapped):  # outside it, the model trains as plain PyTorch
+            torch.manual_seed(2)
+            model(idx, targets)[1].backward()
+        for (name, a), b in zip(plain.named_parameters(), wrapped.parameters()):
+            assert torch.equal(a.grad, b.grad), name
+    finally:
+        ooc.unwrap(wrapped)
+
+
+@pytest.mark.parametrize("call", ["describe", "wrap-sample", "wrap-sample-blocks"])
+def test_measuring_a_sample_with_saved_tensor_hooks_disabled_is_refused(call: str) -> None:
+    # describe(model, sample) and wrap(..., sample=...) measure through saved-tensor hooks: inside
+    # disable_saved_tensors_hooks they raised torch's RuntimeError with the caller's message alone.
+    model = GPT(NANO)
+    idx, targets = gpt_batch(batch=2, seq=16)
+    with torch.autograd.graph.disable_saved_tensors_hooks("no hooks in my library"):
+        with pytest.raises(ooc.WrapError, match=r"inside torch.autograd.graph.disable_saved_tensors_hooks \(disabled "
+                                                r"with: 'no hooks in my library'\).*Call it outside that context"):
+            if call == "describe":
+                ooc.describe(model, (idx, targets))
+            else:
+                ooc.wrap(model, budget="1MiB", sample=(idx, targets), backend="cpu",
+                         blocks=list(model.blocks) if call == "wrap-sample-blocks" else None)
+    assert not ooc.is_wrapped(model)
 
 
 def _qat_chain() -> nn.Module:

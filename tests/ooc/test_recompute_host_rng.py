@@ -458,7 +458,7 @@ def test_numpy_random_half_imported_by_another_thread_is_not_read(monkeypatch) -
 FIRST_DRAW_IMPORTS = '''
 import json
 import sys
-import numpy as np
+{import_at_top}
 import torch
 import torch.nn as nn
 import ooc
@@ -473,6 +473,7 @@ class Block(nn.Module):
         self.fc = nn.Linear(6, 6)
 
     def forward(self, x):
+        {import_in_forward}
         drawn.append(float(np.random.rand()))
         return torch.tanh(self.fc(x)) * drawn[-1]
 
@@ -488,21 +489,30 @@ class Chain(nn.Module):
 
 model = Chain()
 ooc.wrap(model, ooc.Plan.uniform("recompute", 1, min_swap_bytes=0), blocks=list(model.blocks), backend="cpu")
-model(torch.ones(5, 6, requires_grad=True)).pow(2).sum().backward()
-print(json.dumps(drawn))
+loss = model(torch.ones(5, 6, requires_grad=True)).pow(2).sum()
+after_forward = sys.modules["numpy.random"].get_state()[1].tolist()
+loss.backward()
+kept = sys.modules["numpy.random"].get_state()[1].tolist() == after_forward
+print(json.dumps([drawn, kept]))
 '''
 
 
-def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed() -> None:
+@pytest.mark.parametrize("where", ["module", "forward"])
+def test_a_forward_whose_first_draw_imports_numpy_random_is_replayed(where: str) -> None:
     """numpy 2 imports ``numpy.random`` at the first ``np.random`` attribute, so a program whose first
     draw is in a recomputed block's forward had no numpy state taken before it (``numpy.random`` was
     not imported then): the re-run drew another number and the gradient was silently wrong. With
-    ``numpy`` imported (torch imports it), its ``random`` is imported before the forward."""
-    done = subprocess.run([sys.executable, "-c", FIRST_DRAW_IMPORTS], capture_output=True, text=True, timeout=120,
+    ``numpy`` imported (torch and ``ooc.scheduler`` import it), its ``random`` is imported before the
+    forward. A forward that imports numpy itself (``where="forward"``) finds it imported already; the
+    re-run draws the forward's number and leaves numpy's generator where the forward left it."""
+    script = FIRST_DRAW_IMPORTS.format(import_at_top="import numpy as np" if where == "module" else "",
+                                       import_in_forward="import numpy as np" if where == "forward" else "")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                           env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert done.returncode == 0, done.stderr[-2000:]
-    forward, rerun = json.loads(done.stdout.strip().splitlines()[-1])
+    (forward, rerun), kept = json.loads(done.stdout.strip().splitlines()[-1])
     assert forward == rerun
+    assert kept
 
 
 def test_a_refusal_names_another_thread_that_drew_from_numpy_meanwhile() -> None:

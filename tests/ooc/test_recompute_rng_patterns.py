@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
+import queue
 import random
 import sys
 import threading
@@ -720,3 +721,110 @@ def test_a_container_read_while_another_thread_changes_it_is_read_again() -> Non
         raise RuntimeError("dictionary changed size during iteration")
 
     assert ooc.rng._first_items(always_changing, {1: 1.0}, 5) == []
+
+
+class _Prefetcher(threading.Thread):
+    """A thread that draws one number from its own generator per request, as a prefetcher's augmentation
+    does; ``request`` waits for the draw."""
+
+    def __init__(self) -> None:
+        super().__init__(daemon=True)
+        self.generator = torch.Generator().manual_seed(0)
+        self.requests: queue.Queue[bool] = queue.Queue()
+        self.answers: queue.Queue[None] = queue.Queue()
+        self.draws: list[float] = []
+
+    def run(self) -> None:
+        while self.requests.get():
+            self.draws.append(torch.rand((), generator=self.generator).item())
+            self.answers.put(None)
+
+    def request(self) -> None:
+        self.requests.put(True)
+        self.answers.get()
+
+
+class _Requesting(nn.Module):
+    """``tanh(fc(x))``: (5, 6) -> (5, 6), asking the prefetcher for a draw first (through a bound method)."""
+
+    def __init__(self, request: Callable[[], None]) -> None:
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+        self.request = request
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.request()
+        return torch.tanh(self.fc(x))
+
+
+def test_a_generator_another_thread_draws_from_is_left_to_it() -> None:
+    """NOTE [generators other threads were started with]: the search reached the prefetcher's generator
+    through the bound method a block holds, and each re-run set it back to its state before the forward:
+    the prefetcher drew the forward's numbers again, and after the re-run the state was put back behind
+    its draws (8 draws: 4 distinct numbers, each twice). Its stream is its own, as in plain PyTorch."""
+    prefetcher = _Prefetcher()
+    prefetcher.start()
+    try:
+        model = nn.Sequential(*[_Requesting(prefetcher.request) for _ in range(2)])
+        ooc.wrap(model, ooc.Plan.uniform("recompute", 2, min_swap_bytes=0), blocks=list(model), backend="cpu")
+        try:
+            for _ in range(2):
+                model(inputs()).pow(2).sum().backward()
+        finally:
+            ooc.unwrap(model)
+    finally:
+        prefetcher.requests.put(False)
+        prefetcher.join()
+    stream = torch.Generator().manual_seed(0)
+    assert len(prefetcher.draws) == 8  # two blocks, each a forward and a re-run, two steps
+    assert prefetcher.draws == [torch.rand((), generator=stream).item() for _ in range(8)]
+
+
+def test_what_another_live_thread_was_started_with_is_not_searched() -> None:
+    """The thread object (reached through its bound method) and a thread's arguments are another
+    thread's while it runs, from any thread that searches; a thread that ended holds nothing."""
+    held = _Helper(1)
+    prefetcher = _Prefetcher()
+    done = threading.Event()
+    passed = threading.Thread(target=lambda helper: done.wait(60), args=(held,))
+    module = nn.Module()
+    module.request = prefetcher.request  # the bound method of another thread's object
+    module.helper = held  # an argument another thread was started with
+
+    def found() -> set[int]:
+        return {id(g) for g in ooc.rng.generators_in([], [module])}
+
+    expected = {id(prefetcher.generator), id(held.generator)}
+    assert found() == expected
+    for thread in (prefetcher, passed):
+        thread.start()
+    try:
+        assert found() == set()
+        inside: list[set[int]] = []
+        third = threading.Thread(target=lambda: inside.append(found()))
+        third.start()
+        third.join()
+        assert inside == [set()]
+    finally:
+        done.set()
+        prefetcher.requests.put(False)
+        for thread in (prefetcher, passed):
+            thread.join()
+    assert found() == expected
+
+
+def test_the_thread_a_forward_runs_in_is_not_another_threads() -> None:
+    """A training loop started in a thread with the model's helper as an argument: the forward runs in
+    that thread, whose arguments are its own, and the helper's generator is replayed, bit for bit."""
+    def build() -> nn.Module:
+        return Chain([OnAHelper() for _ in range(3)])
+
+    def in_a_thread(model: nn.Module) -> list[torch.Tensor]:
+        out: list[list[torch.Tensor]] = []
+        worker = threading.Thread(target=lambda m, *helpers: out.append(_steps(m)),
+                                  args=(model, *(b.helper for b in model.blocks)))
+        worker.start()
+        worker.join()
+        return out[0]
+
+    _assert_same_as_plain(build, "RKR", in_a_thread)

@@ -147,6 +147,56 @@ def test_profiling_on_a_sample_leaves_the_attributes_as_it_found_them(block: typ
         ooc.unwrap(wrapped)
 
 
+class _Counting(nn.Sequential):
+    """Its blocks, and ``seen``, a plain tensor attribute (no buffer) that each forward adds the batch's
+    size to in place, outside the blocks (no block's forward changes it, so no recompute refuses it)."""
+
+    def __init__(self, *blocks: nn.Module) -> None:
+        super().__init__(*blocks)
+        self.seen = torch.zeros((), dtype=torch.long)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        self.seen += h.shape[0]
+        return super().forward(h)
+
+
+def _shifted() -> nn.Module:
+    return Shifted(counted=True)
+
+
+@pytest.mark.parametrize("block", [Annealed, Carried, _shifted], ids=["Annealed", "Carried", "Shifted"])
+def test_describe_with_a_sample_leaves_the_model_as_it_found_it(block) -> None:
+    # describe's trial forwards (two with this model) put back the modules' attributes by identity, not a
+    # tensor's value changed in place: a tensor counter (``seen``, ``shift``) was left two calls on.
+    torch.manual_seed(0)
+    plain = _Counting(*[block() for _ in range(4)])
+    described = copy.deepcopy(plain)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    ooc.describe(described, x)
+    assert all(a.__dict__.keys() == b.__dict__.keys() for a, b in zip(plain.modules(), described.modules()))
+    assert described.seen.item() == 0
+    assert [getattr(b, "calls", 0) for b in described] == [0] * 4
+    assert all(getattr(b, "memory", None) is None for b in described)
+    assert all(torch.equal(b.shift, torch.zeros(16)) for b in described if isinstance(b, Shifted))
+    for model in (plain, described):
+        model(x).square().mean().backward()
+    for (name, a), b in zip(plain.named_parameters(), described.parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_profiling_on_a_sample_puts_back_a_tensor_attribute_changed_in_place() -> None:
+    # Put back by identity only: wrap(sample=...)'s profile left ``seen`` counting its forwards.
+    plain = _Counting(*[Annealed() for _ in range(4)])
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0))
+    ooc.wrap(plain, budget="1MiB", sample=(x,), blocks=list(plain), backend="cpu")
+    try:
+        assert plain.seen.item() == 0
+        plain(x)
+        assert plain.seen.item() == 8
+    finally:
+        ooc.unwrap(plain)
+
+
 class Shifted(nn.Module):
     """``h (8, 16) -> h + tanh(linear(h) + shift)``, ``shift`` a plain tensor attribute (no buffer), which
     ``counted`` also adds one to in place in the forward."""
