@@ -94,3 +94,48 @@ def test_a_lazy_version_of_training_on_a_side_stream_holds_the_last_update(tmp_p
     saved = safetensors.torch.load_file(tmp_path / "step-000000002" / MODEL_FILE)
     for name, master in masters.items():
         assert torch.equal(saved[name], master), name  # fp32: a weight is its master after the update
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("delayed", [False, True], ids=["lazy_off", "delayed_update"])
+def test_a_version_saved_off_the_training_stream_holds_the_weights_of_save(tmp_path: Path, delayed: bool) -> None:
+    """NOTE [weights read on another stream] in ooc.optim.pipeline: without a lazy snapshot ``save``
+    copies the live weights to the host on its caller's stream (the default one here, the training
+    runs on a side stream) and returns. The next step's copies in (the update's; with
+    ``delayed_update`` the launch's, in the backward) waited only for the side stream, so with the
+    default stream held back by a spin they overwrote weights the version had not read yet: it held
+    the next update's weights. The pinned buffers are warmed by a first save, so that ``save`` itself
+    allocates no page-locked memory (which may wait for the device)."""
+    from ooc.models import GPT
+    from ooc.optim import HostAdamW
+    from tests.helpers import gpt_batch
+
+    torch.manual_seed(0)
+    model = GPT("nano").cuda()
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, delayed_update=delayed)
+    ckpt = Checkpointer(tmp_path, model, opt, lazy=False)
+    side = torch.cuda.Stream()
+    expected: dict[str, torch.Tensor] = {}
+    try:
+        assert not ckpt.lazy
+        for step in range(3):
+            with torch.cuda.stream(side):
+                model(*(t.cuda() for t in gpt_batch(seed=step)))[1].backward()
+                opt.step()
+                opt.zero_grad()
+            if step == 0:
+                ckpt.save(0)
+                ckpt.wait()
+            elif step == 1:
+                opt.synchronize()
+                torch.cuda.synchronize()
+                expected = {name: p.detach().cpu().clone() for name, p in model.named_parameters()}
+                torch.cuda._sleep(2_000_000_000)  # about a second: save()'s copies are queued behind it
+                ckpt.save(1)
+        ckpt.wait()
+    finally:
+        ckpt.close()
+        opt.close()
+    saved = safetensors.torch.load_file(tmp_path / "step-000000001" / MODEL_FILE)
+    for name, value in expected.items():
+        assert torch.equal(saved[name], value), name
