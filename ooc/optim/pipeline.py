@@ -816,9 +816,10 @@ class UpdatePipeline:
         the version had not read yet (one queued behind other work on the default stream), and the
         version held some weights of the next update under valid checksums. So the reader hands the
         event recorded after its reads here, and the next copies in of each bucket wait for it on the
-        copy stream (``after``): the training's stream waits for nothing."""
+        copy stream (``after``): the training's stream waits for nothing. A bucket that copies nothing
+        in for a long while (frozen parameters) keeps only the events not yet complete, not one per save."""
         for status in self.status:
-            status.after = (*status.after, event)
+            status.after = (*(e for e in status.after if not e.query()), event)
 
     def _held_for_step(self, index: int) -> bool:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
