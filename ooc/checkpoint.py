@@ -1817,6 +1817,11 @@ def _host_copy(value: torch.Tensor, pending: list[Any]) -> torch.Tensor:
     stream = torch.cuda.current_stream(value.device)
     with torch.cuda.stream(stream):
         host.copy_(value, non_blocking=True)
+        # Nothing of ooc holds ``value`` until the copy has run, and the caller may drop it at once
+        # (a buffer the next forward reassigns): the caching allocator would then hand its block to
+        # the next allocation on the stream it was allocated on (the default one, for a model built
+        # there) while this stream, if another, has not read it yet.
+        value.record_stream(stream)
         # Blocking: the writer thread waits for it while the GPU may be a step behind; a default
         # event spin-waits there, burning the core the host optimizer needs (as in ooc.backend.cuda).
         event = torch.cuda.Event(blocking=True)

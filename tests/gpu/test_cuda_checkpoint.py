@@ -40,6 +40,35 @@ def test_device_buffers_are_saved_as_they_were_at_save(tmp_path: Path) -> None:
     ckpt.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_device_buffer_dropped_after_save_is_saved_as_it_was(tmp_path: Path) -> None:
+    """NOTE [device state copied asynchronously]: ``save`` on a side stream copies a buffer the model
+    allocated on the default stream, and returns before the copy runs (the side stream is held back
+    by a spin). The buffer reassigned right after frees its block, which the caching allocator hands
+    to the next allocations on the default stream at once unless the copy's stream is recorded on it:
+    the version then held what those allocations wrote."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.BatchNorm1d(64)).cuda()
+    with torch.no_grad():
+        model[1].running_mean.copy_(torch.arange(64.0, device="cuda"))
+    expected = model[1].running_mean.cpu().clone()
+    ckpt = Checkpointer(tmp_path, model)
+    ckpt.save(0)  # warms the pinned allocator: save(1)'s copies need no new page-locked memory
+    ckpt.wait()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # about a second: save(1)'s copies are queued behind it
+        ckpt.save(1)
+    model[1].running_mean = torch.zeros(64, device="cuda")  # the saved buffer's last reference goes
+    junk = [torch.full((64,), -1.0, device="cuda") for _ in range(256)]  # one of them gets its block
+    ckpt.wait()
+    ckpt.close()
+    del junk
+    saved = safetensors.torch.load_file(tmp_path / "step-000000001" / MODEL_FILE)
+    assert torch.equal(saved["1.running_mean"], expected)
+
+
 def test_the_writer_sleeps_while_it_waits_for_the_device_copies(tmp_path: Path) -> None:
     """The writer waits for save()'s device copies on a CUDA event; a default one spin-waits, so the
     writer thread burnt a CPU core (the host optimizer's) for as long as the GPU ran behind the host."""
