@@ -150,9 +150,9 @@ class _BucketState:
     backed_up_ids: frozenset[int] = frozenset()
     """``rollback``: the ids of the parameters that update changed (on every rank), whose backups
     hold their state from before it."""
-    read_while_held: bool = False
-    """Clipping: a forward read the weights while this step's update was held for ``step()``
-    (NOTE [reads of held weights])."""
+    held_readers: list[object] = field(default_factory=list)
+    """Clipping: the compute streams (``Backend.compute_stream``) of the forwards that read the
+    weights while this step's update was held for ``step()`` (NOTE [reads of held weights])."""
     after: tuple[Event, ...] = ()
     """Events of reads of the weights on other streams that the bucket's next copies in wait for
     (then cleared): clipping's compute event set by ``step()`` before it releases the update (NOTE
@@ -505,7 +505,7 @@ class UpdatePipeline:
         for status in self.status:
             status.arrived = set()
             status.launched = False
-            status.read_while_held = False
+            status.held_readers = []
         self._read_grads = {}
         self._launched_hyper = {}
         self._order_grad_writes()
@@ -624,12 +624,17 @@ class UpdatePipeline:
             # them: a step() without device-kept gradients does not wait for it (the update thread
             # may still be behind when nothing else waited on it, as after a step without gradients).
             self.clip_factor()
-        read = [s for s in self.status if s.read_while_held]
-        if read:
-            # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
-            event = self.stages.backend.record_compute()
-            for status in read:
-                status.after, status.read_while_held = (*status.after, event), False
+        recorded: list[tuple[object, Event]] = []
+        for status in self.status:
+            for stream in status.held_readers:
+                # NOTE [reads of held weights]: the copies in must not pass the forwards queued so
+                # far on any stream that read the weights; one event per stream, after them.
+                event = next((e for s, e in recorded if s == stream), None)
+                if event is None:
+                    event = self.stages.backend.record_on(stream)
+                    recorded.append((stream, event))
+                status.after = (*status.after, event)
+            status.held_readers = []
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -791,7 +796,9 @@ class UpdatePipeline:
         microseconds and the stream nothing)."""
         for i in indices:
             if self._held_for_step(i):
-                self.status[i].read_while_held = True
+                readers, stream = self.status[i].held_readers, self.stages.backend.compute_stream()
+                if stream not in readers:
+                    readers.append(stream)
             else:
                 self._wait_done(i)
             if self.status[i].gate:
@@ -832,7 +839,11 @@ class UpdatePipeline:
         releases it, and those copies wait on no compute event of their own (NOTE [the pipeline of
         one bucket]: the exchange waited for the one after the bucket's backward, which this forward
         follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
-        event after them, and the update's copies in wait for it (``_BucketState.after``)."""
+        event after them, and the update's copies in wait for it (``_BucketState.after``). The event
+        was recorded on ``step()``'s stream alone, so a forward on another stream (an evaluation under
+        ``with torch.cuda.stream(e)``; another thread on the CPU twin) could still be reading the
+        weights when the copies overwrote them: each gate notes its caller's stream, and ``step()``
+        records the event on every stream noted (``Backend.record_on``)."""
         return self.config.holds_updates and self.status[index].launched
 
     def clip_factor(self) -> torch.Tensor | None:
