@@ -1806,7 +1806,10 @@ def _host_copy(value: torch.Tensor, pending: list[Any]) -> torch.Tensor:
     memory on the tensor's device's current stream, after the work queued there that produced it,
     and returns without waiting; the writer thread waits for the copies' event before it reads
     them. A later update of the tensor is queued after the copy on that stream (or, on another
-    stream, after the training code's own sync), so the copy reads the state at ``save``."""
+    stream, after the training code's own sync), so the copy reads the state at ``save``. The weights
+    a HostAdamW's buckets hold, copied so when the snapshot is not lazy, are updated by its copies in,
+    which the training code's sync does not order: ``save`` hands it an event after the copies, which
+    the next copies in wait for (NOTE [weights read on another stream] in ooc.optim.pipeline)."""
     value = value.detach()
     if value.device.type != "cuda":
         return value.to("cpu", copy=True)
@@ -1814,6 +1817,11 @@ def _host_copy(value: torch.Tensor, pending: list[Any]) -> torch.Tensor:
     stream = torch.cuda.current_stream(value.device)
     with torch.cuda.stream(stream):
         host.copy_(value, non_blocking=True)
+        # Nothing of ooc holds ``value`` until the copy has run, and the caller may drop it at once
+        # (a buffer the next forward reassigns): the caching allocator would then hand its block to
+        # the next allocation on the stream it was allocated on (the default one, for a model built
+        # there) while this stream, if another, has not read it yet.
+        value.record_stream(stream)
         # Blocking: the writer thread waits for it while the GPU may be a step behind; a default
         # event spin-waits there, burning the core the host optimizer needs (as in ooc.backend.cuda).
         event = torch.cuda.Event(blocking=True)
@@ -2447,12 +2455,16 @@ class Checkpointer:
         bucket_of = {id(p): b.index for b in opt.buckets for p in b.params if b.index not in held} if self.lazy else {}
         slots: dict[int, list[tuple[Any, Any]]] = {}
         pending: list[Any] = []
+        updated = {id(p) for b in opt.buckets for p in b.params} if hasattr(opt, "copies_in_after") else set()
+        weights_copied = False
 
         def place(container: Any, key: Any, value: torch.Tensor, owner: torch.Tensor | None, what: str, file: str) -> None:
+            nonlocal weights_copied
             _refuse_unsavable(what, value, file)  # here, not on the writer thread (NOTE [safetensors dtypes])
             bucket = bucket_of.get(id(owner)) if owner is not None else None
             if bucket is None:
                 container[key] = _host_copy(value, pending)
+                weights_copied |= owner is not None and id(owner) in updated and value is owner
             else:
                 # Live, as its storage is now, not the Parameter: weight streaming points a streamed
                 # parameter's .data at a fresh device copy for each block's forward, which the writer's
@@ -2507,6 +2519,12 @@ class Checkpointer:
             # else: wait for the reads here, as the stage listener does for its copies aside (a
             # save between a backward and a clipped step() is rare; NOTE [lazy snapshots]).
             opt.backend.record_compute().synchronize()
+        if weights_copied:
+            # NOTE [weights read on another stream] in ooc.optim.pipeline: the copies above read the
+            # live weights on this thread's current stream without waiting; the next update's copies
+            # into them wait for this event (the training's stream may be another, which waits for
+            # nothing of this one).
+            opt.copies_in_after(opt.backend.record_compute())
         if slots:
             # NOTE [live device tensors after the gate]: the writer waits for this before its first read.
             pending.append(opt.backend.record_compute())

@@ -69,6 +69,16 @@ class Backend(abc.ABC):
     def record_compute(self) -> Event:
         """An event at the current point of the compute stream."""
 
+    def compute_stream(self) -> object:
+        """The calling thread's current compute stream, for :meth:`record_on` later (a stream that
+        reads the weights: NOTE [reads of held weights] in ooc.optim.pipeline). Compared with ``==``."""
+        return threading.get_ident()
+
+    def record_on(self, stream: object) -> Event:
+        """An event at the current point of ``stream`` (from :meth:`compute_stream`, possibly another
+        thread's), as :meth:`record_compute` is of the caller's own."""
+        return self.record_compute()
+
     @abc.abstractmethod
     def copy_d2h(self, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event: ...
 

@@ -258,6 +258,17 @@ class CpuBackend(Backend):
             return CheckedEvent(event, self._checker.record_compute(), self._checker)
         return event
 
+    def compute_stream(self) -> object:
+        # The checker's compute stream of this thread (NOTE [stream-order checker]), else the thread.
+        return self._checker.compute_stream() if self._checker is not None else threading.get_ident()
+
+    def record_on(self, stream: object) -> Event:
+        if self._checker is None or stream == self._checker.compute_stream():
+            return self.record_compute()
+        # Another thread's compute: its ops ran on that thread as the host issued them; the checker
+        # gives the event what that stream has done and known so far.
+        return CheckedEvent(CpuEvent(done=True), self._checker.record_on(stream), self._checker)
+
     def _copy(self, engine: _CopyEngine, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         if dst.numel() != src.numel() or dst.dtype != src.dtype:
             raise ValueError(f"copy of {src.numel()} {src.dtype} into {dst.numel()} {dst.dtype}")

@@ -107,6 +107,15 @@ class CudaBackend(Backend):
         event.record(torch.cuda.current_stream(self.device))
         return event
 
+    def compute_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def record_on(self, stream: object) -> Event:
+        # Blocking, as record_compute's: the host may wait on it.
+        event = torch.cuda.Event(blocking=True)
+        event.record(stream)
+        return event
+
     def _copy(self, stream: torch.cuda.Stream, dst: torch.Tensor, src: torch.Tensor, after: tuple[Event, ...]) -> Event:
         if not (dst.is_cuda or src.is_cuda):
             return self._host_copy(stream, dst, src, after)

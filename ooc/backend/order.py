@@ -273,6 +273,17 @@ class OrderChecker:
             self._issued_by_host(stream)
             return self._snapshot(stream)
 
+    def compute_stream(self) -> int:
+        """The calling thread's compute stream."""
+        self.watch()
+        with self._lock:
+            return self._compute_stream()
+
+    def record_on(self, stream: int) -> dict[int, int]:
+        """The knowledge an event recorded now on ``stream`` (another thread's compute) carries."""
+        with self._lock:
+            return self._snapshot(stream)
+
     def compute_waits(self, event: object) -> None:
         """``wait_compute``: the calling thread's compute stream is ordered after ``event``."""
         self.watch()

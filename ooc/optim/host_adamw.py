@@ -25,7 +25,7 @@ import torch.nn as nn
 from torch.optim.adamw import adamw
 from torch.utils.weak import WeakIdKeyDictionary
 
-from ooc.backend import Backend, backend_on, check_backend_device, resolve_backend, tensors_device
+from ooc.backend import Backend, Event, backend_on, check_backend_device, resolve_backend, tensors_device
 from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
@@ -303,6 +303,12 @@ class HostAdamW(torch.optim.Optimizer):
         ``step()`` (``max_grad_norm``: NOTE [clipping stalls the pipeline] in ooc.optim.pipeline):
         their EXCHANGE has ended, yet their state and weights change at ``step()``."""
         return self._pipeline.held()
+
+    def copies_in_after(self, event: Event) -> None:
+        """The next copies of new weights into the parameters wait for ``event`` (of :attr:`backend`),
+        recorded after the caller's reads of them on its own stream (NOTE [weights read on another
+        stream] in ooc.optim.pipeline): a checkpoint's copies of the live weights."""
+        self._pipeline.copies_in_after(event)
 
     def uncommitted_buckets(self) -> list[int]:
         """Indices (in :attr:`buckets`) of the buckets whose update of the open step started in the

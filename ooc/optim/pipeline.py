@@ -150,12 +150,13 @@ class _BucketState:
     backed_up_ids: frozenset[int] = frozenset()
     """``rollback``: the ids of the parameters that update changed (on every rank), whose backups
     hold their state from before it."""
-    read_while_held: bool = False
-    """Clipping: a forward read the weights while this step's update was held for ``step()``
-    (NOTE [reads of held weights])."""
+    held_readers: list[object] = field(default_factory=list)
+    """Clipping: the compute streams (``Backend.compute_stream``) of the forwards that read the
+    weights while this step's update was held for ``step()`` (NOTE [reads of held weights])."""
     after: tuple[Event, ...] = ()
-    """Clipping: compute events the update's copies in wait for (set by ``step()`` before it
-    releases the update; NOTE [reads of held weights])."""
+    """Events of reads of the weights on other streams that the bucket's next copies in wait for
+    (then cleared): clipping's compute event set by ``step()`` before it releases the update (NOTE
+    [reads of held weights]), a checkpoint's copies (NOTE [weights read on another stream])."""
 
     def __post_init__(self) -> None:
         self.done.set()
@@ -479,7 +480,8 @@ class UpdatePipeline:
         # stream, and the bucket's next forward waits for them (the gate). They also wait for the
         # compute queued so far: a forward since the backward (warned: it read the new weights) may
         # still be reading the weights they overwrite.
-        status.gate = self.stages.copy_in(index, after=(self.stages.backend.record_compute(),))
+        status.gate = self.stages.copy_in(index, after=(self.stages.backend.record_compute(), *status.after))
+        status.after = ()
 
     def _save(self, job: Job) -> None:
         """``rollback``: the host state of the job's parameters, before the update changes it."""
@@ -503,7 +505,7 @@ class UpdatePipeline:
         for status in self.status:
             status.arrived = set()
             status.launched = False
-            status.read_while_held = False
+            status.held_readers = []
         self._read_grads = {}
         self._launched_hyper = {}
         self._order_grad_writes()
@@ -536,8 +538,10 @@ class UpdatePipeline:
             if self.config.delayed_update and status.pending_h2d:
                 # The previous update's weights go in now that this step's backward of the bucket has
                 # read the old ones: this hook runs when the host has *queued* that backward, so the
-                # copies wait on the compute event recorded after it, not just on the host reaching here.
-                status.gate = self.stages.copy_in(index, after=(compute,))
+                # copies wait on the compute event recorded after it, not just on the host reaching here
+                # (and on reads of the old ones on other streams: NOTE [weights read on another stream]).
+                status.gate = self.stages.copy_in(index, after=(compute, *status.after))
+                status.after = ()
                 status.pending_h2d = False
                 self._ended(index, Stage.COPY_IN)
             self._ended(index, Stage.COPY_OUT)
@@ -620,12 +624,17 @@ class UpdatePipeline:
             # them: a step() without device-kept gradients does not wait for it (the update thread
             # may still be behind when nothing else waited on it, as after a step without gradients).
             self.clip_factor()
-        read = [s for s in self.status if s.read_while_held]
-        if read:
-            # NOTE [reads of held weights]: the copies in must not pass the forwards queued so far.
-            event = self.stages.backend.record_compute()
-            for status in read:
-                status.after, status.read_while_held = (event,), False
+        recorded: list[tuple[object, Event]] = []
+        for status in self.status:
+            for stream in status.held_readers:
+                # NOTE [reads of held weights]: the copies in must not pass the forwards queued so
+                # far on any stream that read the weights; one event per stream, after them.
+                event = next((e for s, e in recorded if s == stream), None)
+                if event is None:
+                    event = self.stages.backend.record_on(stream)
+                    recorded.append((stream, event))
+                status.after = (*status.after, event)
+            status.held_readers = []
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -787,7 +796,9 @@ class UpdatePipeline:
         microseconds and the stream nothing)."""
         for i in indices:
             if self._held_for_step(i):
-                self.status[i].read_while_held = True
+                readers, stream = self.status[i].held_readers, self.stages.backend.compute_stream()
+                if stream not in readers:
+                    readers.append(stream)
             else:
                 self._wait_done(i)
             if self.status[i].gate:
@@ -795,6 +806,27 @@ class UpdatePipeline:
                 # whichever stream waited for them before (NOTE [a gate waits on every stream]). The
                 # copies went in order on the backend's one H2D stream: the last one's event covers all.
                 self.stages.backend.wait_compute(self.status[i].gate[-1])
+
+    def copies_in_after(self, event: Event) -> None:
+        """Every bucket's next copies into its parameters wait for ``event``, recorded after reads of
+        the weights on a stream the training's compute may not wait for.
+
+        NOTE [weights read on another stream]
+        The gate orders a reader after the copies in (NOTE [a gate waits on every stream]); the other
+        way round, a bucket's copies in wait only for the training's own compute: the update's for
+        the compute event recorded after the bucket's backward (the exchange waited for it), a
+        ``delayed_update`` launch's for that event itself. A checkpoint that copies the live weights
+        to the host without waiting (``Checkpointer.save`` without a lazy snapshot: ``delayed_update``
+        or ``lazy=False``; NOTE [device state copied asynchronously] in ooc.checkpoint) issues them on
+        its caller's stream. Called outside the training's ``with torch.cuda.stream(s)`` block, those
+        copies were ordered before nothing of the next step: its copies in could overwrite weights
+        the version had not read yet (one queued behind other work on the default stream), and the
+        version held some weights of the next update under valid checksums. So the reader hands the
+        event recorded after its reads here, and the next copies in of each bucket wait for it on the
+        copy stream (``after``): the training's stream waits for nothing. A bucket that copies nothing
+        in for a long while (frozen parameters) keeps only the events not yet complete, not one per save."""
+        for status in self.status:
+            status.after = (*(e for e in status.after if not e.query()), event)
 
     def _held_for_step(self, index: int) -> bool:
         """The bucket's update of this step is held until ``step()`` (clipping: NOTE [clipping stalls
@@ -807,7 +839,11 @@ class UpdatePipeline:
         releases it, and those copies wait on no compute event of their own (NOTE [the pipeline of
         one bucket]: the exchange waited for the one after the bucket's backward, which this forward
         follows). On a GPU its kernels may still be queued then: so ``step()`` records a compute
-        event after them, and the update's copies in wait for it (``_BucketState.after``)."""
+        event after them, and the update's copies in wait for it (``_BucketState.after``). The event
+        was recorded on ``step()``'s stream alone, so a forward on another stream (an evaluation under
+        ``with torch.cuda.stream(e)``; another thread on the CPU twin) could still be reading the
+        weights when the copies overwrote them: each gate notes its caller's stream, and ``step()``
+        records the event on every stream noted (``Backend.record_on``)."""
         return self.config.holds_updates and self.status[index].launched
 
     def clip_factor(self) -> torch.Tensor | None:
@@ -891,7 +927,8 @@ class UpdatePipeline:
         for index, status in enumerate(self.status):
             if status.pending_h2d and not status.launched:
                 flushed += self.stages.staged[index]
-                events += self.stages.copy_in(index, after=after)
+                events += self.stages.copy_in(index, after=(*after, *status.after))
+                status.after = ()
                 status.pending_h2d = False
                 self._ended(index, Stage.COPY_IN)
         for event in events:

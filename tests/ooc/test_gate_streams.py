@@ -82,3 +82,44 @@ def test_a_synchronize_on_another_stream_leaves_the_next_forward_waiting_for_the
     expected_losses, expected = _train(None)
     assert losses == expected_losses
     assert all(torch.equal(m, e) for m, e in zip(masters, expected))
+
+
+def _train_clipped(evaluate: Callable[[Callable[[], object]], None]) -> tuple[list[float], list[torch.Tensor]]:
+    """Losses and masters of :data:`STEPS` steps with ``max_grad_norm`` (the updates held until ``step()``)
+    on the chaos CPU backend with the checker on, a forward without grad run by ``evaluate`` between
+    each backward and its ``step()``."""
+    model = _model()
+    backend = CpuBackend(chaos=ChaosConfig(seed=5, max_delay_s=0.02), check_order=True)
+    opt = HostAdamW(model.parameters(), lr=1e-2, weight_decay=0.1, model=model, backend=backend, max_grad_norm=1.0)
+
+    def forward() -> None:
+        with torch.no_grad():
+            model(*gpt_batch(seed=99))
+
+    try:
+        losses = []
+        for step in range(STEPS):
+            loss = model(*gpt_batch(seed=step))[1]
+            loss.backward()
+            losses.append(loss.item())
+            evaluate(forward)
+            opt.step()
+            opt.zero_grad()
+        opt.synchronize()
+        masters = [opt.state[p]["master"].clone() for p in model.parameters()]
+    finally:
+        opt.close()
+        backend.close()
+    return losses, masters
+
+
+def test_a_forward_on_another_stream_before_a_clipped_step_ends_before_the_held_copies_in() -> None:
+    """NOTE [reads of held weights]: a forward between the backward and a clipped ``step()`` reads the
+    weights the held updates' copies in overwrite once ``step()`` releases them. ``step()`` recorded the
+    event those copies wait for on its own stream only, so a forward on another (an evaluation on a side
+    stream; another thread here) was not ordered before them: StreamOrderError here, an evaluation on
+    half-updated weights on a GPU."""
+    losses, masters = _train_clipped(_on_another_thread)
+    expected_losses, expected = _train_clipped(lambda work: work())
+    assert losses == expected_losses
+    assert all(torch.equal(m, e) for m, e in zip(masters, expected))
