@@ -349,17 +349,27 @@ class UpdatePipeline:
                     f"a gradient of {name} arrived after its host update started, in the same backward: a parameter "
                     "is shared with another bucket's module and its gradient arrives in parts."
                 )
-            raise PipelineError(
-                f"a gradient of {name} arrived after its host update started: a second backward without step() in "
-                "between. For gradient accumulation over k backward passes per step, build HostAdamW with "
-                "accumulate=k."
-            )
+            raise PipelineError(self._too_many_backwards(name))
         status.arrived.add(id(p))
         # A frozen parameter (requires_grad=False, yet passed to the optimizer, as model.parameters()
         # does) never gets a gradient: counting it held the bucket's update until step().
         expected = sum(q.requires_grad for q in self.buckets[bucket].params)
         if not status.at_end and len(status.arrived) == expected and self._last_backward():
             self.launch(bucket)
+
+    def _too_many_backwards(self, name: str) -> str:
+        """The refusal of a backward past the step's last (``accumulate``): a framework's accumulation
+        set apart from HostAdamW's is the usual cause, so it names both settings."""
+        k = self.config.accumulate
+        frameworks = ("transformers.Trainer's gradient_accumulation_steps, Lightning's accumulate_grad_batches, "
+                      "or your loop's backward passes per step")
+        if k == 1:
+            return (f"a gradient of {name} arrived after its host update started: a second backward without step() "
+                    "in between. For gradient accumulation over k backward passes per step, build HostAdamW with "
+                    f"accumulate=k, k as in the loop that calls it ({frameworks}).")
+        return (f"a gradient of {name} arrived after its host update started: backward pass {self.backwards + 1} "
+                f"since the last step(), but HostAdamW(accumulate={k}) updates after backward pass {k}. Build it with "
+                f"accumulate= equal to the backward passes per step ({frameworks}).")
 
     def before_block_forward(self, index: int) -> None:
         """A block's forward (not a recompute inside the backward) is about to run: a block called
