@@ -876,6 +876,10 @@ class UpdatePipeline:
         elif not self._reported:
             self.raise_error()
 
+    def holds_delayed(self) -> bool:
+        """``delayed_update``: some bucket's last committed update is still only in its staged weights."""
+        return self.config.delayed_update and any(s.pending_h2d and not s.launched for s in self.status)
+
     def flush_delayed(self) -> None:
         """``delayed_update``, once training is over (``close()``, after :meth:`settle`): copy each
         bucket's staged weights, the last committed update, into its parameters, so the model holds
