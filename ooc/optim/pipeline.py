@@ -206,6 +206,8 @@ class UpdatePipeline:
         """A backward of the model's outputs began and has not ended (cleared by ``end_backward``)."""
         self.backwards = 0
         """Backward passes ended since the last ``step()``."""
+        self._short_steps = 0
+        """``step()`` calls in a row that came after fewer than ``accumulate`` backward passes."""
         self._serial = 0
         self._backup: dict[int, dict[str, torch.Tensor]] = {}
         """``rollback``: per parameter id, a copy of its host state from before the bucket's last update."""
@@ -636,6 +638,7 @@ class UpdatePipeline:
             event = self.stages.backend.record_compute()
             for status in read:
                 status.after, status.read_while_held = (event,), False
+        self._check_window()
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -645,6 +648,25 @@ class UpdatePipeline:
         self._clipped.clear()
         self._to_exchange(Signal.END_OF_STEP)
         self._reset()
+
+    def _check_window(self) -> None:
+        """Warn once where ``step()`` keeps coming before the ``accumulate``-th backward: a framework
+        stepping every batch (``transformers.Trainer``'s ``gradient_accumulation_steps`` or Lightning's
+        ``accumulate_grad_batches`` left at 1) under ``HostAdamW(accumulate=k)`` trained without the
+        accumulation the user set there, each update waiting for ``step()``, without a word. One short
+        window is an epoch's end; two in a row is the sign (a backward the hooks never saw counts none)."""
+        k = self.config.accumulate
+        if not 0 < self.backwards < k:
+            self._short_steps = 0
+            return
+        self._short_steps += 1
+        if self._short_steps == 2:
+            warnings.warn(
+                f"step() came after {self.backwards} backward pass(es), twice in a row, but HostAdamW(accumulate={k}) "
+                f"expects {k} per step: each step() updates with the gradients of the passes it got (no "
+                f"accumulation over {k}), and the updates wait for step() instead of running in the backward. "
+                "Build HostAdamW with accumulate= equal to the backward passes per step (transformers.Trainer's "
+                "gradient_accumulation_steps, Lightning's accumulate_grad_batches).", UserWarning, stacklevel=4)
 
     def _check_grads_unchanged(self) -> None:
         """Raise if a gradient a launch before ``step()`` read was changed or replaced since.

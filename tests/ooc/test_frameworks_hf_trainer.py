@@ -107,3 +107,38 @@ def test_a_framework_accumulating_more_than_host_adamw_is_told_which_settings_di
     finally:
         opt.close()
         ooc.unwrap(model)
+
+
+def _accumulating_run(accumulation: int) -> list[str]:
+    """Six steps of Trainer with ``gradient_accumulation_steps=accumulation`` on a wrapped GPT-2 with
+    ``HostAdamW(accumulate=2)``, 20 rows in batches of 4 (with 2, an epoch ends on a window of one
+    batch); return the messages of the warnings about accumulate."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, accumulate=2)
+    try:
+        with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=4, report_to="none",
+                                     save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0,
+                                     gradient_accumulation_steps=accumulation, disable_tqdm=True)
+            Trainer(model=model, args=args, train_dataset=lm_rows(20, VOCAB), optimizers=(opt, None)).train()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+    return [str(w.message) for w in caught if "accumulate=" in str(w.message)]
+
+
+def test_a_framework_stepping_every_batch_under_accumulate_is_told() -> None:
+    """``HostAdamW(accumulate=2)`` under Trainer's default ``gradient_accumulation_steps=1``: every
+    ``step()`` came after one backward, so training ran without the accumulation the user asked of
+    HostAdamW (and each update waited for ``step()``), without a word. Two short windows in a row now
+    warn once, naming the settings; an epoch ending on a shorter window (Trainer's own accumulation of
+    2 over 5 batches) does not."""
+    told = _accumulating_run(1)
+    assert len(told) == 1 and "step() came after 1 backward pass(es), twice in a row, but " \
+        "HostAdamW(accumulate=2)" in told[0] and "gradient_accumulation_steps" in told[0]
+    assert _accumulating_run(2) == []
