@@ -8,7 +8,8 @@ the keys: with sdpa and no mask the gradients were silently wrong. HF's own grad
 turns the cache off in training for this reason; ooc does the same in every forward of the model for
 as long as it is wrapped, and says so once (``caches_off_in_forwards``): the outermost forward of a
 module holding a ``config`` with ``use_cache=True`` (outside the chain's blocks) sets every such config
-of the model to False and puts them back at its end, an error's too (a call of an inner model such as
+of the model to False and puts them back at its end, an error's too (a KeyboardInterrupt skips the
+forward hooks: the model's next forward or ``unwrap`` puts them back then; a call of an inner model such as
 ``model.model(...)`` is covered as well). Between forwards the configs hold the user's values: ooc used
 to set them to False from ``wrap`` until ``unwrap``, so ``save_pretrained`` while wrapped (``Trainer``'s
 checkpoints and ``save_model``) wrote ``"use_cache": false`` into ``config.json``, and the model loaded
@@ -109,11 +110,19 @@ class _CachesOffInForwards:
     def __init__(self, configs: list[Any]) -> None:
         self.configs = configs
         self.depth = 0
+        self.outer: nn.Module | None = None
+        """The module whose forward is the outermost one running."""
         self.turned_off: list[Any] = []
 
     def enter(self, module: nn.Module, args: Any) -> None:
+        if self.depth and module is self.outer:
+            # The outermost forward cannot run inside itself: its last call ended by a BaseException
+            # that is no error (KeyboardInterrupt), which skips the forward hooks, so its end never ran.
+            self.depth = 0
         if self.depth == 0:
-            self.turned_off = [c for c in self.configs if getattr(c, "use_cache", None) is True]
+            self.outer = module
+            # Kept from such a call: the configs it turned off, which are off now.
+            self.turned_off += [c for c in self.configs if getattr(c, "use_cache", None) is True]
             for config in self.turned_off:
                 config.use_cache = False
         self.depth += 1

@@ -115,6 +115,15 @@ def test_save_pretrained_while_wrapped_writes_the_users_use_cache(tmp_path) -> N
         with pytest.raises(IndexError):
             model(input_ids=torch.full((1, 4), VOCAB))  # a token past the embedding: the forward raises
         assert seen == [False, False, False] and model.config.use_cache is True
+
+        def interrupt(m: torch.nn.Module, args: object) -> None:
+            raise KeyboardInterrupt  # skips the forward hooks that end a forward
+        handle = model.model.norm.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=x)
+        handle.remove()
+        model(input_ids=x)  # the next forward of the model ends what the interrupted one left
+        assert model.config.use_cache is True
         model.save_pretrained(tmp_path)
         assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
         assert copy.deepcopy(model).config.use_cache is True
