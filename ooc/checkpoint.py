@@ -2062,6 +2062,7 @@ class Checkpointer:
         # later (a process changing directory midway wrote later versions, or half of one, elsewhere).
         self.directory = Path(os.path.abspath(directory))
         model = _compiled_module(model)
+        optimizer = _unwrapped_optimizer(optimizer)
         self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
         self.extra = extra
         self.keep = keep
@@ -3208,6 +3209,19 @@ def _compiled_module(model: nn.Module) -> nn.Module:
     if dynamo is not None and isinstance(model, dynamo.eval_frame.OptimizedModule):
         return model._orig_mod
     return model
+
+
+def _unwrapped_optimizer(optimizer: Any) -> Any:
+    """The optimizer accelerate's ``AcceleratedOptimizer`` wraps (``transformers.Trainer`` hands its
+    callbacks that wrapper), or ``optimizer`` itself. The wrapper forwards ``state_dict`` and ``step`` but
+    no other attribute, so a Checkpointer given it saw no HostAdamW: it lost the lazy snapshots and
+    ``synchronize()``, and a save between the backward and ``step()`` (a callback's
+    ``on_pre_optimizer_step``) was not refused (NOTE [a version holds committed steps]) and held half a
+    step. (Lightning's ``LightningOptimizer`` forwards every attribute.)"""
+    accelerated = sys.modules.get("accelerate.optimizer")  # a wrapper made has imported it; never import it here
+    if accelerated is not None and isinstance(optimizer, accelerated.AcceleratedOptimizer):
+        return optimizer.optimizer
+    return optimizer
 
 
 def scan_versions(directory: str | os.PathLike[str]) -> tuple[list[Version], dict[int, CorruptCheckpointError]]:

@@ -5,12 +5,21 @@ An HF decoder called as ``model(input_ids, labels=...)`` builds a ``DynamicCache
 defaults to the config's ``True``) and each layer appends its keys and values to it. A recomputed
 layer runs again in the backward and appends them a second time, so the re-run attends over twice
 the keys: with sdpa and no mask the gradients were silently wrong. HF's own gradient checkpointing
-turns the cache off in training for this reason; ooc does the same for as long as the model is
-wrapped (every ``config`` found on the model's modules, restored by ``ooc.unwrap``), and says so
-once. A call that asks for ``use_cache=True`` explicitly hands each layer the cache: a recomputed
-layer that receives one is refused at its forward (``cache_argument``), before anything is appended
-(the re-run used to attend over the doubled keys and fail on a shape, or double the cache the call
-returned).
+turns the cache off in training for this reason; ooc does the same in every forward of the model for
+as long as it is wrapped, and says so once (``caches_off_in_forwards``): the outermost forward of a
+module holding a ``config`` with ``use_cache=True`` (outside the chain's blocks) sets every such config
+of the model to False and puts them back at its end, an error's too (a KeyboardInterrupt skips the
+forward hooks: the model's next forward or ``unwrap`` puts them back then; a call of an inner model such as
+``model.model(...)`` is covered as well). Between forwards the configs hold the user's values: ooc used
+to set them to False from ``wrap`` until ``unwrap``, so ``save_pretrained`` while wrapped (``Trainer``'s
+checkpoints and ``save_model``) wrote ``"use_cache": false`` into ``config.json``, and the model loaded
+back without ooc, or a deep copy for EMA, ran without its cache by default. The layers inside a block
+take the cache as an argument from the forward that calls the block, so the re-run in the backward
+(which calls the block's forward directly) gets the same ``None``; a block that itself reads
+``use_cache`` from its config would build a fresh cache in its re-run, filled once, so nothing doubles.
+A call that asks for ``use_cache=True`` explicitly hands each layer the cache: a recomputed layer that
+receives one is refused at its forward (``cache_argument``), before anything is appended (the re-run
+used to attend over the doubled keys and fail on a shape, or double the cache the call returned).
 """
 
 from __future__ import annotations
@@ -101,9 +110,10 @@ def hf_checkpointing_error(model: nn.Module, name: str, module: nn.Module) -> Wr
     )
 
 
-def disable_caches(model: nn.Module, *, warn: bool = True) -> Callable[[], None]:
-    """Set ``use_cache=False`` on every config of ``model`` that has it on; return the undo. ``warn``:
-    say so (for a model left wrapped; a profile, which leaves the model as it found it, does not)."""
+def disable_caches(model: nn.Module) -> Callable[[], None]:
+    """Set ``use_cache=False`` on every config of ``model`` that has it on; return the undo. For a
+    profile, which runs the model under its own hooks and leaves it as it found it (a wrapped model
+    turns the cache off in its forwards instead: ``caches_off_in_forwards``)."""
     configs = {}
     for module in model.modules():
         config = getattr(module, "config", None)
@@ -111,19 +121,81 @@ def disable_caches(model: nn.Module, *, warn: bool = True) -> Callable[[], None]
             configs[id(config)] = config
     for config in configs.values():
         config.use_cache = False
-    if configs and warn:
-        warnings.warn(
-            f"ooc turned off use_cache on {type(model).__name__}'s config while it is wrapped: a recomputed layer "
-            "would append to the key/value cache twice (NOTE [caches and recompute] in ooc.hf). ooc.unwrap turns it "
-            "back on; for generation, unwrap first or pass use_cache=True under torch.no_grad().",
-            stacklevel=4,
-        )
 
     def restore() -> None:
         for config in configs.values():
             config.use_cache = True
 
     return restore
+
+
+class _CachesOffInForwards:
+    """The forward hooks of ``caches_off_in_forwards``: the outermost hooked forward turns off
+    ``use_cache`` on every config that has it on, and the end of that forward (normal or not) puts
+    the values back."""
+
+    def __init__(self, configs: list[Any]) -> None:
+        self.configs = configs
+        self.depth = 0
+        self.outer: nn.Module | None = None
+        """The module whose forward is the outermost one running."""
+        self.turned_off: list[Any] = []
+
+    def enter(self, module: nn.Module, args: Any) -> None:
+        if self.depth and module is self.outer:
+            # The outermost forward cannot run inside itself: its last call ended by a BaseException
+            # that is no error (KeyboardInterrupt), which skips the forward hooks, so its end never ran.
+            self.depth = 0
+        if self.depth == 0:
+            self.outer = module
+            # Kept from such a call: the configs it turned off, which are off now.
+            self.turned_off += [c for c in self.configs if getattr(c, "use_cache", None) is True]
+            for config in self.turned_off:
+                config.use_cache = False
+        self.depth += 1
+
+    def exit(self, module: nn.Module, args: Any, output: Any) -> None:
+        self.depth = max(self.depth - 1, 0)
+        if self.depth == 0:
+            for config in self.turned_off:
+                config.use_cache = True
+            self.turned_off = []
+
+
+def caches_off_in_forwards(model: nn.Module, blocks: Iterable[nn.Module]) -> Callable[[], None]:
+    """Turn ``use_cache`` off in every forward of a module of ``model`` that holds a config with it
+    on, leaving the configs as they are between forwards (NOTE [caches and recompute]); return the
+    undo (removes the hooks). ``blocks``: the chain's blocks; modules inside them get no hooks (a
+    re-run stopped early leaves by a ``BaseException``, past the forward hooks that would lower the
+    count, and what a block's layers cache comes in their arguments from the forward that calls
+    the block). Says so once."""
+    configured = [m for m in model.modules() if getattr(getattr(m, "config", None), "use_cache", None) is True]
+    if not configured:
+        return lambda: None
+    inside = {id(m) for block in blocks for m in block.modules() if m is not block}
+    hooks = _CachesOffInForwards(list({id(m.config): m.config for m in configured}.values()))
+    handles = []
+    for module in (m for m in configured if id(m) not in inside):
+        # First among the pre-hooks, so that no other pre-hook's error comes before the count is raised
+        # (the forward hook, called on errors too, lowers it).
+        handles.append(module.register_forward_pre_hook(hooks.enter, prepend=True))
+        handles.append(module.register_forward_hook(hooks.exit, always_call=True))
+    warnings.warn(
+        f"ooc turned off use_cache in {type(model).__name__}'s forwards while it is wrapped: a recomputed layer "
+        "would append to the key/value cache twice (NOTE [caches and recompute] in ooc.hf). Its config keeps "
+        "use_cache as it was (save_pretrained writes it so); for generation, unwrap first or pass "
+        "use_cache=True under torch.no_grad().",
+        stacklevel=4,
+    )
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+        # A forward left by a BaseException other than an error (KeyboardInterrupt) skipped its end.
+        hooks.depth = 0
+        hooks.exit(model, (), None)
+
+    return remove
 
 
 def cache_argument(values: Iterable[Any]) -> str | None:

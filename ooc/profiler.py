@@ -328,7 +328,7 @@ def profile(
     # Every measurement runs as the runtime will, HF key/value caches off (they change a layer's ops),
     # without a word: each runtime installed below finds them off already and says nothing either
     # (it said so once per measurement, four times for one wrap(sample=...)).
-    restore_caches = disable_caches(model, warn=False)
+    restore_caches = disable_caches(model)
     outputs = [0] * len(chain)
     handles = [
         m.register_forward_hook(lambda _m, _a, out, i=i: outputs.__setitem__(i, _bytes(out)))

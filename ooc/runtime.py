@@ -33,7 +33,7 @@ from ooc import nvtx
 from ooc.backend import Backend
 from ooc.blocks import Chain, check_first_forward, shared_parameter_ids
 from ooc.errors import BlockError, SavedTensorModifiedError, WrapError, check_saved_tensors_hooks_enabled
-from ooc.hf import check_block_not_checkpointed, check_no_hf_checkpointing, disable_caches, layerdrop
+from ooc.hf import caches_off_in_forwards, check_block_not_checkpointed, check_no_hf_checkpointing, layerdrop
 from ooc.plain_copy import PlainDeepCopy
 from ooc.pool import HostPool
 from ooc.recompute import run_recomputed
@@ -961,7 +961,7 @@ def install(model: nn.Module, chain: Chain, plan: Plan, backend: Backend, *, own
     check_codecs(plan, torch.cuda.get_device_capability(backend.device) if backend.device.type == "cuda" else None)
     runtime = Runtime(model, chain, plan, backend, owns_backend=owns_backend)
     runtime.check_recompute = check_recompute
-    runtime.on_uninstall.append(disable_caches(model))
+    runtime.on_uninstall.append(caches_off_in_forwards(model, chain.modules))
     runtime.install()
     _RUNTIMES[model] = runtime
     return runtime

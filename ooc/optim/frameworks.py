@@ -1,6 +1,6 @@
 """Signs that hooks read the weights right after a HostAdamW's ``step()`` (a training framework drives it:
 Lightning, transformers.Trainer through accelerate's optimizer wrapper; or torch's step post-hooks), and
-that a framework saves the model after its training.
+that a framework saves or evaluates the model after its training.
 
 None of these imports a framework: a framework not imported yet cannot be on the stack.
 
@@ -64,7 +64,8 @@ framework's wrappers (accelerate's, GradScaler's: NOTE [a GradScaler behind a wr
 
 _SAVE_CALLERS_TO_SEARCH = 40
 """Frames above a ``state_dict()`` hook searched for a framework's save: its saving helpers, and
-``Module.state_dict``'s own recursion into the submodule the optimizer trains."""
+``Module.state_dict``'s own recursion into the submodule the optimizer trains; above a forward hook, for
+a framework's evaluation: its loops, the user's step and ``generate``'s decoding loop."""
 
 
 def caller_running(code: CodeType, depth: int = _CALLERS_TO_SEARCH) -> FrameType | None:
@@ -105,4 +106,21 @@ def saving_after_training() -> bool:
                                                               _SAVE_CALLERS_TO_SEARCH)):
             state = getattr(frame.f_locals.get("self"), "state", None)
             return state is not None and state.finished
+    return False
+
+
+def evaluating_after_training() -> bool:
+    """A forward runs inside a framework's evaluation or prediction once its training has ended:
+    ``transformers.Trainer``'s ``evaluate()`` or ``predict()`` (its ``evaluation_loop``) outside ``train()``,
+    or Lightning's ``validate()``, ``test()`` or ``predict()`` (a stage other than ``fit``; the validation
+    inside ``fit()`` is not) (NOTE [the last delayed update at a framework's final save] in ooc.optim.host_adamw)."""
+    hf = sys.modules.get("transformers.trainer")
+    if hf is not None and (frame := caller_running(hf.Trainer.evaluation_loop.__code__, _SAVE_CALLERS_TO_SEARCH)):
+        return not getattr(frame.f_locals.get("self"), "is_in_train", True)
+    for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        lightning = sys.modules.get(name)
+        if lightning is not None and (frame := caller_running(lightning.Trainer._run_stage.__code__,
+                                                              _SAVE_CALLERS_TO_SEARCH)):
+            fn = getattr(getattr(frame.f_locals.get("self"), "state", None), "fn", None)
+            return fn is not None and getattr(fn, "value", fn) != "fit"
     return False

@@ -30,7 +30,7 @@ from ooc.blocks import Chain, find_blocks
 from ooc.distributed import DataParallel, GroupCommunicator, join_world
 from ooc.errors import BlockError, OocError
 from ooc.optim.buckets import Bucket, make_buckets
-from ooc.optim.frameworks import caller_running, hooks_follow_step, saving_after_training
+from ooc.optim.frameworks import caller_running, evaluating_after_training, hooks_follow_step, saving_after_training
 from ooc.optim.layout import dense, grad32_elements, make_layout, storage_span
 from ooc.optim.loss_scale import LossScale
 from ooc.optim.pipeline import PipelineConfig, PipelineError, UpdatePipeline
@@ -371,6 +371,10 @@ class HostAdamW(torch.optim.Optimizer):
         def before_forward(_m: nn.Module, _args: Any) -> None:
             _check_same_streamer(model, streamer)
             pipe.before_forward(outside)
+            if not torch.is_grad_enabled() and pipe.holds_delayed() and evaluating_after_training():
+                # NOTE [the last delayed update at a framework's final save]: its evaluation too.
+                pipe.synchronize()
+                pipe.flush_delayed()
             if buffers is not None:
                 buffers.before_forward(model)
 
@@ -1147,8 +1151,14 @@ def _before_model_state_dict(pipe: UpdatePipeline) -> None:
     while it trains (``save_steps``, ``ModelCheckpoint``) keep the lag: the next forward must read the
     older weights, and a resume from them goes on bit for bit. Training again after such a save runs
     its first step on the newest weights (the copy in is not repeated): one step without the delay.
-    Not caught: a save of one's own after the framework's training (``torch.save(model.state_dict())``):
-    ``close()`` the optimizer before it, as the README says."""
+    Likewise the framework's evaluation after its training (a forward without grad inside Trainer's
+    ``evaluate()``/``predict()`` outside ``train()``, Lightning's ``validate()``/``test()``/``predict()``):
+    it evaluated the weights one update behind, so the usual ``trainer.train(); trainer.evaluate();
+    trainer.save_model()`` reported the metrics of other weights than it saved; it now puts the last
+    update in first. The evaluations while it trains (``eval_steps``, Lightning's validation inside
+    ``fit()``) keep the lag, as its saves then do. Not caught: a save or a forward of one's own after the
+    framework's training (``torch.save(model.state_dict())``, ``model.generate``): ``close()`` the
+    optimizer before it, as the README says."""
     pipe.synchronize()
     if pipe.config.delayed_update and saving_after_training():
         pipe.flush_delayed()

@@ -207,6 +207,8 @@ class UpdatePipeline:
         """A backward of the model's outputs began and has not ended (cleared by ``end_backward``)."""
         self.backwards = 0
         """Backward passes ended since the last ``step()``."""
+        self._short_steps = 0
+        """``step()`` calls in a row that came after fewer than ``accumulate`` backward passes."""
         self._serial = 0
         self._backup: dict[int, dict[str, torch.Tensor]] = {}
         """``rollback``: per parameter id, a copy of its host state from before the bucket's last update."""
@@ -350,17 +352,27 @@ class UpdatePipeline:
                     f"a gradient of {name} arrived after its host update started, in the same backward: a parameter "
                     "is shared with another bucket's module and its gradient arrives in parts."
                 )
-            raise PipelineError(
-                f"a gradient of {name} arrived after its host update started: a second backward without step() in "
-                "between. For gradient accumulation over k backward passes per step, build HostAdamW with "
-                "accumulate=k."
-            )
+            raise PipelineError(self._too_many_backwards(name))
         status.arrived.add(id(p))
         # A frozen parameter (requires_grad=False, yet passed to the optimizer, as model.parameters()
         # does) never gets a gradient: counting it held the bucket's update until step().
         expected = sum(q.requires_grad for q in self.buckets[bucket].params)
         if not status.at_end and len(status.arrived) == expected and self._last_backward():
             self.launch(bucket)
+
+    def _too_many_backwards(self, name: str) -> str:
+        """The refusal of a backward past the step's last (``accumulate``): a framework's accumulation
+        set apart from HostAdamW's is the usual cause, so it names both settings."""
+        k = self.config.accumulate
+        frameworks = ("transformers.Trainer's gradient_accumulation_steps, Lightning's accumulate_grad_batches, "
+                      "or your loop's backward passes per step")
+        if k == 1:
+            return (f"a gradient of {name} arrived after its host update started: a second backward without step() "
+                    "in between. For gradient accumulation over k backward passes per step, build HostAdamW with "
+                    f"accumulate=k, k as in the loop that calls it ({frameworks}).")
+        return (f"a gradient of {name} arrived after its host update started: backward pass {self.backwards + 1} "
+                f"since the last step(), but HostAdamW(accumulate={k}) updates after backward pass {k}. Build it with "
+                f"accumulate= equal to the backward passes per step ({frameworks}).")
 
     def before_block_forward(self, index: int) -> None:
         """A block's forward (not a recompute inside the backward) is about to run: a block called
@@ -635,6 +647,7 @@ class UpdatePipeline:
                     recorded.append((stream, event))
                 status.after = (*status.after, event)
             status.held_readers = []
+        self._check_window()
         for i, status in enumerate(self.status):
             if not status.launched:
                 self.launch(i)
@@ -644,6 +657,25 @@ class UpdatePipeline:
         self._clipped.clear()
         self._to_exchange(Signal.END_OF_STEP)
         self._reset()
+
+    def _check_window(self) -> None:
+        """Warn once where ``step()`` keeps coming before the ``accumulate``-th backward: a framework
+        stepping every batch (``transformers.Trainer``'s ``gradient_accumulation_steps`` or Lightning's
+        ``accumulate_grad_batches`` left at 1) under ``HostAdamW(accumulate=k)`` trained without the
+        accumulation the user set there, each update waiting for ``step()``, without a word. One short
+        window is an epoch's end; two in a row is the sign (a backward the hooks never saw counts none)."""
+        k = self.config.accumulate
+        if not 0 < self.backwards < k:
+            self._short_steps = 0
+            return
+        self._short_steps += 1
+        if self._short_steps == 2:
+            warnings.warn(
+                f"step() came after {self.backwards} backward pass(es), twice in a row, but HostAdamW(accumulate={k}) "
+                f"expects {k} per step: each step() updates with the gradients of the passes it got (no "
+                f"accumulation over {k}), and the updates wait for step() instead of running in the backward. "
+                "Build HostAdamW with accumulate= equal to the backward passes per step (transformers.Trainer's "
+                "gradient_accumulation_steps, Lightning's accumulate_grad_batches).", UserWarning, stacklevel=4)
 
     def _check_grads_unchanged(self) -> None:
         """Raise if a gradient a launch before ``step()`` read was changed or replaced since.
@@ -901,6 +933,10 @@ class UpdatePipeline:
             self.gate([i for i, status in enumerate(self.status) if not status.launched])  # raises a failure
         elif not self._reported:
             self.raise_error()
+
+    def holds_delayed(self) -> bool:
+        """``delayed_update``: some bucket's last committed update is still only in its staged weights."""
+        return self.config.delayed_update and any(s.pending_h2d and not s.launched for s in self.status)
 
     def flush_delayed(self) -> None:
         """``delayed_update``, once training is over (``close()``, after :meth:`settle`): copy each

@@ -423,3 +423,94 @@ def test_lightning_checkpoints_during_fit_keep_the_delayed_lag(tmp_path: Path) -
     _close(trainer)
     saved = torch.load(tmp_path / "step=2.ckpt", weights_only=False)["state_dict"]
     assert lagging and all(torch.equal(saved[k], lagging[k]) for k in lagging)
+
+
+def _weights(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def test_trainer_evaluate_after_train_evaluates_the_last_delayed_update(tmp_path: Path) -> None:
+    """NOTE [the last delayed update at a framework's final save], for evaluations: with ``delayed_update``
+    ``trainer.evaluate()`` after ``train()`` evaluated the weights one update behind, and the
+    ``save_model()`` after it (which puts the last update in) saved other weights than the metrics were
+    of. Its forwards now put the update in first, and evaluate what ``close()`` gives; the evaluations
+    while Trainer trains (``eval_steps``) keep the lag, reading the weights its training step left."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import TrainerCallback
+
+    seen: dict[str, dict[str, torch.Tensor]] = {}
+
+    class Snapshot(TrainerCallback):
+        def on_step_end(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
+            if state.global_step == 2:
+                seen["stepped"] = _weights(model)
+
+    def evaluated(m: torch.nn.Module, args: Any) -> None:
+        """The weights each evaluation's forward reads (after HostAdamW's own pre-hook)."""
+        if not torch.is_grad_enabled():
+            seen.setdefault(f"eval{len(seen)}", _weights(m))
+
+    model = _gpt2()
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-2, model=model, delayed_update=True)
+    model.register_forward_pre_hook(evaluated)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            trainer = _trainer(model, opt, str(tmp_path), [Snapshot()])
+            trainer.args.eval_strategy, trainer.args.eval_steps = "steps", 2
+            trainer.eval_dataset = lm_rows(4, VOCAB)
+            trainer.train()
+            assert sorted(seen) == ["eval1", "eval2", "stepped"]  # at steps 2 and 4, in training
+            after = trainer.evaluate()["eval_loss"]
+    finally:
+        opt.close()
+    assert all(torch.equal(seen["eval1"][k], v) for k, v in seen["stepped"].items())
+    final = _weights(model)
+    assert all(torch.equal(seen["eval3"][k], v) for k, v in final.items())
+    assert not all(torch.equal(seen["eval2"][k], v) for k, v in final.items())  # the lag was there
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert after == trainer.evaluate()["eval_loss"]  # the loss of the weights save_model() saves
+
+
+def test_lightning_validate_after_fit_validates_the_last_delayed_update() -> None:
+    """Lightning's ``trainer.validate()`` after ``fit()`` (its stage ``validate``) with ``delayed_update``
+    validated the weights one update behind; it now reads what ``close()`` gives. The validation inside
+    ``fit()`` keeps the lag."""
+    pytest.importorskip("lightning")
+    import lightning as L
+
+    example = load_example("lightning_hostadamw")
+    seen: list[dict[str, torch.Tensor]] = []
+    stepped: list[dict[str, torch.Tensor]] = []
+
+    class Classifier(example.Classifier):
+        def validation_step(self, batch: Any, batch_idx: int) -> None:
+            self.net(batch[0])
+            seen.append(_weights(self.net))  # what the forward read
+
+        def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+            stepped.append(_weights(self.net))
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return ooc.optim.HostAdamW(self.parameters(), lr=1e-2, model=self.net, delayed_update=True)
+
+    torch.manual_seed(0)
+    module = Classifier(wrapped=False)
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(32, 16, generator=g), torch.randint(0, 10, (32,), generator=g))
+    loader = torch.utils.data.DataLoader(data, batch_size=8)
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                        val_check_interval=2, limit_val_batches=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # Lightning's advice on dataloader workers
+        trainer.fit(module, loader, loader)
+        assert len(seen) == 2  # after steps 2 and 4, inside fit()
+        trainer.validate(module, loader)
+    _close(trainer)
+    final = _weights(module.net)
+    assert all(torch.equal(seen[0][k], v) for k, v in stepped[1].items())
+    assert not all(torch.equal(seen[1][k], v) for k, v in final.items())  # the lag was there
+    assert all(torch.equal(seen[2][k], v) for k, v in final.items())

@@ -118,6 +118,35 @@ def test_a_checkpointer_saved_from_a_trainer_callback_holds_the_trainers_checkpo
             ooc.unwrap(model)
 
 
+def test_a_checkpointer_given_trainers_optimizer_wrapper_refuses_a_save_inside_the_step(tmp_path: Path) -> None:
+    """Trainer hands its callbacks the optimizer in accelerate's ``AcceleratedOptimizer``, which forwards
+    ``state_dict`` but no other attribute: a Checkpointer made with it as it came saw no HostAdamW, and a
+    save from ``on_pre_optimizer_step`` (after the backward, before ``step()``) wrote a version holding
+    the updates the backward had started, half a step, without a word (NOTE [a version holds committed
+    steps]). The Checkpointer now takes the HostAdamW inside, and refuses that save as it does
+    unwrapped."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from transformers import TrainerCallback
+
+    class SaveInsideTheStep(TrainerCallback):
+        ckpt: Checkpointer | None = None
+
+        def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+                           **kwargs: Any) -> None:
+            assert type(optimizer).__name__ == "AcceleratedOptimizer"
+            self.ckpt = Checkpointer(tmp_path / "ooc", model, optimizer)
+
+        def on_pre_optimizer_step(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            self.ckpt.save(state.global_step + 1)
+
+    saver = SaveInsideTheStep()
+    with pytest.raises(CheckpointError, match=r"save\(\) between a backward and step\(\)"):
+        _hf_run(str(tmp_path / "hf"), {}, 1, callbacks=[saver])
+    saver.ckpt.close()
+    assert not (tmp_path / "ooc" / "step-000000001").exists()
+
+
 def _fit(module: Any, callbacks: list, steps: int = 6, ckpt_path: str | None = None) -> Any:
     """``fit`` on 3 batches of 8 random rows per epoch; return the Lightning trainer."""
     import lightning as L
@@ -226,4 +255,44 @@ def test_a_second_save_at_one_step_from_a_lightning_hook_says_so(tmp_path: Path)
     finally:
         restorer.close()
         fresh_opt.close()
+        ooc.unwrap(fresh.net)
+
+
+def test_a_checkpointer_saved_from_lightnings_on_train_batch_end_holds_model_checkpoints_state(tmp_path: Path) -> None:
+    """A Checkpointer saved from a Lightning callback's ``on_train_batch_end`` at every step (the README's
+    recipe) holds at step 3 what ``ModelCheckpoint``, saving at the same hook after it, holds: the weights
+    and every moment, bit for bit."""
+    pytest.importorskip("lightning")
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    class EachStep(L.Callback):
+        ckpt: Checkpointer | None = None
+
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            self.ckpt = Checkpointer(tmp_path / "ooc", pl_module.net, trainer.optimizers[0], keep=None)
+
+        def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            self.ckpt.save(trainer.global_step)
+
+    torch.manual_seed(0)
+    module = load_example("lightning_hostadamw").Classifier(wrapped=True)
+    saver = EachStep()
+    trainer = _fit(module, [ModelCheckpoint(dirpath=tmp_path / "l", every_n_train_steps=3, save_top_k=-1), saver], steps=4)
+    saver.ckpt.close()
+    trainer.optimizers[0].close()
+    ooc.unwrap(module.net)
+    fresh = load_example("lightning_hostadamw").Classifier(wrapped=True)
+    opt = ooc.optim.HostAdamW(fresh.parameters(), lr=1e-2, model=fresh.net)
+    restorer = Checkpointer(tmp_path / "ooc", fresh.net, opt)
+    try:
+        restorer.restore(3)
+        theirs = torch.load(tmp_path / "l" / "epoch=0-step=3.ckpt", weights_only=False)
+        assert all(torch.equal(theirs["state_dict"][f"net.{k}"], v) for k, v in fresh.net.state_dict().items())
+        their_state, our_state = theirs["optimizer_states"][0]["state"], opt.state_dict()["state"]
+        assert sorted(their_state) == sorted(our_state)
+        assert all(torch.equal(their_state[i][k], our_state[i][k]) for i in their_state for k in ("exp_avg", "exp_avg_sq", "step"))
+    finally:
+        restorer.close()
+        opt.close()
         ooc.unwrap(fresh.net)

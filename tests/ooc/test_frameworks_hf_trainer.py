@@ -78,3 +78,67 @@ def test_accelerate_prepare_moves_no_host_state_to_the_device(monkeypatch) -> No
         assert all(float(opt.state[p]["step"]) == 0 and "exp_avg" in opt.state[p] for p in model.parameters())
     finally:
         opt.close()
+
+
+def test_a_framework_accumulating_more_than_host_adamw_is_told_which_settings_differ() -> None:
+    """Trainer's ``gradient_accumulation_steps=4`` with ``HostAdamW(accumulate=2)``: the third backward
+    found its buckets updated already, and the refusal said to build HostAdamW with ``accumulate=k``,
+    which the user had done; it now counts the backward passes, names the ``accumulate`` it was built
+    with and the framework settings it must equal."""
+    from ooc.optim.pipeline import PipelineError
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, accumulate=2)
+    try:
+        with tempfile.TemporaryDirectory() as out:
+            args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=4, report_to="none",
+                                     save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0,
+                                     gradient_accumulation_steps=4, disable_tqdm=True)
+            trainer = Trainer(model=model, args=args, train_dataset=lm_rows(16, VOCAB), optimizers=(opt, None))
+            with pytest.raises(PipelineError, match=r"backward pass 3 since the last step\(\), but "
+                                                    r"HostAdamW\(accumulate=2\) updates after backward pass 2.*"
+                                                    r"Trainer's gradient_accumulation_steps, Lightning's "
+                                                    r"accumulate_grad_batches"):
+                trainer.train()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+
+
+def _accumulating_run(accumulation: int) -> list[str]:
+    """Six steps of Trainer with ``gradient_accumulation_steps=accumulation`` on a wrapped GPT-2 with
+    ``HostAdamW(accumulate=2)``, 20 rows in batches of 4 (with 2, an epoch ends on a window of one
+    batch); return the messages of the warnings about accumulate."""
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")
+    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, accumulate=2)
+    try:
+        with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=4, report_to="none",
+                                     save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0,
+                                     gradient_accumulation_steps=accumulation, disable_tqdm=True)
+            Trainer(model=model, args=args, train_dataset=lm_rows(20, VOCAB), optimizers=(opt, None)).train()
+    finally:
+        opt.close()
+        ooc.unwrap(model)
+    return [str(w.message) for w in caught if "accumulate=" in str(w.message)]
+
+
+def test_a_framework_stepping_every_batch_under_accumulate_is_told() -> None:
+    """``HostAdamW(accumulate=2)`` under Trainer's default ``gradient_accumulation_steps=1``: every
+    ``step()`` came after one backward, so training ran without the accumulation the user asked of
+    HostAdamW (and each update waited for ``step()``), without a word. Two short windows in a row now
+    warn once, naming the settings; an epoch ending on a shorter window (Trainer's own accumulation of
+    2 over 5 batches) does not."""
+    told = _accumulating_run(1)
+    assert len(told) == 1 and "step() came after 1 backward pass(es), twice in a row, but " \
+        "HostAdamW(accumulate=2)" in told[0] and "gradient_accumulation_steps" in told[0]
+    assert _accumulating_run(2) == []

@@ -86,7 +86,49 @@ def test_wrap_with_a_sample_says_once_that_the_cache_is_off() -> None:
     assert model.config.use_cache is True
     assert cache_warnings(lambda: ooc.wrap(model, budget="1GiB", sample=sample)) == 1
     try:
-        assert model.config.use_cache is False
+        assert model.config.use_cache is True  # off only inside the model's forwards
     finally:
         ooc.unwrap(model)
     assert model.config.use_cache is True
+
+
+def test_save_pretrained_while_wrapped_writes_the_users_use_cache(tmp_path) -> None:  # noqa: ANN001
+    """NOTE [caches and recompute]: ooc set ``use_cache=False`` on the configs from ``wrap`` to ``unwrap``,
+    so ``save_pretrained`` while wrapped (``Trainer``'s checkpoints, ``trainer.save_model()``) wrote
+    ``"use_cache": false``, and the model loaded back without ooc, like a deep copy for EMA, ran without its
+    cache. The cache is now off only inside the wrapped model's forwards (an inner model called directly
+    too, and after a forward that raised), and the configs keep the user's values in between."""
+    import json
+    import warnings
+
+    torch.manual_seed(0)
+    model = _llama("sdpa").train()
+    seen: list[object] = []
+    model.model.register_forward_pre_hook(lambda m, args: seen.append(m.config.use_cache))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ooc.wrap(model, ooc.Plan.of(["recompute", "swap", "recompute"], min_swap_bytes=0), backend="cpu")
+    try:
+        x = torch.randint(0, VOCAB, (2, 8))
+        model(input_ids=x, labels=x).loss.backward()
+        model.model(input_ids=x).last_hidden_state.sum().backward()
+        with pytest.raises(IndexError):
+            model(input_ids=torch.full((1, 4), VOCAB))  # a token past the embedding: the forward raises
+        assert seen == [False, False, False] and model.config.use_cache is True
+
+        def interrupt(m: torch.nn.Module, args: object) -> None:
+            raise KeyboardInterrupt  # skips the forward hooks that end a forward
+        handle = model.model.norm.register_forward_pre_hook(interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            model(input_ids=x)
+        handle.remove()
+        model(input_ids=x)  # the next forward of the model ends what the interrupted one left
+        assert model.config.use_cache is True
+        model.save_pretrained(tmp_path)
+        assert json.loads((tmp_path / "config.json").read_text())["use_cache"] is True
+        assert copy.deepcopy(model).config.use_cache is True
+    finally:
+        ooc.unwrap(model)
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    assert loaded.config.use_cache is True
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in model.state_dict().items())
