@@ -576,14 +576,14 @@ class _Watched:
 
     NOTE [a watched thread ends unwatched]
     A mode pushed on a thread lives in torch's C++ thread-local dispatch stack, which drops it only
-    as the OS thread exits, after Python is done with the thread (``join()`` has returned): its
+    as the OS thread exits, after Python is done with the thread (``join()`` may have returned): its
     destructor takes the GIL to let go of the mode. A watched thread that ended at exit (a HostAdamW's
     host threads and the copy engines, stopped by their finalizers: NOTE [threads stop at exit] in
     ooc.optim.pipeline) then asked for the GIL while the interpreter finalized, and CPython ended it
     with ``pthread_exit`` inside that C++ destructor: the process died with SIGABRT ("terminate called
-    without an active exception") after the tests had passed (once in a pytest run of eight of the
-    tests/ooc files; 13 exits in 40 for a script whose threads push a mode and end right before it
-    exits). So the mode is popped while the thread still runs Python: CPython frees a thread's
+    without an active exception") after the tests had passed (a pytest run of eight of the tests/ooc
+    files, now and then; 8 exits in 15 of a script whose watched threads end right before it exits).
+    So the mode is popped while the thread still runs Python: CPython frees a thread's
     ``threading.local`` values on that thread as it ends, before ``join()`` returns, and this object's
     ``__del__`` pops the mode there. (Freed on another thread, as the interpreter clears a daemon
     thread's state at exit, it does nothing: that thread's stack is not the caller's.)"""
