@@ -68,7 +68,7 @@ import weakref
 from typing import Any, NamedTuple
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, _pop_mode, _push_mode
+from torch.utils._python_dispatch import TorchDispatchMode, _push_mode
 
 from ooc.errors import OocError
 
@@ -209,7 +209,7 @@ class OrderChecker:
         """Per arena chunk (its storage's address): the chunk's storage, and the (starts, ends) of
         the slices carved from it, sorted; replaced whole on each carve, so readers need no lock."""
         self._tls = threading.local()
-        """Per thread: ``mode`` (its dispatch mode, once watched) and ``compute`` (its compute stream,
+        """Per thread: ``watched`` (its dispatch mode, once watched: :class:`_Watched`) and ``compute`` (its compute stream,
         once it issues device work: records or waits on compute, allocates a device buffer, runs a
         collective; until then its ops are host work). Thread-local, so a new thread that reuses a
         dead one's id starts afresh."""
@@ -560,26 +560,67 @@ class OrderChecker:
         puts back the thread-local state it found (the dispatch stack included). So a thread whose
         first call came inside a backward (a hook of an unwrapped model's HostAdamW) was taken for
         watched for the rest of the run and never checked again; the mode is looked for, and pushed
-        again where it is gone."""
-        mode = getattr(self._tls, "mode", None)
+        again where it is gone. The mode is popped again when the thread ends (NOTE [a watched thread
+        ends unwatched])."""
+        watched = getattr(self._tls, "watched", None)
         stack_len = torch._C._len_torch_dispatch_stack()
-        if mode is not None and any(torch._C._get_dispatch_stack_at(i) is mode for i in range(stack_len)):
+        if watched is not None and any(torch._C._get_dispatch_stack_at(i) is watched.mode for i in range(stack_len)):
             return
         if stack_len != 0:
             return  # another mode is active: pushing under it would break its exit
         mode = _Watch(self)
         _push_mode(mode)
-        self._tls.mode = mode
+        self._tls.watched = _Watched(mode)
 
     def unwatch(self) -> None:
         """Stop watching the calling thread (if its dispatch stack has our mode on top)."""
-        mode = getattr(self._tls, "mode", None)
-        if mode is None:
+        watched = getattr(self._tls, "watched", None)
+        if watched is None:
             return
-        self._tls.mode = None
-        stack_len = torch._C._len_torch_dispatch_stack()
-        if stack_len and torch._C._get_dispatch_stack_at(stack_len - 1) is mode:
-            _pop_mode()
+        self._tls.watched = None
+        watched.end()
+
+
+class _Watched:
+    """A watched thread's dispatch mode, held in the checker's thread-local state: :meth:`end` pops it,
+    and so does the thread's end.
+
+    NOTE [a watched thread ends unwatched]
+    A mode pushed on a thread lives in torch's C++ thread-local dispatch stack, which drops it only
+    as the OS thread exits, after Python is done with the thread (``join()`` may have returned): its
+    destructor takes the GIL to let go of the mode. A watched thread that ended at exit (a HostAdamW's
+    host threads and the copy engines, stopped by their finalizers: NOTE [threads stop at exit] in
+    ooc.optim.pipeline) then asked for the GIL while the interpreter finalized, and CPython ended it
+    with ``pthread_exit`` inside that C++ destructor: the process died with SIGABRT ("terminate called
+    without an active exception") after the tests had passed (a pytest run of eight of the tests/ooc
+    files, now and then; 8 exits in 15 of a script whose watched threads end right before it exits).
+    So the mode is popped while the thread still runs Python: CPython frees a thread's
+    ``threading.local`` values on that thread as it ends, before ``join()`` returns, and this object's
+    ``__del__`` pops the mode there. (Freed on another thread, as the interpreter clears a daemon
+    thread's state at exit, it does nothing: that thread's stack is not the caller's.)"""
+
+    __slots__ = ("mode", "_thread")
+    # Bound now, not looked up in the module when the object goes: the main thread's goes as the
+    # interpreter clears its last state, after the module's globals.
+    _get_ident = staticmethod(threading.get_ident)
+    _stack_len = staticmethod(torch._C._len_torch_dispatch_stack)
+    _stack_at = staticmethod(torch._C._get_dispatch_stack_at)
+    _pop = staticmethod(torch._C._pop_torch_dispatch_stack)
+
+    def __init__(self, mode: _Watch) -> None:
+        self.mode = mode
+        self._thread = threading.get_ident()
+
+    def end(self) -> None:
+        """Pop the mode, if this is its thread and the mode is on top of its dispatch stack."""
+        if self._get_ident() != self._thread:
+            return
+        stack_len = self._stack_len()
+        if stack_len and self._stack_at(stack_len - 1) is self.mode:
+            self._pop(None)
+
+    def __del__(self) -> None:
+        self.end()
 
 
 class _Watch(TorchDispatchMode):
