@@ -1170,6 +1170,7 @@ def test_a_version_of_an_earlier_format_is_still_read_and_checked(tmp_path: Path
     record = v.path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
     manifest["format"] = fmt
+    del manifest["record_xxh3"]  # records of those formats hold no digest of themselves (NOTE [damaged records])
     manifest["files"] = {name: {"bytes": r["bytes"], key: digest((v.path / name).read_bytes())}
                          for name, r in manifest["files"].items()}
     record.write_text(json.dumps(manifest))
