@@ -2829,6 +2829,7 @@ class Checkpointer:
         ranks parted without a word. So, with a process group of ``world`` ranks, ``restore`` first
         waits up to ``timeout_s`` for every rank to call it (``ranks_not_arrived``: on the group's
         store, not a collective that would hang), and raises naming the ranks that did not."""
+        step = self._asked_step(version)  # refused before any wait
         if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() == self.world:
             missing = ranks_not_arrived(f"restore:{self.directory}", self.timeout_s)
@@ -2843,13 +2844,11 @@ class Checkpointer:
         found, damaged = _scan(self.directory)  # NOTE [damaged records]
         if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        if version is None:
+        if step is None:
             step = max([v.step for v in found] + list(damaged))
-        else:
-            step = version.step if isinstance(version, Version) else int(version)
-            if step not in damaged and step not in {v.step for v in found}:
-                raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
-                                      f"there are {[v.step for v in found]}")
+        elif step not in damaged and step not in {v.step for v in found}:
+            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
+                                  f"there are {[v.step for v in found]}")
         candidates = [v for v in found if v.step <= step]
         errors = []
         if step in damaged:
@@ -2872,6 +2871,27 @@ class Checkpointer:
             return v
         self._learn(found, damaged)
         raise NoIntactVersionError(self.directory, errors)
+
+    def _asked_step(self, version: int | Version | None) -> int | None:
+        """The step ``version`` names (None: the newest), for :meth:`restore` and :meth:`export`.
+        ``int(version)`` took ``2.7`` for step 2 and ``True`` for step 1, and a :class:`Version` of
+        another directory for this directory's version of its step: each is refused, as ``save``
+        refuses a step that is no integer."""
+        if version is None:
+            return None
+        if isinstance(version, Version):
+            if os.path.abspath(version.path.parent) != os.fspath(self.directory):
+                raise ValueError(f"version {version.path} is not in this Checkpointer's directory {self.directory}: "
+                                 f"restore or export it with a Checkpointer on {version.path.parent}, or pass its "
+                                 "step to restore this directory's version of that step")
+            return version.step
+        if isinstance(version, bool):
+            raise TypeError(f"version must be a step (an int), a Version or None, got {version!r}")
+        try:
+            return operator.index(version)  # np.int64 or a 0-d integer tensor: an int
+        except TypeError:
+            raise TypeError(f"version must be a step (an int), a Version or None, got {version!r} "
+                            f"({type(version).__name__}): int({version!r}) if you mean that step") from None
 
     def _read(self, v: Version) -> dict[str, Any]:
         """Read and check every file this rank needs from ``v`` (saved by any number of ranks, NOTE
@@ -2999,7 +3019,9 @@ class Checkpointer:
         ``model.safetensors``, the file HF's ``from_pretrained`` reads; a path that ends with a slash is
         a directory, made if need be); return the file's path."""
         found = {v.step: v for v in self.versions()}
-        step = (max(found) if found else None) if version is None else (version.step if isinstance(version, Version) else version)
+        step = self._asked_step(version)
+        if step is None:
+            step = max(found) if found else None
         if step not in found:
             raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}")
         v = found[step]

@@ -477,6 +477,43 @@ def test_a_step_that_is_no_integer_is_refused_at_once(tmp_path: Path) -> None:
         ckpt.save(3.0)
 
 
+@pytest.mark.parametrize("version", [2.7, True, "2"], ids=["float", "bool", "str"])
+def test_a_version_that_is_no_step_is_refused_by_restore_and_export(tmp_path: Path, version: object) -> None:
+    """``restore(2.7)`` loaded step 2 and ``restore(True)`` step 1 (``int(version)``), without a
+    word; ``export("2")`` said there was no version of step 2. Each is refused, as ``save`` refuses a
+    step that is no integer, and nothing is loaded."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path, model)
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    reader = Checkpointer(tmp_path, other)
+    with pytest.raises(TypeError, match="version must be a step"):
+        reader.restore(version)
+    with pytest.raises(TypeError, match="version must be a step"):
+        reader.export(version, tmp_path / "w.safetensors")
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert reader.restore(np.int64(1)).step == 1  # an integer of another type is a step
+    ckpt.close()
+
+
+def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
+    """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
+    version of ``v.step``, without a word."""
+    for name in ("a", "b"):
+        ckpt = Checkpointer(tmp_path / name, _linear())
+        ckpt.save(1)
+        ckpt.close()
+    reader = Checkpointer(tmp_path / "a", _linear(seed=1))
+    elsewhere = list_versions(tmp_path / "b")[0]
+    for call in (lambda: reader.restore(elsewhere), lambda: reader.export(elsewhere, tmp_path / "w.safetensors")):
+        with pytest.raises(ValueError, match="not in this Checkpointer's directory"):
+            call()
+    assert reader.restore(reader.latest()).step == 1
+
+
 def _groups(model: nn.Module, split: bool) -> list:
     """The model's parameters in one group, or split in two (weight decay on the first only)."""
     params = list(model.parameters())
