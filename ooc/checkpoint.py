@@ -3012,6 +3012,28 @@ class Checkpointer:
             self.extra.update(state["extra"])
         if state["rng"] is not None:
             set_rng_state(state["rng"])
+        self._warn_left_out(v, state)
+
+    def _warn_left_out(self, v: Version, state: dict[str, Any]) -> None:
+        """Warn when a restore to train on (with an optimizer) leaves out a scheduler's state or
+        ``extra`` that the version holds, for want of a place to load it.
+
+        NOTE [state a restore leaves out]
+        A resume whose Checkpointer was made without the ``scheduler=`` (or ``extra=``) that saved
+        the version restored the rest and returned: the LR schedule started over (or the data
+        position stayed at its start) and the run went on, no longer the one that was stopped, without
+        a word. A restore without an optimizer (weights for evaluation or export) is told nothing."""
+        if self.optimizer is None:
+            return
+        left_out = [(what, argument) for what, argument, ours, saved in (
+            ("an LR scheduler's state", "scheduler=", self.scheduler, state["scheduler"]),
+            ("an extra dict", "extra=", self.extra, state["extra"])) if ours is None and saved is not None]
+        if left_out:
+            arguments = " and ".join(argument for _, argument in left_out)
+            warnings.warn(f"checkpoint {v.path} holds {' and '.join(what for what, _ in left_out)}, which this "
+                          f"Checkpointer, made without {arguments}, did not restore: the run does not continue as "
+                          f"the one saved. Make the Checkpointer with the {arguments} it was saved with",
+                          stacklevel=4)
 
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable

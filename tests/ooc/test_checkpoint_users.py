@@ -499,6 +499,28 @@ def test_a_version_that_is_no_step_is_refused_by_restore_and_export(tmp_path: Pa
     ckpt.close()
 
 
+def test_a_resume_that_leaves_out_the_saved_scheduler_or_extra_says_so(tmp_path: Path) -> None:
+    """NOTE [state a restore leaves out]: a resume made without the ``scheduler=`` and ``extra=``
+    the version was saved with restored the rest without a word: the LR schedule started over.
+    It warns now, naming both, from the caller's line; restoring the weights alone does not."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, extra={"pos": 3})
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    with pytest.warns(UserWarning, match=r"LR scheduler's state and an extra dict.*without scheduler= and extra=") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert info[0].filename == __file__
+    other_opt = torch.optim.AdamW(other.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path, _linear(seed=2)).restore()
+        Checkpointer(tmp_path, other, other_opt, scheduler=torch.optim.lr_scheduler.StepLR(other_opt, 1, 0.5),
+                     extra={}).restore()
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
