@@ -1121,9 +1121,15 @@ def test_a_version_of_another_format_is_refused(tmp_path: Path) -> None:
     model, opt, sched, ckpt = _two_versions(tmp_path)
     record = ckpt.latest().path / "manifest-rank0.json"
     manifest = json.loads(record.read_text())
-    record.write_text(json.dumps({**manifest, "format": 1}))
-    with pytest.raises(CheckpointError, match="has format 1; this ooc reads formats 2, 3, 4"):
-        ckpt.restore()
+    del manifest["record_xxh3"]
+    # A record of format 1 holds no digest of itself; one of a later ooc holds its own, intact.
+    for fmt, digest in ((1, False), (5, True)):
+        written = {**manifest, "format": fmt}
+        if digest:
+            written["record_xxh3"] = ckpt_mod._record_digest(written)
+        record.write_text(json.dumps(written))
+        with pytest.raises(CheckpointError, match=f"has format {fmt}; this ooc reads formats 2, 3, 4"):
+            ckpt.restore()
     opt.close()
 
 
