@@ -464,11 +464,19 @@ def _give_back_bounce_buffers(buffers: list[np.ndarray]) -> None:
     _bounce.free = [*getattr(_bounce, "free", []), *buffers]
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path``: a write or fsync on a file descriptor fails naming no file."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, str(path))
+
+
 class _Sink:
     """A file opened for writing from aligned buffers: with ``O_DIRECT`` unless the file system
     refuses it (NOTE [direct writes])."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.direct = hasattr(os, "O_DIRECT")
         try:
             # Not O_TRUNC: a recycled file is written over in its blocks (NOTE [recycled files]);
@@ -490,8 +498,8 @@ class _Sink:
         try:
             self._write(data)
         except OSError as exc:
-            self.failed = exc
-            raise
+            self.failed = _naming(exc, self.path)
+            raise self.failed from None
 
     def _write(self, data: memoryview) -> None:
         view = data
@@ -692,9 +700,12 @@ class _FileWriter:
         while self._writes:
             self._writes.popleft().result()  # raises its error
         fd = self._sink.fd
-        if os.fstat(fd).st_size != self._size:
-            os.ftruncate(fd, self._size)  # the padding of the last block, or a longer recycled file's tail
-        os.fsync(fd)
+        try:
+            if os.fstat(fd).st_size != self._size:
+                os.ftruncate(fd, self._size)  # the padding of the last block, or a longer recycled file's tail
+            os.fsync(fd)  # a full disk may say so only here (delayed allocation)
+        except OSError as exc:
+            raise _naming(exc, self._sink.path) from None
         return self._size, self._digest.hexdigest()
 
     def close(self) -> None:
@@ -2616,9 +2627,28 @@ class Checkpointer:
             if isinstance(exc, CheckpointError):
                 self._error = exc
             else:
-                error = CheckpointError(f"could not write checkpoint {folder}: {exc}")
+                error = CheckpointError(f"could not write checkpoint {folder}: {exc}{self._what_to_do(exc, step)}")
                 error.__cause__ = exc
                 self._error = error
+
+    def _what_to_do(self, exc: BaseException, step: int) -> str:
+        """For the error of a file system (``OSError``: "[Errno 28] No space left on device", which
+        named neither the file nor what became of the version): whether version ``step`` was
+        committed, the newest version there is, and, for a full disk or a file size limit, what
+        to do."""
+        if not isinstance(exc, OSError):
+            return ""
+        if self._newest == step:
+            return ". The version was committed (latest()); the error came after, in the retention of older versions"
+        newest = f"step {self._newest}" if self._newest is not None and self._newest >= 0 else "none"
+        left = f". The version was not committed; the newest version is still {newest} (latest())"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"{left}. Free space (or quota) on the file system of {self.directory}, or keep fewer versions "
+                    "(keep=), and save again")
+        if exc.errno == errno.EFBIG:
+            return (f"{left}. A file of the version is larger than this process may write (`ulimit -f`, "
+                    "RLIMIT_FSIZE) or than the file system takes: raise the limit, or save elsewhere, and save again")
+        return f"{left}; save again once the cause is fixed"
 
     def _end_snapshot(self) -> None:
         """The version is written (or failed): the listener has nothing more to do, and its copies

@@ -999,6 +999,62 @@ def test_full_disk_leaves_no_temp_file_and_the_previous_version(tmp_path: Path, 
     opt.close()
 
 
+_FILE_SIZE_LIMITED = """
+import resource, signal, sys, torch
+from ooc.checkpoint import Checkpointer
+signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # a write past the limit fails with EFBIG instead
+torch.manual_seed(0)
+model = torch.nn.Linear(256, 256)
+opt = torch.optim.AdamW(model.parameters())
+ckpt = Checkpointer(sys.argv[1], model, opt)
+ckpt.save(1)
+ckpt.wait()
+resource.setrlimit(resource.RLIMIT_FSIZE, (64 << 10, resource.RLIM_INFINITY))  # under each tensor file's size
+ckpt.save(2)
+try:
+    ckpt.wait()
+except Exception as exc:
+    print(exc)
+"""
+
+
+def test_a_file_size_limit_mid_write_names_the_file_and_what_to_do(tmp_path: Path) -> None:
+    """A full disk as the kernel reports it (RLIMIT_FSIZE: each write past the limit fails, on the
+    real writer's path): the error was "could not write checkpoint <folder>: [Errno 27] File too
+    large", naming no file (a write on a file descriptor names none) and not saying what became of
+    the version or what to do. It names the file, the newest version left and the limit to raise;
+    nothing of the failed version is left."""
+    out = subprocess.run([sys.executable, "-c", _FILE_SIZE_LIMITED, str(tmp_path)], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert re.search(r"File too large: '.*step-000000002/(model|optimizer-rank0)\.safetensors'", out), out
+    assert "The version was not committed; the newest version is still step 1" in out, out
+    assert "raise the limit" in out, out
+    assert [v.step for v in list_versions(tmp_path)] == [1]
+    assert not (tmp_path / "step-000000002").exists()
+
+
+def test_a_full_disk_at_a_files_fsync_names_the_file_and_what_to_do(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """Delayed allocation: a full disk may fail only the fsync, which names no file either."""
+    model, opt, sched, ckpt = _two_versions(tmp_path)
+    real = os.fsync
+
+    def full(fd: int) -> None:
+        if os.readlink(f"/proc/self/fd/{fd}").endswith("state-rank0.pt"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd)
+
+    monkeypatch.setattr(ckpt_mod.os, "fsync", full)
+    ckpt.save(3)
+    with pytest.raises(CheckpointError, match=r"No space left on device: '.*step-000000003/state-rank0\.pt'\. The "
+                       r"version was not committed; the newest version is still step 2 .*Free space") as info:
+        ckpt.wait()
+    assert isinstance(info.value.__cause__, OSError)
+    monkeypatch.undo()
+    assert ckpt.latest().step == 2 and not (tmp_path / "step-000000003").exists()
+    ckpt.close()
+    opt.close()
+
+
 def test_a_file_system_gone_read_only_mid_save_reports_the_writes_error(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """ext4 remounts read-only on a disk error: the write fails, and so does the removal of the
     version's files. That second error replaced the first (a bare OSError naming a file whose
