@@ -2116,6 +2116,8 @@ class Checkpointer:
         """Step -> the (device, inode) of its folder and the error, of the versions found damaged
         (NOTE [damaged versions moved aside])."""
         self._load_hook = None
+        self._told_outside = False
+        """Whether the warning of NOTE [parameters outside the model] was given."""
         # Weakly: the optimizer and the model outlive a Checkpointer dropped without close() (a
         # notebook cell run again), and must not keep it, and its lock on the directory, alive.
         self._listener = _weakly(self._on_stage)
@@ -2167,6 +2169,7 @@ class Checkpointer:
             # Rank 0's retention after its commit sees only the versions every rank had committed
             # by then; by now the others have finished more (they save at the same steps).
             self._retain()
+        self._warn_params_outside(stacklevel=4)  # from the caller of save (through _save)
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
         files, tensors, slots, pending = self._payloads()
@@ -2187,6 +2190,30 @@ class Checkpointer:
                 _WRITING.add(self)
                 _finish_writes_at_exit()
         return True
+
+    def _warn_params_outside(self, stacklevel: int) -> None:
+        """Warn, once, of the optimizer's parameters that the model does not hold.
+
+        NOTE [parameters outside the model]
+        A version saves the model's tensors and the optimizer's state. A parameter the optimizer
+        updates that the model does not hold (a learnable temperature or loss weight kept beside the
+        model, or an optimizer built on a copy of it) had its moments saved (as ``param{i}``) but
+        not its value: a restore loaded its state, at the saved step, and left its value as built,
+        and the run went on from a state it never had, without a word. Such parameters are allowed
+        (a loop may save their values in ``extra`` and set them back itself), so this warns, naming
+        them and what to do, at the first save or restore."""
+        if self._told_outside or self.optimizer is None:
+            return
+        self._told_outside = True
+        held = _names_of_params(self.model)
+        outside = [f"param{i} of shape {list(p.shape)}" for i, p in
+                   enumerate(p for group in self.optimizer.param_groups for p in group["params"]) if id(p) not in held]
+        if outside:
+            warnings.warn(f"the optimizer updates {len(outside)} parameter(s) that the model given to the Checkpointer "
+                          f"does not hold ({_first_few(outside)}): a version saves their optimizer state but not their "
+                          "values, and a restore leaves their values as they are. Register them in the model (as an "
+                          "nn.Parameter attribute of a module), or give the Checkpointer the module that holds every "
+                          "parameter the optimizer updates", stacklevel=stacklevel)
 
     def _check_every_rank_saves(self) -> None:
         """Raise if this rank committed versions that the other ranks do not save (the writer is idle).
@@ -2898,6 +2925,7 @@ class Checkpointer:
                 continue
             self._load(v, payloads)
             self._learn(found, damaged)
+            self._warn_params_outside(stacklevel=3)  # from the caller of restore
             return v
         self._learn(found, damaged)
         raise NoIntactVersionError(self.directory, errors)

@@ -521,6 +521,31 @@ def test_a_resume_that_leaves_out_the_saved_scheduler_or_extra_says_so(tmp_path:
                      extra={}).restore()
 
 
+def test_an_optimizer_parameter_the_model_does_not_hold_is_warned_of(tmp_path: Path) -> None:
+    """NOTE [parameters outside the model]: a learnable temperature beside the model, in the
+    optimizer: its moments were saved, its value not, and a restore left it as built with its
+    state at the saved step, without a word. The first save and restore warn, naming it."""
+    model, temp = _linear(), nn.Parameter(torch.ones(()))
+    opt = torch.optim.AdamW([*model.parameters(), temp], lr=0.1)
+    (model(torch.ones(1, 3)).sum() * temp).backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) that the model .* does not hold \(param2 of shape \[\]\)") as info:
+        ckpt.save(1)
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per Checkpointer
+        ckpt.save(2)
+    ckpt.close()
+    other, other_temp = _linear(seed=1), nn.Parameter(torch.ones(()))
+    with pytest.warns(UserWarning, match="param2 of shape") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW([*other.parameters(), other_temp])).restore()
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every parameter in the model: nothing to say
+        Checkpointer(tmp_path / "held", model, torch.optim.AdamW(model.parameters())).save(1)
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
