@@ -196,7 +196,7 @@ import warnings
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -2042,7 +2042,7 @@ class Checkpointer:
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
                  lazy: bool = True, timeout_s: float = 300.0) -> None:
-        _check_arguments(directory, model, optimizer, scheduler)
+        _check_arguments(directory, model, optimizer, scheduler, extra)
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             # Checked here: retention runs on the writer thread, after a version is committed.
             raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
@@ -3234,7 +3234,7 @@ def _finish_writes_at_exit() -> None:
         register(lambda: [c._finish_at_exit() for c in list(_WRITING)])
 
 
-def _check_arguments(directory: object, model: object, optimizer: object, scheduler: object) -> None:
+def _check_arguments(directory: object, model: object, optimizer: object, scheduler: object, extra: object) -> None:
     """Refuse what ``Checkpointer`` cannot save, where it is made: arguments in another order
     (``Checkpointer(d, opt, model)``) were taken, and the first ``save``, a training step later, raised
     an AttributeError from deep inside."""
@@ -3248,6 +3248,11 @@ def _check_arguments(directory: object, model: object, optimizer: object, schedu
                                   or not all(hasattr(scheduler, a) for a in ("state_dict", "load_state_dict"))):
         raise TypeError(f"scheduler must be an LR scheduler (state_dict, load_state_dict) or None, got "
                         f"{type(scheduler).__name__}: {order}")
+    if extra is not None and not isinstance(extra, MutableMapping):
+        # restore() updates it in place: a list or a number was saved, and every restore failed after
+        # loading the model (AttributeError: 'list' object has no attribute 'update').
+        raise TypeError(f"extra must be a dict (restore() updates it in place), got {type(extra).__name__}: put "
+                        "the values in one, e.g. extra={'position': ...}, and read them back from it after restore()")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{directory} is a file, not a directory: give Checkpointer the directory its versions go in")
 

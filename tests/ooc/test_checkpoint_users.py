@@ -546,6 +546,15 @@ def test_an_optimizer_parameter_the_model_does_not_hold_is_warned_of(tmp_path: P
         Checkpointer(tmp_path / "held", model, torch.optim.AdamW(model.parameters())).save(1)
 
 
+@pytest.mark.parametrize("extra", [[1, 2], (1, 2), 5], ids=["list", "tuple", "int"])
+def test_an_extra_that_is_no_dict_is_refused_where_the_checkpointer_is_made(tmp_path: Path, extra: object) -> None:
+    """``extra=[...]`` was taken and saved, and every restore failed after loading the model
+    (``AttributeError: 'list' object has no attribute 'update'``): restore updates it in place."""
+    with pytest.raises(TypeError, match=f"extra must be a dict .*got {type(extra).__name__}"):
+        Checkpointer(tmp_path, _linear(), extra=extra)
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
