@@ -2532,7 +2532,7 @@ class Checkpointer:
             if tensors:
                 files[_optimizer_file(self.rank)] = tensors
             optimizer_meta = {"names": names, "param_groups": _clone(saved["param_groups"]), "other": other,
-                              "ooc": _clone(info)}
+                              "ooc": _clone(info), "type": type(opt).__name__}
         if held:
             # The copies of the held buckets read their state and device weights on this thread's
             # compute stream; step() has them updated by the optimizer's thread, ordered by nothing
@@ -3024,6 +3024,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} holds an optimizer of {len(saved_groups)} parameter group(s) of "
                                   f"{saved_groups} parameters, this one has {len(groups)} of {groups}; build the "
                                   "optimizer's groups as they were saved")
+        self._check_hyperparameters(v, metas[0])
         other: dict[str, dict[str, Any]] = {}
         for meta in metas:
             other.update(meta["other"] if meta is not None else {})
@@ -3047,6 +3048,27 @@ class Checkpointer:
             # Who holds which share is what restoring on other ranks changes; the rest must match.
             result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded", "rank")}
         return result, set(loaded)
+
+    def _check_hyperparameters(self, v: Version, meta: dict[str, Any]) -> None:
+        """Raise unless the saved parameter groups hold every hyperparameter this optimizer reads.
+
+        NOTE [an optimizer of another kind]
+        ``Optimizer.load_state_dict`` takes the saved groups whole, whatever optimizer saved them: a
+        version of an SGD restored into an AdamW loaded the model, then failed with ``KeyError:
+        'step'`` (or, AdamW's into SGD, ``KeyError: 'momentum'`` at the next step), the run's
+        optimizer left with another's hyperparameters. A group lacking a key of this optimizer's
+        ``defaults`` is of another kind: refused before anything is loaded. Kinds that share their
+        hyperparameters (Adam, AdamW, HostAdamW) load each other's state, as before."""
+        defaults = getattr(self.optimizer, "defaults", None)
+        if not isinstance(defaults, dict):
+            return
+        lacking = sorted({key for group in meta["param_groups"] for key in defaults if key not in group})
+        if lacking:
+            saver = f" (saved by {meta['type']})" if "type" in meta else ""
+            raise CheckpointError(f"checkpoint {v.path} holds the state of another kind of optimizer{saver}: its "
+                                  f"parameter groups lack {', '.join(map(repr, lacking))}, which this "
+                                  f"{type(self.optimizer).__name__} reads; build the optimizer as it was saved, or "
+                                  "restore the weights alone (a Checkpointer without an optimizer)")
 
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
         check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load

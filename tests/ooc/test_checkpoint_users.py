@@ -555,6 +555,40 @@ def test_an_extra_that_is_no_dict_is_refused_where_the_checkpointer_is_made(tmp_
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.parametrize("saved, restored, lacking", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), torch.optim.AdamW, "'betas'"),
+    (torch.optim.AdamW, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "'momentum'"),
+], ids=["sgd-into-adamw", "adamw-into-sgd"])
+def test_a_version_of_another_kind_of_optimizer_loads_nothing(tmp_path: Path, saved, restored, lacking: str) -> None:  # noqa: ANN001
+    """NOTE [an optimizer of another kind]: an SGD's version restored into an AdamW loaded the
+    model and failed with ``KeyError: 'step'``; an AdamW's into an SGD restored, and the next step
+    failed with ``KeyError: 'momentum'``. Refused now, naming the saver, before anything is loaded;
+    Adam's restores into AdamW as before."""
+    model = _linear()
+    opt = saved(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    other_opt = restored(other.parameters())
+    groups = [dict(g) for g in other_opt.state_dict()["param_groups"]]
+    with pytest.raises(CheckpointError, match=f"another kind of optimizer \\(saved by {type(opt).__name__}\\).*{lacking}"):
+        Checkpointer(tmp_path, other, other_opt).restore()
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert other_opt.state_dict()["param_groups"] == groups
+    adam_model = _linear(seed=2)
+    ckpt = Checkpointer(tmp_path / "adam", adam_model, torch.optim.Adam(adam_model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    adamw = torch.optim.AdamW(other.parameters())
+    Checkpointer(tmp_path / "adam", other, adamw).restore()
+    other(torch.ones(1, 3)).sum().backward()
+    adamw.step()
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
