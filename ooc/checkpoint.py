@@ -2963,10 +2963,10 @@ class Checkpointer:
             _checked_bytes(v.path / MODEL_INDEX, v.files[MODEL_INDEX])
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         weights.update(states[0].get("model_extra") or {})
-        self._check_fits(v, weights)
+        cast = self._check_fits(v, weights)
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
         optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
-        return {"weights": weights, "state": state, "optimizer": optimizer,
+        return {"weights": weights, "state": state, "optimizer": optimizer, "cast": cast,
                 "files": {MODEL_FILE, *map(_state_file, range(v.world)), *read}}
 
     @staticmethod
@@ -2982,9 +2982,11 @@ class Checkpointer:
         for name in sorted({sl["file"] for slices in v.tensors.values() for sl in slices} - read):
             _checked_bytes(v.path / name, v.files[name])
 
-    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> None:
+    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> list[str]:
         """Raise unless ``weights`` have the model's names and shapes: checked before anything is
-        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others."""
+        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others.
+        Return the tensors ``load_state_dict`` will cast to another dtype (NOTE [a resume into other
+        dtypes])."""
         own = self.model.state_dict()
         missing = [k for k in own if k not in weights]
         unexpected = sorted(k for k in weights if k not in own)
@@ -2995,6 +2997,8 @@ class Checkpointer:
                                     (("missing", missing), ("unexpected", unexpected), ("of other shapes", shapes)) if names)
             raise CheckpointError(f"checkpoint {v.path} does not fit the model: tensors {differences}; build the model "
                                   "as it was saved")
+        return [f"{k}: saved {weights[k].dtype}, now {t.dtype}" for k, t in own.items()
+                if isinstance(weights.get(k), torch.Tensor) and isinstance(t, torch.Tensor) and weights[k].dtype != t.dtype]
 
     @staticmethod
     def _file(v: Version, name: str) -> Any:
@@ -3093,6 +3097,16 @@ class Checkpointer:
         if state["rng"] is not None:
             set_rng_state(state["rng"])
         self._warn_left_out(v, state)
+        if payloads["cast"] and self.optimizer is not None:
+            # NOTE [a resume into other dtypes]
+            # load_state_dict casts each weight (and torch's optimizers their state) to the model's
+            # dtype: fp32 weights and moments restored into a bf16 model were rounded, and the run
+            # went on, no longer the one saved, without a word (HostAdamW refuses such a state).
+            # Weights alone (no optimizer: evaluation, export) are cast as asked.
+            warnings.warn(f"checkpoint {v.path} was restored into a model of other dtypes, {len(payloads['cast'])} "
+                          f"tensor(s) cast ({_first_few(payloads['cast'])}): the run does not continue as the one "
+                          "saved. Build the model in the dtypes it was saved in (model.to(dtype)) to resume it",
+                          stacklevel=3)
 
     def _warn_left_out(self, v: Version, state: dict[str, Any]) -> None:
         """Warn when a restore to train on (with an optimizer) leaves out a scheduler's state or

@@ -589,6 +589,29 @@ def test_a_version_of_another_kind_of_optimizer_loads_nothing(tmp_path: Path, sa
     adamw.step()
 
 
+@pytest.mark.parametrize("saved, now", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32-into-bf16", "bf16-into-fp32"])
+def test_a_resume_into_a_model_of_other_dtypes_says_so(tmp_path: Path, saved: torch.dtype, now: torch.dtype) -> None:
+    """NOTE [a resume into other dtypes]: fp32 weights and AdamW moments restored into a bf16 model
+    (``.to(torch.bfloat16)`` forgotten, or added) were cast by ``load_state_dict`` without a word,
+    and the run went on from rounded state. A restore with an optimizer warns, naming the tensors;
+    weights alone are cast as asked."""
+    model = _linear().to(saved)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3, dtype=saved)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1).to(now)
+    with pytest.warns(UserWarning, match=f"other dtypes, 2 tensor.*weight: saved {saved}, now {now}") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path, _linear(seed=2).to(now)).restore()
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
