@@ -848,6 +848,10 @@ class _Holder:
     identity: tuple[int, int]
 
     def __str__(self) -> str:
+        if self.token is None and self.pid == 0:  # _read_holder's damaged record
+            # It said "pid 0 on an unknown host", which reads as a job to go and stop.
+            return ("a job that its damaged owner record does not name (the record is empty or garbled, as a crash "
+                    "of its host can leave it: if no job writes here, delete the record)")
         return f"pid {self.pid} on {self.host}"
 
     def live(self, *, flocked: bool = False) -> bool:
