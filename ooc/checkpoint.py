@@ -1447,7 +1447,8 @@ def _warn_taken_over(ckpt: Checkpointer, in_flight: int | None, error: BaseExcep
     warnings.warn(f"a new Checkpointer of rank {ckpt.rank} on {ckpt.directory} took the directory over from an earlier "
                   "Checkpointer of this process that was not closed (a notebook cell that makes one run again, or one "
                   f"dropped while still referenced). {written}, and the earlier one is closed now: its save() raises. "
-                  "close() a Checkpointer you are done with to end it yourself", UserWarning, stacklevel=6)  # save()'s caller
+                  "close() a Checkpointer you are done with to end it yourself; to save two models (an EMA copy beside "
+                  "the model), give each Checkpointer a directory of its own", UserWarning, stacklevel=6)  # save()'s caller
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -2331,7 +2332,8 @@ class Checkpointer:
                 f"this Checkpointer was superseded: a newer Checkpointer of rank {self.rank} on {self.directory} in "
                 "this process took over the directory at its first save (as when a notebook cell that makes one runs "
                 "again), after this one's last version was written, and closed this one. Save with the newer one; "
-                "this one still reads (restore, versions)")
+                "this one still reads (restore, versions). Two Checkpointers of one process saving two models (an EMA "
+                "copy beside the model) take the directory from each other: give each a directory of its own")
         if self._closed:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
