@@ -3297,6 +3297,19 @@ def _check_arguments(directory: object, model: object, optimizer: object, schedu
                         "the values in one, e.g. extra={'position': ...}, and read them back from it after restore()")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{directory} is a file, not a directory: give Checkpointer the directory its versions go in")
+    _refuse_version_folder(Path(directory))
+
+
+def _refuse_version_folder(directory: Path) -> None:
+    """Raise ValueError if ``directory`` is one version's folder (``ckpt/step-000000005``), not a
+    checkpoint directory: a restore from it said "no complete checkpoint" with the version right
+    there, and a save nested versions inside it, which the retention of its own directory deletes."""
+    m = _VERSION_RE.match(directory.name)
+    if m and any((directory / name).exists() for name in ("manifest-rank0.json", MODEL_FILE)):
+        raise ValueError(f"{directory} is the folder of one version (step {int(m.group(1))}) of the checkpoint directory "
+                         f"{directory.parent}: give that directory, and the step to restore "
+                         f"(Checkpointer({str(directory.parent)!r}, ...).restore({int(m.group(1))}); `ooc train "
+                         "--resume` and `ooc checkpoints list` take the directory too)")
 
 
 def _compiled_module(model: nn.Module) -> nn.Module:
@@ -3311,11 +3324,13 @@ def _compiled_module(model: nn.Module) -> nn.Module:
 def scan_versions(directory: str | os.PathLike[str]) -> tuple[list[Version], dict[int, CorruptCheckpointError]]:
     """:func:`list_versions` and :func:`damaged_versions` of ``directory`` from one read of its commit
     records."""
+    _refuse_version_folder(Path(directory))
     return _scan(Path(directory))
 
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
     """The committed versions under ``directory``, oldest first."""
+    _refuse_version_folder(Path(directory))
     return _scan(Path(directory))[0]
 
 

@@ -612,6 +612,23 @@ def test_a_resume_into_a_model_of_other_dtypes_says_so(tmp_path: Path, saved: to
         Checkpointer(tmp_path, _linear(seed=2).to(now)).restore()
 
 
+def test_a_version_folder_given_for_the_directory_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    """``Checkpointer("ckpt/step-000000005", model).restore()``: "no complete checkpoint in
+    ckpt/step-000000005", with the version right there; a save nested versions inside it (which the
+    retention of ``ckpt`` deletes with it). Refused where it is made, naming the directory and step."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(5)
+    ckpt.close()
+    folder = tmp_path / "step-000000005"
+    files = sorted(os.listdir(folder))
+    for call in (lambda: Checkpointer(folder, _linear()), lambda: list_versions(folder)):
+        with pytest.raises(ValueError, match=rf"is the folder of one version \(step 5\) of the checkpoint directory "
+                                             rf"{tmp_path}: .*restore\(5\)"):
+            call()
+    assert sorted(os.listdir(folder)) == files
+    assert Checkpointer(tmp_path, _linear()).restore(5).step == 5
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
