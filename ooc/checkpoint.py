@@ -3140,12 +3140,17 @@ class Checkpointer:
         with ``safetensors.torch.load_file`` into a plain PyTorch model (a directory: to its
         ``model.safetensors``, the file HF's ``from_pretrained`` reads; a path that ends with a slash is
         a directory, made if need be); return the file's path."""
-        found = {v.step: v for v in self.versions()}
         step = self._asked_step(version)
+        versions, damaged = _scan(self.directory)
+        found = {v.step: v for v in versions}
         if step is None:
-            step = max(found) if found else None
+            if not found and not damaged:  # (it said "no complete checkpoint for step None")
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            step = max([*found, *damaged])
+        if step in damaged:  # as restore() names it (it said there was no version of that step)
+            raise damaged[step]
         if step not in found:
-            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}")
+            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; there are {sorted(found)}")
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         newest = self._newest_weights(v)

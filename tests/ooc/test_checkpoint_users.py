@@ -629,6 +629,26 @@ def test_a_version_folder_given_for_the_directory_is_refused_naming_the_director
     assert Checkpointer(tmp_path, _linear()).restore(5).step == 5
 
 
+def test_export_names_a_damaged_version_and_an_empty_directory(tmp_path: Path) -> None:
+    """``export`` said "no complete checkpoint for step None" in a directory without versions, and
+    "no complete checkpoint for step 2" for a version whose commit record is damaged, where
+    ``restore`` names the damaged file."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    with pytest.raises(CheckpointError, match=rf"^no complete checkpoint in {tmp_path}$"):
+        ckpt.export(None, tmp_path / "w.safetensors")
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    (tmp_path / "step-000000002" / "manifest-rank0.json").write_text("{")
+    for version in (None, 2):
+        with pytest.raises(CorruptCheckpointError, match="step-000000002/manifest-rank0.json"):
+            ckpt.export(version, tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 7 .*there are \[1\]"):
+        ckpt.export(7, tmp_path / "w.safetensors")
+    assert ckpt.export(1, tmp_path / "w.safetensors").is_file()
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
