@@ -2273,25 +2273,41 @@ class Checkpointer:
         within about that grace after the last one closes. A store that cannot be reached (rank 0's
         process serves it, and may have ended after its own close) is no error: a rank whose
         version is complete returns, one whose version is not waits up to ``timeout_s`` on the
-        files alone. Not in ``wait``, which every ``save`` calls: its fast path must not wait for
-        the other ranks."""
+        files alone. So does one without a process group of ``world`` ranks (``world=`` given, as
+        ranks launched without torch.distributed do, or as one process alone did: it closed without a
+        word, no version complete, and the next Checkpointer's cleanup deleted them all), warning
+        after ``_CLOSED_GRACE_S`` that it waits. Not in ``wait``, which every ``save`` calls: its
+        fast path must not wait for the other ranks."""
         step = self._committed_step
-        if self.world == 1 or step is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                                                   and torch.distributed.get_world_size() == self.world):
+        if self.world == 1 or step is None:
             return
         folder = self.directory / _name(step)
 
         def missing() -> list[int]:
             return [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
 
-        count = announce("checkpoint-closed")  # on every rank, also where complete: the n-th closes meet
+        grouped = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() == self.world)
+        # Without a process group of ``world`` ranks (``world=`` given, ranks launched without
+        # torch.distributed, or one process alone) there is no store: the files alone are waited
+        # for. A Checkpointer(..., world=2) in one process closed without a word, every version
+        # incomplete, and the next Checkpointer's cleanup deleted them all.
+        count = announce("checkpoint-closed") if grouped else None  # on every rank: the n-th closes meet
         absent = missing()
         if not absent:
             return
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         closed: dict[int, float] = {}  # rank -> when it was seen to have closed (without its record here)
+        told = grouped
         while absent:
             now = time.monotonic()
+            if not told and now - start >= _CLOSED_GRACE_S:  # a long wait, with no store to end it: say why
+                told = True
+                warnings.warn(f"close() of rank {self.rank} waits up to {self.timeout_s:g} s (timeout_s) for the "
+                              f"commit records of {'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))} "
+                              f"of the version of step {step} in {folder} (world={self.world}, given without a process "
+                              "group of that many ranks)", stacklevel=4)
             unseen = [r for r in absent if r not in closed]
             seen = ranks_announced("checkpoint-closed", unseen, count) if unseen and count is not None else None
             closed.update((r, now) for r in seen or [])
@@ -2303,7 +2319,9 @@ class Checkpointer:
             return
         ranks = f"{'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))}"
         why = (f"{ranks} closed without writing {'its' if len(absent) == 1 else 'their'} record here"
-               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it")
+               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it"
+               + ("" if grouped else "; there is no process group to tell whether the other ranks run: if this "
+                  "process is the only one, give world=1, the default"))
         raise CheckpointError(
             f"the version of step {step} in {folder} has no commit record of {ranks} ({why}), so it is not complete "
             f"and will not restore: with {self.world} ranks every rank must make its Checkpointer on one shared "

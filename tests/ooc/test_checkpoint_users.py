@@ -649,6 +649,26 @@ def test_export_names_a_damaged_version_and_an_empty_directory(tmp_path: Path) -
     assert ckpt.export(1, tmp_path / "w.safetensors").is_file()
 
 
+def test_ranks_without_a_process_group_are_waited_for_at_close(tmp_path: Path) -> None:
+    """NOTE [every rank commits where this rank does] without a process group: ``world=2`` given in
+    a process alone closed without a word, no version complete, and the next Checkpointer's cleanup
+    deleted them all. ``close`` now waits for the other ranks' records on the files, warns that it
+    waits, and raises naming the rank and what to do; two ranks that both save close quietly."""
+    lone = Checkpointer(tmp_path / "lone", _linear(), rank=0, world=2, timeout_s=2.5)
+    lone.save(1)
+    with pytest.warns(UserWarning, match=r"close\(\) of rank 0 waits up to 2.5 s .* rank 1 of the version of step 1"), \
+            pytest.raises(CheckpointError, match=r"no commit record of rank 1 \(rank 0 waited 2.5 s .*give world=1"):
+        lone.close()
+    ranks = [Checkpointer(tmp_path / "two", _linear(), rank=r, world=2, timeout_s=30) for r in range(2)]
+    for ckpt in ranks:
+        ckpt.save(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ckpt in ranks:
+            ckpt.close()
+    assert _steps(tmp_path / "two") == [1]
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
