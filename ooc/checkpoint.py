@@ -3309,6 +3309,10 @@ def _check_arguments(directory: object, model: object, optimizer: object, schedu
     if optimizer is not None and not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
         raise TypeError(f"optimizer must be a torch optimizer (param_groups, state_dict, load_state_dict) or None, "
                         f"got {type(optimizer).__name__}: {order}")
+    if isinstance(scheduler, (list, tuple)):  # the argument order was blamed for a list of schedulers
+        raise TypeError(f"scheduler must be one LR scheduler, got a {type(scheduler).__name__} of {len(scheduler)}: chain "
+                        "them into one (torch.optim.lr_scheduler.SequentialLR or ChainedScheduler), or pass one and "
+                        "keep the others' state_dict() in extra")
     if scheduler is not None and (hasattr(scheduler, "param_groups")
                                   or not all(hasattr(scheduler, a) for a in ("state_dict", "load_state_dict"))):
         raise TypeError(f"scheduler must be an LR scheduler (state_dict, load_state_dict) or None, got "

@@ -669,6 +669,15 @@ def test_ranks_without_a_process_group_are_waited_for_at_close(tmp_path: Path) -
     assert _steps(tmp_path / "two") == [1]
 
 
+def test_a_list_of_schedulers_is_told_how_to_save_them(tmp_path: Path) -> None:
+    """``scheduler=[warmup, cosine]`` was refused as arguments in the wrong order."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, 1), torch.optim.lr_scheduler.StepLR(opt, 2)]
+    with pytest.raises(TypeError, match="one LR scheduler, got a list of 2: chain them into one .*SequentialLR"):
+        Checkpointer(tmp_path, model, opt, scheduler=schedulers)
+
+
 def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
     """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
     version of ``v.step``, without a word."""
