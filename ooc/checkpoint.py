@@ -1963,6 +1963,10 @@ class _Snapshot:
         self._updating: set[int] = set()
         """Buckets whose update waits for the slices being read, to copy aside the rest: the writer
         starts no other slice of theirs meanwhile (else the update would wait for every one)."""
+        self._versions = {slot: _version_of(c[k]) for slot, (c, k) in self._refs.items()}
+        """Slot -> its live tensor's version counter at save (NOTE [changes the snapshot does not see])."""
+        self.changed: list[Any] = []
+        """Keys of the slots whose live tensor changed between save and the end of its read."""
         self._cond = threading.Condition()
 
     def deadline(self, container: Any, key: Any) -> int:
@@ -1988,8 +1992,11 @@ class _Snapshot:
             return
         bucket, slot = token
         with self._cond:
-            if finished:
-                self._unread.get(bucket, set()).discard(slot)
+            if finished and slot in self._unread.get(bucket, ()):
+                container, key = self._refs[slot]
+                if _version_of(container[key]) != self._versions[slot]:  # NOTE [changes the snapshot does not see]
+                    self.changed.append(key)
+                self._unread[bucket].discard(slot)
             self._reading[bucket] -= 1
             if not self._reading[bucket]:
                 del self._reading[bucket]
@@ -2012,6 +2019,14 @@ class _Snapshot:
                 self._updating.discard(bucket)
                 self._cond.notify_all()
             return bool(unread)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, bumped by every in-place change; None for an inference tensor (none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _first_few(names: list[str], shown: int = 3) -> str:
@@ -2701,6 +2716,29 @@ class Checkpointer:
                     "RLIMIT_FSIZE) or than the file system takes: raise the limit, or save elsewhere, and save again")
         return f"{left}; save again once the cause is fixed"
 
+    def _check_unchanged(self, step: int) -> None:
+        """Raise if a live tensor of the lazy snapshot changed in place before the writer read it all.
+
+        NOTE [changes the snapshot does not see]
+        A lazy snapshot (NOTE [lazy snapshots]) leaves the buckets' tensors live, safe from the
+        optimizer's updates (the stage listener) and from loads into the model (a pre-hook), which
+        copy aside what the writer has not read. A change of the loop's own, between ``save`` and the
+        end of the write (``p.clamp_()`` of WGAN weights, a max-norm projection, an EMA written into
+        the model), reached the file: the version held a state that never was, its checksums those
+        of the bytes written, so it restored without a word. Each live tensor's version counter
+        (bumped by every in-place change) is taken at ``save``; a tensor whose counter differs when
+        its last slice has been read (and was not copied aside first) fails the write, which commits
+        nothing, naming it and what to do."""
+        snapshot = self._snapshot
+        if snapshot is None or not snapshot.changed:
+            return
+        raise CheckpointError(
+            f"tensors {_first_few(sorted(map(str, snapshot.changed)))} were changed in place after save({step}) returned "
+            "and before its version was written, not by the optimizer's step (whose updates the write is ordered "
+            "with), so the version would hold a state that never was: nothing of it was committed. Call ckpt.wait() "
+            "before changing parameters outside optimizer.step() (clamping, a norm projection, an EMA written into "
+            "the model), or make the Checkpointer with lazy=False to copy the state in save()")
+
     def _end_snapshot(self) -> None:
         """The version is written (or failed): the listener has nothing more to do, and its copies
         aside are the next version's buffers (NOTE [reused copies aside])."""
@@ -2727,6 +2765,7 @@ class Checkpointer:
         written = _write_tensor_files([(folder / name, _TensorFile(
             files[name], self._snapshot, lambda key, name=name: self._hook(f"tensor:{name}:{key}")))
             for name in tensor_files])  # together, by the snapshot's deadlines (NOTE [write order])
+        self._check_unchanged(step)
         records = {name: {"bytes": size, "xxh3": digest} for name, (size, digest) in zip(tensor_files, written)}
         for name, payload in files.items():
             if name in records:

@@ -1583,6 +1583,40 @@ def test_lazy_snapshot_without_conflict_writes_from_the_live_tensors(tmp_path: P
 
 
 
+def test_a_loops_own_in_place_change_during_a_lazy_write_fails_it(tmp_path: Path) -> None:
+    """NOTE [changes the snapshot does not see]: weights clamped in place (WGAN) after ``save``
+    returned, while the version waited for the writer: the clamped values reached the file, and the
+    version restored them without a word. The write fails instead, naming the tensors and what to
+    do; the previous version stays the newest; with ``lazy=False`` the version holds the state at
+    ``save``."""
+    model, opt, sched = _setup()
+    _train(model, opt, sched, range(1))
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    _train(model, opt, sched, range(1, 2))
+    expected, expected_state = _weights(model), _opt_state(opt)
+    for lazy in (True, False):
+        ckpt = Checkpointer(tmp_path, model, opt, lazy=lazy)
+        go = threading.Event()
+        ckpt._hook = lambda at, go=go: go.wait(10) if at == "snapshot" else None
+        ckpt.save(2)
+        with torch.no_grad():
+            model.blocks[0].mlp.fc.weight.clamp_(-0.01, 0.01)  # the loop's own change, not an update
+        go.set()
+        if lazy:
+            with pytest.raises(CheckpointError, match=r"blocks\.0\.mlp\.fc\.weight were changed in place after "
+                                                      r"save\(2\) returned .*ckpt\.wait\(\).*lazy=False"):
+                ckpt.wait()
+            assert [v.step for v in ckpt.versions()] == [1] and not (tmp_path / "step-000000002").exists()
+        else:
+            ckpt.wait()
+        ckpt.close()
+        model.load_state_dict(expected)
+    _assert_restores(tmp_path, 2, expected, expected_state)
+    opt.close()
+
+
 def test_one_writer_thread_serves_every_save_and_ends(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
     """NOTE [writer thread]: saves are handed to one waiting thread (no thread start per save); it
     ends at close(), or when no save came for _IDLE_SECONDS, and the next save starts another."""
