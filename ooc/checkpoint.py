@@ -1964,10 +1964,20 @@ class _Snapshot:
         """Buckets whose update waits for the slices being read, to copy aside the rest: the writer
         starts no other slice of theirs meanwhile (else the update would wait for every one)."""
         self._versions = {slot: _version_of(c[k]) for slot, (c, k) in self._refs.items()}
-        """Slot -> its live tensor's version counter at save (NOTE [changes the snapshot does not see])."""
+        """Slot -> its live tensor's version counter once the copies in flight at save have landed
+        (:meth:`landed`; NOTE [changes the snapshot does not see])."""
         self.changed: list[Any] = []
         """Keys of the slots whose live tensor changed between save and the end of its read."""
         self._cond = threading.Condition()
+
+    def landed(self) -> None:
+        """The copies in flight at save (the last update's, into the live weights) have landed: take
+        the version counters of the slots not copied aside again, as those copies changed them."""
+        with self._cond:
+            for slots in self._unread.values():
+                for slot in slots:
+                    container, key = self._refs[slot]
+                    self._versions[slot] = _version_of(container[key])
 
     def deadline(self, container: Any, key: Any) -> int:
         """The place of the slot's bucket in the expected order of the next updates; after every
@@ -2681,6 +2691,8 @@ class Checkpointer:
             for event in pending:
                 event.synchronize()  # save()'s copies of device state have landed in host memory
             if self._snapshot is not None:
+                self._snapshot.landed()  # and the updates' copies into the live weights
+            if self._snapshot is not None:
                 self._hook("snapshot")
             self._release_held(everything=False)
             self._check_still_held()
@@ -2726,7 +2738,9 @@ class Checkpointer:
         end of the write (``p.clamp_()`` of WGAN weights, a max-norm projection, an EMA written into
         the model), reached the file: the version held a state that never was, its checksums those
         of the bytes written, so it restored without a word. Each live tensor's version counter
-        (bumped by every in-place change) is taken at ``save``; a tensor whose counter differs when
+        (bumped by every in-place change) is taken at ``save``, and again once the copies in flight then
+        have landed (the writer waits for them: they are part of the state at ``save``, and a backend
+        whose copy engine runs ``copy_`` late bumps the counter then); a tensor whose counter differs when
         its last slice has been read (and was not copied aside first) fails the write, which commits
         nothing, naming it and what to do."""
         snapshot = self._snapshot
