@@ -196,7 +196,7 @@ import warnings
 import weakref
 import zlib
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -464,11 +464,19 @@ def _give_back_bounce_buffers(buffers: list[np.ndarray]) -> None:
     _bounce.free = [*getattr(_bounce, "free", []), *buffers]
 
 
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` naming ``path``: a write or fsync on a file descriptor fails naming no file."""
+    if exc.filename is not None or exc.errno is None:
+        return exc
+    return type(exc)(exc.errno, exc.strerror, str(path))
+
+
 class _Sink:
     """A file opened for writing from aligned buffers: with ``O_DIRECT`` unless the file system
     refuses it (NOTE [direct writes])."""
 
     def __init__(self, path: Path) -> None:
+        self.path = path
         self.direct = hasattr(os, "O_DIRECT")
         try:
             # Not O_TRUNC: a recycled file is written over in its blocks (NOTE [recycled files]);
@@ -490,8 +498,8 @@ class _Sink:
         try:
             self._write(data)
         except OSError as exc:
-            self.failed = exc
-            raise
+            self.failed = _naming(exc, self.path)
+            raise self.failed from None
 
     def _write(self, data: memoryview) -> None:
         view = data
@@ -692,9 +700,12 @@ class _FileWriter:
         while self._writes:
             self._writes.popleft().result()  # raises its error
         fd = self._sink.fd
-        if os.fstat(fd).st_size != self._size:
-            os.ftruncate(fd, self._size)  # the padding of the last block, or a longer recycled file's tail
-        os.fsync(fd)
+        try:
+            if os.fstat(fd).st_size != self._size:
+                os.ftruncate(fd, self._size)  # the padding of the last block, or a longer recycled file's tail
+            os.fsync(fd)  # a full disk may say so only here (delayed allocation)
+        except OSError as exc:
+            raise _naming(exc, self._sink.path) from None
         return self._size, self._digest.hexdigest()
 
     def close(self) -> None:
@@ -837,6 +848,10 @@ class _Holder:
     identity: tuple[int, int]
 
     def __str__(self) -> str:
+        if self.token is None and self.pid == 0:  # _read_holder's damaged record
+            # It said "pid 0 on an unknown host", which reads as a job to go and stop.
+            return ("a job that its damaged owner record does not name (the record is empty or garbled, as a crash "
+                    "of its host can leave it: if no job writes here, delete the record)")
         return f"pid {self.pid} on {self.host}"
 
     def live(self, *, flocked: bool = False) -> bool:
@@ -1432,7 +1447,8 @@ def _warn_taken_over(ckpt: Checkpointer, in_flight: int | None, error: BaseExcep
     warnings.warn(f"a new Checkpointer of rank {ckpt.rank} on {ckpt.directory} took the directory over from an earlier "
                   "Checkpointer of this process that was not closed (a notebook cell that makes one run again, or one "
                   f"dropped while still referenced). {written}, and the earlier one is closed now: its save() raises. "
-                  "close() a Checkpointer you are done with to end it yourself", UserWarning, stacklevel=6)  # save()'s caller
+                  "close() a Checkpointer you are done with to end it yourself; to save two models (an EMA copy beside "
+                  "the model), give each Checkpointer a directory of its own", UserWarning, stacklevel=6)  # save()'s caller
 
 
 def _weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -1955,7 +1971,21 @@ class _Snapshot:
         self._updating: set[int] = set()
         """Buckets whose update waits for the slices being read, to copy aside the rest: the writer
         starts no other slice of theirs meanwhile (else the update would wait for every one)."""
+        self._versions = {slot: _version_of(c[k]) for slot, (c, k) in self._refs.items()}
+        """Slot -> its live tensor's version counter once the copies in flight at save have landed
+        (:meth:`landed`; NOTE [changes the snapshot does not see])."""
+        self.changed: list[Any] = []
+        """Keys of the slots whose live tensor changed between save and the end of its read."""
         self._cond = threading.Condition()
+
+    def landed(self) -> None:
+        """The copies in flight at save (the last update's, into the live weights) have landed: take
+        the version counters of the slots not copied aside again, as those copies changed them."""
+        with self._cond:
+            for slots in self._unread.values():
+                for slot in slots:
+                    container, key = self._refs[slot]
+                    self._versions[slot] = _version_of(container[key])
 
     def deadline(self, container: Any, key: Any) -> int:
         """The place of the slot's bucket in the expected order of the next updates; after every
@@ -1980,8 +2010,11 @@ class _Snapshot:
             return
         bucket, slot = token
         with self._cond:
-            if finished:
-                self._unread.get(bucket, set()).discard(slot)
+            if finished and slot in self._unread.get(bucket, ()):
+                container, key = self._refs[slot]
+                if _version_of(container[key]) != self._versions[slot]:  # NOTE [changes the snapshot does not see]
+                    self.changed.append(key)
+                self._unread[bucket].discard(slot)
             self._reading[bucket] -= 1
             if not self._reading[bucket]:
                 del self._reading[bucket]
@@ -2004,6 +2037,14 @@ class _Snapshot:
                 self._updating.discard(bucket)
                 self._cond.notify_all()
             return bool(unread)
+
+
+def _version_of(t: torch.Tensor) -> int | None:
+    """``t``'s version counter, bumped by every in-place change; None for an inference tensor (none)."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def _first_few(names: list[str], shown: int = 3) -> str:
@@ -2040,7 +2081,7 @@ class Checkpointer:
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
                  lazy: bool = True, timeout_s: float = 300.0, writer_nice: int | None = 10) -> None:
-        _check_arguments(directory, model, optimizer, scheduler)
+        _check_arguments(directory, model, optimizer, scheduler, extra)
         if writer_nice is not None and (isinstance(writer_nice, bool) or not isinstance(writer_nice, int)
                                         or not 0 <= writer_nice <= 19):
             raise ValueError(f"writer_nice must be an int from 0 to 19 (how much lower than the training the "
@@ -2120,6 +2161,8 @@ class Checkpointer:
         """Step -> the (device, inode) of its folder and the error, of the versions found damaged
         (NOTE [damaged versions moved aside])."""
         self._load_hook = None
+        self._told_outside = False
+        """Whether the warning of NOTE [parameters outside the model] was given."""
         # Weakly: the optimizer and the model outlive a Checkpointer dropped without close() (a
         # notebook cell run again), and must not keep it, and its lock on the directory, alive.
         self._listener = _weakly(self._on_stage)
@@ -2171,6 +2214,7 @@ class Checkpointer:
             # Rank 0's retention after its commit sees only the versions every rank had committed
             # by then; by now the others have finished more (they save at the same steps).
             self._retain()
+        self._warn_params_outside(stacklevel=4)  # from the caller of save (through _save)
         if self.optimizer is not None and hasattr(self.optimizer, "synchronize"):
             self.optimizer.synchronize()  # every issued host update in the parameters and the state
         files, tensors, slots, pending = self._payloads()
@@ -2191,6 +2235,30 @@ class Checkpointer:
                 _WRITING.add(self)
                 _finish_writes_at_exit()
         return True
+
+    def _warn_params_outside(self, stacklevel: int) -> None:
+        """Warn, once, of the optimizer's parameters that the model does not hold.
+
+        NOTE [parameters outside the model]
+        A version saves the model's tensors and the optimizer's state. A parameter the optimizer
+        updates that the model does not hold (a learnable temperature or loss weight kept beside the
+        model, or an optimizer built on a copy of it) had its moments saved (as ``param{i}``) but
+        not its value: a restore loaded its state, at the saved step, and left its value as built,
+        and the run went on from a state it never had, without a word. Such parameters are allowed
+        (a loop may save their values in ``extra`` and set them back itself), so this warns, naming
+        them and what to do, at the first save or restore."""
+        if self._told_outside or self.optimizer is None:
+            return
+        self._told_outside = True
+        held = _names_of_params(self.model)
+        outside = [f"param{i} of shape {list(p.shape)}" for i, p in
+                   enumerate(p for group in self.optimizer.param_groups for p in group["params"]) if id(p) not in held]
+        if outside:
+            warnings.warn(f"the optimizer updates {len(outside)} parameter(s) that the model given to the Checkpointer "
+                          f"does not hold ({_first_few(outside)}): a version saves their optimizer state but not their "
+                          "values, and a restore leaves their values as they are. Register them in the model (as an "
+                          "nn.Parameter attribute of a module), or give the Checkpointer the module that holds every "
+                          "parameter the optimizer updates", stacklevel=stacklevel)
 
     def _check_every_rank_saves(self) -> None:
         """Raise if this rank committed versions that the other ranks do not save (the writer is idle).
@@ -2245,25 +2313,41 @@ class Checkpointer:
         within about that grace after the last one closes. A store that cannot be reached (rank 0's
         process serves it, and may have ended after its own close) is no error: a rank whose
         version is complete returns, one whose version is not waits up to ``timeout_s`` on the
-        files alone. Not in ``wait``, which every ``save`` calls: its fast path must not wait for
-        the other ranks."""
+        files alone. So does one without a process group of ``world`` ranks (``world=`` given, as
+        ranks launched without torch.distributed do, or as one process alone did: it closed without a
+        word, no version complete, and the next Checkpointer's cleanup deleted them all), warning
+        after ``_CLOSED_GRACE_S`` that it waits. Not in ``wait``, which every ``save`` calls: its
+        fast path must not wait for the other ranks."""
         step = self._committed_step
-        if self.world == 1 or step is None or not (torch.distributed.is_available() and torch.distributed.is_initialized()
-                                                   and torch.distributed.get_world_size() == self.world):
+        if self.world == 1 or step is None:
             return
         folder = self.directory / _name(step)
 
         def missing() -> list[int]:
             return [r for r in range(self.world) if not (folder / f"manifest-rank{r}.json").exists()]
 
-        count = announce("checkpoint-closed")  # on every rank, also where complete: the n-th closes meet
+        grouped = (torch.distributed.is_available() and torch.distributed.is_initialized()
+                   and torch.distributed.get_world_size() == self.world)
+        # Without a process group of ``world`` ranks (``world=`` given, ranks launched without
+        # torch.distributed, or one process alone) there is no store: the files alone are waited
+        # for. A Checkpointer(..., world=2) in one process closed without a word, every version
+        # incomplete, and the next Checkpointer's cleanup deleted them all.
+        count = announce("checkpoint-closed") if grouped else None  # on every rank: the n-th closes meet
         absent = missing()
         if not absent:
             return
-        deadline = time.monotonic() + self.timeout_s
+        start = time.monotonic()
+        deadline = start + self.timeout_s
         closed: dict[int, float] = {}  # rank -> when it was seen to have closed (without its record here)
+        told = grouped
         while absent:
             now = time.monotonic()
+            if not told and now - start >= _CLOSED_GRACE_S:  # a long wait, with no store to end it: say why
+                told = True
+                warnings.warn(f"close() of rank {self.rank} waits up to {self.timeout_s:g} s (timeout_s) for the "
+                              f"commit records of {'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))} "
+                              f"of the version of step {step} in {folder} (world={self.world}, given without a process "
+                              "group of that many ranks)", stacklevel=4)
             unseen = [r for r in absent if r not in closed]
             seen = ranks_announced("checkpoint-closed", unseen, count) if unseen and count is not None else None
             closed.update((r, now) for r in seen or [])
@@ -2275,7 +2359,9 @@ class Checkpointer:
             return
         ranks = f"{'rank' if len(absent) == 1 else 'ranks'} {', '.join(map(str, absent))}"
         why = (f"{ranks} closed without writing {'its' if len(absent) == 1 else 'their'} record here"
-               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it")
+               if all(r in closed for r in absent) else f"rank {self.rank} waited {self.timeout_s:g} s (timeout_s) for it"
+               + ("" if grouped else "; there is no process group to tell whether the other ranks run: if this "
+                  "process is the only one, give world=1, the default"))
         raise CheckpointError(
             f"the version of step {step} in {folder} has no commit record of {ranks} ({why}), so it is not complete "
             f"and will not restore: with {self.world} ranks every rank must make its Checkpointer on one shared "
@@ -2304,7 +2390,8 @@ class Checkpointer:
                 f"this Checkpointer was superseded: a newer Checkpointer of rank {self.rank} on {self.directory} in "
                 "this process took over the directory at its first save (as when a notebook cell that makes one runs "
                 "again), after this one's last version was written, and closed this one. Save with the newer one; "
-                "this one still reads (restore, versions)")
+                "this one still reads (restore, versions). Two Checkpointers of one process saving two models (an EMA "
+                "copy beside the model) take the directory from each other: give each a directory of its own")
         if self._closed:
             raise CheckpointError("this Checkpointer is closed (its stage listener is gone, so a lazy snapshot would "
                                   "be written unprotected from the next updates); make a new Checkpointer on the "
@@ -2513,7 +2600,7 @@ class Checkpointer:
             if tensors:
                 files[_optimizer_file(self.rank)] = tensors
             optimizer_meta = {"names": names, "param_groups": _clone(saved["param_groups"]), "other": other,
-                              "ooc": _clone(info)}
+                              "ooc": _clone(info), "type": type(opt).__name__}
         if held:
             # The copies of the held buckets read their state and device weights on this thread's
             # compute stream; step() has them updated by the optimizer's thread, ordered by nothing
@@ -2629,6 +2716,8 @@ class Checkpointer:
             for event in pending:
                 event.synchronize()  # save()'s copies of device state have landed in host memory
             if self._snapshot is not None:
+                self._snapshot.landed()  # and the updates' copies into the live weights
+            if self._snapshot is not None:
                 self._hook("snapshot")
             self._release_held(everything=False)
             self._check_still_held()
@@ -2641,9 +2730,53 @@ class Checkpointer:
             if isinstance(exc, CheckpointError):
                 self._error = exc
             else:
-                error = CheckpointError(f"could not write checkpoint {folder}: {exc}")
+                error = CheckpointError(f"could not write checkpoint {folder}: {exc}{self._what_to_do(exc, step)}")
                 error.__cause__ = exc
                 self._error = error
+
+    def _what_to_do(self, exc: BaseException, step: int) -> str:
+        """For the error of a file system (``OSError``: "[Errno 28] No space left on device", which
+        named neither the file nor what became of the version): whether version ``step`` was
+        committed, the newest version there is, and, for a full disk or a file size limit, what
+        to do."""
+        if not isinstance(exc, OSError):
+            return ""
+        if self._newest == step:
+            return ". The version was committed (latest()); the error came after, in the retention of older versions"
+        newest = f"step {self._newest}" if self._newest is not None and self._newest >= 0 else "none"
+        left = f". The version was not committed; the newest version is still {newest} (latest())"
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return (f"{left}. Free space (or quota) on the file system of {self.directory}, or keep fewer versions "
+                    "(keep=), and save again")
+        if exc.errno == errno.EFBIG:
+            return (f"{left}. A file of the version is larger than this process may write (`ulimit -f`, "
+                    "RLIMIT_FSIZE) or than the file system takes: raise the limit, or save elsewhere, and save again")
+        return f"{left}; save again once the cause is fixed"
+
+    def _check_unchanged(self, step: int) -> None:
+        """Raise if a live tensor of the lazy snapshot changed in place before the writer read it all.
+
+        NOTE [changes the snapshot does not see]
+        A lazy snapshot (NOTE [lazy snapshots]) leaves the buckets' tensors live, safe from the
+        optimizer's updates (the stage listener) and from loads into the model (a pre-hook), which
+        copy aside what the writer has not read. A change of the loop's own, between ``save`` and the
+        end of the write (``p.clamp_()`` of WGAN weights, a max-norm projection, an EMA written into
+        the model), reached the file: the version held a state that never was, its checksums those
+        of the bytes written, so it restored without a word. Each live tensor's version counter
+        (bumped by every in-place change) is taken at ``save``, and again once the copies in flight then
+        have landed (the writer waits for them: they are part of the state at ``save``, and a backend
+        whose copy engine runs ``copy_`` late bumps the counter then); a tensor whose counter differs when
+        its last slice has been read (and was not copied aside first) fails the write, which commits
+        nothing, naming it and what to do."""
+        snapshot = self._snapshot
+        if snapshot is None or not snapshot.changed:
+            return
+        raise CheckpointError(
+            f"tensors {_first_few(sorted(map(str, snapshot.changed)))} were changed in place after save({step}) returned "
+            "and before its version was written, not by the optimizer's step (whose updates the write is ordered "
+            "with), so the version would hold a state that never was: nothing of it was committed. Call ckpt.wait() "
+            "before changing parameters outside optimizer.step() (clamping, a norm projection, an EMA written into "
+            "the model), or make the Checkpointer with lazy=False to copy the state in save()")
 
     def _end_snapshot(self) -> None:
         """The version is written (or failed): the listener has nothing more to do, and its copies
@@ -2671,6 +2804,7 @@ class Checkpointer:
         written = _write_tensor_files([(folder / name, _TensorFile(
             files[name], self._snapshot, lambda key, name=name: self._hook(f"tensor:{name}:{key}")))
             for name in tensor_files])  # together, by the snapshot's deadlines (NOTE [write order])
+        self._check_unchanged(step)
         records = {name: {"bytes": size, "xxh3": digest} for name, (size, digest) in zip(tensor_files, written)}
         for name, payload in files.items():
             if name in records:
@@ -2854,6 +2988,7 @@ class Checkpointer:
         ranks parted without a word. So, with a process group of ``world`` ranks, ``restore`` first
         waits up to ``timeout_s`` for every rank to call it (``ranks_not_arrived``: on the group's
         store, not a collective that would hang), and raises naming the ranks that did not."""
+        step = self._asked_step(version)  # refused before any wait
         if self.world > 1 and torch.distributed.is_available() and torch.distributed.is_initialized() \
                 and torch.distributed.get_world_size() == self.world:
             missing = ranks_not_arrived(f"restore:{self.directory}", self.timeout_s)
@@ -2868,13 +3003,11 @@ class Checkpointer:
         found, damaged = _scan(self.directory)  # NOTE [damaged records]
         if not found and not damaged:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
-        if version is None:
+        if step is None:
             step = max([v.step for v in found] + list(damaged))
-        else:
-            step = version.step if isinstance(version, Version) else int(version)
-            if step not in damaged and step not in {v.step for v in found}:
-                raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
-                                      f"there are {[v.step for v in found]}")
+        elif step not in damaged and step not in {v.step for v in found}:
+            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; "
+                                  f"there are {[v.step for v in found]}")
         candidates = [v for v in found if v.step <= step]
         errors = []
         if step in damaged:
@@ -2894,9 +3027,31 @@ class Checkpointer:
                 continue
             self._load(v, payloads)
             self._learn(found, damaged)
+            self._warn_params_outside(stacklevel=3)  # from the caller of restore
             return v
         self._learn(found, damaged)
         raise NoIntactVersionError(self.directory, errors)
+
+    def _asked_step(self, version: int | Version | None) -> int | None:
+        """The step ``version`` names (None: the newest), for :meth:`restore` and :meth:`export`.
+        ``int(version)`` took ``2.7`` for step 2 and ``True`` for step 1, and a :class:`Version` of
+        another directory for this directory's version of its step: each is refused, as ``save``
+        refuses a step that is no integer."""
+        if version is None:
+            return None
+        if isinstance(version, Version):
+            if os.path.abspath(version.path.parent) != os.fspath(self.directory):
+                raise ValueError(f"version {version.path} is not in this Checkpointer's directory {self.directory}: "
+                                 f"restore or export it with a Checkpointer on {version.path.parent}, or pass its "
+                                 "step to restore this directory's version of that step")
+            return version.step
+        if isinstance(version, bool):
+            raise TypeError(f"version must be a step (an int), a Version or None, got {version!r}")
+        try:
+            return operator.index(version)  # np.int64 or a 0-d integer tensor: an int
+        except TypeError:
+            raise TypeError(f"version must be a step (an int), a Version or None, got {version!r} "
+                            f"({type(version).__name__}): int({version!r}) if you mean that step") from None
 
     def _read(self, v: Version) -> dict[str, Any]:
         """Read and check every file this rank needs from ``v`` (saved by any number of ranks, NOTE
@@ -2910,10 +3065,10 @@ class Checkpointer:
             _checked_bytes(v.path / MODEL_INDEX, v.files[MODEL_INDEX])
         states = [self._file(v, _state_file(r)) for r in range(v.world)]
         weights.update(states[0].get("model_extra") or {})
-        self._check_fits(v, weights)
+        cast = self._check_fits(v, weights)
         state = states[self.rank] if self.rank < v.world else {**states[0], "rng": None}
         optimizer, read = self._optimizer_state(v, states) if self.optimizer is not None else (None, set())
-        return {"weights": weights, "state": state, "optimizer": optimizer,
+        return {"weights": weights, "state": state, "optimizer": optimizer, "cast": cast,
                 "files": {MODEL_FILE, *map(_state_file, range(v.world)), *read}}
 
     @staticmethod
@@ -2929,9 +3084,11 @@ class Checkpointer:
         for name in sorted({sl["file"] for slices in v.tensors.values() for sl in slices} - read):
             _checked_bytes(v.path / name, v.files[name])
 
-    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> None:
+    def _check_fits(self, v: Version, weights: dict[str, torch.Tensor]) -> list[str]:
         """Raise unless ``weights`` have the model's names and shapes: checked before anything is
-        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others."""
+        loaded, as ``load_state_dict`` copies every tensor that fits before it reports the others.
+        Return the tensors ``load_state_dict`` will cast to another dtype (NOTE [a resume into other
+        dtypes])."""
         own = self.model.state_dict()
         missing = [k for k in own if k not in weights]
         unexpected = sorted(k for k in weights if k not in own)
@@ -2942,6 +3099,8 @@ class Checkpointer:
                                     (("missing", missing), ("unexpected", unexpected), ("of other shapes", shapes)) if names)
             raise CheckpointError(f"checkpoint {v.path} does not fit the model: tensors {differences}; build the model "
                                   "as it was saved")
+        return [f"{k}: saved {weights[k].dtype}, now {t.dtype}" for k, t in own.items()
+                if isinstance(weights.get(k), torch.Tensor) and isinstance(t, torch.Tensor) and weights[k].dtype != t.dtype]
 
     @staticmethod
     def _file(v: Version, name: str) -> Any:
@@ -2971,6 +3130,7 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {v.path} holds an optimizer of {len(saved_groups)} parameter group(s) of "
                                   f"{saved_groups} parameters, this one has {len(groups)} of {groups}; build the "
                                   "optimizer's groups as they were saved")
+        self._check_hyperparameters(v, metas[0])
         other: dict[str, dict[str, Any]] = {}
         for meta in metas:
             other.update(meta["other"] if meta is not None else {})
@@ -2995,6 +3155,27 @@ class Checkpointer:
             result["ooc"] = {k: val for k, val in info.items() if k not in ("world", "sharded", "rank")}
         return result, set(loaded)
 
+    def _check_hyperparameters(self, v: Version, meta: dict[str, Any]) -> None:
+        """Raise unless the saved parameter groups hold every hyperparameter this optimizer reads.
+
+        NOTE [an optimizer of another kind]
+        ``Optimizer.load_state_dict`` takes the saved groups whole, whatever optimizer saved them: a
+        version of an SGD restored into an AdamW loaded the model, then failed with ``KeyError:
+        'step'`` (or, AdamW's into SGD, ``KeyError: 'momentum'`` at the next step), the run's
+        optimizer left with another's hyperparameters. A group lacking a key of this optimizer's
+        ``defaults`` is of another kind: refused before anything is loaded. Kinds that share their
+        hyperparameters (Adam, AdamW, HostAdamW) load each other's state, as before."""
+        defaults = getattr(self.optimizer, "defaults", None)
+        if not isinstance(defaults, dict):
+            return
+        lacking = sorted({key for group in meta["param_groups"] for key in defaults if key not in group})
+        if lacking:
+            saver = f" (saved by {meta['type']})" if "type" in meta else ""
+            raise CheckpointError(f"checkpoint {v.path} holds the state of another kind of optimizer{saver}: its "
+                                  f"parameter groups lack {', '.join(map(repr, lacking))}, which this "
+                                  f"{type(self.optimizer).__name__} reads; build the optimizer as it was saved, or "
+                                  "restore the weights alone (a Checkpointer without an optimizer)")
+
     def _load(self, v: Version, payloads: dict[str, Any]) -> None:
         check = getattr(self.optimizer, "check_loadable", None)  # HostAdamW: options checked before any load
         if check is not None:
@@ -3017,16 +3198,55 @@ class Checkpointer:
             self.extra.update(state["extra"])
         if state["rng"] is not None:
             set_rng_state(state["rng"])
+        self._warn_left_out(v, state)
+        if payloads["cast"] and self.optimizer is not None:
+            # NOTE [a resume into other dtypes]
+            # load_state_dict casts each weight (and torch's optimizers their state) to the model's
+            # dtype: fp32 weights and moments restored into a bf16 model were rounded, and the run
+            # went on, no longer the one saved, without a word (HostAdamW refuses such a state).
+            # Weights alone (no optimizer: evaluation, export) are cast as asked.
+            warnings.warn(f"checkpoint {v.path} was restored into a model of other dtypes, {len(payloads['cast'])} "
+                          f"tensor(s) cast ({_first_few(payloads['cast'])}): the run does not continue as the one "
+                          "saved. Build the model in the dtypes it was saved in (model.to(dtype)) to resume it",
+                          stacklevel=3)
+
+    def _warn_left_out(self, v: Version, state: dict[str, Any]) -> None:
+        """Warn when a restore to train on (with an optimizer) leaves out a scheduler's state or
+        ``extra`` that the version holds, for want of a place to load it.
+
+        NOTE [state a restore leaves out]
+        A resume whose Checkpointer was made without the ``scheduler=`` (or ``extra=``) that saved
+        the version restored the rest and returned: the LR schedule started over (or the data
+        position stayed at its start) and the run went on, no longer the one that was stopped, without
+        a word. A restore without an optimizer (weights for evaluation or export) is told nothing."""
+        if self.optimizer is None:
+            return
+        left_out = [(what, argument) for what, argument, ours, saved in (
+            ("an LR scheduler's state", "scheduler=", self.scheduler, state["scheduler"]),
+            ("an extra dict", "extra=", self.extra, state["extra"])) if ours is None and saved is not None]
+        if left_out:
+            arguments = " and ".join(argument for _, argument in left_out)
+            warnings.warn(f"checkpoint {v.path} holds {' and '.join(what for what, _ in left_out)}, which this "
+                          f"Checkpointer, made without {arguments}, did not restore: the run does not continue as "
+                          f"the one saved. Make the Checkpointer with the {arguments} it was saved with",
+                          stacklevel=4)
 
     def export(self, version: int | Version | None, path: str | os.PathLike[str]) -> Path:
         """Write one version's model weights (checked) to ``path`` as a safetensors file, loadable
         with ``safetensors.torch.load_file`` into a plain PyTorch model (a directory: to its
         ``model.safetensors``, the file HF's ``from_pretrained`` reads; a path that ends with a slash is
         a directory, made if need be); return the file's path."""
-        found = {v.step: v for v in self.versions()}
-        step = (max(found) if found else None) if version is None else (version.step if isinstance(version, Version) else version)
+        step = self._asked_step(version)
+        versions, damaged = _scan(self.directory)
+        found = {v.step: v for v in versions}
+        if step is None:
+            if not found and not damaged:  # (it said "no complete checkpoint for step None")
+                raise CheckpointError(f"no complete checkpoint in {self.directory}")
+            step = max([*found, *damaged])
+        if step in damaged:  # as restore() names it (it said there was no version of that step)
+            raise damaged[step]
         if step not in found:
-            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}")
+            raise CheckpointError(f"no complete checkpoint for step {step} in {self.directory}; there are {sorted(found)}")
         v = found[step]
         data = _checked_bytes(v.path / MODEL_FILE, v.files[MODEL_FILE])
         newest = self._newest_weights(v)
@@ -3184,7 +3404,7 @@ def _finish_writes_at_exit() -> None:
         register(lambda: [c._finish_at_exit() for c in list(_WRITING)])
 
 
-def _check_arguments(directory: object, model: object, optimizer: object, scheduler: object) -> None:
+def _check_arguments(directory: object, model: object, optimizer: object, scheduler: object, extra: object) -> None:
     """Refuse what ``Checkpointer`` cannot save, where it is made: arguments in another order
     (``Checkpointer(d, opt, model)``) were taken, and the first ``save``, a training step later, raised
     an AttributeError from deep inside."""
@@ -3194,12 +3414,34 @@ def _check_arguments(directory: object, model: object, optimizer: object, schedu
     if optimizer is not None and not all(hasattr(optimizer, a) for a in ("param_groups", "state_dict", "load_state_dict")):
         raise TypeError(f"optimizer must be a torch optimizer (param_groups, state_dict, load_state_dict) or None, "
                         f"got {type(optimizer).__name__}: {order}")
+    if isinstance(scheduler, (list, tuple)):  # the argument order was blamed for a list of schedulers
+        raise TypeError(f"scheduler must be one LR scheduler, got a {type(scheduler).__name__} of {len(scheduler)}: chain "
+                        "them into one (torch.optim.lr_scheduler.SequentialLR or ChainedScheduler), or pass one and "
+                        "keep the others' state_dict() in extra")
     if scheduler is not None and (hasattr(scheduler, "param_groups")
                                   or not all(hasattr(scheduler, a) for a in ("state_dict", "load_state_dict"))):
         raise TypeError(f"scheduler must be an LR scheduler (state_dict, load_state_dict) or None, got "
                         f"{type(scheduler).__name__}: {order}")
+    if extra is not None and not isinstance(extra, MutableMapping):
+        # restore() updates it in place: a list or a number was saved, and every restore failed after
+        # loading the model (AttributeError: 'list' object has no attribute 'update').
+        raise TypeError(f"extra must be a dict (restore() updates it in place), got {type(extra).__name__}: put "
+                        "the values in one, e.g. extra={'position': ...}, and read them back from it after restore()")
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ValueError(f"{directory} is a file, not a directory: give Checkpointer the directory its versions go in")
+    _refuse_version_folder(Path(directory))
+
+
+def _refuse_version_folder(directory: Path) -> None:
+    """Raise ValueError if ``directory`` is one version's folder (``ckpt/step-000000005``), not a
+    checkpoint directory: a restore from it said "no complete checkpoint" with the version right
+    there, and a save nested versions inside it, which the retention of its own directory deletes."""
+    m = _VERSION_RE.match(directory.name)
+    if m and any((directory / name).exists() for name in ("manifest-rank0.json", MODEL_FILE)):
+        raise ValueError(f"{directory} is the folder of one version (step {int(m.group(1))}) of the checkpoint directory "
+                         f"{directory.parent}: give that directory, and the step to restore "
+                         f"(Checkpointer({str(directory.parent)!r}, ...).restore({int(m.group(1))}); `ooc train "
+                         "--resume` and `ooc checkpoints list` take the directory too)")
 
 
 def _compiled_module(model: nn.Module) -> nn.Module:
@@ -3227,11 +3469,13 @@ def _unwrapped_optimizer(optimizer: Any) -> Any:
 def scan_versions(directory: str | os.PathLike[str]) -> tuple[list[Version], dict[int, CorruptCheckpointError]]:
     """:func:`list_versions` and :func:`damaged_versions` of ``directory`` from one read of its commit
     records."""
+    _refuse_version_folder(Path(directory))
     return _scan(Path(directory))
 
 
 def list_versions(directory: str | os.PathLike[str]) -> list[Version]:
     """The committed versions under ``directory``, oldest first."""
+    _refuse_version_folder(Path(directory))
     return _scan(Path(directory))[0]
 
 
@@ -3352,8 +3596,9 @@ def _intact_record(path: Path) -> Any:
     """The parsed commit record at ``path``; raises :class:`CorruptCheckpointError` if it holds an
     XXH3-64 of itself that its contents do not match (NOTE [damaged records])."""
     record = json.loads(path.read_text())
-    if isinstance(record, dict) and record.get("format") == FORMAT and _RECORD_DIGEST in record \
-            and record[_RECORD_DIGEST] != _record_digest(record):
+    # Whatever its format says: the digest covers the format too, and a flipped bit there ("format":
+    # 5, or 0) was taken for a version of another ooc, which restore(fallback=True) did not skip.
+    if isinstance(record, dict) and _RECORD_DIGEST in record and record[_RECORD_DIGEST] != _record_digest(record):
         raise CorruptCheckpointError(path, "the commit record's XXH3-64 differs from the one it holds")
     return record
 

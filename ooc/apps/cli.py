@@ -50,12 +50,14 @@ def _train(args: argparse.Namespace) -> int:
     from ooc.apps.train import TrainConfig
     from ooc.apps.train import main as train_main
 
+    if args.keep is not None and not args.save:  # (TrainConfig's keep has a default: given or not, it cannot tell)
+        raise ValueError("--keep applies to --save's directory: give --save DIR too (without it nothing is saved)")
     cfg = TrainConfig(
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq=args.seq, lr=args.lr,
         weight_decay=args.weight_decay, seed=args.seed, dtype=args.dtype, dropout=args.dropout, plan=args.plan, shard=args.shard,
         reduce_on=args.reduce_on, delayed_update=args.delayed_update, accumulate=args.accumulate,
         max_grad_norm=args.max_grad_norm, device_params_below=args.device_params_below, pipeline=not args.no_pipeline, timeout_s=args.timeout, out=args.out, save=args.save,
-        save_every=args.save_every, keep=args.keep, resume=args.resume,
+        save_every=args.save_every, keep=3 if args.keep is None else args.keep, resume=args.resume,
         progress=not args.no_progress, device=args.device,
     )
     return train_main(cfg)
@@ -376,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--out", type=_output_file, help="write losses and step times as JSON (rank 0)")
     tr.add_argument("--save", help="checkpoint directory: a version at the end (and every --save-every steps)")
     tr.add_argument("--save-every", type=int, default=0, help="also save a version every N steps (0: only at the end)")
-    tr.add_argument("--keep", type=int, default=3, help="versions kept in --save's directory")
+    tr.add_argument("--keep", type=int, default=None, help="versions kept in --save's directory (default 3)")
     tr.add_argument("--resume", help="continue from a checkpoint directory's newest complete version; auto: "
                     "from --save's, or a fresh start if it has none")
     tr.add_argument("--no-progress", action="store_true", help="a log line per step instead of a progress bar")

@@ -111,6 +111,9 @@ class TrainConfig:
                              f"characters (its block_size); pass --seq {longest} or less{_longer_presets(self.seq)}")
         if self.save_every < 0 or self.keep < 1:
             raise ValueError(f"--save-every must be >= 0 and --keep >= 1, got {self.save_every} and {self.keep}")
+        if self.save_every and not self.save:
+            # A run given --save-every alone trained to its end and saved nothing, without a word.
+            raise ValueError("--save-every saves into --save's directory: give --save DIR too (without it nothing is saved)")
         if self.resume == "auto" and not self.save:
             raise ValueError("--resume auto continues from --save's directory: give --save DIR too")
         check_timeout(self.timeout_s, name="--timeout")

@@ -288,3 +288,23 @@ def test_a_record_released_by_a_finalizer_inside_the_heartbeat_does_not_hang_it(
     while (tmp_path / "b.owner").exists() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert not (tmp_path / "a.owner").exists() and not (tmp_path / "b.owner").exists()
+
+
+@pytest.mark.parametrize("content", [b"", b"{\"host\": \"h\", \"pi"], ids=["empty", "garbled"])
+def test_a_damaged_owner_record_is_named_as_damaged_and_goes_stale(tmp_path: Path, content: bytes) -> None:
+    """An owner record emptied by a crash of its host (made with ``link()`` but not fsynced) named
+    its holder "pid 0 on an unknown host", a job to go and stop that is none. It is named as damaged,
+    with what to do; once its heartbeat (its mtime) is stale, it is taken over as a dead job's."""
+    ckpt = Checkpointer(tmp_path, nn.Linear(3, 2))
+    ckpt.save(1)
+    ckpt.close()
+    record = tmp_path / ".writer-rank0.owner"
+    record.write_bytes(content)
+    ckpt = Checkpointer(tmp_path, nn.Linear(3, 2))
+    with pytest.raises(CheckpointError, match=r"a job that its damaged owner record does not name .*delete the record"):
+        ckpt.save(2)
+    stale = time.time() - ckpt_mod._STALE_SECONDS - 5
+    os.utime(record, (stale, stale))
+    ckpt.save(2)
+    ckpt.close()
+    assert [v.step for v in list_versions(tmp_path)] == [1, 2]

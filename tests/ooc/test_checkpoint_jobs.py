@@ -397,3 +397,18 @@ def test_ooc_train_into_a_directory_another_job_holds_stops_before_it_trains(tmp
     finally:
         holder.kill()
         holder.wait()
+
+
+def test_two_models_saved_into_one_directory_are_told_to_use_two(tmp_path: Path) -> None:
+    """A model and its EMA copy, each with a Checkpointer on one directory: the second's first save
+    took the directory over and the first's next save said only "superseded ... save with the newer
+    one", advice for a notebook cell run again that loses the other model's versions here. Both
+    messages say to give each Checkpointer a directory of its own."""
+    model, ema = nn.Linear(3, 2), nn.Linear(3, 2)
+    first, second = Checkpointer(tmp_path, model), Checkpointer(tmp_path, ema)
+    first.save(1)
+    with pytest.warns(UserWarning, match="to save two models .* give each Checkpointer a directory of its own"):
+        second.save(2)
+    with pytest.raises(CheckpointError, match="saving two models .* give each a directory of its own"):
+        first.save(3)
+    second.close()

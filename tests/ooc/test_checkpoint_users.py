@@ -137,8 +137,9 @@ def test_a_damaged_commit_record_is_reported_and_its_version_kept(tmp_path: Path
 
 
 @pytest.mark.parametrize("change", [('"pos": 20', '"pos": 21'), ('.safetensors"', '.safetensorr"'), ('"shape": [2', '"shape": [3'),
-                                    ('"world": 1', '"world": 3')],
-                         ids=["metadata", "file-name", "shape", "world"])
+                                    ('"world": 1', '"world": 3'), ('"format": 4', '"format": 5'),
+                                    ('"format": 4', '"format": 0')],
+                         ids=["metadata", "file-name", "shape", "world", "format-5", "format-0"])
 def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_path: Path, change: tuple[str, str]) -> None:
     """One flipped bit in a commit record that leaves valid JSON (a digit, a letter of a name):
     the record held no checksum of its own, so a changed metadata value restored without a word, a
@@ -146,7 +147,9 @@ def test_a_commit_record_with_a_flipped_bit_that_still_parses_is_reported(tmp_pa
     both of which ``restore(fallback=True)`` passed on instead of loading the version before, and a
     changed world size made the version look uncommitted (records of ranks that never were), so the
     next Checkpointer deleted it, intact files and all. The record now holds its own XXH3-64,
-    checked before anything in it is used (NOTE [damaged records])."""
+    checked before anything in it is used (NOTE [damaged records]), whatever format the record
+    says it has: a flipped bit in the format (5, or 0) was taken for a version of another ooc
+    release ("restore it with the ooc that wrote it"), which ``fallback=True`` did not skip."""
     model = _linear()
     opt = torch.optim.AdamW(model.parameters())
     model(torch.ones(1, 3)).sum().backward()
@@ -472,6 +475,222 @@ def test_a_step_that_is_no_integer_is_refused_at_once(tmp_path: Path) -> None:
     ckpt = Checkpointer(tmp_path, _linear())
     with pytest.raises(TypeError, match="step must be an int"):
         ckpt.save(3.0)
+
+
+@pytest.mark.parametrize("version", [2.7, True, "2"], ids=["float", "bool", "str"])
+def test_a_version_that_is_no_step_is_refused_by_restore_and_export(tmp_path: Path, version: object) -> None:
+    """``restore(2.7)`` loaded step 2 and ``restore(True)`` step 1 (``int(version)``), without a
+    word; ``export("2")`` said there was no version of step 2. Each is refused, as ``save`` refuses a
+    step that is no integer, and nothing is loaded."""
+    model = _linear()
+    ckpt = Checkpointer(tmp_path, model)
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    reader = Checkpointer(tmp_path, other)
+    with pytest.raises(TypeError, match="version must be a step"):
+        reader.restore(version)
+    with pytest.raises(TypeError, match="version must be a step"):
+        reader.export(version, tmp_path / "w.safetensors")
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert reader.restore(np.int64(1)).step == 1  # an integer of another type is a step
+    ckpt.close()
+
+
+def test_a_resume_that_leaves_out_the_saved_scheduler_or_extra_says_so(tmp_path: Path) -> None:
+    """NOTE [state a restore leaves out]: a resume made without the ``scheduler=`` and ``extra=``
+    the version was saved with restored the rest without a word: the LR schedule started over.
+    It warns now, naming both, from the caller's line; restoring the weights alone does not."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    sched = torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)
+    ckpt = Checkpointer(tmp_path, model, opt, scheduler=sched, extra={"pos": 3})
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    with pytest.warns(UserWarning, match=r"LR scheduler's state and an extra dict.*without scheduler= and extra=") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert info[0].filename == __file__
+    other_opt = torch.optim.AdamW(other.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path, _linear(seed=2)).restore()
+        Checkpointer(tmp_path, other, other_opt, scheduler=torch.optim.lr_scheduler.StepLR(other_opt, 1, 0.5),
+                     extra={}).restore()
+
+
+def test_an_optimizer_parameter_the_model_does_not_hold_is_warned_of(tmp_path: Path) -> None:
+    """NOTE [parameters outside the model]: a learnable temperature beside the model, in the
+    optimizer: its moments were saved, its value not, and a restore left it as built with its
+    state at the saved step, without a word. The first save and restore warn, naming it."""
+    model, temp = _linear(), nn.Parameter(torch.ones(()))
+    opt = torch.optim.AdamW([*model.parameters(), temp], lr=0.1)
+    (model(torch.ones(1, 3)).sum() * temp).backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    with pytest.warns(UserWarning, match=r"1 parameter\(s\) that the model .* does not hold \(param2 of shape \[\]\)") as info:
+        ckpt.save(1)
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per Checkpointer
+        ckpt.save(2)
+    ckpt.close()
+    other, other_temp = _linear(seed=1), nn.Parameter(torch.ones(()))
+    with pytest.warns(UserWarning, match="param2 of shape") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW([*other.parameters(), other_temp])).restore()
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every parameter in the model: nothing to say
+        Checkpointer(tmp_path / "held", model, torch.optim.AdamW(model.parameters())).save(1)
+
+
+@pytest.mark.parametrize("extra", [[1, 2], (1, 2), 5], ids=["list", "tuple", "int"])
+def test_an_extra_that_is_no_dict_is_refused_where_the_checkpointer_is_made(tmp_path: Path, extra: object) -> None:
+    """``extra=[...]`` was taken and saved, and every restore failed after loading the model
+    (``AttributeError: 'list' object has no attribute 'update'``): restore updates it in place."""
+    with pytest.raises(TypeError, match=f"extra must be a dict .*got {type(extra).__name__}"):
+        Checkpointer(tmp_path, _linear(), extra=extra)
+    assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("saved, restored, lacking", [
+    (lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), torch.optim.AdamW, "'betas'"),
+    (torch.optim.AdamW, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), "'momentum'"),
+], ids=["sgd-into-adamw", "adamw-into-sgd"])
+def test_a_version_of_another_kind_of_optimizer_loads_nothing(tmp_path: Path, saved, restored, lacking: str) -> None:  # noqa: ANN001
+    """NOTE [an optimizer of another kind]: an SGD's version restored into an AdamW loaded the
+    model and failed with ``KeyError: 'step'``; an AdamW's into an SGD restored, and the next step
+    failed with ``KeyError: 'momentum'``. Refused now, naming the saver, before anything is loaded;
+    Adam's restores into AdamW as before."""
+    model = _linear()
+    opt = saved(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    other_opt = restored(other.parameters())
+    groups = [dict(g) for g in other_opt.state_dict()["param_groups"]]
+    with pytest.raises(CheckpointError, match=f"another kind of optimizer \\(saved by {type(opt).__name__}\\).*{lacking}"):
+        Checkpointer(tmp_path, other, other_opt).restore()
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+    assert other_opt.state_dict()["param_groups"] == groups
+    adam_model = _linear(seed=2)
+    ckpt = Checkpointer(tmp_path / "adam", adam_model, torch.optim.Adam(adam_model.parameters()))
+    ckpt.save(1)
+    ckpt.close()
+    adamw = torch.optim.AdamW(other.parameters())
+    Checkpointer(tmp_path / "adam", other, adamw).restore()
+    other(torch.ones(1, 3)).sum().backward()
+    adamw.step()
+
+
+@pytest.mark.parametrize("saved, now", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)],
+                         ids=["fp32-into-bf16", "bf16-into-fp32"])
+def test_a_resume_into_a_model_of_other_dtypes_says_so(tmp_path: Path, saved: torch.dtype, now: torch.dtype) -> None:
+    """NOTE [a resume into other dtypes]: fp32 weights and AdamW moments restored into a bf16 model
+    (``.to(torch.bfloat16)`` forgotten, or added) were cast by ``load_state_dict`` without a word,
+    and the run went on from rounded state. A restore with an optimizer warns, naming the tensors;
+    weights alone are cast as asked."""
+    model = _linear().to(saved)
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3, dtype=saved)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1).to(now)
+    with pytest.warns(UserWarning, match=f"other dtypes, 2 tensor.*weight: saved {saved}, now {now}") as info:
+        Checkpointer(tmp_path, other, torch.optim.AdamW(other.parameters())).restore()
+    assert info[0].filename == __file__
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Checkpointer(tmp_path, _linear(seed=2).to(now)).restore()
+
+
+def test_a_version_folder_given_for_the_directory_is_refused_naming_the_directory(tmp_path: Path) -> None:
+    """``Checkpointer("ckpt/step-000000005", model).restore()``: "no complete checkpoint in
+    ckpt/step-000000005", with the version right there; a save nested versions inside it (which the
+    retention of ``ckpt`` deletes with it). Refused where it is made, naming the directory and step."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    ckpt.save(5)
+    ckpt.close()
+    folder = tmp_path / "step-000000005"
+    files = sorted(os.listdir(folder))
+    for call in (lambda: Checkpointer(folder, _linear()), lambda: list_versions(folder)):
+        with pytest.raises(ValueError, match=rf"is the folder of one version \(step 5\) of the checkpoint directory "
+                                             rf"{tmp_path}: .*restore\(5\)"):
+            call()
+    assert sorted(os.listdir(folder)) == files
+    assert Checkpointer(tmp_path, _linear()).restore(5).step == 5
+
+
+def test_export_names_a_damaged_version_and_an_empty_directory(tmp_path: Path) -> None:
+    """``export`` said "no complete checkpoint for step None" in a directory without versions, and
+    "no complete checkpoint for step 2" for a version whose commit record is damaged, where
+    ``restore`` names the damaged file."""
+    ckpt = Checkpointer(tmp_path, _linear())
+    with pytest.raises(CheckpointError, match=rf"^no complete checkpoint in {tmp_path}$"):
+        ckpt.export(None, tmp_path / "w.safetensors")
+    for step in (1, 2):
+        ckpt.save(step)
+        ckpt.wait()
+    ckpt.close()
+    (tmp_path / "step-000000002" / "manifest-rank0.json").write_text("{")
+    for version in (None, 2):
+        with pytest.raises(CorruptCheckpointError, match="step-000000002/manifest-rank0.json"):
+            ckpt.export(version, tmp_path / "w.safetensors")
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint for step 7 .*there are \[1\]"):
+        ckpt.export(7, tmp_path / "w.safetensors")
+    assert ckpt.export(1, tmp_path / "w.safetensors").is_file()
+
+
+def test_ranks_without_a_process_group_are_waited_for_at_close(tmp_path: Path) -> None:
+    """NOTE [every rank commits where this rank does] without a process group: ``world=2`` given in
+    a process alone closed without a word, no version complete, and the next Checkpointer's cleanup
+    deleted them all. ``close`` now waits for the other ranks' records on the files, warns that it
+    waits, and raises naming the rank and what to do; two ranks that both save close quietly."""
+    lone = Checkpointer(tmp_path / "lone", _linear(), rank=0, world=2, timeout_s=2.5)
+    lone.save(1)
+    with pytest.warns(UserWarning, match=r"close\(\) of rank 0 waits up to 2.5 s .* rank 1 of the version of step 1"), \
+            pytest.raises(CheckpointError, match=r"no commit record of rank 1 \(rank 0 waited 2.5 s .*give world=1"):
+        lone.close()
+    ranks = [Checkpointer(tmp_path / "two", _linear(), rank=r, world=2, timeout_s=30) for r in range(2)]
+    for ckpt in ranks:
+        ckpt.save(1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for ckpt in ranks:
+            ckpt.close()
+    assert _steps(tmp_path / "two") == [1]
+
+
+def test_a_list_of_schedulers_is_told_how_to_save_them(tmp_path: Path) -> None:
+    """``scheduler=[warmup, cosine]`` was refused as arguments in the wrong order."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    schedulers = [torch.optim.lr_scheduler.StepLR(opt, 1), torch.optim.lr_scheduler.StepLR(opt, 2)]
+    with pytest.raises(TypeError, match="one LR scheduler, got a list of 2: chain them into one .*SequentialLR"):
+        Checkpointer(tmp_path, model, opt, scheduler=schedulers)
+
+
+def test_a_version_of_another_directory_is_refused(tmp_path: Path) -> None:
+    """``restore(v)`` with ``v`` from another directory's ``versions()`` loaded this directory's
+    version of ``v.step``, without a word."""
+    for name in ("a", "b"):
+        ckpt = Checkpointer(tmp_path / name, _linear())
+        ckpt.save(1)
+        ckpt.close()
+    reader = Checkpointer(tmp_path / "a", _linear(seed=1))
+    elsewhere = list_versions(tmp_path / "b")[0]
+    for call in (lambda: reader.restore(elsewhere), lambda: reader.export(elsewhere, tmp_path / "w.safetensors")):
+        with pytest.raises(ValueError, match="not in this Checkpointer's directory"):
+            call()
+    assert reader.restore(reader.latest()).step == 1
 
 
 def _groups(model: nn.Module, split: bool) -> list:

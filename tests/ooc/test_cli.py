@@ -188,6 +188,8 @@ def test_include_params_plan_from_the_command_line(tmp_path, capsys) -> None:
     (["--timeout", "inf"], "--timeout must be a finite number of seconds > 0"),
     (["--timeout", "nan"], "--timeout must be a finite number of seconds > 0"),
     (["--plan", "budget:half"], "needs a fraction of the keep-all peak in (0, 1], got 'half'"),
+    (["--save-every", "2"], "--save-every saves into --save's directory: give --save DIR too"),  # nothing was saved
+    (["--keep", "2"], "--keep applies to --save's directory: give --save DIR too"),
 ])
 def test_train_rejects_bad_options(argv, message, capsys) -> None:
     assert main(["train", "--steps", "1", "--no-progress", *argv]) != 0
