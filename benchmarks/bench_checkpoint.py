@@ -10,8 +10,7 @@ pipelined HostAdamW on the CPU backend, each figure beside its baseline from the
   <= 10%);
 - with ``--pairs N``, N more pairs of 10-step blocks (no saves, a save every 10 steps; each first in turn): the
   every-10 figure's mean over the pairs and its 95% bootstrap interval, which says whether the goal
-  is met where two rounds' medians cannot; ``--compare-priority`` adds a third block to each, the
-  writer at the training's priority (``writer_nice=None``; NOTE [the writer runs below the training]);
+  is met where two rounds' medians cannot;
 - the same with a save asked for every step with ``if_busy="skip"`` (no wait: a step whose save
   finds the previous version still being written gets none; the row says how many were written);
 - the two floors of a version every step: the time its bytes take at the disk's bandwidth (writes
@@ -210,9 +209,6 @@ def main() -> None:
     parser.add_argument("--pairs", type=int, default=0,
                         help="then this many pairs of 10-step blocks, no saves and a save every 10 steps, each first in "
                              "turn, for that figure's mean and 95%% interval over the pairs")
-    parser.add_argument("--compare-priority", action="store_true",
-                        help="with --pairs: a third block each round, a save every 10 steps with the writer at the "
-                             "training's priority (writer_nice=None)")
     parser.add_argument("--saves", type=int, default=3, help="saves timed for the blocking figure")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--seq", type=int, default=64)
@@ -409,11 +405,7 @@ def main() -> None:
         # drift of the machine adds as much to each: the per-pair ratio's mean and interval say whether the
         # every-10 figure is within its goal, which two rounds' medians cannot (their spread is a
         # few points).
-        # --compare-priority: a third block, the writer at the training's priority (writer_nice=None).
         paired_savers: dict[str, Checkpointer | None] = {"none": None, "every 10 steps": savers[10]}
-        if args.compare_priority:
-            paired_savers["every 10 steps, the writer at the training's priority"] = Checkpointer(
-                root / "every10-same-priority", model, opt, keep=2, writer_nice=None)
         paired: dict[str, list[float]] = {name: [] for name in paired_savers if name != "none"}
         for pair in range(args.pairs):
             seconds: dict[str, float] = {}
@@ -433,9 +425,6 @@ def main() -> None:
                 seconds[name] = (time.perf_counter() - started) / 10
             for name in paired:
                 paired[name].append(seconds[name] / seconds["none"] - 1)
-        for saver in paired_savers.values():
-            if saver is not None and saver is not savers[10]:
-                saver.close()
         times = {mode: statistics.median(b) for mode, b in blocks.items()}
         copied = {mode: saver.copied_by_listener for mode, saver in savers.items() if saver is not None}
         most_aside = {mode: max([b for s, b in aside.items() if aside_mode[s] == mode], default=0) for mode in savers}

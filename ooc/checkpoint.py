@@ -2066,8 +2066,7 @@ class Checkpointer:
     ``--shard`` setting). ``lazy``: lazy snapshots with a HostAdamW (NOTE [lazy snapshots]).
     ``timeout_s``: how long :meth:`restore` waits for every rank to call it (NOTE [every rank restores]),
     and :meth:`close` for the other ranks' records of its last version (NOTE [every rank commits
-    where this rank does]). ``writer_nice``: how much lower than the caller's the writer's threads
-    run (a Linux nice increment; ``None``: as the caller's; NOTE [the writer runs below the training]).
+    where this rank does]).
 
     One job writes into a directory at a time: from its first ``save`` until :meth:`close`, another
     job's Checkpointer saving there is refused (NOTE [one job per directory]). Within one process
@@ -2080,13 +2079,8 @@ class Checkpointer:
     def __init__(self, directory: str | os.PathLike[str], model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                  *, scheduler: Any = None, extra: dict[str, Any] | None = None, keep: int | None = 3,
                  rank: int | None = None, world: int | None = None, layout: dict[str, Any] | None = None,
-                 lazy: bool = True, timeout_s: float = 300.0, writer_nice: int | None = 10) -> None:
+                 lazy: bool = True, timeout_s: float = 300.0) -> None:
         _check_arguments(directory, model, optimizer, scheduler, extra)
-        if writer_nice is not None and (isinstance(writer_nice, bool) or not isinstance(writer_nice, int)
-                                        or not 0 <= writer_nice <= 19):
-            raise ValueError(f"writer_nice must be an int from 0 to 19 (how much lower than the training the "
-                             f"writer's threads run) or None, got {writer_nice!r}")
-        self.writer_nice = writer_nice
         if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
             # Checked here: retention runs on the writer thread, after a version is committed.
             raise ValueError(f"keep must be an int >= 1 (or None to keep every version), got {keep!r}")
@@ -2228,7 +2222,7 @@ class Checkpointer:
             self._last_saved = step
             self._jobs.put((self, step, files, tensors, metadata, pending))
             if self._writer is None:
-                self._writer = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self), self.writer_nice),
+                self._writer = threading.Thread(target=_serve, args=(self._jobs, weakref.ref(self)),
                                                 name="ooc-checkpoint-writer", daemon=True)
                 self._writer.start()
                 # The version in flight is written before the interpreter ends (NOTE [writer thread]).
@@ -3333,13 +3327,11 @@ class Checkpointer:
             self._closed = True
 
 
-def _serve(jobs: queue.SimpleQueue[tuple[Any, ...] | None], ref: weakref.ref[Checkpointer], nice: int | None) -> None:
+def _serve(jobs: queue.SimpleQueue[tuple[Any, ...] | None], ref: weakref.ref[Checkpointer]) -> None:
     """The writer thread of the Checkpointer ``ref``: write each save handed over, until none came
     for ``_IDLE_SECONDS``, or :meth:`Checkpointer.close`, or the Checkpointer is collected (NOTE
     [writer thread]). A job holds its Checkpointer (a version in flight is written); the waiting
-    thread does not. ``nice``: lower this thread's priority by that much first."""
-    if nice:
-        _lower_this_thread(nice)
+    thread does not."""
     while True:
         try:
             job = jobs.get(timeout=_IDLE_SECONDS)
@@ -3364,31 +3356,6 @@ def _serve(jobs: queue.SimpleQueue[tuple[Any, ...] | None], ref: weakref.ref[Che
         finally:
             ckpt._written.set()
         del ckpt, args  # waiting for the next save, this thread holds no Checkpointer
-
-
-def _lower_this_thread(nice: int) -> None:
-    """Run the calling thread (and the threads it starts from now on) ``nice`` steps below its
-    priority now, on Linux; elsewhere, or where the system refuses, leave it.
-
-    NOTE [the writer runs below the training]
-    A version's CPU work (copies into the bounce buffers, checksums, the kernel's direct writes) is
-    background work: the training's threads (its intra-op threads, HostAdamW's update thread, the
-    copy engines) are on the step's critical path, the writer only on the next save's. At the same
-    priority the scheduler splits a core between them, and an intra-op thread that loses its core
-    holds the whole op (the others wait for it at the op's end). So the writer thread lowers its
-    own priority when it starts (on Linux a priority is a thread's, and the threads it starts, the
-    I/O and fsync threads of each version, inherit it): it takes the cores the training leaves
-    idle and yields them when the training wants them. It cannot starve a save: a save waits for
-    the version before it, and while the training waits nothing else wants the cores. Raising a
-    priority back needs privileges, so the writer thread keeps it until it ends; the threads of
-    the training never change theirs."""
-    if not sys.platform.startswith("linux"):
-        return  # elsewhere PRIO_PROCESS with a thread id names a process: the whole process would slow
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError:
-        pass  # a sandbox that refuses it: the writer runs at the training's priority, as before
 
 
 _WRITING: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
