@@ -681,8 +681,23 @@ def test_a_logger_on_a_module_is_not_looked_into(monkeypatch: pytest.MonkeyPatch
     module.logger = logging.getLogger("ooc.tests")
     module.cfg = types.SimpleNamespace(gen=torch.Generator())
     looked: list[Any] = []
-    contents = ooc.rng._contents
-    monkeypatch.setattr(ooc.rng, "_contents", lambda value, kind, limit: looked.append(value) or contents(value, kind, limit))
+    contents, threads_own = ooc.rng._contents, ooc.rng._other_threads_own
+    listing_threads = [False]  # what other threads were started with is listed with _contents too: not the search
+
+    def listed_apart() -> set[int]:
+        listing_threads[0] = True
+        try:
+            return threads_own()
+        finally:
+            listing_threads[0] = False
+
+    def counted(value: Any, kind: int, limit: int) -> Any:
+        if not listing_threads[0]:
+            looked.append(value)
+        return contents(value, kind, limit)
+
+    monkeypatch.setattr(ooc.rng, "_other_threads_own", listed_apart)
+    monkeypatch.setattr(ooc.rng, "_contents", counted)
     assert [id(g) for g in ooc.rng.generators_in([], [module])] == [id(module.cfg.gen)]
     assert looked == [module.cfg]
 
