@@ -3158,9 +3158,12 @@ class Checkpointer:
         'step'`` (or, AdamW's into SGD, ``KeyError: 'momentum'`` at the next step), the run's
         optimizer left with another's hyperparameters. A group lacking a key of this optimizer's
         ``defaults`` is of another kind: refused before anything is loaded. Kinds that share their
-        hyperparameters (Adam, AdamW, HostAdamW) load each other's state, as before."""
+        hyperparameters (Adam, AdamW, HostAdamW) load each other's state, as before. A version of
+        the same class is never refused: saved by an older torch, its groups lack the hyperparameters
+        the class gained since (Adam's ``decoupled_weight_decay``, SGD's ``fused``), which the class's
+        ``load_state_dict`` fills in with their defaults (``__setstate__``)."""
         defaults = getattr(self.optimizer, "defaults", None)
-        if not isinstance(defaults, dict):
+        if not isinstance(defaults, dict) or meta.get("type") == type(self.optimizer).__name__:
             return
         lacking = sorted({key for group in meta["param_groups"] for key in defaults if key not in group})
         if lacking:

@@ -1124,3 +1124,21 @@ def test_arguments_in_the_wrong_order_or_a_file_for_the_directory_are_refused_at
     ckpt.save(0)
     ckpt.close()
     assert _steps(tmp_path / "ckpt") == [0]
+
+
+def test_a_version_of_the_same_optimizer_class_saved_before_it_gained_a_hyperparameter_restores(tmp_path: Path) -> None:
+    """NOTE [an optimizer of another kind]: a version saved by an older torch lacks the hyperparameters
+    the class gained since (Adam's ``decoupled_weight_decay``, SGD's ``fused``), which its own
+    ``load_state_dict`` fills in; the refusal took it for another kind of optimizer."""
+    model = _linear()
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 3)).sum().backward()
+    opt.step()
+    ckpt = Checkpointer(tmp_path, model, opt)
+    ckpt.save(1)
+    ckpt.close()
+    other = _linear(seed=1)
+    newer = torch.optim.AdamW(other.parameters())
+    newer.defaults["gained_since"] = False  # this torch's AdamW has a hyperparameter the saver's had not
+    Checkpointer(tmp_path, other, newer).restore()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), other.parameters()))
