@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import warnings
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -87,6 +89,18 @@ def test_a_framework_accumulating_more_than_host_adamw_is_told_which_settings_di
     with and the framework settings it must equal."""
     from ooc.optim.pipeline import PipelineError
 
+    with _trainer_under_accumulate_2(4, steps=1, rows=16) as trainer, pytest.raises(
+            PipelineError, match=r"backward pass 3 since the last step\(\), but "
+                                 r"HostAdamW\(accumulate=2\) updates after backward pass 2.*"
+                                 r"Trainer's gradient_accumulation_steps, Lightning's "
+                                 r"accumulate_grad_batches"):
+        trainer.train()
+
+
+@contextlib.contextmanager
+def _trainer_under_accumulate_2(accumulation: int, *, steps: int, rows: int) -> Iterator[Trainer]:
+    """Trainer for ``steps`` steps with ``gradient_accumulation_steps=accumulation`` on a wrapped GPT-2
+    with ``HostAdamW(accumulate=2)``, ``rows`` rows in batches of 4; closed and unwrapped after."""
     torch.manual_seed(0)
     model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
     with warnings.catch_warnings():
@@ -95,15 +109,10 @@ def test_a_framework_accumulating_more_than_host_adamw_is_told_which_settings_di
     opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, accumulate=2)
     try:
         with tempfile.TemporaryDirectory() as out:
-            args = TrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=4, report_to="none",
+            args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=4, report_to="none",
                                      save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0,
-                                     gradient_accumulation_steps=4, disable_tqdm=True)
-            trainer = Trainer(model=model, args=args, train_dataset=lm_rows(16, VOCAB), optimizers=(opt, None))
-            with pytest.raises(PipelineError, match=r"backward pass 3 since the last step\(\), but "
-                                                    r"HostAdamW\(accumulate=2\) updates after backward pass 2.*"
-                                                    r"Trainer's gradient_accumulation_steps, Lightning's "
-                                                    r"accumulate_grad_batches"):
-                trainer.train()
+                                     gradient_accumulation_steps=accumulation, disable_tqdm=True)
+            yield Trainer(model=model, args=args, train_dataset=lm_rows(rows, VOCAB), optimizers=(opt, None))
     finally:
         opt.close()
         ooc.unwrap(model)
@@ -113,22 +122,10 @@ def _accumulating_run(accumulation: int) -> list[str]:
     """Six steps of Trainer with ``gradient_accumulation_steps=accumulation`` on a wrapped GPT-2 with
     ``HostAdamW(accumulate=2)``, 20 rows in batches of 4 (with 2, an epoch ends on a window of one
     batch); return the messages of the warnings about accumulate."""
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=32, use_cache=False))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        ooc.wrap(model, ooc.Plan.of(["recompute", "swap"], min_swap_bytes=0), backend="cpu")
-    opt = ooc.optim.HostAdamW(model.parameters(), lr=1e-3, model=model, accumulate=2)
-    try:
-        with tempfile.TemporaryDirectory() as out, warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            args = TrainingArguments(output_dir=out, max_steps=6, per_device_train_batch_size=4, report_to="none",
-                                     save_strategy="no", use_cpu=True, seed=0, max_grad_norm=0.0,
-                                     gradient_accumulation_steps=accumulation, disable_tqdm=True)
-            Trainer(model=model, args=args, train_dataset=lm_rows(20, VOCAB), optimizers=(opt, None)).train()
-    finally:
-        opt.close()
-        ooc.unwrap(model)
+    with _trainer_under_accumulate_2(accumulation, steps=6, rows=20) as trainer, \
+            warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.train()
     return [str(w.message) for w in caught if "accumulate=" in str(w.message)]
 
 
