@@ -93,20 +93,34 @@ def hooks_follow_step(optimizer: torch.optim.Optimizer, closure: Any) -> bool:
     return accelerated is not None and caller_running(accelerated.AcceleratedOptimizer.step.__code__) is not None
 
 
+def _trainer_running(hf_method: str, lightning_method: str) -> tuple[str, Any] | None:
+    """The framework ``Trainer`` whose method runs above the caller (``_SAVE_CALLERS_TO_SEARCH`` frames
+    up): ``("hf", trainer)`` for ``transformers.Trainer.<hf_method>``, ``("lightning", trainer)`` for
+    Lightning's ``Trainer.<lightning_method>``; None for neither. Looks only at the frameworks imported."""
+    hf = sys.modules.get("transformers.trainer")
+    # +1: the frames above the caller, as its own caller_running would search them.
+    if hf is not None and (frame := caller_running(getattr(hf.Trainer, hf_method).__code__, _SAVE_CALLERS_TO_SEARCH + 1)):
+        return "hf", frame.f_locals.get("self")
+    for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
+        lightning = sys.modules.get(name)
+        if lightning is not None and (frame := caller_running(getattr(lightning.Trainer, lightning_method).__code__,
+                                                              _SAVE_CALLERS_TO_SEARCH + 1)):
+            return "lightning", frame.f_locals.get("self")
+    return None
+
+
 def saving_after_training() -> bool:
     """A ``state_dict()`` hook runs inside a framework's save of the model once its training has ended:
     ``transformers.Trainer.save_model`` outside ``train()``, or Lightning's ``Trainer.save_checkpoint``
     after ``fit()`` (NOTE [the last delayed update at a framework's final save] in ooc.optim.host_adamw)."""
-    hf = sys.modules.get("transformers.trainer")
-    if hf is not None and (frame := caller_running(hf.Trainer.save_model.__code__, _SAVE_CALLERS_TO_SEARCH)):
-        return not getattr(frame.f_locals.get("self"), "is_in_train", True)
-    for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
-        lightning = sys.modules.get(name)
-        if lightning is not None and (frame := caller_running(lightning.Trainer.save_checkpoint.__code__,
-                                                              _SAVE_CALLERS_TO_SEARCH)):
-            state = getattr(frame.f_locals.get("self"), "state", None)
-            return state is not None and state.finished
-    return False
+    running = _trainer_running("save_model", "save_checkpoint")
+    if running is None:
+        return False
+    framework, trainer = running
+    if framework == "hf":
+        return not getattr(trainer, "is_in_train", True)
+    state = getattr(trainer, "state", None)
+    return state is not None and state.finished
 
 
 def evaluating_after_training() -> bool:
@@ -114,13 +128,11 @@ def evaluating_after_training() -> bool:
     ``transformers.Trainer``'s ``evaluate()`` or ``predict()`` (its ``evaluation_loop``) outside ``train()``,
     or Lightning's ``validate()``, ``test()`` or ``predict()`` (a stage other than ``fit``; the validation
     inside ``fit()`` is not) (NOTE [the last delayed update at a framework's final save] in ooc.optim.host_adamw)."""
-    hf = sys.modules.get("transformers.trainer")
-    if hf is not None and (frame := caller_running(hf.Trainer.evaluation_loop.__code__, _SAVE_CALLERS_TO_SEARCH)):
-        return not getattr(frame.f_locals.get("self"), "is_in_train", True)
-    for name in ("lightning.pytorch.trainer.trainer", "pytorch_lightning.trainer.trainer"):
-        lightning = sys.modules.get(name)
-        if lightning is not None and (frame := caller_running(lightning.Trainer._run_stage.__code__,
-                                                              _SAVE_CALLERS_TO_SEARCH)):
-            fn = getattr(getattr(frame.f_locals.get("self"), "state", None), "fn", None)
-            return fn is not None and getattr(fn, "value", fn) != "fit"
-    return False
+    running = _trainer_running("evaluation_loop", "_run_stage")
+    if running is None:
+        return False
+    framework, trainer = running
+    if framework == "hf":
+        return not getattr(trainer, "is_in_train", True)
+    fn = getattr(getattr(trainer, "state", None), "fn", None)
+    return fn is not None and getattr(fn, "value", fn) != "fit"
